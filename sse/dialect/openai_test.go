@@ -1,0 +1,83 @@
+package dialect
+
+import (
+	"testing"
+)
+
+func TestOpenAIEvent(t *testing.T) {
+	f := func(name, data string, want Obs) {
+		t.Helper()
+		if got := OpenAI.Event(nil, []byte(data)); got != want {
+			t.Errorf("%s: got %+v want %+v", name, got, want)
+		}
+	}
+	tok := Obs{Token: true, Answer: true}
+	f("content", `{"choices":[{"index":0,"delta":{"content":"Hi"}}]}`, tok)
+	f("role only", `{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`, Obs{})
+	f("role only no content", `{"choices":[{"index":0,"delta":{"role":"assistant"}}]}`, Obs{})
+	f("empty delta", `{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`, Obs{})
+	f("completions text", `{"choices":[{"index":0,"text":" the"}]}`, tok)
+	f("completions empty text", `{"choices":[{"index":0,"text":""}]}`, Obs{})
+	f("tool call", `{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\""}}]}}]}`, tok)
+	f("empty tool calls", `{"choices":[{"delta":{"tool_calls":[ ]}}]}`, Obs{})
+	f("reasoning_content", `{"choices":[{"delta":{"reasoning_content":"hmm"}}]}`, Obs{Token: true})
+	f("reasoning", `{"choices":[{"delta":{"reasoning":"hmm"}}]}`, Obs{Token: true})
+	f("second choice", `{"choices":[{"delta":{}},{"delta":{"content":"x"}}]}`, tok)
+	f("usage only", `{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":34,"total_tokens":46}}`,
+		Obs{Usage: true, InputTokens: 12, OutputTokens: 34})
+	f("usage null", `{"choices":[{"delta":{"content":"a"}}],"usage":null}`, tok)
+	f("continuous usage", `{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
+		Obs{Token: true, Answer: true, Usage: true, InputTokens: 3, OutputTokens: 1})
+	f("done", `[DONE]`, Obs{})
+	f("error", `{"error":{"message":"boom","type":"server_error"}}`, Obs{Error: true})
+	f("not json", `hello`, Obs{})
+	f("broken json", `{"choices":[{"delta":{"content":"a`, Obs{})
+}
+
+func TestOpenAIBody(t *testing.T) {
+	body := []byte(`{"id":"x","choices":[{"message":{"role":"assistant","content":"Hello"}}],"usage":{"prompt_tokens":5,"completion_tokens":7}}` + "\n")
+	if got := OpenAI.Body(body); !got.Usage || got.InputTokens != 5 || got.OutputTokens != 7 || got.Token {
+		t.Fatalf("got %+v", got)
+	}
+}
+
+func TestReadRequest(t *testing.T) {
+	r := ReadRequest([]byte(`{"model":"llama-3","stream":true,"messages":[]}`))
+	if string(r.Model) != "llama-3" || !r.Stream {
+		t.Fatalf("got %q %v", r.Model, r.Stream)
+	}
+	r = ReadRequest([]byte(`{"messages":[],"model":"a\/b"}`))
+	if string(r.Model) != "a/b" || r.Stream {
+		t.Fatalf("escaped: got %q %v", r.Model, r.Stream)
+	}
+	if r = ReadRequest([]byte(`not json`)); r.Model != nil {
+		t.Fatalf("garbage: got %q", r.Model)
+	}
+}
+
+func TestForPath(t *testing.T) {
+	for path, want := range map[string]string{
+		"/v1/chat/completions": "openai", "/v1/completions": "openai", "/openai/v1/chat/completions": "openai",
+		"/api/chat": "generic", "/v1/embeddings": "generic",
+	} {
+		if got := ForPath([]byte(path)).Name(); got != want {
+			t.Errorf("%s: got %s want %s", path, got, want)
+		}
+	}
+}
+
+func TestOpenAIEventAllocs(t *testing.T) {
+	data := []byte(`{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}`)
+	if a := testing.AllocsPerRun(100, func() { OpenAI.Event(nil, data) }); a != 0 {
+		t.Fatalf("allocs per event = %v, want 0", a)
+	}
+}
+
+func BenchmarkOpenAIEvent(b *testing.B) {
+	data := []byte(`{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}]}`)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(data)))
+	for b.Loop() {
+		OpenAI.Event(nil, data)
+	}
+}
