@@ -1,0 +1,111 @@
+// Package metrics defines what tokentap measures for one request (Record)
+// and the sinks that consume it: Prometheus histograms and counters
+// (VictoriaMetrics/metrics) built per config generation, and the JSON access
+// log written through zap.
+//
+// The proxy fills one Record per request and hands it to every Sink exactly
+// once, when the request is over:
+//
+//	set := metrics.NewSet([]string{"default"}, []string{"llama-3"})
+//	s := set.Series(0, modelIndex)     // at request start
+//	s.ITL(gap)                          // per inter-token gap, live
+//	set.Observe(&rec)                   // once, at the end
+package metrics
+
+import "time"
+
+// Outcome says how a request ended, from tokentap's point of view.
+type Outcome string
+
+// The outcomes a Record can carry.
+const (
+	// OutcomeOK: the upstream answered with a status below 500 and the
+	// response reached the client completely.
+	OutcomeOK Outcome = "ok"
+	// OutcomeUpstreamError: the upstream could not be reached, answered 5xx,
+	// broke the stream, or reported an error inside a 200 response.
+	OutcomeUpstreamError Outcome = "upstream_error"
+	// OutcomeUpstreamTimeout: connect, first-byte or idle-gap timeout.
+	OutcomeUpstreamTimeout Outcome = "upstream_timeout"
+	// OutcomeClientCancel: the client went away before the response ended.
+	OutcomeClientCancel Outcome = "client_cancel"
+	// OutcomeRejected: refused by admission control.
+	OutcomeRejected Outcome = "rejected"
+	// OutcomeBadRequest: refused by tokentap itself as malformed or not allowed.
+	OutcomeBadRequest Outcome = "bad_request"
+)
+
+// Outcomes lists every Outcome, in a fixed order.
+var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest}
+
+// Absent marks a timing that did not happen (a non-streamed response has no
+// TTFT; a rejected request has no upstream timings). It is never logged.
+const Absent time.Duration = -1
+
+// Record is what one request measured. Field names follow the access log.
+// Durations are measured on one monotonic clock with microsecond
+// resolution; Absent means "did not happen". A Record holds no references
+// to request buffers, so sinks may keep it.
+type Record struct {
+	RequestID string
+	Route     string
+	Model     string // the model named in the request, as sent ("" if none)
+	Tenant    string
+	Method    string
+	Path      string
+	Dialect   string
+
+	Status  int
+	Outcome Outcome
+	Stream  bool
+	// Partial: some event was larger than the parser's bound, or the body
+	// was not parsed (compressed, too large), so token figures may be low.
+	Partial bool
+	// Error is a short reason when Outcome is not ok.
+	Error string
+
+	Queue        time.Duration // held by admission control
+	UpstreamTTFB time.Duration // upstream request written → first upstream response byte
+	TTFT         time.Duration // arrival → first token event flushed to the client
+	ITLCount     int           // number of inter-token gaps
+	ITLMean      time.Duration
+	ITLP50       time.Duration
+	ITLP99       time.Duration
+	ITLMax       time.Duration
+	TPOT         time.Duration // (E2E − TTFT) / (OutputTokens − 1)
+	E2E          time.Duration // arrival → last byte flushed to the client
+	Overhead     time.Duration // time tokentap added before the first token
+	ClientRTT    time.Duration // kernel smoothed RTT of the client connection
+
+	OutputTokens int
+	InputTokens  int
+	TokensSource string // "usage", "counted" or "" when unknown
+	Events       int    // token events
+	BytesIn      int64  // request body bytes from the client
+	BytesOut     int64  // response body bytes to the client
+
+	// Series are the metric handles chosen for this request, if any.
+	Series *Series
+}
+
+// Reset clears r for reuse, with every timing Absent.
+func (r *Record) Reset() {
+	*r = Record{
+		Queue: Absent, UpstreamTTFB: Absent, TTFT: Absent,
+		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
+		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
+	}
+}
+
+// Sink consumes finished records. Observe is called once per request from
+// the goroutine that finished it; it must not block and must not keep r
+// (copy it).
+type Sink interface {
+	Observe(r *Record)
+}
+
+// SinkFunc adapts a function to Sink.
+type SinkFunc func(r *Record)
+
+// Observe calls f(r).
+func (f SinkFunc) Observe(r *Record) { f(r) }
