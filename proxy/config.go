@@ -1,0 +1,98 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Timeouts bound the upstream side of an exchange. None of them limits the
+// total length of a response: a long, healthy stream is never cut.
+type Timeouts struct {
+	// Connect bounds dialing (and the TLS handshake) to the upstream.
+	Connect time.Duration
+	// Write bounds writing the request to the upstream.
+	Write time.Duration
+	// FirstByte bounds the wait from the request written to the first byte
+	// of the response: the backend's queueing and prefill.
+	FirstByte time.Duration
+	// Idle bounds the gap between two reads of the response body.
+	Idle time.Duration
+	// IdleConn is how long an unused keep-alive connection stays pooled.
+	// Keep it below the backend's own keep-alive timeout.
+	IdleConn time.Duration
+	// MaxIdleConns caps the pooled idle connections per upstream.
+	MaxIdleConns int
+	// MaxConns caps the open connections per upstream (0: no cap). Every
+	// live stream holds one.
+	MaxConns int
+}
+
+// DefaultTimeouts are the timeouts used where the config says nothing.
+var DefaultTimeouts = Timeouts{
+	Connect:      5 * time.Second,
+	Write:        30 * time.Second,
+	FirstByte:    10 * time.Minute,
+	Idle:         2 * time.Minute,
+	IdleConn:     4 * time.Second, // uvicorn (vLLM) closes idle connections after 5 s
+	MaxIdleConns: 256,
+	MaxConns:     0,
+}
+
+// Route sends requests whose path starts with Prefix to Upstream.
+type Route struct {
+	// Name labels the route's metrics and records.
+	Name string
+	// Prefix is the path prefix the route matches; the longest match wins.
+	Prefix string
+	// Upstream is the backend's base URL (http or https); a path in it is
+	// put in front of the request path.
+	Upstream string
+	// StripPrefix removes Prefix from the path before forwarding.
+	StripPrefix bool
+	// Timeouts for this route's upstream.
+	Timeouts Timeouts
+}
+
+// Config is one generation of the proxy's configuration.
+type Config struct {
+	Routes []Route
+	// Models is the model allowlist: metric label values for models. Every
+	// other model is labelled "other".
+	Models []string
+	// EnforceModels refuses (400) requests naming a model not in Models.
+	EnforceModels bool
+	// MaxEventBytes bounds the bytes kept of one SSE event or NDJSON line, and
+	// of a non-streamed body read for its usage.
+	MaxEventBytes int
+}
+
+// Validate checks c and names the field at fault.
+func (c *Config) Validate() error {
+	if len(c.Routes) == 0 {
+		return errors.New("routes: at least one route is required (or give -upstream)")
+	}
+	names := map[string]bool{}
+	prefixes := map[string]bool{}
+	for i, r := range c.Routes {
+		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
+		switch {
+		case r.Name == "":
+			return fmt.Errorf("%s: must not be empty", field("name"))
+		case names[r.Name]:
+			return fmt.Errorf("%s: duplicate route name %q", field("name"), r.Name)
+		case r.Prefix == "" || r.Prefix[0] != '/':
+			return fmt.Errorf("%s: must start with /, got %q", field("prefix"), r.Prefix)
+		case prefixes[r.Prefix]:
+			return fmt.Errorf("%s: duplicate prefix %q", field("prefix"), r.Prefix)
+		}
+		names[r.Name], prefixes[r.Prefix] = true, true
+		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
+			return fmt.Errorf("%s: %q: %w", field("upstream"), r.Upstream, err)
+		}
+	}
+	if c.MaxEventBytes < 0 {
+		return errors.New("max_event_bytes: must not be negative")
+	}
+	return nil
+}

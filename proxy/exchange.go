@@ -1,0 +1,416 @@
+package proxy
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse"
+	"github.com/tokentap/tokentap/sse/dialect"
+	"github.com/valyala/fasthttp"
+)
+
+// exchange is one request in flight. After ServeHTTP it is also the body
+// stream the server copies to the client (ctx.SetBodyStream(x, n)): each
+// Read relays one upstream read, and CloseWithError, called by the server
+// once the response is written or failed, finishes the record.
+//
+// fasthttp calls Read and CloseWithError from the connection's goroutine,
+// the one that ran ServeHTTP; only cancel is touched by the peer watcher.
+type exchange struct {
+	p    *Proxy
+	snap *snapshot
+	rec  metrics.Record
+	id   []byte
+
+	route   *route
+	dialect dialect.Dialect
+	req     *fasthttp.Request
+	resp    *fasthttp.Response
+	conn    *upConn
+	body    io.Reader
+	client  net.Conn
+	watch   *peerWatch
+	cancel  cancelState
+
+	// What the body is and how it is parsed.
+	streamed      bool // text/event-stream or NDJSON: measured event by event
+	mode          parseMode
+	parser        *sse.Parser
+	lines         *sse.Lines
+	whole         []byte // a non-streamed body, kept up to MaxEventBytes
+	contentLength int
+
+	// Clock marks.
+	arrival, written                time.Time
+	firstByteRead, firstByteFlush   time.Time
+	firstTokenRead, firstTokenFlush time.Time
+	lastTokenFlush, lastFlush       time.Time
+
+	chunkTokens int  // token events in the chunk being flushed
+	unflushed   bool // a chunk was handed to the server and not yet flushed
+	gaps        []time.Duration
+	events      int
+	usage       dialect.Obs
+	streamError bool
+
+	bytesOut int64
+	readErr  error // an upstream read error, returned again on every Read
+	upDone   bool  // the upstream body was read to its end
+	finished bool
+}
+
+type parseMode uint8
+
+const (
+	parseNone parseMode = iota
+	parseSSE
+	parseLines
+	parseBody
+)
+
+// maxGaps bounds the inter-token gaps kept per request for its ITL
+// percentiles (every gap still goes to the histogram).
+const maxGaps = 1 << 16
+
+func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
+	x, _ := p.pool.Get().(*exchange)
+	if x == nil {
+		x = &exchange{p: p, req: new(fasthttp.Request), resp: new(fasthttp.Response)}
+	}
+	x.snap = s
+	x.arrival = arrival
+	x.rec.Reset()
+	x.rec.Tenant = "default"
+	x.rec.Outcome = metrics.OutcomeOK
+	return x
+}
+
+func (p *Proxy) releaseExchange(x *exchange) {
+	x.req.Reset()
+	x.resp.Reset()
+	*x = exchange{
+		p: p, id: x.id[:0], parser: x.parser, lines: x.lines,
+		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp,
+	}
+	p.pool.Put(x)
+}
+
+// startParsing chooses how the body is measured from its Content-Type and
+// Content-Encoding.
+func (x *exchange) startParsing(resp *fasthttp.Response) {
+	ct := resp.Header.ContentType()
+	if i := bytes.IndexByte(ct, ';'); i >= 0 {
+		ct = ct[:i]
+	}
+	ct = bytes.TrimSpace(ct)
+	switch {
+	case bytes.EqualFold(ct, []byte("text/event-stream")):
+		x.streamed, x.mode = true, parseSSE
+	case bytes.EqualFold(ct, []byte("application/x-ndjson")), bytes.EqualFold(ct, []byte("application/jsonl")),
+		bytes.EqualFold(ct, []byte("application/json-seq")):
+		x.streamed, x.mode = true, parseLines
+	default:
+		x.mode = parseBody
+	}
+	x.rec.Stream = x.streamed
+	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
+		// Compressed bytes pass through untouched but cannot be read here.
+		x.mode = parseNone
+		x.rec.Partial = true
+	}
+	max := x.snap.cfg.MaxEventBytes
+	switch x.mode {
+	case parseSSE:
+		if x.parser == nil {
+			x.parser = sse.NewParser(max)
+		}
+		x.parser.Reset()
+	case parseLines:
+		if x.lines == nil {
+			x.lines = sse.NewLines(max)
+		}
+		x.lines.Reset()
+	}
+}
+
+// Read relays one upstream read. Its start is also the moment the previous
+// chunk has been written and flushed to the client by the server loop
+// (fasthttp writes and flushes each chunk before reading the next), so the
+// delivery times of tokens are stamped here.
+func (x *exchange) Read(b []byte) (int, error) {
+	now := x.p.now()
+	if x.unflushed {
+		x.flushed(now)
+	}
+	if x.readErr != nil {
+		return 0, x.readErr
+	}
+	n, err := x.body.Read(b)
+	if n > 0 {
+		t := x.p.now()
+		x.bytesOut += int64(n)
+		x.observe(b[:n], t)
+		x.unflushed = true
+	}
+	if err != nil {
+		if err == io.EOF {
+			x.upDone = true
+		}
+		x.readErr = err
+		if n > 0 {
+			// Relay these bytes first; the error comes with the next Read.
+			return n, nil
+		}
+	}
+	return n, err
+}
+
+// flushed stamps the delivery of the last chunk handed to the server.
+func (x *exchange) flushed(t time.Time) {
+	x.unflushed = false
+	x.lastFlush = t
+	if x.firstByteFlush.IsZero() {
+		x.firstByteFlush = t
+	}
+	for ; x.chunkTokens > 0; x.chunkTokens-- {
+		if x.firstTokenFlush.IsZero() {
+			x.firstTokenFlush = t
+		} else {
+			gap := t.Sub(x.lastTokenFlush)
+			if len(x.gaps) < maxGaps {
+				x.gaps = append(x.gaps, gap)
+			}
+			x.rec.ITLCount++
+			x.rec.Series.ITL(gap)
+		}
+		x.lastTokenFlush = t
+	}
+}
+
+// observe feeds one upstream read, read at t, to the parser.
+func (x *exchange) observe(b []byte, t time.Time) {
+	if x.firstByteRead.IsZero() {
+		x.firstByteRead = t
+	}
+	switch x.mode {
+	case parseSSE:
+		x.parser.Feed(b)
+		for x.parser.Next() {
+			ev := x.parser.Event()
+			if ev.Truncated {
+				x.rec.Partial = true
+			}
+			x.apply(x.dialect.Event(ev.Type, ev.Data), t)
+		}
+	case parseLines:
+		x.lines.Feed(b)
+		for x.lines.Next() {
+			if x.lines.Truncated() {
+				x.rec.Partial = true
+			}
+			x.apply(x.dialect.Event(nil, x.lines.Line()), t)
+		}
+	case parseBody:
+		if len(x.whole)+len(b) <= x.snap.cfg.MaxEventBytes {
+			x.whole = append(x.whole, b...)
+		} else {
+			x.rec.Partial = true
+			x.mode = parseNone
+		}
+	}
+}
+
+func (x *exchange) apply(o dialect.Obs, t time.Time) {
+	if o.Token {
+		x.events++
+		x.chunkTokens++
+		if x.firstTokenRead.IsZero() {
+			x.firstTokenRead = t
+		}
+	}
+	if o.Usage {
+		x.usage = o
+	}
+	if o.Error {
+		x.streamError = true
+	}
+}
+
+// CloseWithError is called by the server once the response has been
+// written (err == nil) or has failed (err is the write error, or the read
+// error Read returned). It finishes the exchange.
+func (x *exchange) CloseWithError(err error) error {
+	x.finish(err)
+	return nil
+}
+
+// finish ends the exchange exactly once: it settles the upstream connection,
+// stops the peer watch, completes the record and hands it to the sinks.
+func (x *exchange) finish(writeErr error) {
+	if x.finished {
+		return
+	}
+	x.finished = true
+	now := x.p.now()
+	rec := &x.rec
+
+	complete := x.upDone || (x.contentLength >= 0 && x.bytesOut == int64(x.contentLength))
+	if x.unflushed && writeErr == nil {
+		// The last chunk went out with the end of the response.
+		x.flushed(now)
+	}
+	if x.watch != nil {
+		x.watch.stop()
+	}
+	gone := x.cancel.isGone()
+
+	// The outcome, upstream faults before client faults.
+	switch {
+	case rec.Outcome != metrics.OutcomeOK:
+		// Set by fail.
+	case gone:
+		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "client closed the connection"
+	case x.readErr != nil && x.readErr != io.EOF:
+		if isTimeout(x.readErr) {
+			rec.Outcome = metrics.OutcomeUpstreamTimeout
+		} else {
+			rec.Outcome = metrics.OutcomeUpstreamError
+		}
+		rec.Error = "upstream stream broken: " + x.readErr.Error()
+	case writeErr != nil || (x.body != nil && !complete):
+		rec.Outcome = metrics.OutcomeClientCancel
+		if writeErr != nil {
+			rec.Error = "cannot write to client: " + writeErr.Error()
+		}
+	case rec.Status >= 500 || x.streamError:
+		rec.Outcome = metrics.OutcomeUpstreamError
+		if x.streamError {
+			rec.Error = "error reported inside the response"
+		}
+	}
+
+	// The upstream connection goes back to the pool only after a complete,
+	// clean response; anything else closes it, which also cancels the
+	// request at the backend.
+	if x.conn != nil {
+		x.cancel.detach()
+		_ = x.resp.CloseBodyStream()
+		if complete && rec.Outcome != metrics.OutcomeClientCancel && !x.resp.ConnectionClose() {
+			x.route.up.put(x.conn)
+		} else {
+			x.route.up.discard(x.conn)
+		}
+		x.conn = nil
+	}
+
+	if x.mode == parseBody && complete && len(x.whole) > 0 {
+		x.apply(x.dialect.Body(x.whole), now)
+		if x.streamError && rec.Outcome == metrics.OutcomeOK {
+			rec.Outcome, rec.Error = metrics.OutcomeUpstreamError, "error reported inside the response"
+		}
+	}
+	x.fillRecord(now)
+	if x.client != nil {
+		rec.ClientRTT = clientRTT(x.client)
+	}
+	x.snap.metrics.Observe(rec)
+	for _, s := range x.p.opts.Sinks {
+		s.Observe(rec)
+	}
+	x.p.releaseExchange(x)
+}
+
+// fillRecord derives the record's timings from the clock marks.
+func (x *exchange) fillRecord(now time.Time) {
+	rec := &x.rec
+	if x.lastFlush.IsZero() {
+		rec.E2E = now.Sub(x.arrival)
+	} else {
+		rec.E2E = x.lastFlush.Sub(x.arrival)
+	}
+	rec.BytesOut = x.bytesOut
+	rec.Events = x.events
+	if x.usage.Usage {
+		rec.InputTokens, rec.OutputTokens, rec.TokensSource = x.usage.InputTokens, x.usage.OutputTokens, "usage"
+	} else if x.streamed && x.events > 0 {
+		rec.OutputTokens, rec.TokensSource = x.events, "counted"
+	}
+	if x.written.IsZero() {
+		rec.UpstreamTTFB = metrics.Absent
+	}
+	if x.streamed && !x.firstTokenFlush.IsZero() {
+		rec.TTFT = x.firstTokenFlush.Sub(x.arrival)
+		if rec.OutputTokens > 1 {
+			rec.TPOT = (rec.E2E - rec.TTFT) / time.Duration(rec.OutputTokens-1)
+		}
+	}
+	if n := len(x.gaps); n > 0 {
+		var sum, maxGap time.Duration
+		for _, g := range x.gaps {
+			sum += g
+			maxGap = max(maxGap, g)
+		}
+		slices.Sort(x.gaps)
+		rec.ITLMean = sum / time.Duration(n)
+		rec.ITLP50 = x.gaps[(n-1)/2]
+		rec.ITLP99 = x.gaps[(n-1)*99/100]
+		rec.ITLMax = maxGap
+	}
+	if !x.written.IsZero() {
+		o := x.written.Sub(x.arrival) - max(rec.Queue, 0)
+		switch {
+		case !x.firstTokenFlush.IsZero():
+			o += x.firstTokenFlush.Sub(x.firstTokenRead)
+		case !x.firstByteFlush.IsZero():
+			o += x.firstByteFlush.Sub(x.firstByteRead)
+		}
+		rec.Overhead = o
+	}
+}
+
+// cancelState ties the exchange's upstream connection to the peer watch:
+// when the client goes, the connection is closed, which interrupts any
+// read or write on it and cancels the request at the backend.
+type cancelState struct {
+	mu   sync.Mutex
+	gone bool
+	conn net.Conn
+}
+
+// attach makes conn the one to close on cancel; false if already cancelled.
+func (c *cancelState) attach(conn net.Conn) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gone {
+		return false
+	}
+	c.conn = conn
+	return true
+}
+
+func (c *cancelState) detach() {
+	c.mu.Lock()
+	c.conn = nil
+	c.mu.Unlock()
+}
+
+// fire is called by the peer watch when the client has gone.
+func (c *cancelState) fire() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.gone = true
+	if c.conn != nil {
+		_ = c.conn.Close()
+	}
+}
+
+func (c *cancelState) isGone() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.gone
+}

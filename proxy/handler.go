@@ -1,0 +1,214 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse/dialect"
+	"github.com/valyala/fasthttp"
+)
+
+// ServeHTTP relays one request. See the package comment for its journey.
+func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
+	arrival := p.now()
+	snap := p.snap.Load()
+	x := p.acquireExchange(snap, arrival)
+	rec := &x.rec
+
+	if id := ctx.Request.Header.Peek("X-Request-Id"); len(id) > 0 && len(id) <= 200 {
+		x.id = append(x.id[:0], id...)
+	} else {
+		x.id = p.newRequestID(x.id[:0])
+	}
+	rec.RequestID = string(x.id)
+	rec.Method = string(ctx.Method())
+	uri := ctx.Request.Header.RequestURI()
+	path := uri
+	if i := bytes.IndexByte(path, '?'); i >= 0 {
+		path = path[:i]
+	}
+	rec.Path = string(path)
+	body := ctx.Request.Body()
+	rec.BytesIn = int64(len(body))
+
+	r := snap.match(path)
+	if r == nil {
+		p.fail(ctx, x, fasthttp.StatusNotFound, metrics.OutcomeBadRequest, "no_route", "no route matches this path")
+		return
+	}
+	x.route = r
+	rec.Route = r.Name
+	x.dialect = dialect.ForPath(path)
+	rec.Dialect = x.dialect.Name()
+	model := []byte(nil)
+	if bytes.HasPrefix(bytes.TrimLeft(body, " \t\r\n"), []byte("{")) {
+		req := dialect.ReadRequest(body)
+		model = req.Model
+		rec.Stream = req.Stream
+	}
+	rec.Model = string(model)
+	rec.Series = snap.metrics.Series(r.index, snap.metrics.ModelIndex(model))
+	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
+		p.fail(ctx, x, fasthttp.StatusBadRequest, metrics.OutcomeBadRequest, "model_not_allowed", "this model is not served here")
+		return
+	}
+	rec.Queue = 0 // no admission control yet
+
+	// From here on a client that goes away cancels the upstream request.
+	x.client = ctx.Conn()
+	x.watch = watchPeer(x.client, x.cancel.fire)
+
+	prepareRequest(ctx, x.req, r, x.id)
+	head := ctx.IsHead()
+	err := x.roundTrip(head)
+	if err != nil {
+		x.watch.stop()
+		x.watch = nil
+		switch {
+		case x.cancel.isGone():
+			p.fail(ctx, x, 499, metrics.OutcomeClientCancel, "", "client closed the connection")
+		case isTimeout(err):
+			p.fail(ctx, x, fasthttp.StatusGatewayTimeout, metrics.OutcomeUpstreamTimeout, "upstream_timeout", err.Error())
+		default:
+			p.fail(ctx, x, fasthttp.StatusBadGateway, metrics.OutcomeUpstreamError, "upstream_unavailable", err.Error())
+		}
+		return
+	}
+
+	resp := x.resp
+	rec.Status = resp.StatusCode()
+	copyResponseHeader(resp, &ctx.Response.Header, x.id)
+	body0 := resp.BodyStream()
+	if body0 == nil {
+		// No body (HEAD, 204, 304): the exchange is over.
+		x.upDone = true
+		if head {
+			ctx.Response.SkipBody = true
+		}
+		x.finish(nil)
+		return
+	}
+	x.body = body0
+	x.startParsing(resp)
+	cl := resp.Header.ContentLength()
+	if x.streamed || cl < 0 {
+		// Unknown length: chunked to the client, each upstream read flushed
+		// as its own chunk. A known length would make fasthttp buffer until
+		// 4 KiB are ready, holding back the first events.
+		cl = -1
+		ctx.Response.ImmediateHeaderFlush = true
+	}
+	x.contentLength = cl
+	ctx.Response.SetBodyStream(x, cl)
+}
+
+// roundTrip sends the request on a pooled or new connection. A reused
+// connection that turns out to be closed before any response byte arrived is
+// retried once on a new one, as the request cannot have been processed.
+func (x *exchange) roundTrip(head bool) error {
+	up := x.route.up
+	for attempt := 0; ; attempt++ {
+		c, err := up.get(context.Background())
+		if err != nil {
+			return err
+		}
+		if !x.cancel.attach(c.Conn) {
+			up.discard(c)
+			return errCancelled
+		}
+		written, err := c.send(x.req, x.resp, head)
+		x.written = written
+		if err == nil {
+			x.conn = c
+			x.rec.UpstreamTTFB = c.first.Sub(written)
+			return nil
+		}
+		up.discard(c)
+		x.cancel.detach()
+		if x.cancel.isGone() {
+			return errCancelled
+		}
+		if !c.reused || !c.first.IsZero() || attempt > 0 || isTimeout(err) || !isConnReset(err) {
+			return err
+		}
+	}
+}
+
+var errCancelled = errors.New("client closed the connection")
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded)
+}
+
+// fail answers the client with a short JSON error and finishes the record.
+func (p *Proxy) fail(ctx *fasthttp.RequestCtx, x *exchange, status int, outcome metrics.Outcome, code, msg string) {
+	x.rec.Status = status
+	x.rec.Outcome = outcome
+	x.rec.Error = msg
+	if status == 499 {
+		// Nobody is listening: close without writing.
+		ctx.SetConnectionClose()
+		ctx.Response.SetStatusCode(status)
+	} else {
+		writeJSONError(ctx, status, code, msg, x.id)
+	}
+	x.finish(nil)
+}
+
+// serveError answers requests fasthttp could not parse (or whose body was
+// too large) and records them like any other.
+func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
+	x := p.acquireExchange(p.snap.Load(), p.now())
+	x.id = p.newRequestID(x.id[:0])
+	x.rec.RequestID = string(x.id)
+	x.rec.Method = string(ctx.Method())
+	status, code := fasthttp.StatusBadRequest, "bad_request"
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		status, code = fasthttp.StatusRequestEntityTooLarge, "body_too_large"
+	}
+	ctx.SetConnectionClose()
+	p.fail(ctx, x, status, metrics.OutcomeBadRequest, code, err.Error())
+}
+
+func writeJSONError(ctx *fasthttp.RequestCtx, status int, code, msg string, id []byte) {
+	ctx.Response.Reset()
+	ctx.SetStatusCode(status)
+	ctx.SetContentType("application/json")
+	ctx.Response.Header.SetBytesV("X-Request-Id", id)
+	b := []byte(`{"error":{"type":"tokentap_error","code":`)
+	b = appendJSONString(b, code)
+	b = append(b, `,"message":`...)
+	b = appendJSONString(b, msg)
+	b = append(b, "}}\n"...)
+	ctx.SetBody(b)
+}
+
+func appendJSONString(b []byte, s string) []byte {
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '"' || c == '\\':
+			b = append(b, '\\', c)
+		case c < 0x20:
+			b = append(b, `\u00`...)
+			b = append(b, "0123456789abcdef"[c>>4], "0123456789abcdef"[c&15])
+		default:
+			b = append(b, c)
+		}
+	}
+	return append(b, '"')
+}
+
+// isConnReset reports errors that mean the peer closed the connection.
+func isConnReset(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed)
+}

@@ -1,0 +1,107 @@
+package proxy
+
+import (
+	"bytes"
+
+	"github.com/valyala/fasthttp"
+)
+
+// hopHeaders are hop-by-hop (RFC 9110 §7.6.1): they describe one connection,
+// never the message, so a proxy drops them in both directions. Expect is
+// dropped too: the request body has already been read when it is forwarded.
+var hopHeaders = []string{
+	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Expect",
+}
+
+// connectionTokens appends to dst the header names listed in the
+// Connection header(s) of h, which are hop-by-hop as well.
+func connectionTokens(dst [][]byte, values [][]byte) [][]byte {
+	for _, v := range values {
+		for _, tok := range bytes.Split(v, []byte{','}) {
+			tok = bytes.TrimSpace(tok)
+			if len(tok) > 0 && !bytes.EqualFold(tok, []byte("close")) && !bytes.EqualFold(tok, []byte("keep-alive")) {
+				dst = append(dst, tok)
+			}
+		}
+	}
+	return dst
+}
+
+// prepareRequest turns the client's request into the upstream request:
+// the same method, URI, headers and body, minus hop-by-hop headers, with
+// Host set for the upstream and X-Forwarded-* and X-Request-Id added.
+func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, requestID []byte) {
+	in := &ctx.Request
+	in.Header.CopyTo(&req.Header)
+	var listed [][]byte
+	if vals := in.Header.PeekAll("Connection"); len(vals) > 0 {
+		listed = connectionTokens(nil, vals)
+	}
+	for _, h := range hopHeaders {
+		req.Header.Del(h)
+	}
+	for _, h := range listed {
+		req.Header.DelBytes(h)
+	}
+	req.Header.ResetConnectionClose()
+
+	// The URI as the client sent it (not normalized), under the route.
+	uri := in.Header.RequestURI()
+	if r.StripPrefix {
+		uri = uri[len(r.Prefix)-boolInt(r.Prefix[len(r.Prefix)-1] == '/'):]
+		if len(uri) == 0 || uri[0] != '/' {
+			uri = append([]byte{'/'}, uri...)
+		}
+	}
+	if r.up.basePath != "" {
+		uri = append([]byte(r.up.basePath), uri...)
+	}
+	req.Header.SetRequestURIBytes(uri)
+	req.Header.SetHost(r.up.host)
+	if host := in.Header.Host(); len(host) > 0 {
+		req.Header.SetBytesV("X-Forwarded-Host", host)
+	}
+
+	ip := ctx.RemoteIP().String()
+	if prior := in.Header.Peek("X-Forwarded-For"); len(prior) > 0 {
+		req.Header.Set("X-Forwarded-For", string(prior)+", "+ip)
+	} else {
+		req.Header.Set("X-Forwarded-For", ip)
+	}
+	if ctx.IsTLS() {
+		req.Header.Set("X-Forwarded-Proto", "https")
+	} else {
+		req.Header.Set("X-Forwarded-Proto", "http")
+	}
+	req.Header.SetBytesV("X-Request-Id", requestID)
+	req.SetBodyRaw(in.Body())
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// copyResponseHeader copies the upstream response's status and headers to
+// the client's response, minus hop-by-hop headers and the framing, which
+// the server sets from the relayed body.
+func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, requestID []byte) {
+	var listed [][]byte
+	if v := from.Header.Peek("Connection"); len(v) > 0 {
+		listed = connectionTokens(nil, [][]byte{v})
+	}
+	from.Header.CopyTo(to)
+	for _, h := range hopHeaders {
+		to.Del(h)
+	}
+	for _, h := range listed {
+		to.DelBytes(h)
+	}
+	to.ResetConnectionClose()
+	if len(to.Peek("X-Request-Id")) == 0 {
+		to.SetBytesV("X-Request-Id", requestID)
+	}
+}

@@ -1,0 +1,141 @@
+package proxy
+
+import (
+	"net"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// peerState is what one non-consuming look at a socket found.
+type peerState int
+
+const (
+	peerIdle    peerState = iota // open, nothing to read
+	peerData                     // bytes are waiting (a pipelined request, or a stale response)
+	peerClosed                   // the peer closed or reset the connection
+	peerUnknown                  // not a socket we can look at
+)
+
+// peek looks at fd without consuming anything: recv(MSG_PEEK|MSG_DONTWAIT)
+// of one byte. It does not allocate.
+func peek(fd uintptr) (peerState, bool) {
+	var b [1]byte
+	n, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1,
+		unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+	switch {
+	case errno == unix.EAGAIN:
+		return peerIdle, false
+	case errno == unix.EINTR:
+		return peerIdle, true // try again
+	case errno != 0 || n == 0:
+		return peerClosed, false
+	default:
+		return peerData, false
+	}
+}
+
+// peekConn checks once whether conn is still open and quiet.
+func peekConn(conn net.Conn) peerState {
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return peerUnknown
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return peerUnknown
+	}
+	state := peerUnknown
+	_ = raw.Control(func(fd uintptr) {
+		for again := true; again; {
+			state, again = peek(fd)
+		}
+	})
+	return state
+}
+
+// peerWatch detects a client that closed its connection while tokentap
+// still waits on the upstream, without consuming any byte of the client's.
+// fasthttp reports a gone client only on the second write after the close,
+// which never comes during a long prefill or a long silence.
+//
+// A goroutine parks in the netpoller until the client socket becomes
+// readable, then peeks: a zero-byte read or an error means the client left,
+// and gone is called. Bytes waiting (a pipelined request) end the watch
+// without calling gone, since closure can no longer be seen without reading.
+type peerWatch struct {
+	conn net.Conn
+	raw  syscall.RawConn
+	done chan struct{}
+}
+
+// watchPeer starts watching conn; it returns nil when conn is not a socket.
+// gone is called at most once, from the watch goroutine.
+func watchPeer(conn net.Conn, gone func()) *peerWatch {
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	w := &peerWatch{conn: conn, raw: raw, done: make(chan struct{})}
+	go w.run(gone)
+	return w
+}
+
+func (w *peerWatch) run(gone func()) {
+	defer close(w.done)
+	state := peerIdle
+	// Read calls the function again each time the socket becomes readable
+	// for as long as it returns false; a read deadline in the past ends it.
+	err := w.raw.Read(func(fd uintptr) bool {
+		for again := true; again; {
+			state, again = peek(fd)
+		}
+		return state != peerIdle
+	})
+	if err == nil && state == peerClosed {
+		gone()
+	}
+}
+
+// stop ends the watch and waits for its goroutine, leaving conn with no
+// read deadline. It must be called before the server reads from conn again.
+func (w *peerWatch) stop() {
+	if w == nil {
+		return
+	}
+	select {
+	case <-w.done:
+	default:
+		_ = w.conn.SetReadDeadline(aLongTimeAgo)
+		<-w.done
+	}
+	_ = w.conn.SetReadDeadline(time.Time{})
+}
+
+var aLongTimeAgo = time.Unix(1, 0)
+
+// clientRTT returns the kernel's smoothed round-trip time of conn
+// (TCP_INFO tcpi_rtt), or -1 when it is not a TCP socket.
+func clientRTT(conn net.Conn) time.Duration {
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return -1
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	rtt := time.Duration(-1)
+	_ = raw.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			rtt = time.Duration(info.Rtt) * time.Microsecond
+		}
+	})
+	return rtt
+}

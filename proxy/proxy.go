@@ -1,0 +1,203 @@
+// Package proxy is tokentap's relay: a fasthttp handler that forwards every
+// request to the upstream of its route, relays the response byte for byte
+// (streams chunk by chunk, flushed as they arrive), and measures on the way
+// what the client experienced, one metrics.Record per request.
+//
+//	p, err := proxy.New(cfg, proxy.Options{Sinks: []metrics.Sink{accessLog}})
+//	srv := p.Server()          // a configured *fasthttp.Server
+//	go srv.Serve(ln)
+//	...
+//	p.Close()
+//
+// The journey of one request: ServeHTTP stamps arrival, picks the route
+// (longest prefix), reads the model from the body, starts watching the
+// client socket for a close, sends the request upstream on a connection of
+// the route's pool and reads the response headers; the body is then relayed
+// by the exchange (tap.go), which the server reads chunk by chunk. The
+// record is finished exactly once, when the exchange closes or on an early
+// error return.
+package proxy
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+)
+
+// Options are the parts of a Proxy that are not configuration.
+type Options struct {
+	// Sinks receive every finished record, after the metrics set.
+	Sinks []metrics.Sink
+	// Logger for errors of tokentap itself (not per-request failures,
+	// which are counted and logged in the access log). Nil: no logging.
+	Logger *zap.Logger
+	// Now is the clock; nil means time.Now. Every time reading of the proxy
+	// goes through it.
+	Now func() time.Time
+	// MaxRequestBodySize bounds a request body (default 32 MiB).
+	MaxRequestBodySize int
+	// ClientWriteTimeout bounds each write to a client, so a client that
+	// stops reading cannot hold a stream forever (default 60 s).
+	ClientWriteTimeout time.Duration
+}
+
+// Proxy is the relay. It is safe for concurrent use; its configuration can
+// be swapped with Apply while requests are in flight.
+type Proxy struct {
+	opts Options
+	now  func() time.Time
+	log  *zap.Logger
+	snap atomic.Pointer[snapshot]
+
+	idPrefix [8]byte
+	idSeq    atomic.Uint64
+	pool     sync.Pool // *exchange
+}
+
+// snapshot is one immutable configuration generation with everything
+// built from it: routes with their upstream pools, and metric handles.
+type snapshot struct {
+	cfg     Config
+	routes  []*route // by descending prefix length
+	metrics *metrics.Set
+}
+
+type route struct {
+	Route
+	index int
+	up    *upstream
+}
+
+// New builds a Proxy for cfg.
+func New(cfg Config, opts Options) (*Proxy, error) {
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Logger == nil {
+		opts.Logger = zap.NewNop()
+	}
+	if opts.MaxRequestBodySize <= 0 {
+		opts.MaxRequestBodySize = 32 << 20
+	}
+	if opts.ClientWriteTimeout <= 0 {
+		opts.ClientWriteTimeout = 60 * time.Second
+	}
+	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy")}
+	_, _ = rand.Read(p.idPrefix[:])
+	if err := p.Apply(cfg); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Apply validates cfg and swaps it in atomically. Requests in flight finish
+// on the generation they started with.
+func (p *Proxy) Apply(cfg Config) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	if cfg.MaxEventBytes == 0 {
+		cfg.MaxEventBytes = 1 << 20
+	}
+	s := &snapshot{cfg: cfg}
+	names := make([]string, len(cfg.Routes))
+	for i, r := range cfg.Routes {
+		up, err := newUpstream(r.Upstream, r.Timeouts, p.now)
+		if err != nil {
+			return fmt.Errorf("routes[%d].upstream: %w", i, err)
+		}
+		s.routes = append(s.routes, &route{Route: r, index: i, up: up})
+		names[i] = r.Name
+	}
+	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
+	s.metrics = metrics.NewSet(names, cfg.Models)
+	s.metrics.Register()
+	if old := p.snap.Swap(s); old != nil {
+		old.metrics.Unregister()
+		for _, r := range old.routes {
+			r.up.closeIdle()
+		}
+	}
+	return nil
+}
+
+// Close releases idle upstream connections and unregisters metrics.
+func (p *Proxy) Close() {
+	if s := p.snap.Load(); s != nil {
+		s.metrics.Unregister()
+		for _, r := range s.routes {
+			r.up.closeIdle()
+		}
+	}
+}
+
+// Server returns a fasthttp.Server configured for relaying through p:
+// streamed bodies flushed per chunk, header names and dates passed through
+// untouched, and parse errors answered (and recorded) by p.
+func (p *Proxy) Server() *fasthttp.Server {
+	return &fasthttp.Server{
+		Handler:                       p.ServeHTTP,
+		ErrorHandler:                  p.serveError,
+		Name:                          "tokentap",
+		NoDefaultServerHeader:         true,
+		NoDefaultDate:                 true,
+		NoDefaultContentType:          true,
+		DisablePreParseMultipartForm:  true,
+		DisableHeaderNamesNormalizing: false,
+		ReadBufferSize:                64 << 10, // also the max request header size
+		WriteBufferSize:               16 << 10,
+		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
+		ReadTimeout:                   2 * time.Minute,
+		IdleTimeout:                   2 * time.Minute,
+		// No WriteTimeout: it is one deadline for the whole response and
+		// would cut long streams. Listen wraps connections with a sliding
+		// per-write deadline instead.
+		CloseOnShutdown: true,
+		Logger:          zapPrintf{p.log},
+	}
+}
+
+// Listen opens a TCP listener whose connections bound every write with
+// the client write timeout. Use it with Server().Serve.
+func (p *Proxy) Listen(addr string) (net.Listener, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	return writeDeadlineListener{ln, p.opts.ClientWriteTimeout}, nil
+}
+
+type zapPrintf struct{ l *zap.Logger }
+
+func (z zapPrintf) Printf(format string, args ...any) { z.l.Debug(fmt.Sprintf(format, args...)) }
+
+// newRequestID returns a unique id: a random process prefix and a counter.
+func (p *Proxy) newRequestID(dst []byte) []byte {
+	var b [16]byte
+	copy(b[:8], p.idPrefix[:])
+	n := p.idSeq.Add(1)
+	for i := 0; i < 8; i++ {
+		b[15-i] = byte(n >> (8 * i))
+	}
+	return hex.AppendEncode(dst, b[:])
+}
+
+// match returns the route for path, longest prefix first.
+func (s *snapshot) match(path []byte) *route {
+	for _, r := range s.routes {
+		if bytes.HasPrefix(path, []byte(r.Prefix)) {
+			return r
+		}
+	}
+	return nil
+}

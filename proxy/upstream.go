@@ -1,0 +1,240 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// upstream is one backend address with its own small pool of keep-alive
+// connections.
+//
+// tokentap keeps this pool instead of using fasthttp.HostClient because a
+// request must be abortable at any moment, above all while the backend is
+// still prefilling and no response byte has arrived: HostClient.Do gives no
+// handle on the connection it uses, so nothing could interrupt it. Here the
+// exchange owns its connection, and closing it cancels the request at the
+// backend. HTTP/1.1 framing still comes from fasthttp (Request.Write,
+// Response.Read with StreamBody).
+type upstream struct {
+	scheme   string
+	addr     string // host:port to dial
+	host     string // Host header sent upstream
+	basePath string // path prefix of the upstream URL, without trailing slash
+	tls      *tls.Config
+	dialer   net.Dialer
+	t        Timeouts
+	now      func() time.Time
+
+	mu   sync.Mutex
+	idle []*upConn // LIFO
+	open int       // connections open, idle or busy
+}
+
+func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, err
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return nil, fmt.Errorf("scheme must be http or https, not %q", u.Scheme)
+	}
+	if u.Host == "" {
+		return nil, errors.New("missing host")
+	}
+	if u.RawQuery != "" || u.Fragment != "" {
+		return nil, errors.New("must not have a query or fragment")
+	}
+	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now}
+	if u.Port() == "" {
+		if u.Scheme == "https" {
+			up.addr = net.JoinHostPort(u.Hostname(), "443")
+		} else {
+			up.addr = net.JoinHostPort(u.Hostname(), "80")
+		}
+	}
+	up.basePath = trimSlash(u.EscapedPath())
+	if u.Scheme == "https" {
+		up.tls = &tls.Config{ServerName: u.Hostname(), MinVersion: tls.VersionTLS12, NextProtos: []string{"http/1.1"}}
+	}
+	up.dialer = net.Dialer{Timeout: t.Connect, KeepAlive: 30 * time.Second}
+	return up, nil
+}
+
+func trimSlash(s string) string {
+	for len(s) > 0 && s[len(s)-1] == '/' {
+		s = s[:len(s)-1]
+	}
+	return s
+}
+
+// upConn is one upstream connection. Its Read applies the current read
+// timeout afresh on every call (time to first byte while waiting for the
+// response, then the idle gap between chunks), so no timeout caps the
+// length of a healthy stream, and it stamps the first byte of a response.
+type upConn struct {
+	net.Conn
+	up       *upstream
+	br       *bufio.Reader
+	bw       *bufio.Writer
+	timeout  time.Duration
+	armed    bool      // waiting for the first response byte
+	first    time.Time // when it came
+	lastUsed time.Time
+	reused   bool
+}
+
+func (c *upConn) Read(p []byte) (int, error) {
+	if c.timeout > 0 {
+		if err := c.Conn.SetReadDeadline(c.up.now().Add(c.timeout)); err != nil {
+			return 0, err
+		}
+	}
+	n, err := c.Conn.Read(p)
+	if n > 0 && c.armed {
+		c.armed = false
+		c.first = c.up.now()
+	}
+	return n, err
+}
+
+// get returns an idle connection that is still open, or dials a new one.
+func (up *upstream) get(ctx context.Context) (*upConn, error) {
+	now := up.now()
+	up.mu.Lock()
+	for len(up.idle) > 0 {
+		c := up.idle[len(up.idle)-1]
+		up.idle = up.idle[:len(up.idle)-1]
+		if now.Sub(c.lastUsed) < up.t.IdleConn && peekConn(c.Conn) == peerIdle {
+			up.mu.Unlock()
+			c.reused = true
+			return c, nil
+		}
+		up.open--
+		up.mu.Unlock()
+		_ = c.Conn.Close()
+		up.mu.Lock()
+	}
+	if up.t.MaxConns > 0 && up.open >= up.t.MaxConns {
+		up.mu.Unlock()
+		return nil, errTooManyConns
+	}
+	up.open++
+	up.mu.Unlock()
+	c, err := up.dial(ctx)
+	if err != nil {
+		up.mu.Lock()
+		up.open--
+		up.mu.Unlock()
+		return nil, err
+	}
+	return c, nil
+}
+
+var errTooManyConns = errors.New("upstream connection limit reached")
+
+func (up *upstream) dial(ctx context.Context) (*upConn, error) {
+	conn, err := up.dialer.DialContext(ctx, "tcp", up.addr)
+	if err != nil {
+		return nil, err
+	}
+	if tc, ok := conn.(*net.TCPConn); ok {
+		_ = tc.SetNoDelay(true)
+	}
+	if up.tls != nil {
+		tc := tls.Client(conn, up.tls)
+		hctx, cancel := context.WithTimeout(ctx, up.t.Connect)
+		err = tc.HandshakeContext(hctx)
+		cancel()
+		if err != nil {
+			_ = conn.Close()
+			return nil, err
+		}
+		conn = tc
+	}
+	c := &upConn{Conn: conn, up: up}
+	c.br = bufio.NewReaderSize(c, 16<<10)
+	c.bw = bufio.NewWriterSize(conn, 16<<10)
+	return c, nil
+}
+
+// put returns a connection whose last response was read completely.
+func (up *upstream) put(c *upConn) {
+	c.timeout = 0
+	c.armed = false
+	c.first = time.Time{}
+	c.reused = false
+	if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
+		up.discard(c)
+		return
+	}
+	c.lastUsed = up.now()
+	up.mu.Lock()
+	if len(up.idle) < up.t.MaxIdleConns {
+		up.idle = append(up.idle, c)
+		up.mu.Unlock()
+		return
+	}
+	up.mu.Unlock()
+	up.discard(c)
+}
+
+// discard closes a connection that must not be reused: its response was not
+// read to the end, or the exchange was cancelled.
+func (up *upstream) discard(c *upConn) {
+	_ = c.Conn.Close()
+	up.mu.Lock()
+	up.open--
+	up.mu.Unlock()
+}
+
+// closeIdle closes every idle connection.
+func (up *upstream) closeIdle() {
+	up.mu.Lock()
+	idle := up.idle
+	up.idle = nil
+	up.open -= len(idle)
+	up.mu.Unlock()
+	for _, c := range idle {
+		_ = c.Conn.Close()
+	}
+}
+
+// counts returns the open and idle connection counts, for tests and gauges.
+func (up *upstream) counts() (open, idle int) {
+	up.mu.Lock()
+	defer up.mu.Unlock()
+	return up.open, len(up.idle)
+}
+
+// send writes req on c and reads the response headers into resp, leaving
+// the body as resp.BodyStream. It returns when the request was written.
+func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool) (written time.Time, err error) {
+	if c.up.t.Write > 0 {
+		_ = c.Conn.SetWriteDeadline(c.up.now().Add(c.up.t.Write))
+	}
+	if err = req.Write(c.bw); err == nil {
+		err = c.bw.Flush()
+	}
+	written = c.up.now()
+	if err != nil {
+		return written, fmt.Errorf("cannot write request upstream: %w", err)
+	}
+	c.timeout = c.up.t.FirstByte
+	c.armed = true
+	resp.StreamBody = true
+	resp.SkipBody = head
+	if err = resp.Read(c.br); err != nil {
+		return written, fmt.Errorf("cannot read upstream response: %w", err)
+	}
+	c.timeout = c.up.t.Idle
+	return written, nil
+}
