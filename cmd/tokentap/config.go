@@ -1,0 +1,304 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/tokentap/tokentap/proxy"
+	"go.yaml.in/yaml/v3"
+)
+
+// fileConfig is the YAML file's schema. Every field is documented in
+// configs/tokentap.yaml, which a test loads so it never rots.
+type fileConfig struct {
+	Listen    string         `yaml:"listen"`
+	Admin     string         `yaml:"admin"`
+	AccessLog string         `yaml:"access_log"`
+	Upstream  string         `yaml:"upstream"`
+	Routes    []fileRoute    `yaml:"routes"`
+	Models    fileModels     `yaml:"models"`
+	Timeouts  fileTimeouts   `yaml:"timeouts"`
+	Limits    fileLimits     `yaml:"limits"`
+	lines     map[string]int // field path → line, for validation errors
+}
+
+type fileRoute struct {
+	Name        string        `yaml:"name"`
+	Prefix      string        `yaml:"prefix"`
+	Upstream    string        `yaml:"upstream"`
+	StripPrefix bool          `yaml:"strip_prefix"`
+	Timeouts    *fileTimeouts `yaml:"timeouts"`
+}
+
+type fileModels struct {
+	Allow   []string `yaml:"allow"`
+	Enforce bool     `yaml:"enforce"`
+}
+
+type fileTimeouts struct {
+	Connect      duration `yaml:"connect"`
+	Write        duration `yaml:"write"`
+	FirstByte    duration `yaml:"first_byte"`
+	Idle         duration `yaml:"idle"`
+	IdleConn     duration `yaml:"idle_conn"`
+	MaxIdleConns *int     `yaml:"max_idle_conns"`
+	MaxConns     *int     `yaml:"max_conns"`
+}
+
+type fileLimits struct {
+	MaxRequestBody     int64    `yaml:"max_request_body"`
+	MaxEventBytes      int      `yaml:"max_event_bytes"`
+	ClientWriteTimeout duration `yaml:"client_write_timeout"`
+}
+
+// duration is a Go duration string ("5s", "2m30s"); 0 means "not set".
+type duration struct {
+	d   time.Duration
+	set bool
+}
+
+func (d *duration) UnmarshalYAML(n *yaml.Node) error {
+	v, err := time.ParseDuration(n.Value)
+	if err != nil || v < 0 {
+		return fmt.Errorf("line %d: %q is not a duration (use Go syntax such as 500ms, 30s, 5m)", n.Line, n.Value)
+	}
+	d.d, d.set = v, true
+	return nil
+}
+
+// loadFile reads and strictly decodes a config file: unknown keys are errors
+// naming the key and its line.
+func loadFile(path string) (*fileConfig, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return parseConfig(b, path)
+}
+
+func parseConfig(b []byte, name string) (*fileConfig, error) {
+	var fc fileConfig
+	fc.lines = map[string]int{}
+	var root yaml.Node
+	if err := yaml.Unmarshal(b, &root); err == nil {
+		indexLines(&root, "", fc.lines)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(b))
+	dec.KnownFields(true)
+	if err := dec.Decode(&fc); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("%s: %s", name, fc.nameLine(cleanYAMLError(err)))
+	}
+	return &fc, nil
+}
+
+// cleanYAMLError turns yaml's "field x not found in type main.fileRoute"
+// into "unknown field x".
+func cleanYAMLError(err error) string {
+	s := strings.TrimPrefix(err.Error(), "yaml: ")
+	s = strings.ReplaceAll(s, "unmarshal errors:\n  ", "")
+	if i := strings.Index(s, " not found in type "); i >= 0 {
+		if j := strings.Index(s, "field "); j >= 0 && j < i {
+			s = s[:j] + "unknown field " + s[j+len("field "):i]
+		}
+	}
+	return s
+}
+
+// nameLine adds the field path to a "line N: ..." message when one key
+// sits on that line.
+func (fc *fileConfig) nameLine(msg string) string {
+	var line int
+	if _, err := fmt.Sscanf(msg, "line %d:", &line); err != nil {
+		return msg
+	}
+	field := ""
+	for path, l := range fc.lines {
+		if l == line && len(path) > len(field) {
+			field = path
+		}
+	}
+	if field == "" {
+		return msg
+	}
+	prefix := fmt.Sprintf("line %d:", line)
+	return prefix + " " + field + ":" + strings.TrimPrefix(msg, prefix)
+}
+
+// indexLines records the line of every mapping key under its dotted path
+// (routes[0].upstream).
+func indexLines(n *yaml.Node, path string, out map[string]int) {
+	switch n.Kind {
+	case yaml.DocumentNode:
+		for _, c := range n.Content {
+			indexLines(c, path, out)
+		}
+	case yaml.MappingNode:
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k := n.Content[i]
+			p := k.Value
+			if path != "" {
+				p = path + "." + k.Value
+			}
+			out[p] = k.Line
+			indexLines(n.Content[i+1], p, out)
+		}
+	case yaml.SequenceNode:
+		for i, c := range n.Content {
+			p := fmt.Sprintf("%s[%d]", path, i)
+			out[p] = c.Line
+			indexLines(c, p, out)
+		}
+	}
+}
+
+// flags are the command-line settings that override the file.
+type flags struct {
+	listen, admin, upstream, accessLog, config string
+	set                                        map[string]bool
+}
+
+// settings is everything main needs, after file and flags are merged.
+type settings struct {
+	listen, admin, accessLog string
+	proxy                    proxy.Config
+	opts                     proxy.Options
+}
+
+// buildSettings merges the file (may be nil) and the flags, applies the
+// defaults and validates the result. Errors name the field, and the file's
+// line where there is one.
+func buildSettings(fc *fileConfig, f flags) (*settings, error) {
+	if fc == nil {
+		fc = &fileConfig{}
+	}
+	where := func(field string) string {
+		if line, ok := fc.lines[field]; ok && f.config != "" {
+			return fmt.Sprintf("%s:%d: %s", f.config, line, field)
+		}
+		return field
+	}
+	s := &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-"}
+	pick := func(dst *string, file, flagName, flagVal string) {
+		if file != "" {
+			*dst = file
+		}
+		if f.set[flagName] {
+			*dst = flagVal
+		}
+	}
+	pick(&s.listen, fc.Listen, "listen", f.listen)
+	pick(&s.admin, fc.Admin, "admin", f.admin)
+	pick(&s.accessLog, fc.AccessLog, "access-log", f.accessLog)
+	upstream := fc.Upstream
+	if f.set["upstream"] {
+		upstream = f.upstream
+	}
+
+	base := applyTimeouts(proxy.DefaultTimeouts, &fc.Timeouts)
+	if err := checkTimeouts(base, where, "timeouts"); err != nil {
+		return nil, err
+	}
+	for i, r := range fc.Routes {
+		t := base
+		if r.Timeouts != nil {
+			t = applyTimeouts(base, r.Timeouts)
+			if err := checkTimeouts(t, where, fmt.Sprintf("routes[%d].timeouts", i)); err != nil {
+				return nil, err
+			}
+		}
+		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
+			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Timeouts: t,
+		})
+	}
+	if len(s.proxy.Routes) == 0 {
+		if upstream == "" {
+			return nil, errors.New("upstream: no routes configured: give -upstream URL or routes in -config")
+		}
+		s.proxy.Routes = []proxy.Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base}}
+	} else if f.set["upstream"] {
+		// -upstream with routes in the file retargets the catch-all route.
+		found := false
+		for i := range s.proxy.Routes {
+			if s.proxy.Routes[i].Prefix == "/" {
+				s.proxy.Routes[i].Upstream, found = upstream, true
+			}
+		}
+		if !found {
+			s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base})
+		}
+	}
+	s.proxy.Models = fc.Models.Allow
+	s.proxy.EnforceModels = fc.Models.Enforce
+	if fc.Models.Enforce && len(fc.Models.Allow) == 0 {
+		return nil, fmt.Errorf("%s: enforce needs a non-empty models.allow list", where("models.enforce"))
+	}
+	seen := map[string]bool{}
+	for i, m := range fc.Models.Allow {
+		if m == "" || m == "other" || seen[m] {
+			return nil, fmt.Errorf("%s: %q must be a distinct model name other than \"other\"", where(fmt.Sprintf("models.allow[%d]", i)), m)
+		}
+		seen[m] = true
+	}
+	if fc.Limits.MaxEventBytes < 0 {
+		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_event_bytes"))
+	}
+	s.proxy.MaxEventBytes = fc.Limits.MaxEventBytes
+	if fc.Limits.MaxRequestBody < 0 || fc.Limits.MaxRequestBody > 1<<31-1 {
+		return nil, fmt.Errorf("%s: must be between 0 and 2147483647", where("limits.max_request_body"))
+	}
+	s.opts.MaxRequestBodySize = int(fc.Limits.MaxRequestBody)
+	s.opts.ClientWriteTimeout = fc.Limits.ClientWriteTimeout.d
+
+	if err := s.proxy.Validate(); err != nil {
+		// Validate names routes[i].field; add the file line when known.
+		msg := err.Error()
+		if i := strings.Index(msg, ":"); i > 0 {
+			if line, ok := fc.lines[msg[:i]]; ok && f.config != "" {
+				return nil, fmt.Errorf("%s:%d: %s", f.config, line, msg)
+			}
+		}
+		if len(fc.Routes) == 0 && strings.HasPrefix(msg, "routes[0].upstream") {
+			// The route came from -upstream (or the file's upstream key).
+			msg = "upstream" + strings.TrimPrefix(msg, "routes[0].upstream")
+		}
+		return nil, errors.New(msg)
+	}
+	return s, nil
+}
+
+func applyTimeouts(t proxy.Timeouts, ft *fileTimeouts) proxy.Timeouts {
+	set := func(dst *time.Duration, d duration) {
+		if d.set {
+			*dst = d.d
+		}
+	}
+	set(&t.Connect, ft.Connect)
+	set(&t.Write, ft.Write)
+	set(&t.FirstByte, ft.FirstByte)
+	set(&t.Idle, ft.Idle)
+	set(&t.IdleConn, ft.IdleConn)
+	if ft.MaxIdleConns != nil {
+		t.MaxIdleConns = *ft.MaxIdleConns
+	}
+	if ft.MaxConns != nil {
+		t.MaxConns = *ft.MaxConns
+	}
+	return t
+}
+
+func checkTimeouts(t proxy.Timeouts, where func(string) string, prefix string) error {
+	switch {
+	case t.Connect <= 0:
+		return fmt.Errorf("%s: must be positive", where(prefix+".connect"))
+	case t.MaxIdleConns < 0:
+		return fmt.Errorf("%s: must not be negative", where(prefix+".max_idle_conns"))
+	case t.MaxConns < 0:
+		return fmt.Errorf("%s: must not be negative", where(prefix+".max_conns"))
+	}
+	return nil
+}
