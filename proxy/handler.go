@@ -142,9 +142,11 @@ func (x *exchange) roundTrip(head bool) error {
 
 var errCancelled = errors.New("client closed the connection")
 
+// isTimeout reports a deadline error, including fasthttp's ErrTimeout,
+// which is not a full net.Error.
 func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded)
+	var te interface{ Timeout() bool }
+	return errors.As(err, &te) && te.Timeout() || errors.Is(err, os.ErrDeadlineExceeded)
 }
 
 // fail answers the client with a short JSON error and finishes the record.

@@ -1,0 +1,145 @@
+package proxy
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// recorder is a sink that keeps every finished record.
+type recorder struct {
+	mu   sync.Mutex
+	recs []metrics.Record
+	ch   chan metrics.Record
+}
+
+func newRecorder() *recorder { return &recorder{ch: make(chan metrics.Record, 1000)} }
+
+func (r *recorder) Observe(rec *metrics.Record) {
+	r.mu.Lock()
+	r.recs = append(r.recs, *rec)
+	r.mu.Unlock()
+	r.ch <- *rec
+}
+
+// next waits for the next finished record.
+func (r *recorder) next(t *testing.T) metrics.Record {
+	t.Helper()
+	select {
+	case rec := <-r.ch:
+		return rec
+	case <-time.After(5 * time.Second):
+		t.Fatal("no record within 5s")
+		return metrics.Record{}
+	}
+}
+
+// none checks that no further record arrives for a while.
+func (r *recorder) none(t *testing.T) {
+	t.Helper()
+	select {
+	case rec := <-r.ch:
+		t.Fatalf("unexpected extra record: %+v", rec)
+	case <-time.After(100 * time.Millisecond):
+	}
+}
+
+type testProxy struct {
+	p    *Proxy
+	addr string
+	url  string
+	rec  *recorder
+}
+
+// startProxy runs a real proxy on a loopback port in front of upstream.
+func startProxy(t *testing.T, upstream string, edit func(*Config)) *testProxy {
+	t.Helper()
+	t.Cleanup(func() {})
+	tm := DefaultTimeouts
+	cfg := Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: tm}}}
+	if edit != nil {
+		edit(&cfg)
+	}
+	rec := newRecorder()
+	p, err := New(cfg, Options{Sinks: []metrics.Sink{rec}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := p.Listen("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := p.Server()
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() {
+		_ = srv.Shutdown()
+		p.Close()
+	})
+	return &testProxy{p: p, addr: ln.Addr().String(), url: "http://" + ln.Addr().String(), rec: rec}
+}
+
+// upstreamConns returns the open and idle connections of the default route.
+func (tp *testProxy) upstreamConns() (open, idle int) {
+	return tp.p.snap.Load().routes[0].up.counts()
+}
+
+// startUpstream runs a scripted net/http upstream on loopback.
+func startUpstream(t *testing.T, h http.HandlerFunc) *httptest.Server {
+	t.Helper()
+	s := httptest.NewServer(h)
+	t.Cleanup(s.CloseClientConnections)
+	t.Cleanup(s.Close)
+	return s
+}
+
+// rawRequest sends a request on a fresh raw connection and returns it with
+// a reader positioned at the response.
+func rawRequest(t *testing.T, addr, req string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if _, err := io.WriteString(c, req); err != nil {
+		t.Fatal(err)
+	}
+	return c, bufio.NewReader(c)
+}
+
+func postJSON(path, body string, extra ...string) string {
+	h := strings.Join(extra, "\r\n")
+	if h != "" {
+		h += "\r\n"
+	}
+	return "POST " + path + " HTTP/1.1\r\nHost: tokentap.test\r\nContent-Type: application/json\r\n" + h +
+		"Content-Length: " + itoa(len(body)) + "\r\n\r\n" + body
+}
+
+func itoa(n int) string {
+	if n == 0 {
+		return "0"
+	}
+	var b []byte
+	for ; n > 0; n /= 10 {
+		b = append([]byte{byte('0' + n%10)}, b...)
+	}
+	return string(b)
+}
+
+// sseHandler writes the given events, flushing each, with a pause before each.
+func flush(w http.ResponseWriter) { w.(http.Flusher).Flush() }
+
+func chatChunk(content string) string {
+	return `data: {"choices":[{"index":0,"delta":{"content":"` + content + `"}}]}` + "\n\n"
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

@@ -1,0 +1,158 @@
+package proxy
+
+import (
+	"bytes"
+	"compress/gzip"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+func TestByteIdentityAndHeaders(t *testing.T) {
+	// An SSE body with every line ending, a comment, a BOM, invalid UTF-8
+	// and multi-line data, sent in odd pieces.
+	stream := "\ufeff: hello\r\n\r\ndata: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\r\rdata: x\ndata: y\n\n" +
+		"data: \xff\xfe\n\n" + chatChunk("b") + "data: [DONE]\n\n"
+	var gotHeader http.Header
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		gotHeader = r.Header.Clone()
+		gotHeader.Set("Host", r.Host)
+		body, _ := io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.Header().Set("X-Upstream", "1")
+		w.Header().Set("Keep-Alive", "timeout=5")
+		w.Header().Set("X-Echo-Len", fmt.Sprint(len(body)))
+		for i := 0; i < len(stream); i += 7 {
+			io.WriteString(w, stream[i:min(i+7, len(stream))])
+			flush(w)
+		}
+	})
+	tp := startProxy(t, up.URL, nil)
+	req, _ := http.NewRequest("POST", tp.url+"/v1/chat/completions?x=1&y=%2F", strings.NewReader(`{"model":"m","stream":true}`))
+	req.Header.Set("Connection", "X-Secret-Hop")
+	req.Header.Set("X-Secret-Hop", "drop me")
+	req.Header.Set("Te", "trailers")
+	req.Header.Set("X-Forwarded-For", "10.0.0.1")
+	req.Header.Set("X-Request-Id", "req-42")
+	req.Header.Set("Authorization", "Bearer sk-abc")
+	resp, err := http.DefaultTransport.(*http.Transport).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, []byte(stream)) {
+		t.Fatalf("body differs:\n got %q\nwant %q", got, stream)
+	}
+	if resp.Header.Get("X-Upstream") != "1" || resp.Header.Get("Keep-Alive") != "" || resp.Header.Get("X-Request-Id") != "req-42" {
+		t.Fatalf("response headers: %v", resp.Header)
+	}
+	if gotHeader.Get("X-Secret-Hop") != "" || gotHeader.Get("Te") != "" {
+		t.Fatalf("hop-by-hop headers reached the upstream: %v", gotHeader)
+	}
+	if gotHeader.Get("X-Forwarded-For") != "10.0.0.1, 127.0.0.1" || gotHeader.Get("X-Forwarded-Proto") != "http" ||
+		gotHeader.Get("X-Request-Id") != "req-42" || gotHeader.Get("Authorization") != "Bearer sk-abc" {
+		t.Fatalf("forwarded headers: %v", gotHeader)
+	}
+	if h := gotHeader.Get("Host"); h != strings.TrimPrefix(up.URL, "http://") {
+		t.Fatalf("Host = %q", h)
+	}
+	rec := tp.rec.next(t)
+	if rec.RequestID != "req-42" || rec.Events != 2 || rec.BytesOut != int64(len(stream)) || rec.Outcome != metrics.OutcomeOK || !rec.Stream {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+func TestRequestIDGeneratedAndURIPreserved(t *testing.T) {
+	var seenID, seenURI string
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		seenID, seenURI = r.Header.Get("X-Request-Id"), r.RequestURI
+		io.WriteString(w, "ok")
+	})
+	tp := startProxy(t, up.URL, nil)
+	resp, err := http.Get(tp.url + "/a/../b//c?q=%20x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	id := resp.Header.Get("X-Request-Id")
+	if len(id) != 32 || id != seenID {
+		t.Fatalf("request id: response %q upstream %q", id, seenID)
+	}
+	if seenURI != "/a/../b//c?q=%20x" {
+		t.Fatalf("upstream saw URI %q", seenURI)
+	}
+	if rec := tp.rec.next(t); rec.RequestID != id || rec.Path != "/a/../b//c" || rec.Method != "GET" {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+func TestGzipPassesThroughUntouched(t *testing.T) {
+	var zipped bytes.Buffer
+	zw := gzip.NewWriter(&zipped)
+	zw.Write([]byte(strings.Repeat(chatChunk("z"), 50)))
+	zw.Close()
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.Header().Set("Content-Encoding", "gzip")
+		w.Write(zipped.Bytes())
+	})
+	tp := startProxy(t, up.URL, nil)
+	tr := &http.Transport{DisableCompression: true}
+	resp, err := tr.RoundTrip(mustReq(t, "POST", tp.url+"/v1/chat/completions", `{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !bytes.Equal(got, zipped.Bytes()) || resp.Header.Get("Content-Encoding") != "gzip" {
+		t.Fatalf("gzip body changed: %d bytes vs %d, encoding %q", len(got), zipped.Len(), resp.Header.Get("Content-Encoding"))
+	}
+	if rec := tp.rec.next(t); !rec.Partial || rec.Outcome != metrics.OutcomeOK {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+func TestNonStreamedUsageAndLength(t *testing.T) {
+	body := `{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":11,"completion_tokens":22}}`
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", fmt.Sprint(len(body)))
+		time.Sleep(30 * time.Millisecond)
+		io.WriteString(w, body)
+	})
+	tp := startProxy(t, up.URL, nil)
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"gpt"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(got) != body || resp.ContentLength != int64(len(body)) {
+		t.Fatalf("body %q, length %d", got, resp.ContentLength)
+	}
+	rec := tp.rec.next(t)
+	if rec.InputTokens != 11 || rec.OutputTokens != 22 || rec.TokensSource != "usage" || rec.Stream || rec.Model != "gpt" {
+		t.Fatalf("record: %+v", rec)
+	}
+	if rec.TTFT != metrics.Absent || rec.ITLCount != 0 || rec.E2E < 30*time.Millisecond || rec.UpstreamTTFB < 30*time.Millisecond {
+		t.Fatalf("timings: ttft=%v itl=%d e2e=%v ttfb=%v", rec.TTFT, rec.ITLCount, rec.E2E, rec.UpstreamTTFB)
+	}
+}
+
+func mustReq(t *testing.T, method, url, body string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req
+}

@@ -1,0 +1,380 @@
+package proxy
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// readEvent reads one SSE event ("...\n\n") from a response body.
+func readEvent(br *bufio.Reader) (string, error) {
+	var b strings.Builder
+	for {
+		line, err := br.ReadString('\n')
+		b.WriteString(line)
+		if err != nil {
+			return b.String(), err
+		}
+		if line == "\n" {
+			return b.String(), nil
+		}
+	}
+}
+
+// The upstream sends token k+1 only after the client has received token k:
+// any buffering anywhere in the relay would deadlock this test.
+func TestPerEventDeliveryLockstep(t *testing.T) {
+	const n = 20
+	received := make(chan int)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		flush(w)
+		for k := 0; k < n; k++ {
+			io.WriteString(w, chatChunk(itoa(k)))
+			flush(w)
+			select {
+			case got := <-received:
+				if got != k {
+					t.Errorf("client got %d, expected %d", got, k)
+					return
+				}
+			case <-time.After(3 * time.Second):
+				t.Errorf("client did not receive token %d within 3s: the relay buffers", k)
+				return
+			}
+		}
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, nil)
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	for k := 0; k < n; k++ {
+		ev, err := readEvent(br)
+		if err != nil {
+			t.Fatalf("event %d: %v", k, err)
+		}
+		if ev != chatChunk(itoa(k)) {
+			t.Fatalf("event %d = %q", k, ev)
+		}
+		received <- k
+	}
+	rest, _ := io.ReadAll(br)
+	if string(rest) != "data: [DONE]\n\n" {
+		t.Fatalf("tail %q", rest)
+	}
+	rec := tp.rec.next(t)
+	if rec.Events != n || rec.OutputTokens != n || rec.TokensSource != "counted" || rec.ITLCount != n-1 {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+// Timings against a scripted schedule: headers at once, a role-only chunk
+// and a keep-alive at once, the first token at 50 ms, then 9 tokens 20 ms
+// apart, then the usage chunk and [DONE].
+func TestTimingsAgainstSchedule(t *testing.T) {
+	const first, gap, tokens = 50 * time.Millisecond, 20 * time.Millisecond, 10
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, `data: {"choices":[{"delta":{"role":"assistant","content":""}}]}`+"\n\n: keep-alive\n\n")
+		flush(w)
+		time.Sleep(first)
+		for k := 0; k < tokens; k++ {
+			if k > 0 {
+				time.Sleep(gap)
+			}
+			io.WriteString(w, chatChunk("t"))
+			flush(w)
+		}
+		io.WriteString(w, `data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":10}}`+"\n\ndata: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, nil)
+	start := time.Now()
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m","stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	clientE2E := time.Since(start)
+	rec := tp.rec.next(t)
+	// Lower bounds are exact (the schedule cannot run faster); upper bounds
+	// leave room for a loaded 2-core machine.
+	if rec.TTFT < first || rec.TTFT > first+40*time.Millisecond {
+		t.Errorf("ttft_ms = %.3f, want ≈ %v (the role-only chunk must not count)", ms(rec.TTFT), first)
+	}
+	wantE2E := first + (tokens-1)*gap
+	if rec.E2E < wantE2E || rec.E2E > clientE2E {
+		t.Errorf("e2e_ms = %.3f, want ≥ %v and ≤ client's %v", ms(rec.E2E), wantE2E, clientE2E)
+	}
+	if rec.ITLCount != tokens-1 || rec.ITLP50 < gap-2*time.Millisecond || rec.ITLP50 > gap+15*time.Millisecond ||
+		rec.ITLMax < rec.ITLP99 || rec.ITLP99 < rec.ITLP50 {
+		t.Errorf("itl: count=%d p50=%v p99=%v max=%v", rec.ITLCount, rec.ITLP50, rec.ITLP99, rec.ITLMax)
+	}
+	if rec.OutputTokens != 10 || rec.InputTokens != 7 || rec.TokensSource != "usage" || rec.Events != tokens {
+		t.Errorf("tokens: %+v", rec)
+	}
+	wantTPOT := (rec.E2E - rec.TTFT) / (tokens - 1)
+	if rec.TPOT != wantTPOT {
+		t.Errorf("tpot = %v, want (e2e-ttft)/(n-1) = %v", rec.TPOT, wantTPOT)
+	}
+	if rec.Overhead < 0 || rec.Overhead > rec.TTFT || rec.UpstreamTTFB < 0 || rec.UpstreamTTFB > 40*time.Millisecond {
+		t.Errorf("overhead=%v ttfb=%v", rec.Overhead, rec.UpstreamTTFB)
+	}
+	if rec.ClientRTT < 0 {
+		t.Errorf("client rtt absent")
+	}
+}
+
+// waitClosed waits until the upstream handler saw its client go.
+func waitClosed(t *testing.T, ch chan time.Time, since time.Time, what string) {
+	t.Helper()
+	select {
+	case at := <-ch:
+		if d := at.Sub(since); d > time.Second {
+			t.Fatalf("%s: upstream saw the cancel after %v, want < 1s", what, d)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatalf("%s: upstream request not cancelled within 3s", what)
+	}
+}
+
+func TestClientCancelMidStream(t *testing.T) {
+	cancelled := make(chan time.Time, 1)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body) // net/http notices a closed client only once the body is read
+		w.Header().Set("Content-Type", "text/event-stream")
+		for k := 0; ; k++ {
+			io.WriteString(w, chatChunk("x"))
+			flush(w)
+			select {
+			case <-r.Context().Done():
+				cancelled <- time.Now()
+				return
+			case <-time.After(3 * time.Second): // long gaps: no write reveals the close in time
+			}
+		}
+	})
+	tp := startProxy(t, up.URL, nil)
+	c, br := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+	if _, err := http.ReadResponse(br, nil); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 100)
+	br.Read(buf)
+	c.Close()
+	closedAt := time.Now()
+	waitClosed(t, cancelled, closedAt, "mid-stream")
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeClientCancel || rec.Events < 1 || rec.TTFT < 0 {
+		t.Fatalf("record: %+v", rec)
+	}
+	if open, idle := tp.upstreamConns(); open != 0 || idle != 0 {
+		t.Fatalf("cancelled upstream connection kept: open=%d idle=%d", open, idle)
+	}
+	tp.rec.none(t)
+}
+
+func TestClientCancelDuringPrefill(t *testing.T) {
+	cancelled := make(chan time.Time, 1)
+	started := make(chan struct{})
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body) // net/http notices a closed client only once the body is read
+		close(started)
+		select { // a long prefill: not one byte before 10 s
+		case <-r.Context().Done():
+			cancelled <- time.Now()
+		case <-time.After(10 * time.Second):
+		}
+	})
+	tp := startProxy(t, up.URL, nil)
+	c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+	<-started
+	c.Close()
+	closedAt := time.Now()
+	waitClosed(t, cancelled, closedAt, "prefill")
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeClientCancel || rec.TTFT != metrics.Absent {
+		t.Fatalf("record: %+v", rec)
+	}
+	if open, idle := tp.upstreamConns(); open != 0 || idle != 0 {
+		t.Fatalf("cancelled upstream connection kept: open=%d idle=%d", open, idle)
+	}
+}
+
+// A keep-alive client connection survives the peer watch: several streamed
+// requests in a row on one connection, and one upstream connection reused.
+func TestKeepAliveAfterStreamAndPoolReuse(t *testing.T) {
+	conns := map[string]bool{}
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		conns[r.RemoteAddr] = true
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a"))
+		flush(w)
+		time.Sleep(5 * time.Millisecond)
+		io.WriteString(w, chatChunk("b")+"data: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, nil)
+	c, br := rawRequest(t, tp.addr, "")
+	for i := 0; i < 3; i++ {
+		io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`))
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		if err != nil || string(b) != chatChunk("a")+chatChunk("b")+"data: [DONE]\n\n" {
+			t.Fatalf("request %d: %q %v", i, b, err)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK || rec.Events != 2 {
+			t.Fatalf("record %d: %+v", i, rec)
+		}
+	}
+	if len(conns) != 1 {
+		t.Fatalf("upstream saw %d connections, want 1 (pooled)", len(conns))
+	}
+	if open, idle := tp.upstreamConns(); open != 1 || idle != 1 {
+		t.Fatalf("pool: open=%d idle=%d", open, idle)
+	}
+}
+
+// The upstream dies mid-stream: every byte it sent reaches the client, then
+// the client's stream breaks without the final chunk.
+func TestUpstreamDiesMidStream(t *testing.T) {
+	sent := chatChunk("a") + chatChunk("b") + `data: {"choices":[{"delta":{"content":"c`
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		flush(w)
+		io.WriteString(w, sent)
+		flush(w)
+		conn, bufw, err := w.(http.Hijacker).Hijack()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		bufw.Flush()
+		conn.Close() // no terminating chunk
+	})
+	tp := startProxy(t, up.URL, nil)
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(got) != sent {
+		t.Fatalf("client got %q, want every byte sent: %q", got, sent)
+	}
+	if err == nil || !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("client saw a clean end (err=%v), want an incomplete stream", err)
+	}
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeUpstreamError || rec.Events != 2 || rec.BytesOut != int64(len(sent)) {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+func TestUpstreamUnreachable(t *testing.T) {
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	addr := ln.Addr().String()
+	ln.Close()
+	tp := startProxy(t, "http://"+addr, nil)
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 502 || !strings.Contains(string(b), `"code":"upstream_unavailable"`) || resp.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("%d %q", resp.StatusCode, b)
+	}
+	rec := tp.rec.next(t)
+	if rec.Status != 502 || rec.Outcome != metrics.OutcomeUpstreamError || rec.UpstreamTTFB != metrics.Absent || rec.E2E < 0 {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+func TestTimeouts(t *testing.T) {
+	t.Run("first byte → 504", func(t *testing.T) {
+		up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			select {
+			case <-r.Context().Done():
+			case <-time.After(5 * time.Second):
+			}
+		})
+		tp := startProxy(t, up.URL, func(c *Config) { c.Routes[0].Timeouts.FirstByte = 100 * time.Millisecond })
+		resp, err := http.Post(tp.url+"/v1/completions", "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 504 || !strings.Contains(string(b), "upstream_timeout") {
+			t.Fatalf("%d %q", resp.StatusCode, b)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeUpstreamTimeout || rec.Status != 504 {
+			t.Fatalf("record: %+v", rec)
+		}
+	})
+	t.Run("idle gap aborts the stream", func(t *testing.T) {
+		up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			io.WriteString(w, chatChunk("a"))
+			flush(w)
+			select {
+			case <-r.Context().Done():
+			case <-time.After(5 * time.Second):
+			}
+		})
+		tp := startProxy(t, up.URL, func(c *Config) { c.Routes[0].Timeouts.Idle = 150 * time.Millisecond })
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(got) != chatChunk("a") || err == nil {
+			t.Fatalf("got %q err=%v", got, err)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeUpstreamTimeout || rec.Events != 1 {
+			t.Fatalf("record: %+v", rec)
+		}
+	})
+	t.Run("a long healthy stream outlives every timeout", func(t *testing.T) {
+		up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			time.Sleep(100 * time.Millisecond)
+			w.Header().Set("Content-Type", "text/event-stream")
+			for k := 0; k < 12; k++ { // 12 × 60 ms: 4× the idle timeout in all
+				time.Sleep(60 * time.Millisecond)
+				io.WriteString(w, chatChunk("a"))
+				flush(w)
+			}
+		})
+		tp := startProxy(t, up.URL, func(c *Config) {
+			c.Routes[0].Timeouts.Idle = 180 * time.Millisecond
+			c.Routes[0].Timeouts.FirstByte = 180 * time.Millisecond
+		})
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil || string(got) != strings.Repeat(chatChunk("a"), 12) {
+			t.Fatalf("got %d bytes, err=%v", len(got), err)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK || rec.Events != 12 {
+			t.Fatalf("record: %+v", rec)
+		}
+	})
+}
