@@ -40,7 +40,12 @@ type Set struct {
 	set    *vm.Set
 	models map[string]int
 	series [][]*Series // [route][model]; the last model is "other"
+	// unmatched counts requests that matched no route or could not be parsed.
+	unmatched *Series
 }
+
+// UnmatchedRoute is the route label of requests that matched no route.
+const UnmatchedRoute = "unmatched"
 
 // Series is the handles for one (route, model) label pair.
 type Series struct {
@@ -63,8 +68,12 @@ func NewSet(routes, models []string) *Set {
 		}
 		s.series = append(s.series, row)
 	}
+	s.unmatched = s.newSeries(UnmatchedRoute, OtherModel)
 	return s
 }
+
+// Unmatched returns the series of requests that matched no route.
+func (s *Set) Unmatched() *Series { return s.unmatched }
 
 func (s *Set) newSeries(route, model string) *Series {
 	l := fmt.Sprintf(`route=%q,model=%q`, route, model)

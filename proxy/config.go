@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/tokentap/tokentap/metrics"
 )
 
 // Timeouts bound the upstream side of an exchange. None of them limits the
@@ -79,6 +81,8 @@ func (c *Config) Validate() error {
 		switch {
 		case r.Name == "":
 			return fmt.Errorf("%s: must not be empty", field("name"))
+		case r.Name == metrics.UnmatchedRoute:
+			return fmt.Errorf("%s: %q is reserved for requests that match no route", field("name"), r.Name)
 		case names[r.Name]:
 			return fmt.Errorf("%s: duplicate route name %q", field("name"), r.Name)
 		case r.Prefix == "" || r.Prefix[0] != '/':

@@ -20,6 +20,7 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	snap := p.snap.Load()
 	x := p.acquireExchange(snap, arrival)
 	rec := &x.rec
+	rec.Series, rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 
 	if id := ctx.Request.Header.Peek("X-Request-Id"); len(id) > 0 && len(id) <= 200 {
 		x.id = append(x.id[:0], id...)
@@ -167,7 +168,9 @@ func (p *Proxy) fail(ctx *fasthttp.RequestCtx, x *exchange, status int, outcome 
 // serveError answers requests fasthttp could not parse (or whose body was
 // too large) and records them like any other.
 func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
-	x := p.acquireExchange(p.snap.Load(), p.now())
+	snap := p.snap.Load()
+	x := p.acquireExchange(snap, p.now())
+	x.rec.Series, x.rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 	x.id = p.newRequestID(x.id[:0])
 	x.rec.RequestID = string(x.id)
 	x.rec.Method = string(ctx.Method())
