@@ -91,7 +91,7 @@ func parseConfig(b []byte, name string) (*fileConfig, error) {
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&fc); err != nil && !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("%s: %s", name, fc.nameLine(cleanYAMLError(err)))
+		return nil, errors.New(fc.nameLine(name, cleanYAMLError(err)))
 	}
 	return &fc, nil
 }
@@ -109,24 +109,24 @@ func cleanYAMLError(err error) string {
 	return s
 }
 
-// nameLine adds the field path to a "line N: ..." message when one key
-// sits on that line.
-func (fc *fileConfig) nameLine(msg string) string {
+// nameLine turns yaml's "line N: msg" into "file:N: field: msg", naming
+// the field whose key sits on that line.
+func (fc *fileConfig) nameLine(file, msg string) string {
 	var line int
 	if _, err := fmt.Sscanf(msg, "line %d:", &line); err != nil {
-		return msg
+		return file + ": " + msg
 	}
+	msg = strings.TrimSpace(strings.TrimPrefix(msg, fmt.Sprintf("line %d:", line)))
 	field := ""
 	for path, l := range fc.lines {
 		if l == line && len(path) > len(field) {
 			field = path
 		}
 	}
-	if field == "" {
-		return msg
+	if field != "" {
+		msg = field + ": " + msg
 	}
-	prefix := fmt.Sprintf("line %d:", line)
-	return prefix + " " + field + ":" + strings.TrimPrefix(msg, prefix)
+	return fmt.Sprintf("%s:%d: %s", file, line, msg)
 }
 
 // indexLines records the line of every mapping key under its dotted path

@@ -8,10 +8,8 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/signal"
@@ -167,5 +165,3 @@ func adminHandler(ctx *fasthttp.RequestCtx) {
 	}
 }
 
-var _ = errors.New
-var _ io.Writer

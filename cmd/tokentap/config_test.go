@@ -1,0 +1,106 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestExampleConfigLoads(t *testing.T) {
+	s, err := parseFlags([]string{"-config", "../../configs/tokentap.yaml"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.proxy.Routes) != 2 || s.proxy.Routes[1].Timeouts.FirstByte != 20*time.Minute ||
+		s.proxy.Routes[0].Timeouts.FirstByte != 10*time.Minute || !s.proxy.Routes[1].StripPrefix {
+		t.Fatalf("routes: %+v", s.proxy.Routes)
+	}
+	if len(s.proxy.Models) != 2 || s.listen != ":8080" || s.admin != "127.0.0.1:9090" || s.accessLog != "-" {
+		t.Fatalf("settings: %+v", s)
+	}
+}
+
+func TestFlagsOverrideFile(t *testing.T) {
+	s, err := parseFlags([]string{"-config", "../../configs/tokentap.yaml", "-listen", ":9999", "-access-log", "", "-upstream", "http://10.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.listen != ":9999" || s.accessLog != "" {
+		t.Fatalf("flags not applied: %+v", s)
+	}
+	last := s.proxy.Routes[len(s.proxy.Routes)-1]
+	if last.Name != "default" || last.Prefix != "/" || last.Upstream != "http://10.0.0.1:1" {
+		t.Fatalf("-upstream with routes in the file: %+v", s.proxy.Routes)
+	}
+}
+
+func TestUpstreamAloneMakesDefaultRoute(t *testing.T) {
+	s, err := parseFlags([]string{"-upstream", "http://127.0.0.1:8000"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.proxy.Routes) != 1 || s.proxy.Routes[0].Name != "default" || s.proxy.Routes[0].Prefix != "/" {
+		t.Fatalf("routes: %+v", s.proxy.Routes)
+	}
+	// A file without routes: -upstream still makes the default route.
+	p := writeFile(t, "listen: \":7000\"\n")
+	if s, err = parseFlags([]string{"-config", p, "-upstream", "http://127.0.0.1:8000"}); err != nil || s.listen != ":7000" || s.proxy.Routes[0].Name != "default" {
+		t.Fatalf("%v %+v", err, s)
+	}
+}
+
+func writeFile(t *testing.T, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestConfigErrorsNameTheField(t *testing.T) {
+	f := func(yaml string, args []string, want ...string) {
+		t.Helper()
+		if yaml != "" {
+			args = append(args, "-config", writeFile(t, yaml))
+		}
+		_, err := parseFlags(args)
+		if err == nil {
+			t.Fatalf("no error for %q %v", yaml, args)
+		}
+		for _, w := range want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("error %q lacks %q", err, w)
+			}
+		}
+	}
+	f("", nil, "upstream", "no routes")
+	f("", []string{"-upstream", "ftp://x"}, "upstream", "http or https")
+	f("", []string{"-bogus"}, "bogus")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    colour: red\n", nil, ":5", "routes[0].colour", "unknown field colour")
+	f("listen: :1\nlistne: :2\n", nil, ":2:", "listne")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: \"htp://x\"\n", nil, ":4:", "routes[0].upstream", "http or https")
+	f("routes:\n  - name: a\n    prefix: v1\n    upstream: http://x\n", nil, ":3:", "routes[0].prefix", "start with /")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n  - name: a\n    prefix: /b\n    upstream: http://x\n", nil, "routes[1].name", "duplicate")
+	f("upstream: http://x\ntimeouts:\n  idle: 5x\n", nil, ":3:", "timeouts.idle", "5x")
+	f("upstream: http://x\ntimeouts:\n  connect: 0s\n", nil, "timeouts.connect", "positive")
+	f("upstream: http://x\nmodels:\n  enforce: true\n", nil, ":3:", "models.enforce")
+	f("upstream: http://x\nmodels:\n  allow: [a, a]\n", nil, "models.allow[1]")
+	f("upstream: http://x\nlimits:\n  max_event_bytes: -1\n", nil, ":3:", "limits.max_event_bytes")
+	f("routes: 5\n", nil, ":1:", "routes")
+}
+
+func TestDemoRuns(t *testing.T) {
+	var out strings.Builder
+	if err := runDemo([]string{"-requests", "20", "-concurrency", "4"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	s := out.String()
+	for _, want := range []string{"TTFT p50", "chat", "completions", "20 requests", "(0 client errors)"} {
+		if !strings.Contains(s, want) {
+			t.Fatalf("demo output lacks %q:\n%s", want, s)
+		}
+	}
+}
