@@ -197,4 +197,3 @@ func pct(d []time.Duration, p int) string {
 	i := (len(d)*p + 99) / 100
 	return fmt.Sprintf("%.1fms", float64(d[max(i-1, 0)].Microseconds())/1000)
 }
-

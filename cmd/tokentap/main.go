@@ -164,4 +164,3 @@ func adminHandler(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString("not found\n")
 	}
 }
-
