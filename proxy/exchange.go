@@ -44,6 +44,7 @@ type exchange struct {
 	lines         *sse.Lines
 	whole         []byte // a non-streamed body, kept up to MaxEventBytes
 	contentLength int
+	head          []byte // the response header of an HTTP/1.0 hijacked relay
 
 	// Clock marks.
 	arrival, written                time.Time
@@ -94,7 +95,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	x.req.Reset()
 	x.resp.Reset()
 	*x = exchange{
-		p: p, id: x.id[:0], parser: x.parser, lines: x.lines,
+		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines,
 		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp,
 	}
 	p.pool.Put(x)

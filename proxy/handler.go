@@ -106,6 +106,10 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		ctx.Response.ImmediateHeaderFlush = true
 	}
 	x.contentLength = cl
+	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
+		x.serveHTTP10(ctx)
+		return
+	}
 	ctx.Response.SetBodyStream(x, cl)
 }
 

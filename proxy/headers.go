@@ -45,6 +45,9 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 		req.Header.DelBytes(h)
 	}
 	req.Header.ResetConnectionClose()
+	// tokentap speaks HTTP/1.1 upstream whatever the client speaks, so the
+	// upstream connection stays pooled and streams stay chunked.
+	req.Header.SetProtocol("HTTP/1.1")
 
 	// The URI as the client sent it (not normalized), under the route.
 	uri := in.Header.RequestURI()
@@ -101,6 +104,7 @@ func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, re
 		to.DelBytes(h)
 	}
 	to.ResetConnectionClose()
+	to.SetProtocol([]byte("HTTP/1.1"))
 	if len(to.Peek("X-Request-Id")) == 0 {
 		to.SetBytesV("X-Request-Id", requestID)
 	}

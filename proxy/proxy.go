@@ -148,7 +148,6 @@ func (p *Proxy) Server() *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:                       p.ServeHTTP,
 		ErrorHandler:                  p.serveError,
-		Name:                          "tokentap",
 		NoDefaultServerHeader:         true,
 		NoDefaultDate:                 true,
 		NoDefaultContentType:          true,

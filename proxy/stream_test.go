@@ -378,3 +378,48 @@ func TestTimeouts(t *testing.T) {
 		}
 	})
 }
+
+// HTTP/1.0 clients cannot read chunked encoding: they get the stream
+// unframed, ended by the close; a broken upstream resets the connection.
+func TestHTTP10ClientGetsUnframedStream(t *testing.T) {
+	body := chatChunk("a") + chatChunk("b")
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a"))
+		flush(w)
+		time.Sleep(10 * time.Millisecond)
+		io.WriteString(w, chatChunk("b"))
+		if r.URL.Path == "/broken" {
+			flush(w)
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close()
+		}
+	})
+	tp := startProxy(t, up.URL, nil)
+	c, br := rawRequest(t, tp.addr, "POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}")
+	c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(resp.Body)
+	if err != nil || string(got) != body || len(resp.TransferEncoding) != 0 || !resp.Close {
+		t.Fatalf("body %q err %v te %v close %v", got, err, resp.TransferEncoding, resp.Close)
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK || rec.Events != 2 || rec.TTFT < 0 {
+		t.Fatalf("record: %+v", rec)
+	}
+
+	c, br = rawRequest(t, tp.addr, "POST /broken HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}")
+	c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	if resp, err = http.ReadResponse(br, nil); err != nil {
+		t.Fatal(err)
+	}
+	got, err = io.ReadAll(resp.Body)
+	if string(got) != body || err == nil {
+		t.Fatalf("broken upstream: body %q err %v, want every byte then a reset; %+v", got, err, tp.rec.next(t))
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeUpstreamError {
+		t.Fatalf("record: %+v", rec)
+	}
+}
