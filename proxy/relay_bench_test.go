@@ -1,0 +1,93 @@
+package proxy
+
+import (
+	"io"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse"
+	"github.com/tokentap/tokentap/sse/dialect"
+	"go.uber.org/zap/zapcore"
+)
+
+// repeatReader returns the same chunk on every Read, like an upstream that
+// sends one event per read forever.
+type repeatReader struct{ chunk []byte }
+
+func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
+
+var benchEvent = []byte(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}]}` + "\n\n")
+
+// newProxyForBench returns a proxy with one route that is never dialled.
+func newProxyForBench(tb testing.TB, sinks ...metrics.Sink) *Proxy {
+	tb.Helper()
+	p, err := New(Config{Routes: []Route{{Name: "r", Prefix: "/", Upstream: "http://127.0.0.1:1", Timeouts: DefaultTimeouts}}},
+		Options{Sinks: sinks})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(p.Close)
+	return p
+}
+
+// streamingExchange builds an exchange in the state ServeHTTP leaves it in
+// for an OpenAI stream, reading from body.
+func streamingExchange(p *Proxy, body io.Reader) *exchange {
+	x := p.acquireExchange(p.snap.Load(), time.Now())
+	x.route = x.snap.routes[0]
+	x.rec.Series = x.snap.metrics.Series(0, 0)
+	x.dialect = dialect.OpenAI
+	x.streamed, x.mode = true, parseSSE
+	if x.parser == nil {
+		x.parser = sse.NewParser(1 << 20)
+	}
+	x.parser.Reset()
+	x.body = body
+	x.contentLength = -1
+	x.written = time.Now()
+	return x
+}
+
+// The relay's per-event work (stamp the previous chunk's delivery, read,
+// parse, classify, record the gap) allocates nothing in steady state.
+func TestRelayNoAllocsPerEvent(t *testing.T) {
+	x := streamingExchange(newProxyForBench(t), &repeatReader{benchEvent})
+	buf := make([]byte, 4096)
+	x.gaps = make([]time.Duration, 0, 1024)
+	x.Read(buf)
+	if a := testing.AllocsPerRun(500, func() { x.Read(buf) }); a != 0 {
+		t.Fatalf("allocs per relayed event = %v, want 0", a)
+	}
+	if x.events < 500 {
+		t.Fatalf("events = %d: the benchmark relays nothing", x.events)
+	}
+}
+
+func BenchmarkRelayPerEvent(b *testing.B) {
+	x := streamingExchange(newProxyForBench(b), &repeatReader{benchEvent})
+	buf := make([]byte, 4096)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(benchEvent)))
+	for b.Loop() {
+		x.Read(buf)
+	}
+}
+
+// BenchmarkFinishRecord measures finishing one streamed request: deriving
+// the record, metrics, the access log queue, and returning the exchange.
+func BenchmarkFinishRecord(b *testing.B) {
+	alog := metrics.NewAccessLog(zapcore.AddSync(io.Discard), 1<<16)
+	defer alog.Close()
+	p := newProxyForBench(b, alog)
+	buf := make([]byte, 4096)
+	b.ReportAllocs()
+	for b.Loop() {
+		x := streamingExchange(p, &repeatReader{benchEvent})
+		for range 20 {
+			x.Read(buf)
+		}
+		x.finish(nil)
+	}
+}
+
