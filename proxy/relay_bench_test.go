@@ -90,4 +90,3 @@ func BenchmarkFinishRecord(b *testing.B) {
 		x.finish(nil)
 	}
 }
-
