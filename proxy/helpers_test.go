@@ -61,15 +61,19 @@ type testProxy struct {
 
 // startProxy runs a real proxy on a loopback port in front of upstream.
 func startProxy(t *testing.T, upstream string, edit func(*Config)) *testProxy {
+	return startProxyOpts(t, upstream, edit, Options{})
+}
+
+func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Options) *testProxy {
 	t.Helper()
-	t.Cleanup(func() {})
 	tm := DefaultTimeouts
 	cfg := Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: tm}}}
 	if edit != nil {
 		edit(&cfg)
 	}
 	rec := newRecorder()
-	p, err := New(cfg, Options{Sinks: []metrics.Sink{rec}})
+	opts.Sinks = append(opts.Sinks, rec)
+	p, err := New(cfg, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

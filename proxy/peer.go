@@ -82,6 +82,11 @@ func watchPeer(conn net.Conn, gone func()) *peerWatch {
 	if err != nil {
 		return nil
 	}
+	// The server's read deadline for the request (ReadTimeout) is still
+	// set; left alone it would end the watch minutes into a long stream.
+	if conn.SetReadDeadline(time.Time{}) != nil {
+		return nil
+	}
 	w := &peerWatch{conn: conn, raw: raw, done: make(chan struct{})}
 	go w.run(gone)
 	return w

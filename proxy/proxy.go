@@ -49,6 +49,10 @@ type Options struct {
 	// ClientWriteTimeout bounds each write to a client, so a client that
 	// stops reading cannot hold a stream forever (default 60 s).
 	ClientWriteTimeout time.Duration
+	// RequestReadTimeout bounds reading a request's headers and body, and
+	// IdleTimeout the wait for the next request on a keep-alive connection
+	// (default 2 min each).
+	RequestReadTimeout, IdleTimeout time.Duration
 }
 
 // Proxy is the relay. It is safe for concurrent use; its configuration can
@@ -91,6 +95,12 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 	}
 	if opts.ClientWriteTimeout <= 0 {
 		opts.ClientWriteTimeout = 60 * time.Second
+	}
+	if opts.RequestReadTimeout <= 0 {
+		opts.RequestReadTimeout = 2 * time.Minute
+	}
+	if opts.IdleTimeout <= 0 {
+		opts.IdleTimeout = 2 * time.Minute
 	}
 	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy")}
 	_, _ = rand.Read(p.idPrefix[:])
@@ -156,8 +166,8 @@ func (p *Proxy) Server() *fasthttp.Server {
 		ReadBufferSize:                64 << 10, // also the max request header size
 		WriteBufferSize:               16 << 10,
 		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
-		ReadTimeout:                   2 * time.Minute,
-		IdleTimeout:                   2 * time.Minute,
+		ReadTimeout:                   p.opts.RequestReadTimeout,
+		IdleTimeout:                   p.opts.IdleTimeout,
 		// No WriteTimeout: it is one deadline for the whole response and
 		// would cut long streams. Listen wraps connections with a sliding
 		// per-write deadline instead.

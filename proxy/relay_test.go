@@ -156,3 +156,47 @@ func mustReq(t *testing.T, method, url, body string) *http.Request {
 	}
 	return req
 }
+
+// Request bodies reach the upstream byte for byte, whatever their framing.
+func TestRequestBodiesForwarded(t *testing.T) {
+	type seen struct {
+		body []byte
+		cl   int64
+		te   []string
+	}
+	got := make(chan seen, 1)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got <- seen{b, r.ContentLength, r.TransferEncoding}
+	})
+	tp := startProxy(t, up.URL, nil)
+	big := bytes.Repeat([]byte(`{"k":"\u00e9\u2713"},`), 60000) // ~1 MB
+	for name, send := range map[string]func() (*http.Response, error){
+		"content-length": func() (*http.Response, error) {
+			return http.Post(tp.url+"/x", "application/json", bytes.NewReader(big))
+		},
+		"chunked": func() (*http.Response, error) {
+			return http.Post(tp.url+"/x", "application/json", io.MultiReader(bytes.NewReader(big))) // unknown length: chunked
+		},
+		"empty": func() (*http.Response, error) {
+			return http.Post(tp.url+"/x", "application/json", nil)
+		},
+	} {
+		resp, err := send()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		resp.Body.Close()
+		s := <-got
+		want := big
+		if name == "empty" {
+			want = nil
+		}
+		if !bytes.Equal(s.body, want) || len(s.te) != 0 || s.cl != int64(len(want)) {
+			t.Fatalf("%s: upstream got %d bytes (cl %d, te %v), want %d", name, len(s.body), s.cl, s.te, len(want))
+		}
+		if rec := tp.rec.next(t); rec.BytesIn != int64(len(want)) {
+			t.Fatalf("%s: bytes_in %d", name, rec.BytesIn)
+		}
+	}
+}

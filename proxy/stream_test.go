@@ -423,3 +423,26 @@ func TestHTTP10ClientGetsUnframedStream(t *testing.T) {
 		t.Fatalf("record: %+v", rec)
 	}
 }
+
+// The server's request read timeout must not end the peer watch: a client
+// leaving long after it (here 300 ms after a 100 ms read timeout) still
+// cancels the upstream at once.
+func TestCancelDetectedAfterRequestReadTimeout(t *testing.T) {
+	cancelled := make(chan time.Time, 1)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		select {
+		case <-r.Context().Done():
+			cancelled <- time.Now()
+		case <-time.After(10 * time.Second):
+		}
+	})
+	tp := startProxyOpts(t, up.URL, nil, Options{RequestReadTimeout: 100 * time.Millisecond})
+	c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+	time.Sleep(300 * time.Millisecond)
+	c.Close()
+	waitClosed(t, cancelled, time.Now(), "after read timeout")
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeClientCancel {
+		t.Fatalf("record: %+v", rec)
+	}
+}
