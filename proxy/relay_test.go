@@ -200,3 +200,28 @@ func TestRequestBodiesForwarded(t *testing.T) {
 		}
 	}
 }
+
+// An event over the size bound still passes through byte for byte; the
+// record is marked partial and the relay goes on measuring.
+func TestOversizedEventPassesThroughMarkedPartial(t *testing.T) {
+	huge := `data: {"choices":[{"delta":{"content":"` + strings.Repeat("x", 5000) + `"}}]}` + "\n\n"
+	stream := chatChunk("a") + huge + chatChunk("b") + "data: [DONE]\n\n"
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, stream)
+	})
+	tp := startProxy(t, up.URL, func(c *Config) { c.MaxEventBytes = 1024 })
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(got) != stream {
+		t.Fatalf("body changed: %d bytes, want %d", len(got), len(stream))
+	}
+	rec := tp.rec.next(t)
+	if !rec.Partial || rec.Events != 2 || rec.Outcome != metrics.OutcomeOK || rec.BytesOut != int64(len(stream)) {
+		t.Fatalf("record: %+v", rec)
+	}
+}
