@@ -37,14 +37,24 @@ func peek(fd uintptr) (peerState, bool) {
 	}
 }
 
-// peekConn checks once whether conn is still open and quiet.
-func peekConn(conn net.Conn) peerState {
+// rawConn returns conn's file descriptor access, or nil when conn is not
+// backed by a socket.
+func rawConn(conn net.Conn) syscall.RawConn {
 	sc, ok := conn.(syscall.Conn)
 	if !ok {
-		return peerUnknown
+		return nil
 	}
 	raw, err := sc.SyscallConn()
 	if err != nil {
+		return nil
+	}
+	return raw
+}
+
+// peekConn checks once whether conn is still open and quiet.
+func peekConn(conn net.Conn) peerState {
+	raw := rawConn(conn)
+	if raw == nil {
 		return peerUnknown
 	}
 	state := peerUnknown
@@ -74,12 +84,8 @@ type peerWatch struct {
 // watchPeer starts watching conn; it returns nil when conn is not a socket.
 // gone is called at most once, from the watch goroutine.
 func watchPeer(conn net.Conn, gone func()) *peerWatch {
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
-		return nil
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
+	raw := rawConn(conn)
+	if raw == nil {
 		return nil
 	}
 	// The server's read deadline for the request (ReadTimeout) is still
@@ -128,12 +134,8 @@ var aLongTimeAgo = time.Unix(1, 0)
 // clientRTT returns the kernel's smoothed round-trip time of conn
 // (TCP_INFO tcpi_rtt), or -1 when it is not a TCP socket.
 func clientRTT(conn net.Conn) time.Duration {
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
-		return -1
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
+	raw := rawConn(conn)
+	if raw == nil {
 		return -1
 	}
 	rtt := time.Duration(-1)
