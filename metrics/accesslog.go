@@ -114,6 +114,7 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("queue_ms", r.Queue)
 	ms("upstream_ttfb_ms", r.UpstreamTTFB)
 	ms("ttft_ms", r.TTFT)
+	ms("ttfa_ms", r.TTFA)
 	if r.ITLCount > 0 {
 		ms("itl_mean_ms", r.ITLMean)
 		ms("itl_p50_ms", r.ITLP50)
@@ -124,6 +125,10 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("e2e_ms", r.E2E)
 	ms("overhead_ms", r.Overhead)
 	ms("client_rtt_ms", r.ClientRTT)
+	ms("server_queue_ms", r.ServerQueue)
+	ms("server_load_ms", r.ServerLoad)
+	ms("server_prefill_ms", r.ServerPrefill)
+	ms("server_decode_ms", r.ServerDecode)
 	f = append(f,
 		zap.Int("output_tokens", r.OutputTokens),
 		zap.Int("input_tokens", r.InputTokens),
@@ -132,6 +137,12 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 		zap.Int64("bytes_in", r.BytesIn),
 		zap.Int64("bytes_out", r.BytesOut),
 	)
+	if r.Items > 0 {
+		f = append(f, zap.Int("items", r.Items))
+		if r.E2E > 0 {
+			f = append(f, zap.Float64("items_per_s", float64(r.Items)/r.E2E.Seconds()))
+		}
+	}
 	if r.Dialect != "" {
 		f = append(f, zap.String("dialect", r.Dialect))
 	}

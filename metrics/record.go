@@ -67,6 +67,7 @@ type Record struct {
 	Queue        time.Duration // held by admission control
 	UpstreamTTFB time.Duration // upstream request written → first upstream response byte
 	TTFT         time.Duration // arrival → first token event flushed to the client
+	TTFA         time.Duration // arrival → first answer token (text or tool call) flushed
 	ITLCount     int           // number of inter-token gaps
 	ITLMean      time.Duration
 	ITLP50       time.Duration
@@ -77,12 +78,19 @@ type Record struct {
 	Overhead     time.Duration // time tokentap added before the first token
 	ClientRTT    time.Duration // kernel smoothed RTT of the client connection
 
+	// Server-side timings, when the backend reports them.
+	ServerQueue   time.Duration
+	ServerLoad    time.Duration
+	ServerPrefill time.Duration
+	ServerDecode  time.Duration
+
 	OutputTokens int
 	InputTokens  int
 	TokensSource string // "usage", "counted" or "" when unknown
 	Events       int    // token events
 	BytesIn      int64  // request body bytes from the client
 	BytesOut     int64  // response body bytes to the client
+	Items        int    // results of a non-generating call (embeddings)
 
 	// Series are the metric handles chosen for this request, if any.
 	Series *Series
@@ -91,7 +99,8 @@ type Record struct {
 // Reset clears r for reuse, with every timing Absent.
 func (r *Record) Reset() {
 	*r = Record{
-		Queue: Absent, UpstreamTTFB: Absent, TTFT: Absent,
+		Queue: Absent, UpstreamTTFB: Absent, TTFT: Absent, TTFA: Absent,
+		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
 	}

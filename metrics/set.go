@@ -49,9 +49,10 @@ const UnmatchedRoute = "unmatched"
 
 // Series is the handles for one (route, model) label pair.
 type Series struct {
-	ttft, itl, tpot, e2e, queue, overhead, ttfb *vm.PrometheusHistogram
-	outTokens, inTokens                         *vm.Counter
-	requests                                    [6][5]*vm.Counter // [outcome][status class]
+	ttft, ttfa, itl, tpot, e2e, queue, overhead, ttfb *vm.PrometheusHistogram
+	serverQueue, serverPrefill, serverDecode          *vm.PrometheusHistogram
+	outTokens, inTokens, items                        *vm.Counter
+	requests                                          [6][5]*vm.Counter // [outcome][status class]
 }
 
 // NewSet builds every series for the given route names and model allowlist.
@@ -82,6 +83,7 @@ func (s *Set) newSeries(route, model string) *Series {
 	}
 	x := &Series{
 		ttft:      h("tokentap_ttft_seconds", latencyBuckets),
+		ttfa:      h("tokentap_ttfa_seconds", latencyBuckets),
 		itl:       h("tokentap_itl_seconds", tokenBuckets),
 		tpot:      h("tokentap_tpot_seconds", tokenBuckets),
 		e2e:       h("tokentap_e2e_seconds", latencyBuckets),
@@ -90,7 +92,11 @@ func (s *Set) newSeries(route, model string) *Series {
 		ttfb:      h("tokentap_upstream_ttfb_seconds", latencyBuckets),
 		outTokens: s.set.NewCounter("tokentap_output_tokens_total{" + l + "}"),
 		inTokens:  s.set.NewCounter("tokentap_input_tokens_total{" + l + "}"),
+		items:     s.set.NewCounter("tokentap_items_total{" + l + "}"),
 	}
+	x.serverQueue = h("tokentap_server_queue_seconds", latencyBuckets)
+	x.serverPrefill = h("tokentap_server_prefill_seconds", latencyBuckets)
+	x.serverDecode = h("tokentap_server_decode_seconds", latencyBuckets)
 	for i, o := range Outcomes {
 		for j, c := range statusClasses {
 			x.requests[i][j] = s.set.NewCounter(fmt.Sprintf(`tokentap_requests_total{%s,outcome=%q,status_class=%q}`, l, o, c))
@@ -141,6 +147,10 @@ func (s *Set) Observe(r *Record) {
 		}
 	}
 	update(x.ttft, r.TTFT)
+	update(x.ttfa, r.TTFA)
+	update(x.serverQueue, r.ServerQueue)
+	update(x.serverPrefill, r.ServerPrefill)
+	update(x.serverDecode, r.ServerDecode)
 	update(x.tpot, r.TPOT)
 	update(x.e2e, r.E2E)
 	update(x.queue, r.Queue)
@@ -151,6 +161,9 @@ func (s *Set) Observe(r *Record) {
 	}
 	if r.InputTokens > 0 {
 		x.inTokens.Add(r.InputTokens)
+	}
+	if r.Items > 0 {
+		x.items.Add(r.Items)
 	}
 	x.requests[outcomeIndex(r.Outcome)][classIndex(r.Status)].Inc()
 }

@@ -3,9 +3,11 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse/dialect"
 )
 
 // Timeouts bound the upstream side of an exchange. None of them limits the
@@ -52,6 +54,9 @@ type Route struct {
 	Upstream string
 	// StripPrefix removes Prefix from the path before forwarding.
 	StripPrefix bool
+	// Dialect names the API the route speaks (see dialect.All); empty means
+	// chosen per request from the path.
+	Dialect string
 	// Timeouts for this route's upstream.
 	Timeouts Timeouts
 }
@@ -91,6 +96,9 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("%s: duplicate prefix %q", field("prefix"), r.Prefix)
 		}
 		names[r.Name], prefixes[r.Prefix] = true, true
+		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
+			return fmt.Errorf("%s: unknown dialect %q (known: %s)", field("dialect"), r.Dialect, dialectNames())
+		}
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fmt.Errorf("%s: %q: %w", field("upstream"), r.Upstream, err)
 		}
@@ -99,4 +107,12 @@ func (c *Config) Validate() error {
 		return errors.New("max_event_bytes: must not be negative")
 	}
 	return nil
+}
+
+func dialectNames() string {
+	names := make([]string, len(dialect.All))
+	for i, d := range dialect.All {
+		names[i] = d.Name()
+	}
+	return strings.Join(names, ", ")
 }

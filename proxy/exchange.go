@@ -50,19 +50,29 @@ type exchange struct {
 	arrival, written                time.Time
 	firstByteRead, firstByteFlush   time.Time
 	firstTokenRead, firstTokenFlush time.Time
+	firstAnswerFlush                time.Time
 	lastTokenFlush, lastFlush       time.Time
 
-	chunkTokens int  // token events in the chunk being flushed
-	unflushed   bool // a chunk was handed to the server and not yet flushed
-	gaps        []time.Duration
-	events      int
-	usage       dialect.Obs
-	streamError bool
+	chunkTokens  int  // token events in the chunk being flushed
+	chunkAnswers int  // of which answers
+	unflushed    bool // a chunk was handed to the server and not yet flushed
+	gaps         []time.Duration
+	events       int
+	usage        usage
+	items        int
+	timings      dialect.Timings
+	streamError  bool
 
 	bytesOut int64
 	readErr  error // an upstream read error, returned again on every Read
 	upDone   bool  // the upstream body was read to its end
 	finished bool
+}
+
+// usage is the token usage the response reported, merged across events.
+type usage struct {
+	hasIn, hasOut bool
+	in, out       int
 }
 
 type parseMode uint8
@@ -178,6 +188,10 @@ func (x *exchange) flushed(t time.Time) {
 	if x.firstByteFlush.IsZero() {
 		x.firstByteFlush = t
 	}
+	if x.chunkAnswers > 0 && x.firstAnswerFlush.IsZero() {
+		x.firstAnswerFlush = t
+	}
+	x.chunkAnswers = 0
 	for ; x.chunkTokens > 0; x.chunkTokens-- {
 		if x.firstTokenFlush.IsZero() {
 			x.firstTokenFlush = t
@@ -230,12 +244,24 @@ func (x *exchange) apply(o dialect.Obs, t time.Time) {
 	if o.Token {
 		x.events++
 		x.chunkTokens++
+		if o.Answer {
+			x.chunkAnswers++
+		}
 		if x.firstTokenRead.IsZero() {
 			x.firstTokenRead = t
 		}
 	}
-	if o.Usage {
-		x.usage = o
+	if o.HasIn {
+		x.usage.hasIn, x.usage.in = true, o.In
+	}
+	if o.HasOut {
+		x.usage.hasOut, x.usage.out = true, o.Out
+	}
+	if o.Items > 0 {
+		x.items = o.Items
+	}
+	if o.Timings.Set {
+		x.timings = o.Timings
 	}
 	if o.Error {
 		x.streamError = true
@@ -336,13 +362,26 @@ func (x *exchange) fillRecord(now time.Time) {
 	}
 	rec.BytesOut = x.bytesOut
 	rec.Events = x.events
-	if x.usage.Usage {
-		rec.InputTokens, rec.OutputTokens, rec.TokensSource = x.usage.InputTokens, x.usage.OutputTokens, "usage"
-	} else if x.streamed && x.events > 0 {
+	if x.usage.hasIn {
+		rec.InputTokens = x.usage.in
+	}
+	switch {
+	case x.usage.hasOut:
+		rec.OutputTokens, rec.TokensSource = x.usage.out, "usage"
+	case x.streamed && x.events > 0:
 		rec.OutputTokens, rec.TokensSource = x.events, "counted"
+	}
+	if x.items > 0 {
+		rec.Items = x.items
+	}
+	if t := x.timings; t.Set {
+		rec.ServerQueue, rec.ServerLoad, rec.ServerPrefill, rec.ServerDecode = t.Queue, t.Load, t.Prefill, t.Decode
 	}
 	if x.written.IsZero() {
 		rec.UpstreamTTFB = metrics.Absent
+	}
+	if x.streamed && !x.firstAnswerFlush.IsZero() {
+		rec.TTFA = x.firstAnswerFlush.Sub(x.arrival)
 	}
 	if x.streamed && !x.firstTokenFlush.IsZero() {
 		rec.TTFT = x.firstTokenFlush.Sub(x.arrival)

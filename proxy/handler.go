@@ -45,15 +45,16 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	}
 	x.route = r
 	rec.Route = r.Name
-	x.dialect = dialect.ForPath(path)
-	rec.Dialect = x.dialect.Name()
-	model := []byte(nil)
-	if bytes.HasPrefix(bytes.TrimLeft(body, " \t\r\n"), []byte("{")) {
-		req := dialect.ReadRequest(body)
-		model = req.Model
-		rec.Stream = req.Stream
+	x.dialect = r.dialect
+	if x.dialect == nil {
+		x.dialect = dialect.ForPath(path)
 	}
+	rec.Dialect = x.dialect.Name()
+	req := x.dialect.Request(path, body)
+	model := req.Model
 	rec.Model = string(model)
+	rec.Stream = req.Stream
+	x.items = req.Items
 	rec.Series = snap.metrics.Series(r.index, snap.metrics.ModelIndex(model))
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		p.fail(ctx, x, fasthttp.StatusBadRequest, metrics.OutcomeBadRequest, "model_not_allowed", "this model is not served here")
@@ -84,6 +85,11 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 
 	resp := x.resp
 	rec.Status = resp.StatusCode()
+	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
+		if t := hr.Header(resp.Header.Peek); t.Set {
+			x.timings = t
+		}
+	}
 	copyResponseHeader(resp, &ctx.Response.Header, x.id)
 	body0 := resp.BodyStream()
 	if body0 == nil {

@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 )
@@ -78,8 +79,9 @@ type snapshot struct {
 
 type route struct {
 	Route
-	index int
-	up    *upstream
+	index   int
+	up      *upstream
+	dialect dialect.Dialect // nil: chosen per request from the path
 }
 
 // New builds a Proxy for cfg.
@@ -126,7 +128,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		if err != nil {
 			return fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}
-		s.routes = append(s.routes, &route{Route: r, index: i, up: up})
+		s.routes = append(s.routes, &route{Route: r, index: i, up: up, dialect: dialect.ByName(r.Dialect)})
 		names[i] = r.Name
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })

@@ -224,7 +224,7 @@ func TestNDJSONStreamCounted(t *testing.T) {
 		}
 	})
 	tp := startProxy(t, up.URL, nil)
-	resp, err := http.Post(tp.url+"/api/chat", "application/json", strings.NewReader(`{"model":"llama3"}`))
+	resp, err := http.Post(tp.url+"/custom/stream", "application/json", strings.NewReader(`{"model":"llama3"}`))
 	if err != nil {
 		t.Fatal(err)
 	}

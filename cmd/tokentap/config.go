@@ -32,6 +32,7 @@ type fileRoute struct {
 	Prefix      string        `yaml:"prefix"`
 	Upstream    string        `yaml:"upstream"`
 	StripPrefix bool          `yaml:"strip_prefix"`
+	Dialect     string        `yaml:"dialect"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
 }
 
@@ -212,7 +213,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			}
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
-			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Timeouts: t,
+			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, Timeouts: t,
 		})
 	}
 	if len(s.proxy.Routes) == 0 {

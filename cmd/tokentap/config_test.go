@@ -14,7 +14,7 @@ func TestExampleConfigLoads(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(s.proxy.Routes) != 2 || s.proxy.Routes[1].Timeouts.FirstByte != 20*time.Minute ||
-		s.proxy.Routes[0].Timeouts.FirstByte != 10*time.Minute || !s.proxy.Routes[1].StripPrefix {
+		s.proxy.Routes[0].Timeouts.FirstByte != 10*time.Minute || !s.proxy.Routes[1].StripPrefix || s.proxy.Routes[1].Dialect != "ollama" {
 		t.Fatalf("routes: %+v", s.proxy.Routes)
 	}
 	if len(s.proxy.Models) != 2 || s.listen != ":8080" || s.admin != "127.0.0.1:9090" || s.accessLog != "-" {
@@ -90,6 +90,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\nmodels:\n  allow: [a, a]\n", nil, "models.allow[1]")
 	f("upstream: http://x\nlimits:\n  max_event_bytes: -1\n", nil, ":3:", "limits.max_event_bytes")
 	f("routes: 5\n", nil, ":1:", "routes")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    dialect: klingon\n", nil, ":5:", "routes[0].dialect", "klingon", "anthropic")
 }
 
 func TestDemoRuns(t *testing.T) {

@@ -1,19 +1,22 @@
 // Package dialect reads the payloads of LLM API streams and bodies: which
-// events carry tokens, where usage and errors are. It sits on top of the
-// framing in package sse and extracts fields with gjson, never decoding a
-// whole JSON document.
+// events carry tokens, which carry visible answer text, where usage, errors
+// and server-side timings are. It sits on top of the framing in package sse
+// and extracts fields with gjson, never decoding a whole JSON document.
 //
-// A Dialect is chosen per request from its path (ForPath). Its methods are
-// pure functions of their input, safe for concurrent use, and do not keep
-// references to the bytes they are given.
+// A Dialect is chosen per request from its path (ForPath) or by name from
+// the config (ByName). Its methods are pure functions of their input, safe
+// for concurrent use, and keep no reference to the bytes they are given
+// (Request.Model aside, which aliases the request body).
 //
 //	d := dialect.ForPath(path)
+//	req := d.Request(path, body)
 //	obs := d.Event(ev.Type, ev.Data)
 //	if obs.Token { ... }
 package dialect
 
 import (
 	"bytes"
+	"time"
 	"unsafe"
 
 	"github.com/tidwall/gjson"
@@ -24,69 +27,124 @@ type Obs struct {
 	// Token reports a token event: the event carries generated output of
 	// any kind (text, reasoning or a tool call).
 	Token bool
-	// Answer reports that the output is visible answer text or a tool call,
-	// as opposed to reasoning only.
+	// Answer reports visible answer text or a tool call, as opposed to
+	// reasoning only. Answer implies Token.
 	Answer bool
-	// Usage reports that the event carried token usage, given in
-	// InputTokens and OutputTokens.
-	Usage        bool
-	InputTokens  int
-	OutputTokens int
+	// HasIn and HasOut report token usage given in In and Out. Some APIs
+	// give them in different events (Anthropic: input at message_start,
+	// output at message_delta); a later value replaces an earlier one.
+	HasIn, HasOut bool
+	In, Out       int
+	// Items is the number of results of a non-generating call (embeddings).
+	Items int
 	// Error reports an error object inside the stream or body.
 	Error bool
+	// Timings are server-side durations reported by the backend.
+	Timings Timings
 }
 
-// Dialect reads one API's events and bodies.
+// Timings are the server-side durations a backend reports about one request.
+// A zero Timings reports nothing; when Set, a negative field is absent.
+type Timings struct {
+	Set     bool
+	Queue   time.Duration // waiting in the server's queue
+	Load    time.Duration // loading the model (Ollama)
+	Prefill time.Duration // processing the prompt
+	Decode  time.Duration // generating the output
+}
+
+func noTimings() Timings { return Timings{Set: true, Queue: -1, Load: -1, Prefill: -1, Decode: -1} }
+
+// Dialect reads one API's requests, events and bodies.
 type Dialect interface {
-	// Name is the dialect's name as it appears in records and docs.
+	// Name is the dialect's name as it appears in records, docs and config.
 	Name() string
+	// Request reads the request's path (without query) and body.
+	Request(path, body []byte) Request
 	// Event reads one SSE event (its type and data) or NDJSON line (typ nil).
 	Event(typ, data []byte) Obs
 	// Body reads a complete non-streamed response body.
 	Body(body []byte) Obs
 }
 
+// HeaderReader is implemented by dialects whose backends report timings in
+// response headers (TGI's x-queue-time and friends).
+type HeaderReader interface {
+	Header(get func(name string) []byte) Timings
+}
+
+// Request is what the request says about the call.
+type Request struct {
+	// Model is the model asked for, aliasing the body or path where it can.
+	Model []byte
+	// Stream reports a streamed call.
+	Stream bool
+	// Items is the number of inputs of an embeddings call.
+	Items int
+}
+
+// All lists every dialect, by name.
+var All = []Dialect{OpenAI, Responses, Embeddings, Anthropic, Gemini, Ollama, TGI, LlamaCpp, Generic}
+
+// ByName returns the dialect with the given name, or nil.
+func ByName(name string) Dialect {
+	for _, d := range All {
+		if d.Name() == name {
+			return d
+		}
+	}
+	return nil
+}
+
 // ForPath picks the dialect for a request path (without the query).
 // Unknown paths get Generic, which still measures the stream.
 func ForPath(path []byte) Dialect {
+	has := func(s string) bool { return bytes.HasSuffix(path, []byte(s)) }
 	switch {
-	case bytes.HasSuffix(path, []byte("/chat/completions")), bytes.HasSuffix(path, []byte("/completions")):
+	case has("/chat/completions"), has("/completions"):
 		return OpenAI
+	case has("/responses"):
+		return Responses
+	case has("/embeddings"):
+		return Embeddings
+	case has("/messages"):
+		return Anthropic
+	case bytes.Contains(path, []byte(":generateContent")), bytes.Contains(path, []byte(":streamGenerateContent")):
+		return Gemini
+	case has("/api/chat"), has("/api/generate"):
+		return Ollama
+	case has("/generate_stream"), has("/generate"):
+		return TGI
+	case has("/completion"):
+		return LlamaCpp
 	}
 	return Generic
 }
 
-// Request is what the request body says about the call.
-type Request struct {
-	// Model is the "model" field, aliasing the body.
-	Model []byte
-	// Stream is the "stream" field.
-	Stream bool
-}
-
-// ReadRequest extracts the model and stream flag from an OpenAI-style JSON
-// request body. Model aliases body.
-func ReadRequest(body []byte) Request {
+// modelAndStream reads the "model" and "stream" members of a JSON body;
+// stream is def when absent.
+func modelAndStream(body []byte, def bool) Request {
 	s := str(body)
-	res := gjson.GetMany(s, "model", "stream")
 	var r Request
-	if m := res[0]; m.Type == gjson.String && m.Index > 0 && !hasEscape(m.Raw) {
-		// The value without quotes, as a view into body.
-		r.Model = body[m.Index+1 : m.Index+len(m.Raw)-1]
-	} else if m.Type == gjson.String {
-		r.Model = []byte(m.Str)
+	r.Model = stringView(body, gjson.Get(s, "model"))
+	if st := gjson.Get(s, "stream"); st.Exists() {
+		r.Stream = st.Bool()
+	} else {
+		r.Stream = def
 	}
-	r.Stream = res[1].Bool()
 	return r
 }
 
-func hasEscape(raw string) bool {
-	for i := 0; i < len(raw); i++ {
-		if raw[i] == '\\' {
-			return true
-		}
+// stringView returns a JSON string value as a view into src when it has no
+// escapes, or as a copy.
+func stringView(src []byte, v gjson.Result) []byte {
+	if v.Type != gjson.String {
+		return nil
 	}
-	return false
+	if v.Index > 0 && bytes.IndexByte([]byte(v.Raw), '\\') < 0 {
+		return src[v.Index+1 : v.Index+len(v.Raw)-1]
+	}
+	return []byte(v.Str)
 }
 
 // str views b as a string without copying. The string must not outlive b's
@@ -98,19 +156,73 @@ func str(b []byte) string {
 	return unsafe.String(&b[0], len(b))
 }
 
+// object returns data as a string when it holds a JSON object, else "".
+func object(data []byte) string {
+	data = bytes.TrimSpace(data)
+	if len(data) == 0 || data[0] != '{' {
+		return ""
+	}
+	return str(data)
+}
+
+func nonEmptyString(r gjson.Result) bool {
+	return r.Type == gjson.String && len(r.Raw) > 2
+}
+
+func nonEmptyArray(r gjson.Result) bool {
+	if !r.IsArray() {
+		return false
+	}
+	for i := 1; i < len(r.Raw); i++ {
+		switch r.Raw[i] {
+		case ' ', '\t', '\n', '\r':
+		default:
+			return r.Raw[i] != ']'
+		}
+	}
+	return false
+}
+
+// present reports a member that exists and is not null.
+func present(r gjson.Result) bool { return r.Exists() && r.Type != gjson.Null }
+
+// millis converts a JSON number of milliseconds.
+func millis(r gjson.Result) time.Duration {
+	if !r.Exists() {
+		return -1
+	}
+	return time.Duration(r.Float() * float64(time.Millisecond))
+}
+
+// nanos converts a JSON number of nanoseconds.
+func nanos(r gjson.Result) time.Duration {
+	if !r.Exists() {
+		return -1
+	}
+	return time.Duration(r.Int())
+}
+
 var done = []byte("[DONE]")
 
 // genericDialect counts every event or line as a token event.
 type genericDialect struct{}
 
-// Generic measures any stream: each SSE event or NDJSON line (except a
-// literal [DONE]) is a token event, and output tokens are counted.
+// Generic measures any stream: each SSE event or NDJSON line (but a literal
+// [DONE]) is a token event and an answer; output tokens are counted. Records
+// of this dialect say so, as their token figures are estimates.
 var Generic Dialect = genericDialect{}
 
 func (genericDialect) Name() string { return "generic" }
 
+func (genericDialect) Request(_, body []byte) Request {
+	if object(body) == "" {
+		return Request{}
+	}
+	return modelAndStream(body, false)
+}
+
 func (genericDialect) Event(_, data []byte) Obs {
-	if bytes.Equal(data, done) {
+	if bytes.Equal(bytes.TrimSpace(data), done) {
 		return Obs{}
 	}
 	return Obs{Token: true, Answer: true}

@@ -31,15 +31,16 @@ func referenceOpenAI(data []byte) (o Obs, ok bool) {
 	if u, isObj := doc["usage"].(map[string]any); isObj {
 		in, hasIn := u["prompt_tokens"]
 		out, hasOut := u["completion_tokens"]
-		if hasIn || hasOut {
-			o.Usage = true
-			var okIn, okOut bool
-			o.InputTokens, okIn = smallInt(in, hasIn)
-			o.OutputTokens, okOut = smallInt(out, hasOut)
-			if !okIn || !okOut {
-				return o, false // numbers where the two readings may differ
-			}
+		var okIn, okOut bool
+		o.HasIn, o.HasOut = hasIn, hasOut
+		o.In, okIn = smallInt(in, hasIn)
+		o.Out, okOut = smallInt(out, hasOut)
+		if !okIn || !okOut {
+			return o, false // numbers where the two readings may differ
 		}
+	}
+	if _, has := doc["timings"]; has {
+		return o, false // llama.cpp timings: covered by the table tests
 	}
 	if e, has := doc["error"]; has && e != nil {
 		o.Error = true

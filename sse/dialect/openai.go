@@ -1,8 +1,6 @@
 package dialect
 
 import (
-	"bytes"
-
 	"github.com/tidwall/gjson"
 )
 
@@ -16,7 +14,8 @@ import (
 // Usage: the "usage" object (prompt_tokens, completion_tokens) of a body or
 // of a chunk (the include_usage chunk, or every chunk with vLLM's continuous
 // usage stats; the last one wins).
-// Error: a top-level "error" member.
+// Error: a top-level "error" member that is not null.
+// Timings: llama.cpp's server adds "timings" (prompt_ms, predicted_ms).
 type openAI struct{}
 
 // OpenAI is the dialect of OpenAI chat completions and completions.
@@ -24,20 +23,17 @@ var OpenAI Dialect = openAI{}
 
 func (openAI) Name() string { return "openai" }
 
-func (openAI) Event(_, data []byte) Obs {
-	if len(data) == 0 || data[0] != '{' {
-		// [DONE] and anything that is not an object.
-		return Obs{}
-	}
-	return readOpenAI(str(data))
-}
+func (openAI) Request(_, body []byte) Request { return modelAndStream(body, false) }
 
-func (openAI) Body(body []byte) Obs {
-	return readOpenAI(str(bytes.TrimSpace(body)))
-}
+func (openAI) Event(_, data []byte) Obs { return readOpenAI(object(data)) }
+
+func (openAI) Body(body []byte) Obs { return readOpenAI(object(body)) }
 
 func readOpenAI(s string) Obs {
 	var o Obs
+	if s == "" {
+		return o
+	}
 	if choices := gjson.Get(s, "choices"); choices.IsArray() {
 		choices.ForEach(func(_, c gjson.Result) bool {
 			readChoice(c.Raw, &o)
@@ -45,15 +41,13 @@ func readOpenAI(s string) Obs {
 		})
 	}
 	if usage := gjson.Get(s, "usage"); usage.IsObject() {
-		in, out := gjson.Get(usage.Raw, "prompt_tokens"), gjson.Get(usage.Raw, "completion_tokens")
-		if in.Exists() || out.Exists() {
-			o.Usage = true
-			o.InputTokens = int(in.Int())
-			o.OutputTokens = int(out.Int())
-		}
+		readUsage(usage.Raw, "prompt_tokens", "completion_tokens", &o)
 	}
-	if e := gjson.Get(s, "error"); e.Exists() && e.Type != gjson.Null {
+	if present(gjson.Get(s, "error")) {
 		o.Error = true
+	}
+	if t := gjson.Get(s, "timings"); t.IsObject() {
+		o.Timings = llamaTimings(t.Raw)
 	}
 	return o
 }
@@ -69,20 +63,12 @@ func readChoice(c string, o *Obs) {
 	}
 }
 
-func nonEmptyString(r gjson.Result) bool {
-	return r.Type == gjson.String && len(r.Raw) > 2
-}
-
-func nonEmptyArray(r gjson.Result) bool {
-	if !r.IsArray() {
-		return false
+// readUsage reads input and output token counts from a usage object.
+func readUsage(u, in, out string, o *Obs) {
+	if v := gjson.Get(u, in); v.Exists() {
+		o.HasIn, o.In = true, int(v.Int())
 	}
-	for i := 1; i < len(r.Raw); i++ {
-		switch r.Raw[i] {
-		case ' ', '\t', '\n', '\r':
-		default:
-			return r.Raw[i] != ']'
-		}
+	if v := gjson.Get(u, out); v.Exists() {
+		o.HasOut, o.Out = true, int(v.Int())
 	}
-	return false
 }

@@ -24,10 +24,10 @@ func TestOpenAIEvent(t *testing.T) {
 	f("reasoning", `{"choices":[{"delta":{"reasoning":"hmm"}}]}`, Obs{Token: true})
 	f("second choice", `{"choices":[{"delta":{}},{"delta":{"content":"x"}}]}`, tok)
 	f("usage only", `{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":34,"total_tokens":46}}`,
-		Obs{Usage: true, InputTokens: 12, OutputTokens: 34})
+		Obs{HasIn: true, In: 12, HasOut: true, Out: 34})
 	f("usage null", `{"choices":[{"delta":{"content":"a"}}],"usage":null}`, tok)
 	f("continuous usage", `{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
-		Obs{Token: true, Answer: true, Usage: true, InputTokens: 3, OutputTokens: 1})
+		Obs{Token: true, Answer: true, HasIn: true, In: 3, HasOut: true, Out: 1})
 	f("done", `[DONE]`, Obs{})
 	f("error", `{"error":{"message":"boom","type":"server_error"}}`, Obs{Error: true})
 	f("not json", `hello`, Obs{})
@@ -36,21 +36,21 @@ func TestOpenAIEvent(t *testing.T) {
 
 func TestOpenAIBody(t *testing.T) {
 	body := []byte(`{"id":"x","choices":[{"message":{"role":"assistant","content":"Hello"}}],"usage":{"prompt_tokens":5,"completion_tokens":7}}` + "\n")
-	if got := OpenAI.Body(body); !got.Usage || got.InputTokens != 5 || got.OutputTokens != 7 || got.Token {
+	if got := OpenAI.Body(body); !got.HasIn || !got.HasOut || got.In != 5 || got.Out != 7 || got.Token {
 		t.Fatalf("got %+v", got)
 	}
 }
 
 func TestReadRequest(t *testing.T) {
-	r := ReadRequest([]byte(`{"model":"llama-3","stream":true,"messages":[]}`))
+	r := OpenAI.Request(nil, []byte(`{"model":"llama-3","stream":true,"messages":[]}`))
 	if string(r.Model) != "llama-3" || !r.Stream {
 		t.Fatalf("got %q %v", r.Model, r.Stream)
 	}
-	r = ReadRequest([]byte(`{"messages":[],"model":"a\/b"}`))
+	r = OpenAI.Request(nil, []byte(`{"messages":[],"model":"a\/b"}`))
 	if string(r.Model) != "a/b" || r.Stream {
 		t.Fatalf("escaped: got %q %v", r.Model, r.Stream)
 	}
-	if r = ReadRequest([]byte(`not json`)); r.Model != nil {
+	if r = OpenAI.Request(nil, []byte(`not json`)); r.Model != nil {
 		t.Fatalf("garbage: got %q", r.Model)
 	}
 }
@@ -58,7 +58,10 @@ func TestReadRequest(t *testing.T) {
 func TestForPath(t *testing.T) {
 	for path, want := range map[string]string{
 		"/v1/chat/completions": "openai", "/v1/completions": "openai", "/openai/v1/chat/completions": "openai",
-		"/api/chat": "generic", "/v1/embeddings": "generic",
+		"/v1/responses": "openai-responses", "/v1/embeddings": "openai-embeddings", "/v1/messages": "anthropic",
+		"/v1beta/models/gemini-2.5-flash:streamGenerateContent": "gemini", "/v1beta/models/g:generateContent": "gemini",
+		"/api/chat": "ollama", "/api/generate": "ollama", "/generate_stream": "tgi", "/generate": "tgi",
+		"/completion": "llamacpp", "/v1/audio/speech": "generic", "/": "generic",
 	} {
 		if got := ForPath([]byte(path)).Name(); got != want {
 			t.Errorf("%s: got %s want %s", path, got, want)
