@@ -336,7 +336,9 @@ func (x *exchange) finish(writeErr error) {
 	}
 
 	if x.mode == parseBody && complete && len(x.whole) > 0 {
-		x.apply(x.dialect.Body(x.whole), now)
+		o := x.dialect.Body(x.whole)
+		o.Token, o.Answer = false, false
+		x.apply(o, now)
 		if x.streamError && rec.Outcome == metrics.OutcomeOK {
 			rec.Outcome, rec.Error = metrics.OutcomeUpstreamError, "error reported inside the response"
 		}

@@ -63,7 +63,8 @@ type Dialect interface {
 	Request(path, body []byte) Request
 	// Event reads one SSE event (its type and data) or NDJSON line (typ nil).
 	Event(typ, data []byte) Obs
-	// Body reads a complete non-streamed response body.
+	// Body reads a complete non-streamed response body. Its Token and
+	// Answer are meaningless (a body has no timing) and callers ignore them.
 	Body(body []byte) Obs
 }
 
