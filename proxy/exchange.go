@@ -42,7 +42,9 @@ type exchange struct {
 	mode          parseMode
 	parser        *sse.Parser
 	lines         *sse.Lines
-	whole         []byte // a non-streamed body, kept up to MaxEventBytes
+	whole         []byte       // a non-streamed body, kept up to MaxEventBytes
+	dec           *sideDecoder // decompresses a copy of a compressed body
+	decAt         time.Time    // read time of the chunk being decoded
 	contentLength int
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 
@@ -130,9 +132,12 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 	}
 	x.rec.Stream = x.streamed
 	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
-		// Compressed bytes pass through untouched but cannot be read here.
-		x.mode = parseNone
-		x.rec.Partial = true
+		// The compressed bytes pass through untouched; the parser reads a
+		// decompressed copy.
+		if x.dec = newSideDecoder(enc, x.parseDecoded); x.dec == nil {
+			x.mode = parseNone
+			x.rec.Partial = true
+		}
 	}
 	max := x.snap.cfg.MaxEventBytes
 	switch x.mode {
@@ -207,11 +212,25 @@ func (x *exchange) flushed(t time.Time) {
 	}
 }
 
-// observe feeds one upstream read, read at t, to the parser.
+// observe feeds one upstream read, read at t, to the parser (through the
+// decompressor when the body is compressed).
 func (x *exchange) observe(b []byte, t time.Time) {
 	if x.firstByteRead.IsZero() {
 		x.firstByteRead = t
 	}
+	if x.dec != nil {
+		x.decAt = t
+		x.dec.feed(b)
+		return
+	}
+	x.parse(b, t)
+}
+
+// parseDecoded is the decompressor's sink; it runs while observe waits.
+func (x *exchange) parseDecoded(b []byte) { x.parse(b, x.decAt) }
+
+// parse reads body bytes read at t.
+func (x *exchange) parse(b []byte, t time.Time) {
 	switch x.mode {
 	case parseSSE:
 		x.parser.Feed(b)
@@ -335,6 +354,12 @@ func (x *exchange) finish(writeErr error) {
 		x.conn = nil
 	}
 
+	if x.dec != nil {
+		if !x.dec.close() && complete {
+			rec.Partial = true // the copy did not decode; the relay was unaffected
+		}
+		x.dec = nil
+	}
 	if x.mode == parseBody && complete && len(x.whole) > 0 {
 		o := x.dialect.Body(x.whole)
 		o.Token, o.Answer = false, false
