@@ -57,6 +57,11 @@ type Route struct {
 	// Dialect names the API the route speaks (see dialect.All); empty means
 	// chosen per request from the path.
 	Dialect string
+	// InjectUsage asks the upstream for usage on OpenAI streaming requests
+	// that do not (stream_options.include_usage) and removes the usage chunk
+	// this adds from what the client receives: the one case where tokentap
+	// changes the bytes it relays.
+	InjectUsage bool
 	// Timeouts for this route's upstream.
 	Timeouts Timeouts
 }

@@ -44,9 +44,14 @@ type exchange struct {
 	lines         *sse.Lines
 	whole         []byte       // a non-streamed body, kept up to MaxEventBytes
 	dec           *sideDecoder // decompresses a copy of a compressed body
+	buf           []byte       // WriteTo's read buffer
+	strip         bool         // drop the usage-only chunk tokentap asked for
+	held          []byte       // strip: bytes of an event not yet complete
+	stripped      []byte       // strip: the bytes of the last read to relay
 	decAt         time.Time    // read time of the chunk being decoded
 	contentLength int
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
+	injected      []byte // the request body with include_usage injected
 
 	// Clock marks.
 	arrival, written                time.Time
@@ -107,7 +112,8 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	x.req.Reset()
 	x.resp.Reset()
 	*x = exchange{
-		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines,
+		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
+		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0],
 		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp,
 	}
 	p.pool.Put(x)
@@ -139,6 +145,9 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 			x.rec.Partial = true
 		}
 	}
+	if x.strip && (x.mode != parseSSE || x.dec != nil) {
+		x.strip = false // only a plain SSE stream can have the chunk removed
+	}
 	max := x.snap.cfg.MaxEventBytes
 	switch x.mode {
 	case parseSSE:
@@ -154,24 +163,16 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 	}
 }
 
-// Read relays one upstream read. Its start is also the moment the previous
-// chunk has been written and flushed to the client by the server loop
-// (fasthttp writes and flushes each chunk before reading the next), so the
-// delivery times of tokens are stamped here.
-func (x *exchange) Read(b []byte) (int, error) {
-	now := x.p.now()
-	if x.unflushed {
-		x.flushed(now)
-	}
+// pull reads the upstream once into b and feeds what it read to the
+// parser. An upstream error is kept and returned again on every later call;
+// when bytes came with it, they are returned first, without the error.
+func (x *exchange) pull(b []byte) (int, error) {
 	if x.readErr != nil {
 		return 0, x.readErr
 	}
 	n, err := x.body.Read(b)
 	if n > 0 {
-		t := x.p.now()
-		x.bytesOut += int64(n)
-		x.observe(b[:n], t)
-		x.unflushed = true
+		x.observe(b[:n], x.p.now())
 	}
 	if err != nil {
 		if err == io.EOF {
@@ -179,9 +180,68 @@ func (x *exchange) Read(b []byte) (int, error) {
 		}
 		x.readErr = err
 		if n > 0 {
-			// Relay these bytes first; the error comes with the next Read.
 			return n, nil
 		}
+	}
+	return n, err
+}
+
+// WriteTo relays the body to the client, one write per upstream read. The
+// server frames each write as a chunk and flushes it before Write returns,
+// so the delivery of a chunk's tokens is stamped right after its Write.
+// fasthttp uses WriteTo for chunked responses (see SupportsBodyWriteTo).
+func (x *exchange) WriteTo(w io.Writer) (int64, error) {
+	if x.buf == nil {
+		x.buf = make([]byte, 16<<10)
+	}
+	var written int64
+	for {
+		stripping := x.strip // parseStrip may give up during this read
+		n, err := x.pull(x.buf)
+		out := x.buf[:n]
+		if stripping {
+			if n == 0 {
+				x.stripped = x.stripped[:0]
+			}
+			out = x.stripped
+			if err != nil {
+				// The stream ends: what is held goes out as it is.
+				out = append(out, x.held...)
+				x.held = x.held[:0]
+			}
+		}
+		if len(out) > 0 {
+			m, werr := w.Write(out)
+			written += int64(m)
+			x.bytesOut += int64(m)
+			if werr != nil {
+				return written, werr
+			}
+			x.flushed(x.p.now())
+		}
+		if err == io.EOF {
+			return written, nil
+		}
+		if err != nil {
+			return written, err
+		}
+	}
+}
+
+// SupportsBodyWriteTo tells fasthttp that WriteTo does what Read does.
+func (x *exchange) SupportsBodyWriteTo() bool { return true }
+
+// Read relays one upstream read. fasthttp uses it for bodies of known
+// length; their chunks are only flushed at the end, so the start of the next
+// Read is when the previous chunk was handed to the server.
+func (x *exchange) Read(b []byte) (int, error) {
+	if x.unflushed {
+		x.flushed(x.p.now())
+	}
+	n, err := x.pull(b)
+	if n > 0 {
+		x.bytesOut += int64(n)
+		x.unflushed = true
 	}
 	return n, err
 }
@@ -233,6 +293,10 @@ func (x *exchange) parseDecoded(b []byte) { x.parse(b, x.decAt) }
 func (x *exchange) parse(b []byte, t time.Time) {
 	switch x.mode {
 	case parseSSE:
+		if x.strip {
+			x.parseStrip(b, t)
+			return
+		}
 		x.parser.Feed(b)
 		for x.parser.Next() {
 			ev := x.parser.Event()
@@ -257,6 +321,48 @@ func (x *exchange) parse(b []byte, t time.Time) {
 			x.mode = parseNone
 		}
 	}
+}
+
+// parseStrip parses like parse and also leaves in x.stripped the bytes to
+// relay: everything but the usage-only chunk that tokentap itself asked for
+// (stream_options.include_usage injected into the request). Bytes of an
+// event still incomplete are held back until it completes, so an event is
+// relayed in the write of the read that completed it, as without stripping.
+func (x *exchange) parseStrip(b []byte, t time.Time) {
+	out := x.stripped[:0]
+	start := 0
+	x.parser.Feed(b)
+	for x.parser.Next() {
+		end := x.parser.Offset()
+		ev := x.parser.Event()
+		if ev.Truncated {
+			x.rec.Partial = true
+		}
+		x.apply(x.dialect.Event(ev.Type, ev.Data), t)
+		if !dialect.UsageOnly(ev.Data) {
+			out = append(out, x.held...)
+			out = append(out, b[start:end]...)
+		}
+		x.held = x.held[:0]
+		start = end
+	}
+	rest := b[start:]
+	switch {
+	case !x.parser.Pending():
+		// Between events (comments, blank lines): nothing to decide later.
+		out = append(out, x.held...)
+		out = append(out, rest...)
+		x.held = x.held[:0]
+	case len(x.held)+len(rest) > x.snap.cfg.MaxEventBytes:
+		// An event too large to hold: stop stripping, relay as it comes.
+		out = append(out, x.held...)
+		out = append(out, rest...)
+		x.held = x.held[:0]
+		x.strip = false
+	default:
+		x.held = append(x.held, rest...)
+	}
+	x.stripped = out
 }
 
 func (x *exchange) apply(o dialect.Obs, t time.Time) {

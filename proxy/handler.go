@@ -67,6 +67,17 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	x.watch = watchPeer(x.client, x.cancel.fire)
 
 	prepareRequest(ctx, x.req, r, x.id)
+	if r.InjectUsage && x.dialect == dialect.OpenAI && req.Stream {
+		if b, ok := dialect.InjectIncludeUsage(x.injected[:0], body); ok {
+			// The one case where tokentap changes bytes: the upstream is
+			// asked for usage, and the usage chunk it adds is removed from
+			// the stream. Compression is declined so the chunk can be found.
+			x.injected = b
+			x.req.SetBodyRaw(b)
+			x.req.Header.Del("Accept-Encoding")
+			x.strip = true
+		}
+	}
 	head := ctx.IsHead()
 	err := x.roundTrip(head)
 	if err != nil {

@@ -29,25 +29,12 @@ func (x *exchange) relayRaw(c net.Conn) {
 		x.finish(err)
 		return
 	}
-	buf := make([]byte, 16<<10)
-	for {
-		n, err := x.Read(buf)
-		if n > 0 {
-			if _, werr := c.Write(buf[:n]); werr != nil {
-				x.finish(werr)
-				return
-			}
-		}
-		switch {
-		case err == io.EOF:
-			x.finish(nil)
-			return
-		case err != nil:
-			if tc, ok := x.client.(interface{ SetLinger(int) error }); ok {
-				_ = tc.SetLinger(0)
-			}
-			x.finish(err)
-			return
+	_, err := x.WriteTo(c)
+	if err != nil && x.readErr != nil && x.readErr != io.EOF {
+		// The upstream broke: reset rather than close cleanly.
+		if tc, ok := x.client.(interface{ SetLinger(int) error }); ok {
+			_ = tc.SetLinger(0)
 		}
 	}
+	x.finish(err)
 }

@@ -283,3 +283,93 @@ func TestOversizedEventPassesThroughMarkedPartial(t *testing.T) {
 		t.Fatalf("record: %+v", rec)
 	}
 }
+
+// With inject_usage, a streaming request without include_usage reaches the
+// upstream with it, and the client receives the stream without the usage
+// chunk; the record has the real usage. Events split across reads, comments
+// and a client that asked for usage itself are all handled.
+func TestInjectUsage(t *testing.T) {
+	usageChunk := `data: {"id":"c","choices":[],"usage":{"prompt_tokens":21,"completion_tokens":3}}` + "\n\n"
+	head := ": ping\n\n" + chatChunk("a") + chatChunk("b")
+	tail := `data: {"id":"c","choices":[{"delta":{},"finish_reason":"stop"}]}` + "\n\n"
+	var gotBody []byte
+	var gotAE string
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		gotBody, _ = io.ReadAll(r.Body)
+		gotAE = r.Header.Get("Accept-Encoding")
+		w.Header().Set("Content-Type", "text/event-stream")
+		stream := head + chatChunk("c") + tail
+		if strings.Contains(string(gotBody), `"include_usage":true`) {
+			stream += usageChunk
+		}
+		stream += "data: [DONE]\n\n"
+		for i := 0; i < len(stream); i += 5 { // events split across reads
+			io.WriteString(w, stream[i:min(i+5, len(stream))])
+			flush(w)
+		}
+	})
+	tp := startProxy(t, up.URL, func(c *Config) { c.Routes[0].InjectUsage = true })
+	post := func(body string) string {
+		req := mustReq(t, "POST", tp.url+"/v1/chat/completions", body)
+		req.Header.Set("Accept-Encoding", "gzip")
+		resp, err := (&http.Transport{DisableCompression: true}).RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return string(b)
+	}
+
+	got := post(`{"model":"m","stream":true,"messages":[]}`)
+	if want := head + chatChunk("c") + tail + "data: [DONE]\n\n"; got != want {
+		t.Fatalf("client stream:\n got %q\nwant %q", got, want)
+	}
+	if !strings.Contains(string(gotBody), `"stream_options":{"include_usage":true}`) || gotAE != "" {
+		t.Fatalf("upstream got body %s, Accept-Encoding %q", gotBody, gotAE)
+	}
+	rec := tp.rec.next(t)
+	if rec.TokensSource != "usage" || rec.OutputTokens != 3 || rec.InputTokens != 21 || rec.Events != 3 || rec.BytesOut != int64(len(got)) {
+		t.Fatalf("record: %+v", rec)
+	}
+
+	// The client asked for usage itself: nothing is changed.
+	got = post(`{"model":"m","stream":true,"stream_options":{"include_usage":true}}`)
+	if want := head + chatChunk("c") + tail + usageChunk + "data: [DONE]\n\n"; got != want {
+		t.Fatalf("client's own usage chunk removed:\n got %q", got)
+	}
+	if gotAE != "gzip" {
+		t.Fatalf("Accept-Encoding dropped without injection")
+	}
+	if rec := tp.rec.next(t); rec.OutputTokens != 3 || rec.TokensSource != "usage" {
+		t.Fatalf("record: %+v", rec)
+	}
+}
+
+// An event larger than the bound cannot be held back: stripping stops and
+// every byte still reaches the client.
+func TestInjectUsageGivesUpOnHugeEvent(t *testing.T) {
+	big := chatChunk(strings.Repeat("x", 300))
+	stream := chatChunk("a") + big + "data: [DONE]\n\n"
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < len(stream); i += 50 {
+			io.WriteString(w, stream[i:min(i+50, len(stream))])
+			flush(w)
+		}
+	})
+	tp := startProxy(t, up.URL, func(c *Config) { c.Routes[0].InjectUsage, c.MaxEventBytes = true, 100 })
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(got) != stream {
+		t.Fatalf("got %q\nwant %q", got, stream)
+	}
+	if rec := tp.rec.next(t); rec.BytesOut != int64(len(stream)) || !rec.Partial {
+		t.Fatalf("record: %+v", rec)
+	}
+}

@@ -38,6 +38,7 @@ type Parser struct {
 	max int // max bytes per event (field values and line overhead)
 
 	in  []byte // the unconsumed rest of the input given to Feed
+	fed int    // length of the input given to Feed
 	pos int    // bytes of stream seen, for BOM detection
 
 	line     []byte // a partial line carried across Feed calls
@@ -98,7 +99,13 @@ func (p *Parser) resetEvent() {
 // until Next has returned false; p keeps no reference to it after that.
 func (p *Parser) Feed(b []byte) {
 	p.in = b
+	p.fed = len(b)
 }
+
+// Offset returns how many bytes of the input given to Feed have been
+// consumed. Right after Next reports an event, it is the offset just past
+// the blank line that ended the event.
+func (p *Parser) Offset() int { return p.fed - len(p.in) }
 
 // Next parses until it has an event to dispatch and reports whether it has
 // one; the event is then available from Event. It returns false when the

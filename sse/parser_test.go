@@ -217,3 +217,19 @@ func FuzzParserSplits(f *testing.F) {
 		}
 	})
 }
+
+func TestParserOffset(t *testing.T) {
+	in := []byte(": c\n\ndata: a\r\n\r\ndata: bb\n\ndata: c")
+	p := NewParser(0)
+	p.Feed(in)
+	var ends []int
+	for p.Next() {
+		ends = append(ends, p.Offset())
+	}
+	if want := []int{16, 26}; fmt.Sprint(ends) != fmt.Sprint(want) {
+		t.Fatalf("event ends %v, want %v", ends, want)
+	}
+	if p.Offset() != len(in) || !p.Pending() {
+		t.Fatalf("after input: offset %d pending %v", p.Offset(), p.Pending())
+	}
+}

@@ -33,6 +33,7 @@ type fileRoute struct {
 	Upstream    string        `yaml:"upstream"`
 	StripPrefix bool          `yaml:"strip_prefix"`
 	Dialect     string        `yaml:"dialect"`
+	InjectUsage bool          `yaml:"inject_usage"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
 }
 
@@ -213,7 +214,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			}
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
-			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, Timeouts: t,
+			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
 		})
 	}
 	if len(s.proxy.Routes) == 0 {
