@@ -33,10 +33,10 @@ func TestInjectIncludeUsage(t *testing.T) {
 func TestUsageOnly(t *testing.T) {
 	for data, want := range map[string]bool{
 		`{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}`: true,
-		`{"id":"c","usage":{"prompt_tokens":1}}`:                                     true,
-		`{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":1}}`:        false,
-		`{"choices":[],"usage":null}`:                                                false,
-		`[DONE]`:                                                                     false,
+		`{"id":"c","usage":{"prompt_tokens":1}}`:                                    true,
+		`{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":1}}`:       false,
+		`{"choices":[],"usage":null}`:                                               false,
+		`[DONE]`:                                                                    false,
 	} {
 		if got := UsageOnly([]byte(data)); got != want {
 			t.Errorf("%s: got %v", data, got)
