@@ -1,23 +1,37 @@
-// Package mockllm is a simulated OpenAI-compatible inference server with
-// realistic timing: a prefill delay that grows with the prompt, then one
-// token per decode step with jitter. tokentap's tests, demo and benchmarks
-// run against it; cmd/mockllm serves it standalone.
+// Package mockllm is a simulated inference server with realistic timing: a
+// prefill delay that grows with the prompt, then one token per decode step
+// with jitter, optionally reasoning tokens before the answer. It speaks the
+// streaming dialects tokentap reads, chosen by path:
+//
+//	POST /v1/chat/completions, /v1/completions   OpenAI (SSE with "stream": true)
+//	POST /v1/responses                           OpenAI Responses
+//	POST /v1/embeddings                          OpenAI embeddings
+//	POST /v1/messages                            Anthropic Messages
+//	POST /v1beta/models/M:generateContent        Gemini (and :streamGenerateContent, ?alt=sse for SSE)
+//	POST /api/chat, /api/generate                Ollama (NDJSON unless "stream": false)
+//	POST /generate, /generate_stream             TGI
+//	POST /completion                             llama.cpp
+//	GET  /v1/models
+//
+// Usage is reported as each API does (for OpenAI streams only with
+// stream_options.include_usage), with server timings where the API has them.
+// A request may set "mock_reasoning_tokens": N to get N reasoning tokens
+// before the answer. tokentap's tests, demo and benchmarks run against it;
+// cmd/mockllm serves it standalone.
 //
 //	srv := &http.Server{Handler: mockllm.New(mockllm.Options{})}
-//
-// It serves POST /v1/chat/completions and /v1/completions (streamed with
-// "stream": true, usage in the last chunk with stream_options.include_usage,
-// and always in non-streamed bodies) and GET /v1/models.
 package mockllm
 
 import (
-	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/tidwall/gjson"
 )
 
 // Options set the simulated timing. Zero values take the defaults noted.
@@ -30,8 +44,7 @@ type Options struct {
 	TokenGap time.Duration
 	// Jitter is the relative spread of each gap, 0…1 (default 0.2).
 	Jitter float64
-	// MaxTokens is the output length when the request gives no max_tokens
-	// (default 32).
+	// MaxTokens is the output length when the request gives none (default 32).
 	MaxTokens int
 	// Model is reported when the request names none (default "mock-llm").
 	Model string
@@ -70,117 +83,172 @@ func New(o Options) *Server {
 // Active returns the number of requests being served.
 func (s *Server) Active() int64 { return s.active.Load() }
 
-type request struct {
-	Model         string `json:"model"`
-	Stream        bool   `json:"stream"`
-	MaxTokens     int    `json:"max_tokens"`
-	MaxCompletion int    `json:"max_completion_tokens"`
-	Prompt        any    `json:"prompt"`
-	Messages      []struct {
-		Content any `json:"content"`
-	} `json:"messages"`
-	StreamOptions struct {
-		IncludeUsage bool `json:"include_usage"`
-	} `json:"stream_options"`
+// call is one request being answered.
+type call struct {
+	s         *Server
+	w         http.ResponseWriter
+	r         *http.Request
+	body      string
+	id        string
+	model     string
+	stream    bool
+	prompt    int // prompt tokens (estimated)
+	reasoning int // reasoning tokens before the answer
+	answer    int // answer tokens
+	start     time.Time
+	prefill   time.Duration
+	decode    time.Duration
 }
 
 var words = strings.Fields("the quick brown fox jumps over a lazy dog while tokens stream out one by one to every user")
 
+func word(i int) string { return " " + words[i%len(words)] }
+
+// maxTokensPaths are where each API puts the output limit.
+var maxTokensPaths = []string{"max_tokens", "max_completion_tokens", "max_output_tokens",
+	"generationConfig.maxOutputTokens", "options.num_predict", "parameters.max_new_tokens", "n_predict"}
+
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.active.Add(1)
 	defer s.active.Add(-1)
-	chat := strings.HasSuffix(r.URL.Path, "/chat/completions")
-	switch {
-	case r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/models"):
+	path := r.URL.Path
+	if r.Method == http.MethodGet && strings.HasSuffix(path, "/models") {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","owned_by":"mockllm"}]}`, s.o.Model)
 		return
-	case r.Method != http.MethodPost || !(chat || strings.HasSuffix(r.URL.Path, "/completions")):
+	}
+	raw, err := io.ReadAll(r.Body)
+	if r.Method != http.MethodPost || err != nil {
+		http.Error(w, `{"error":{"message":"POST a JSON body","type":"invalid_request_error"}}`, http.StatusBadRequest)
+		return
+	}
+	body := string(raw)
+	if body != "" && !gjson.Valid(body) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		io.WriteString(w, `{"error":{"message":"invalid JSON","type":"invalid_request_error"}}`)
+		return
+	}
+	c := &call{s: s, w: w, r: r, body: body, id: fmt.Sprintf("mock-%d", s.seq.Add(1)), start: time.Now()}
+	c.model = gjson.Get(body, "model").Str
+	c.answer = s.o.MaxTokens
+	for _, p := range maxTokensPaths {
+		if v := gjson.Get(body, p); v.Int() > 0 {
+			c.answer = int(v.Int())
+			break
+		}
+	}
+	c.reasoning = int(gjson.Get(body, "mock_reasoning_tokens").Int())
+	c.prompt = max(1, len(body)/4)
+	c.stream = gjson.Get(body, "stream").Bool()
+
+	var d dialect
+	switch {
+	case strings.HasSuffix(path, "/chat/completions"):
+		d = openAIChat{}
+	case strings.HasSuffix(path, "/completions"):
+		d = openAICompletions{}
+	case strings.HasSuffix(path, "/responses"):
+		d = responses{}
+	case strings.HasSuffix(path, "/embeddings"):
+		c.serveEmbeddings()
+		return
+	case strings.HasSuffix(path, "/messages"):
+		d = anthropic{}
+	case strings.Contains(path, ":generateContent"), strings.Contains(path, ":streamGenerateContent"):
+		c.stream = strings.Contains(path, ":streamGenerateContent")
+		if i := strings.Index(path, "/models/"); i >= 0 {
+			c.model, _, _ = strings.Cut(path[i+len("/models/"):], ":")
+		}
+		d = gemini{sse: r.URL.Query().Get("alt") == "sse"}
+	case strings.HasSuffix(path, "/api/chat"), strings.HasSuffix(path, "/api/generate"):
+		if v := gjson.Get(body, "stream"); !v.Exists() {
+			c.stream = true // Ollama streams by default
+		}
+		d = ollama{chat: strings.HasSuffix(path, "/api/chat")}
+	case strings.HasSuffix(path, "/generate_stream"), strings.HasSuffix(path, "/generate"):
+		c.stream = strings.HasSuffix(path, "/generate_stream")
+		d = tgi{}
+	case strings.HasSuffix(path, "/completion"):
+		d = llamaCpp{}
+	default:
 		http.Error(w, `{"error":{"message":"not found","type":"invalid_request_error"}}`, http.StatusNotFound)
 		return
 	}
-	var req request
-	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusBadRequest)
-		fmt.Fprintf(w, `{"error":{"message":%q,"type":"invalid_request_error"}}`, err.Error())
-		return
+	if c.model == "" {
+		c.model = s.o.Model
 	}
-	if req.Model == "" {
-		req.Model = s.o.Model
-	}
-	n := s.o.MaxTokens
-	if req.MaxTokens > 0 {
-		n = req.MaxTokens
-	}
-	if req.MaxCompletion > 0 {
-		n = req.MaxCompletion
-	}
-	promptTokens := estimateTokens(req)
-	id := fmt.Sprintf("cmpl-%d", s.seq.Add(1))
+	c.serve(d)
+}
 
-	// Prefill.
-	if !sleep(r, s.o.PrefillBase+time.Duration(promptTokens)*s.o.PrefillPerToken) {
+// dialect writes one API's framing of the simulated generation.
+type dialect interface {
+	contentType(c *call) string
+	// start is written before the first token; token for each token;
+	// end after the last one. body is the whole non-streamed answer.
+	start(c *call) string
+	token(c *call, i int, reasoning bool, text string) string
+	end(c *call) string
+	body(c *call, text, thinking string) string
+}
+
+func (c *call) serve(d dialect) {
+	s := c.s
+	prefill := s.o.PrefillBase + time.Duration(c.prompt)*s.o.PrefillPerToken
+	if !c.sleep(prefill) {
 		return
 	}
-	if !req.Stream {
-		var text strings.Builder
-		for i := range n {
-			if i > 0 && !sleep(r, s.gap()) {
+	c.prefill = time.Since(c.start)
+	decodeStart := time.Now()
+	total := c.reasoning + c.answer
+	if !c.stream {
+		var text, thinking strings.Builder
+		for i := range total {
+			if i > 0 && !c.sleep(s.gap()) {
 				return
 			}
-			text.WriteString(" " + words[i%len(words)])
+			if i < c.reasoning {
+				thinking.WriteString(word(i))
+			} else {
+				text.WriteString(word(i))
+			}
 		}
-		w.Header().Set("Content-Type", "application/json")
-		usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}`, promptTokens, n, promptTokens+n)
-		if chat {
-			fmt.Fprintf(w, `{"id":%q,"object":"chat.completion","model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":%q},"finish_reason":"length"}],"usage":%s}`,
-				id, req.Model, text.String(), usage)
-		} else {
-			fmt.Fprintf(w, `{"id":%q,"object":"text_completion","model":%q,"choices":[{"index":0,"text":%q,"finish_reason":"length"}],"usage":%s}`,
-				id, req.Model, text.String(), usage)
+		c.decode = time.Since(decodeStart)
+		c.w.Header().Set("Content-Type", "application/json")
+		if t, ok := d.(tgi); ok {
+			t.headers(c)
 		}
+		io.WriteString(c.w, d.body(c, text.String(), thinking.String()))
 		return
 	}
+	c.w.Header().Set("Content-Type", d.contentType(c))
+	c.w.Header().Set("Cache-Control", "no-cache")
+	if !c.send(d.start(c)) {
+		return
+	}
+	for i := range total {
+		if i > 0 && !c.sleep(s.gap()) {
+			return
+		}
+		if !c.send(d.token(c, i, i < c.reasoning, word(i))) {
+			return
+		}
+	}
+	c.decode = time.Since(decodeStart)
+	c.send(d.end(c))
+}
 
-	w.Header().Set("Content-Type", "text/event-stream")
-	w.Header().Set("Cache-Control", "no-cache")
-	f, _ := w.(http.Flusher)
-	send := func(data string) bool {
-		if _, err := fmt.Fprintf(w, "data: %s\n\n", data); err != nil {
-			return false
-		}
-		if f != nil {
-			f.Flush()
-		}
+func (c *call) send(s string) bool {
+	if s == "" {
 		return true
 	}
-	if chat && !send(fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`, id, req.Model)) {
-		return
+	if _, err := io.WriteString(c.w, s); err != nil {
+		return false
 	}
-	for i := range n {
-		if i > 0 && !sleep(r, s.gap()) {
-			return
-		}
-		word := " " + words[i%len(words)]
-		var chunk string
-		if chat {
-			chunk = fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[{"index":0,"delta":{"content":%q},"finish_reason":null}]}`, id, req.Model, word)
-		} else {
-			chunk = fmt.Sprintf(`{"id":%q,"object":"text_completion","model":%q,"choices":[{"index":0,"text":%q,"finish_reason":null}]}`, id, req.Model, word)
-		}
-		if !send(chunk) {
-			return
-		}
+	if f, ok := c.w.(http.Flusher); ok {
+		f.Flush()
 	}
-	if chat {
-		send(fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}`, id, req.Model))
-	}
-	if req.StreamOptions.IncludeUsage {
-		send(fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`,
-			id, req.Model, promptTokens, n, promptTokens+n))
-	}
-	send("[DONE]")
+	return true
 }
 
 // gap is one decode step: TokenGap ± Jitter.
@@ -190,22 +258,46 @@ func (s *Server) gap() time.Duration {
 }
 
 // sleep waits d unless the client goes away first.
-func sleep(r *http.Request, d time.Duration) bool {
+func (c *call) sleep(d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
 		return true
-	case <-r.Context().Done():
+	case <-c.r.Context().Done():
 		return false
 	}
 }
 
-// estimateTokens is a tokenizer-free estimate: about 4 bytes per token.
-func estimateTokens(req request) int {
-	n := len(fmt.Sprint(req.Prompt))
-	for _, m := range req.Messages {
-		n += len(fmt.Sprint(m.Content))
+func (c *call) output() int { return c.reasoning + c.answer }
+
+func (c *call) serveEmbeddings() {
+	in := gjson.Get(c.body, "input")
+	n := 1
+	if in.IsArray() && gjson.Get(in.Raw, "0").Type != gjson.Number {
+		n = int(gjson.Get(in.Raw, "#").Int())
 	}
-	return max(1, n/4)
+	if !c.sleep(c.s.o.PrefillBase + time.Duration(c.prompt)*c.s.o.PrefillPerToken) {
+		return
+	}
+	var b strings.Builder
+	b.WriteString(`{"object":"list","data":[`)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, `{"object":"embedding","index":%d,"embedding":[0.%d,-0.25,0.5,0.125]}`, i, i%10)
+	}
+	if c.model == "" {
+		c.model = c.s.o.Model
+	}
+	fmt.Fprintf(&b, `],"model":%q,"usage":{"prompt_tokens":%d,"total_tokens":%d}}`, c.model, c.prompt, c.prompt)
+	c.w.Header().Set("Content-Type", "application/json")
+	io.WriteString(c.w, b.String())
 }
+
+func sseData(data string) string { return "data: " + data + "\n\n" }
+
+func sseEvent(name, data string) string { return "event: " + name + "\ndata: " + data + "\n\n" }
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
