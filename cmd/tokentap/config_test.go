@@ -99,7 +99,7 @@ func TestDemoRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := out.String()
-	for _, want := range []string{"TTFT p50", "chat", "completions", "20 requests", "(0 client errors)"} {
+	for _, want := range []string{"TTFT p50", "TTFA p50", "chat", "completions", "anthropic", "ollama", "20 requests", "(0 client errors)"} {
 		if !strings.Contains(s, want) {
 			t.Fatalf("demo output lacks %q:\n%s", want, s)
 		}

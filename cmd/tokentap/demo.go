@@ -59,8 +59,10 @@ func runDemo(args []string, out io.Writer) error {
 	t := proxy.DefaultTimeouts
 	p, err := proxy.New(proxy.Config{
 		Routes: []proxy.Route{
-			{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: t},
+			{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: t, InjectUsage: true},
 			{Name: "completions", Prefix: "/v1/completions", Upstream: upstream, Timeouts: t},
+			{Name: "anthropic", Prefix: "/v1/messages", Upstream: upstream, Timeouts: t},
+			{Name: "ollama", Prefix: "/api/", Upstream: upstream, Timeouts: t},
 		},
 		Models: []string{"demo-small", "demo-large"},
 	}, proxy.Options{Sinks: sinks})
@@ -79,7 +81,8 @@ func runDemo(args []string, out io.Writer) error {
 	fmt.Fprintf(out, "simulated backend on %s, tokentap on %s\nsending %d requests, %d at a time...\n\n", upstream, base, *n, *conc)
 
 	// The mix: short chats, long prompts with short answers, long outputs,
-	// non-streamed chats and streamed completions.
+	// a reasoning model, non-streamed chats, streamed completions, and the
+	// Anthropic and Ollama dialects.
 	long := strings.Repeat("lorem ipsum dolor sit amet ", 400)
 	mix := []struct{ path, body string }{
 		{"/v1/chat/completions", `{"model":"demo-small","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}`},
@@ -87,6 +90,9 @@ func runDemo(args []string, out io.Writer) error {
 		{"/v1/chat/completions", `{"model":"demo-large","stream":true,"max_tokens":64,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"write"}]}`},
 		{"/v1/chat/completions", `{"model":"demo-small","max_tokens":16,"messages":[{"role":"user","content":"hi"}]}`},
 		{"/v1/completions", `{"model":"demo-small","stream":true,"max_tokens":24,"prompt":"once upon a time"}`},
+		{"/v1/chat/completions", `{"model":"demo-large","stream":true,"max_tokens":16,"mock_reasoning_tokens":24,"messages":[{"role":"user","content":"why?"}]}`},
+		{"/v1/messages", `{"model":"demo-large","stream":true,"max_tokens":24,"mock_reasoning_tokens":8,"messages":[{"role":"user","content":"hi"}]}`},
+		{"/api/chat", `{"model":"demo-small","options":{"num_predict":24},"messages":[{"role":"user","content":"hi"}]}`},
 	}
 	client := &http.Client{Timeout: time.Minute, Transport: &http.Transport{MaxIdleConnsPerHost: *conc}}
 	var next atomic.Int64
@@ -117,8 +123,9 @@ func runDemo(args []string, out io.Writer) error {
 	wall := time.Since(start)
 	col.wait(*n - int(failed.Load()))
 	col.print(out, wall)
-	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). TTFT, ITL and E2E are what tokentap measured on its\n"+
-		"client side; ITL percentiles are over each request's mean gap, weighted by its number of gaps.\n"+
+	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). TTFT, TTFA, ITL and E2E are what tokentap measured on its\n"+
+		"client side. TTFT is the first token of any kind, TTFA the first answer token: reasoning models wait\n"+
+		"between the two. ITL percentiles are over each request's mean gap, weighted by its number of gaps.\n"+
 		"Per-request records: add -access-log -. Histograms: /metrics on the admin listener when run as a proxy.\n",
 		*n, wall.Round(time.Millisecond), failed.Load())
 	return nil
@@ -155,7 +162,7 @@ func (c *collector) print(out io.Writer, wall time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "route\tcount\tok\tTTFT p50\tp95\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\ttokens/s\t")
+	fmt.Fprintln(tw, "route\tcount\tok\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\ttokens/s\t")
 	routes := make([]string, 0, len(c.byRoute))
 	for r := range c.byRoute {
 		routes = append(routes, r)
@@ -163,7 +170,7 @@ func (c *collector) print(out io.Writer, wall time.Duration) {
 	slices.Sort(routes)
 	for _, route := range routes {
 		recs := c.byRoute[route]
-		var ttft, itl, e2e []time.Duration
+		var ttft, ttfa, itl, e2e []time.Duration
 		ok, tokens := 0, 0
 		for _, r := range recs {
 			if r.Outcome == metrics.OutcomeOK {
@@ -171,6 +178,9 @@ func (c *collector) print(out io.Writer, wall time.Duration) {
 			}
 			if r.TTFT >= 0 {
 				ttft = append(ttft, r.TTFT)
+			}
+			if r.TTFA >= 0 {
+				ttfa = append(ttfa, r.TTFA)
 			}
 			if r.ITLCount > 0 {
 				// Per-request mean gap, weighted by its gap count.
@@ -181,8 +191,8 @@ func (c *collector) print(out io.Writer, wall time.Duration) {
 			e2e = append(e2e, r.E2E)
 			tokens += r.OutputTokens
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n", route, len(recs), ok,
-			pct(ttft, 50), pct(ttft, 95), pct(ttft, 99), pct(itl, 50), pct(itl, 95), pct(itl, 99),
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n", route, len(recs), ok,
+			pct(ttft, 50), pct(ttft, 95), pct(ttft, 99), pct(ttfa, 50), pct(ttfa, 99), pct(itl, 50), pct(itl, 95), pct(itl, 99),
 			pct(e2e, 50), pct(e2e, 95), pct(e2e, 99), float64(tokens)/wall.Seconds())
 	}
 	_ = tw.Flush()
