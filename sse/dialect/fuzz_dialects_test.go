@@ -256,3 +256,40 @@ func FuzzGeminiEvent(f *testing.F)    { fuzzDialect(f, Gemini, refGemini) }
 func FuzzOllamaEvent(f *testing.F)    { fuzzDialect(f, Ollama, refOllama) }
 func FuzzTGIEvent(f *testing.F)       { fuzzDialect(f, TGI, refTGI) }
 func FuzzLlamaCppEvent(f *testing.F)  { fuzzDialect(f, LlamaCpp, refLlama) }
+
+func refEmbeddingsBody(doc map[string]any) (Obs, bool) {
+	var o Obs
+	if d, ok := doc["data"].([]any); ok {
+		o.Items = len(d)
+	}
+	if _, isObj := doc["usage"].(map[string]any); isObj {
+		if !setIn(&o, doc, "usage.prompt_tokens") {
+			return o, false
+		}
+		o.HasOut = true
+	}
+	o.Error = doc["error"] != nil
+	return o, true
+}
+
+// FuzzEmbeddingsBody checks the embeddings body reader, the one extractor
+// that never sees events.
+func FuzzEmbeddingsBody(f *testing.F) {
+	if b, err := os.ReadFile("testdata/embeddings.json"); err == nil {
+		f.Add(b)
+	}
+	f.Add([]byte(`{"data":[],"usage":{"prompt_tokens":0}}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		got := Embeddings.Body(data)
+		if len(data) == 0 || data[0] != '{' || !json.Valid(data) || hasDuplicateKeys(data) {
+			return
+		}
+		var doc map[string]any
+		if json.Unmarshal(data, &doc) != nil {
+			return
+		}
+		if want, ok := refEmbeddingsBody(doc); ok && got != want {
+			t.Fatalf("%s:\n gjson %+v\n  json %+v", data, got, want)
+		}
+	})
+}
