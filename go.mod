@@ -21,4 +21,5 @@ require (
 	github.com/valyala/fastrand v1.1.0 // indirect
 	github.com/valyala/histogram v1.2.0 // indirect
 	go.uber.org/multierr v1.10.0 // indirect
+	golang.org/x/time v0.16.0 // indirect
 )

@@ -1,0 +1,521 @@
+package ratelimit
+
+import (
+	"context"
+	"math"
+	"reflect"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/time/rate"
+)
+
+// Reason says why a request was refused.
+type Reason string
+
+// The reasons of a Refusal.
+const (
+	ReasonRequests    Reason = "requests"    // request rate
+	ReasonTokens      Reason = "tokens"      // token budget
+	ReasonConcurrency Reason = "concurrency" // requests in flight
+	ReasonQueueFull   Reason = "queue_full"  // the tenant's queue is full
+	ReasonTimeout     Reason = "timeout"     // waited max_wait in the queue
+	ReasonCancelled   Reason = "cancelled"   // the client left while queued
+)
+
+// Reasons lists every Reason, for building metrics.
+var Reasons = []Reason{ReasonRequests, ReasonTokens, ReasonConcurrency, ReasonQueueFull, ReasonTimeout, ReasonCancelled}
+
+// Refusal is a request that was not admitted.
+type Refusal struct {
+	Reason Reason
+	// RetryAfter is when a retry can succeed, from the limiter state (at
+	// least one second when that cannot be known, as for concurrency).
+	RetryAfter time.Duration
+	// Queued is the time spent in the queue before the refusal.
+	Queued time.Duration
+}
+
+// Admitter decides admission for every tenant of one configuration. It is
+// safe for concurrent use. Close stops its background eviction.
+type Admitter struct {
+	cfg     Config
+	now     func() time.Time
+	keys    keyIndex
+	tenants map[string]*Tenant
+
+	mu     sync.Mutex
+	states map[string]*tenantState
+	stop   chan struct{}
+	done   chan struct{}
+}
+
+// tenantState is the live limiter state of one tenant: created on first use,
+// dropped after IdleTTL once it is back to what a fresh state would be.
+type tenantState struct {
+	mu      sync.Mutex
+	t       *Tenant
+	all     *limiter            // the tenant's own limits, nil if none
+	routes  map[string]*limiter // per-route limits, created on first use
+	queue   []*waiter
+	timer   *time.Timer
+	lastUse time.Time
+	dead    bool // evicted: callers must fetch the state again
+
+	inflight atomic.Int64 // for gauges
+	queued   atomic.Int64
+}
+
+// limiter is one set of limits with its state.
+type limiter struct {
+	lim      Limits
+	rps      *rate.Limiter
+	tpm      *budget
+	inflight int
+}
+
+type waiter struct {
+	route    *limiter
+	est      int64
+	ch       chan struct{}
+	admitted bool
+}
+
+// Ticket is an admitted request. Release it exactly once, when the
+// response has ended (for a stream: after its last byte), with the tokens
+// it really used.
+type Ticket struct {
+	a        *Admitter
+	st       *tenantState
+	route    *limiter
+	reserved int64
+	// Queued is the time the request waited for admission.
+	Queued   time.Duration
+	released atomic.Bool
+}
+
+// New builds an Admitter for cfg, which must be valid. prev, the Admitter
+// of the configuration being replaced (or nil), hands over the state of
+// tenants whose limits did not change, so a reload neither resets their
+// budgets nor forgets requests in flight. prev is closed.
+func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
+	if now == nil {
+		now = time.Now
+	}
+	if cfg.IdleTTL <= 0 {
+		cfg.IdleTTL = 10 * time.Minute
+	}
+	a := &Admitter{
+		cfg: cfg, now: now, keys: newKeyIndex(cfg.Tenants),
+		tenants: make(map[string]*Tenant, len(cfg.Tenants)),
+		states:  map[string]*tenantState{},
+		stop:    make(chan struct{}), done: make(chan struct{}),
+	}
+	for i := range cfg.Tenants {
+		t := &a.cfg.Tenants[i]
+		a.tenants[t.Name] = t
+	}
+	if prev != nil {
+		prev.Close()
+		prev.mu.Lock()
+		for name, st := range prev.states {
+			if t, ok := a.tenants[name]; ok && reflect.DeepEqual(t.Limits, st.t.Limits) && reflect.DeepEqual(t.Routes, st.t.Routes) {
+				a.states[name] = st
+			}
+		}
+		prev.mu.Unlock()
+	}
+	go a.evictLoop()
+	return a
+}
+
+// Close stops the eviction loop.
+func (a *Admitter) Close() {
+	select {
+	case <-a.stop:
+	default:
+		close(a.stop)
+		<-a.done
+	}
+}
+
+// Mode returns the configured mode.
+func (a *Admitter) Mode() Mode { return a.cfg.Mode }
+
+// Config returns the configuration a was built from.
+func (a *Admitter) Config() *Config { return &a.cfg }
+
+// Identify returns the tenant owning key. It does not allocate.
+func (a *Admitter) Identify(key []byte) (string, bool) { return a.keys.lookup(key) }
+
+// Has reports a configured tenant.
+func (a *Admitter) Has(tenant string) bool {
+	_, ok := a.tenants[tenant]
+	return ok
+}
+
+// state returns the live state of a configured tenant, creating it.
+func (a *Admitter) state(name string) *tenantState {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	st := a.states[name]
+	if st == nil {
+		t := a.tenants[name]
+		st = &tenantState{t: t}
+		if t.Limits.any() {
+			st.all = newLimiter(t.Limits, a.now())
+		}
+		a.states[name] = st
+	}
+	return st
+}
+
+// lock returns the tenant's state, locked and not evicted.
+func (a *Admitter) lock(name string) *tenantState {
+	for {
+		st := a.state(name)
+		st.mu.Lock()
+		if !st.dead {
+			return st
+		}
+		st.mu.Unlock()
+	}
+}
+
+func newLimiter(l Limits, now time.Time) *limiter {
+	lm := &limiter{lim: l}
+	if l.RequestsPerSecond > 0 {
+		burst := l.Burst
+		if burst == 0 {
+			burst = max(1, int(math.Ceil(l.RequestsPerSecond)))
+		}
+		lm.rps = rate.NewLimiter(rate.Limit(l.RequestsPerSecond), burst)
+	}
+	if l.TokensPerMinute > 0 {
+		lm.tpm = newBudget(l.TokensPerMinute, now)
+	}
+	return lm
+}
+
+// check reports whether an estimate of est tokens can be admitted now; if
+// not, how long until it can (-1: unknown, waiting on a release).
+func (l *limiter) check(now time.Time, est int64) (time.Duration, Reason) {
+	if l.lim.MaxConcurrent > 0 && l.inflight >= l.lim.MaxConcurrent {
+		return -1, ReasonConcurrency
+	}
+	var wait time.Duration
+	var reason Reason
+	if l.rps != nil {
+		if tok := l.rps.TokensAt(now); tok < 1 {
+			wait = time.Duration((1 - tok) / float64(l.rps.Limit()) * float64(time.Second))
+			wait, reason = max(wait, time.Nanosecond), ReasonRequests
+		}
+	}
+	if l.tpm != nil {
+		if w := l.tpm.wait(now, est); w > wait {
+			wait, reason = w, ReasonTokens
+		}
+	}
+	return wait, reason
+}
+
+func (l *limiter) take(now time.Time, est int64) {
+	l.inflight++
+	if l.rps != nil {
+		l.rps.AllowN(now, 1)
+	}
+	if l.tpm != nil {
+		l.tpm.take(now, est)
+	}
+}
+
+func (l *limiter) release(now time.Time, reserved, actual int64) {
+	l.inflight--
+	if l.tpm != nil {
+		l.tpm.reconcile(now, reserved, actual)
+	}
+}
+
+// fresh reports that the limiter is as a new one would be: nothing in
+// flight and every bucket full.
+func (l *limiter) fresh(now time.Time) bool {
+	if l == nil {
+		return true
+	}
+	if l.inflight > 0 {
+		return false
+	}
+	if l.rps != nil && l.rps.TokensAt(now) < float64(l.rps.Burst()) {
+		return false
+	}
+	return l.tpm == nil || l.tpm.untilFull(now) <= 0
+}
+
+// routeLimiter returns the tenant's limiter for route, or nil.
+func (st *tenantState) routeLimiter(route string, now time.Time) *limiter {
+	l, ok := st.t.Routes[route]
+	if !ok || !l.any() {
+		return nil
+	}
+	if st.routes == nil {
+		st.routes = map[string]*limiter{}
+	}
+	rl := st.routes[route]
+	if rl == nil {
+		rl = newLimiter(l, now)
+		st.routes[route] = rl
+	}
+	return rl
+}
+
+// check combines the tenant's and the route's limits.
+func (st *tenantState) check(now time.Time, rl *limiter, est int64) (bool, time.Duration, Reason) {
+	ok, wait, reason := true, time.Duration(0), Reason("")
+	for _, l := range [2]*limiter{st.all, rl} {
+		if l == nil {
+			continue
+		}
+		w, r := l.check(now, est)
+		if w == 0 {
+			continue
+		}
+		if ok || w < 0 || (wait >= 0 && w > wait) {
+			wait, reason = w, r
+		}
+		ok = false
+	}
+	return ok, wait, reason
+}
+
+func (st *tenantState) take(now time.Time, rl *limiter, est int64) {
+	if st.all != nil {
+		st.all.take(now, est)
+	}
+	if rl != nil {
+		rl.take(now, est)
+	}
+	st.inflight.Add(1)
+}
+
+// Admit decides on one request of tenant (which must be configured) on
+// route, estimated to use est tokens. In queue mode it may wait, until
+// admitted, MaxWait has passed, or ctx is done (the client left).
+func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (*Ticket, *Refusal) {
+	st := a.lock(tenant)
+	now := a.now()
+	st.lastUse = now
+	rl := st.routeLimiter(route, now)
+	if len(st.queue) == 0 {
+		ok, wait, reason := st.check(now, rl, est)
+		if ok {
+			st.take(now, rl, est)
+			st.mu.Unlock()
+			return &Ticket{a: a, st: st, route: rl, reserved: est}, nil
+		}
+		if a.cfg.Mode != ModeQueue || wait > a.cfg.MaxWait {
+			st.mu.Unlock()
+			return nil, &Refusal{Reason: reason, RetryAfter: retryAfter(wait)}
+		}
+	}
+	if len(st.queue) >= a.cfg.MaxQueue {
+		st.mu.Unlock()
+		return nil, &Refusal{Reason: ReasonQueueFull, RetryAfter: time.Second}
+	}
+	w := &waiter{route: rl, est: est, ch: make(chan struct{})}
+	st.queue = append(st.queue, w)
+	st.queued.Add(1)
+	a.pumpLocked(st, now)
+	st.mu.Unlock()
+
+	timer := time.NewTimer(a.cfg.MaxWait)
+	defer timer.Stop()
+	reason := ReasonTimeout
+	select {
+	case <-w.ch:
+		return &Ticket{a: a, st: st, route: rl, reserved: est, Queued: a.now().Sub(now)}, nil
+	case <-ctx.Done():
+		reason = ReasonCancelled
+	case <-timer.C:
+	}
+	st.mu.Lock()
+	if w.admitted {
+		// Admitted in the same instant: a timed-out request uses its slot;
+		// a cancelled one gives back exactly what it was given.
+		st.mu.Unlock()
+		t := &Ticket{a: a, st: st, route: rl, reserved: est, Queued: a.now().Sub(now)}
+		if reason == ReasonTimeout {
+			return t, nil
+		}
+		t.Release(0)
+		return nil, &Refusal{Reason: reason, RetryAfter: time.Second, Queued: t.Queued}
+	}
+	for i, q := range st.queue {
+		if q == w {
+			st.queue = append(st.queue[:i], st.queue[i+1:]...)
+			st.queued.Add(-1)
+			break
+		}
+	}
+	a.pumpLocked(st, a.now()) // the head may have changed
+	wait := time.Second
+	if ok, w2, _ := st.check(a.now(), rl, est); !ok {
+		wait = retryAfter(w2)
+	}
+	st.mu.Unlock()
+	return nil, &Refusal{Reason: reason, RetryAfter: wait, Queued: a.now().Sub(now)}
+}
+
+func retryAfter(wait time.Duration) time.Duration {
+	if wait <= 0 {
+		return time.Second
+	}
+	return wait
+}
+
+// pumpLocked admits queued requests in order while the limits allow, and
+// otherwise arranges to try again when the head could pass. st is locked.
+func (a *Admitter) pumpLocked(st *tenantState, now time.Time) {
+	for len(st.queue) > 0 {
+		w := st.queue[0]
+		ok, wait, _ := st.check(now, w.route, w.est)
+		if !ok {
+			if wait > 0 {
+				if st.timer != nil {
+					st.timer.Stop()
+				}
+				st.timer = time.AfterFunc(wait, func() {
+					st.mu.Lock()
+					a.pumpLocked(st, a.now())
+					st.mu.Unlock()
+				})
+			}
+			return // waiting on a release otherwise
+		}
+		st.take(now, w.route, w.est)
+		st.queue[0] = nil
+		st.queue = st.queue[1:]
+		st.queued.Add(-1)
+		w.admitted = true
+		close(w.ch)
+	}
+}
+
+// Release ends an admitted request: its concurrency slot is freed and its
+// token reservation replaced by actual, the tokens it really used (input
+// and output; 0 when nothing reached the model). It may be called more than
+// once and on a nil Ticket; only the first call counts.
+func (t *Ticket) Release(actual int64) {
+	if t == nil || !t.released.CompareAndSwap(false, true) {
+		return
+	}
+	st := t.st
+	st.mu.Lock()
+	now := t.a.now()
+	if st.all != nil {
+		st.all.release(now, t.reserved, actual)
+	}
+	if t.route != nil {
+		t.route.release(now, t.reserved, actual)
+	}
+	st.inflight.Add(-1)
+	st.lastUse = now
+	t.a.pumpLocked(st, now)
+	st.mu.Unlock()
+}
+
+// Quota is one limit as the x-ratelimit-* headers describe it.
+type Quota struct {
+	Set       bool
+	Limit     int64
+	Remaining int64
+	Reset     time.Duration // until the limit is back to full
+}
+
+// Quotas returns the tenant's request and token quotas, from its own
+// limits or, when it has none, from route's.
+func (a *Admitter) Quotas(tenant, route string) (requests, tokens Quota) {
+	st := a.lock(tenant)
+	defer st.mu.Unlock()
+	now := a.now()
+	l := st.all
+	if l == nil {
+		l = st.routeLimiter(route, now)
+	}
+	if l == nil {
+		return
+	}
+	if l.rps != nil {
+		b := float64(l.rps.Burst())
+		tok := max(0, l.rps.TokensAt(now))
+		requests = Quota{Set: true, Limit: int64(b), Remaining: int64(tok),
+			Reset: time.Duration((b - min(b, tok)) / float64(l.rps.Limit()) * float64(time.Second))}
+	}
+	if l.tpm != nil {
+		tokens = Quota{Set: true, Limit: int64(l.tpm.capacity), Remaining: max(0, int64(l.tpm.level)), Reset: l.tpm.untilFull(now)}
+	}
+	return
+}
+
+// Stats returns the requests in flight and queued of a tenant (0 when its
+// state is not held).
+func (a *Admitter) Stats(tenant string) (inflight, queued int64) {
+	a.mu.Lock()
+	st := a.states[tenant]
+	a.mu.Unlock()
+	if st == nil {
+		return 0, 0
+	}
+	return st.inflight.Load(), st.queued.Load()
+}
+
+// Tracked returns the number of tenants whose state is held.
+func (a *Admitter) Tracked() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.states)
+}
+
+func (a *Admitter) evictLoop() {
+	defer close(a.done)
+	tick := time.NewTicker(max(a.cfg.IdleTTL/2, 100*time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-a.stop:
+			return
+		case <-tick.C:
+			a.Evict()
+		}
+	}
+}
+
+// Evict drops the state of tenants idle for IdleTTL whose limiters have
+// refilled: a fresh state then gives exactly what the old one would have,
+// so eviction never hands an over-limit tenant an early burst. It runs
+// periodically; tests call it directly.
+func (a *Admitter) Evict() int {
+	now := a.now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := 0
+	for name, st := range a.states {
+		st.mu.Lock()
+		if len(st.queue) == 0 && now.Sub(st.lastUse) >= a.cfg.IdleTTL && st.all.fresh(now) && routesFresh(st, now) {
+			st.dead = true
+			delete(a.states, name)
+			n++
+		}
+		st.mu.Unlock()
+	}
+	return n
+}
+
+func routesFresh(st *tenantState, now time.Time) bool {
+	for _, l := range st.routes {
+		if !l.fresh(now) {
+			return false
+		}
+	}
+	return true
+}

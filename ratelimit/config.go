@@ -1,0 +1,170 @@
+// Package ratelimit is tokentap's admission control: it maps API keys to
+// tenants and decides, per tenant (and optionally per tenant and route),
+// whether a request may go upstream now, must wait in the tenant's queue,
+// or is refused. It knows nothing of HTTP: it takes a tenant, a route, a
+// token estimate and a context, and returns a Ticket or a Refusal with the
+// wait after which a retry can succeed.
+//
+// Three limits, each optional: requests per second with a burst
+// (golang.org/x/time/rate); tokens per minute, where a request reserves its
+// estimate before it is forwarded and the reservation is reconciled with the
+// real usage when it ends (Ticket.Release); and concurrent requests, held
+// until the response's last byte.
+//
+//	a := ratelimit.New(cfg, time.Now, nil)
+//	t, refusal := a.Admit(ctx, "alpha", "chat", estimate)
+//	if refusal != nil { /* 429 with refusal.RetryAfter */ }
+//	defer t.Release(actualTokens)
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Limits are one set of limits; a zero field means "no limit".
+type Limits struct {
+	// RequestsPerSecond is the sustained request rate; Burst the requests
+	// allowed at once (default: RequestsPerSecond rounded up, at least 1).
+	RequestsPerSecond float64
+	Burst             int
+	// TokensPerMinute is the token budget: input and output tokens together,
+	// refilled continuously.
+	TokensPerMinute int64
+	// MaxConcurrent bounds requests in flight; a stream counts until its
+	// last byte.
+	MaxConcurrent int
+}
+
+func (l Limits) any() bool {
+	return l.RequestsPerSecond > 0 || l.TokensPerMinute > 0 || l.MaxConcurrent > 0
+}
+
+// Tenant is one configured tenant.
+type Tenant struct {
+	Name string
+	// Keys are API keys in plain text; KeySHA256 are hex SHA-256 digests of
+	// keys, so a config can name keys without holding them.
+	Keys      []string
+	KeySHA256 []string
+	Limits    Limits
+	// Routes holds limits that apply to the tenant's requests on one route,
+	// in addition to Limits.
+	Routes map[string]Limits
+}
+
+// Mode says what happens to a request over a limit.
+type Mode string
+
+const (
+	// ModeReject refuses at once (429 with Retry-After).
+	ModeReject Mode = "reject"
+	// ModeQueue waits in the tenant's queue, up to MaxWait, then refuses.
+	ModeQueue Mode = "queue"
+)
+
+// Config is the admission part of tokentap's configuration.
+type Config struct {
+	Tenants []Tenant
+	Mode    Mode
+	// MaxQueue bounds each tenant's queue; MaxWait the time a request may
+	// spend in it.
+	MaxQueue int
+	MaxWait  time.Duration
+	// UnknownKey is the tenant that absorbs requests with an unknown or no
+	// key; empty means refuse them (401).
+	UnknownKey string
+	// TrustedTenantHeader, when set, names the request header that carries
+	// the tenant (set by an authenticating gateway in front); keys are then
+	// not looked at.
+	TrustedTenantHeader string
+	// IdleTTL is how long the limiter state of an idle tenant is kept
+	// (default 10 minutes). State is only dropped once it has refilled, so
+	// dropping it never gives a tenant more than waiting would have.
+	IdleTTL time.Duration
+}
+
+// Validate checks c; errors name the field (tenants[i].field).
+func (c *Config) Validate() error {
+	if len(c.Tenants) == 0 {
+		return errors.New("tenants: at least one tenant is required for admission control")
+	}
+	switch c.Mode {
+	case ModeReject, ModeQueue:
+	default:
+		return fmt.Errorf("admission.mode: %q must be reject or queue", c.Mode)
+	}
+	if c.Mode == ModeQueue && (c.MaxQueue <= 0 || c.MaxWait <= 0) {
+		return errors.New("admission.max_queue and admission.max_wait: must be positive in queue mode")
+	}
+	if c.MaxQueue < 0 || c.MaxWait < 0 || c.IdleTTL < 0 {
+		return errors.New("admission: max_queue, max_wait and idle_ttl must not be negative")
+	}
+	names := map[string]bool{}
+	keys := map[string]string{}
+	for i, t := range c.Tenants {
+		f := func(field string) string { return fmt.Sprintf("tenants[%d].%s", i, field) }
+		if t.Name == "" {
+			return fmt.Errorf("%s: must not be empty", f("name"))
+		}
+		if names[t.Name] {
+			return fmt.Errorf("%s: duplicate tenant %q", f("name"), t.Name)
+		}
+		names[t.Name] = true
+		if err := t.Limits.validate(f); err != nil {
+			return err
+		}
+		for route, l := range t.Routes {
+			if err := l.validate(func(field string) string { return f("routes." + route + "." + field) }); err != nil {
+				return err
+			}
+		}
+		for j, k := range t.Keys {
+			if k == "" {
+				return fmt.Errorf("%s: must not be empty", f(fmt.Sprintf("keys[%d]", j)))
+			}
+			if other, dup := keys[k]; dup {
+				return fmt.Errorf("%s: key also given to tenant %q", f(fmt.Sprintf("keys[%d]", j)), other)
+			}
+			keys[k] = t.Name
+		}
+		for j, h := range t.KeySHA256 {
+			if !isHexDigest(h) {
+				return fmt.Errorf("%s: must be 64 hex digits", f(fmt.Sprintf("key_sha256[%d]", j)))
+			}
+		}
+	}
+	if c.UnknownKey != "" && c.UnknownKey != "reject" && !names[c.UnknownKey] {
+		return fmt.Errorf("admission.unknown_key: %q is neither reject nor a tenant", c.UnknownKey)
+	}
+	return nil
+}
+
+func (l Limits) validate(f func(string) string) error {
+	switch {
+	case l.RequestsPerSecond < 0:
+		return fmt.Errorf("%s: must not be negative", f("requests_per_second"))
+	case l.Burst < 0:
+		return fmt.Errorf("%s: must not be negative", f("burst"))
+	case l.Burst > 0 && l.RequestsPerSecond == 0:
+		return fmt.Errorf("%s: needs requests_per_second", f("burst"))
+	case l.TokensPerMinute < 0:
+		return fmt.Errorf("%s: must not be negative", f("tokens_per_minute"))
+	case l.MaxConcurrent < 0:
+		return fmt.Errorf("%s: must not be negative", f("max_concurrent"))
+	}
+	return nil
+}
+
+func isHexDigest(s string) bool {
+	if len(s) != 64 {
+		return false
+	}
+	for _, c := range s {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F') {
+			return false
+		}
+	}
+	return true
+}
