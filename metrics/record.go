@@ -92,8 +92,10 @@ type Record struct {
 	BytesOut     int64  // response body bytes to the client
 	Items        int    // results of a non-generating call (embeddings)
 
-	// Series are the metric handles chosen for this request, if any.
-	Series *Series
+	// Series and TenantSeries are the metric handles chosen for this
+	// request, if any.
+	Series       *Series
+	TenantSeries *TenantSeries
 }
 
 // Reset clears r for reuse, with every timing Absent.

@@ -42,6 +42,7 @@ type Set struct {
 	series [][]*Series // [route][model]; the last model is "other"
 	// unmatched counts requests that matched no route or could not be parsed.
 	unmatched *Series
+	tenants   map[string]*TenantSeries
 }
 
 // UnmatchedRoute is the route label of requests that matched no route.
@@ -137,6 +138,9 @@ func (x *Series) ITL(gap time.Duration) { x.itl.Update(gap.Seconds()) }
 // without one are ignored). ITL gaps are not repeated here: they were
 // recorded live through ITL.
 func (s *Set) Observe(r *Record) {
+	if r.TenantSeries != nil {
+		r.TenantSeries.observe(r)
+	}
 	x := r.Series
 	if x == nil {
 		return

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 )
 
@@ -77,6 +78,11 @@ type Config struct {
 	// MaxEventBytes bounds the bytes kept of one SSE event or NDJSON line, and
 	// of a non-streamed body read for its usage.
 	MaxEventBytes int
+	// Admission is the admission control; nil means off.
+	Admission *ratelimit.Config
+	// DefaultMaxOutput is the output a request reserves of its token budget
+	// when it declares no limit (default 1024).
+	DefaultMaxOutput int
 }
 
 // Validate checks c and names the field at fault.
@@ -110,6 +116,21 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxEventBytes < 0 {
 		return errors.New("max_event_bytes: must not be negative")
+	}
+	if c.DefaultMaxOutput < 0 {
+		return errors.New("admission.default_max_output: must not be negative")
+	}
+	if c.Admission != nil {
+		if err := c.Admission.Validate(); err != nil {
+			return err
+		}
+		for i, t := range c.Admission.Tenants {
+			for route := range t.Routes {
+				if !names[route] {
+					return fmt.Errorf("tenants[%d].routes.%s: no route has this name", i, route)
+				}
+			}
+		}
 	}
 	return nil
 }

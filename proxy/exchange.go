@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -69,6 +70,12 @@ type exchange struct {
 	items        int
 	timings      dialect.Timings
 	streamError  bool
+
+	// Admission control.
+	tenant    string
+	ticket    *ratelimit.Ticket
+	estIn     int64 // estimated input tokens
+	responded bool  // the upstream answered with headers
 
 	bytesOut int64
 	readErr  error // an upstream read error, returned again on every Read
@@ -475,6 +482,7 @@ func (x *exchange) finish(writeErr error) {
 		}
 	}
 	x.fillRecord(now)
+	x.releaseTicket()
 	if x.client != nil {
 		rec.ClientRTT = clientRTT(x.client)
 	}
@@ -548,11 +556,26 @@ func (x *exchange) fillRecord(now time.Time) {
 
 // cancelState ties the exchange's upstream connection to the peer watch:
 // when the client goes, the connection is closed, which interrupts any
-// read or write on it and cancels the request at the backend.
+// read or write on it and cancels the request at the backend; a request
+// waiting for admission sees done closed.
 type cancelState struct {
 	mu   sync.Mutex
 	gone bool
 	conn net.Conn
+	done chan struct{}
+}
+
+// doneChan returns a channel closed when the client has gone.
+func (c *cancelState) doneChan() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.done == nil {
+		c.done = make(chan struct{})
+		if c.gone {
+			close(c.done)
+		}
+	}
+	return c.done
 }
 
 // attach makes conn the one to close on cancel; false if already cancelled.
@@ -576,6 +599,9 @@ func (c *cancelState) detach() {
 func (c *cancelState) fire() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if !c.gone && c.done != nil {
+		close(c.done)
+	}
 	c.gone = true
 	if c.conn != nil {
 		_ = c.conn.Close()

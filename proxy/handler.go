@@ -60,13 +60,21 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		p.fail(ctx, x, fasthttp.StatusBadRequest, metrics.OutcomeBadRequest, "model_not_allowed", "this model is not served here")
 		return
 	}
-	rec.Queue = 0 // no admission control yet
+	rec.Queue = 0
 
-	// From here on a client that goes away cancels the upstream request.
+	// From here on a client that goes away cancels the request, queued or
+	// upstream.
 	x.client = ctx.Conn()
 	x.watch = watchPeer(x.client, x.cancel.fire)
+	if snap.admit != nil && !p.admit(ctx, x, body) {
+		return
+	}
 
 	prepareRequest(ctx, x.req, r, x.id)
+	x.req.Header.Del(tenantHeader)
+	if x.tenant != "" {
+		x.req.Header.Set(tenantHeader, x.tenant)
+	}
 	if r.InjectUsage && x.dialect == dialect.OpenAI && req.Stream {
 		if b, ok := dialect.InjectIncludeUsage(x.injected[:0], body); ok {
 			// The one case where tokentap changes bytes: the upstream is
@@ -95,6 +103,7 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	}
 
 	resp := x.resp
+	x.responded = true
 	rec.Status = resp.StatusCode()
 	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
 		if t := hr.Header(resp.Header.Peek); t.Set {
@@ -102,6 +111,9 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	copyResponseHeader(resp, &ctx.Response.Header, x.id)
+	if x.ticket != nil {
+		setQuotaHeaders(&ctx.Response.Header, snap.admit, x.tenant, r.Name)
+	}
 	body0 := resp.BodyStream()
 	if body0 == nil {
 		// No body (HEAD, 204, 304): the exchange is over.

@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -59,10 +60,11 @@ type Options struct {
 // Proxy is the relay. It is safe for concurrent use; its configuration can
 // be swapped with Apply while requests are in flight.
 type Proxy struct {
-	opts Options
-	now  func() time.Time
-	log  *zap.Logger
-	snap atomic.Pointer[snapshot]
+	opts    Options
+	now     func() time.Time
+	log     *zap.Logger
+	snap    atomic.Pointer[snapshot]
+	applyMu sync.Mutex // one Apply at a time
 
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
@@ -75,6 +77,7 @@ type snapshot struct {
 	cfg     Config
 	routes  []*route // by descending prefix length
 	metrics *metrics.Set
+	admit   *ratelimit.Admitter // nil: admission control off
 }
 
 type route struct {
@@ -115,11 +118,16 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 // Apply validates cfg and swaps it in atomically. Requests in flight finish
 // on the generation they started with.
 func (p *Proxy) Apply(cfg Config) error {
+	p.applyMu.Lock()
+	defer p.applyMu.Unlock()
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
 	if cfg.MaxEventBytes == 0 {
 		cfg.MaxEventBytes = 1 << 20
+	}
+	if cfg.DefaultMaxOutput == 0 {
+		cfg.DefaultMaxOutput = 1024
 	}
 	s := &snapshot{cfg: cfg}
 	names := make([]string, len(cfg.Routes))
@@ -133,6 +141,25 @@ func (p *Proxy) Apply(cfg Config) error {
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
 	s.metrics = metrics.NewSet(names, cfg.Models)
+	old := p.snap.Load()
+	if cfg.Admission != nil {
+		var prev *ratelimit.Admitter
+		if old != nil {
+			prev = old.admit
+		}
+		s.admit = ratelimit.New(*cfg.Admission, p.now, prev)
+		tenants := make([]string, len(cfg.Admission.Tenants))
+		for i, t := range cfg.Admission.Tenants {
+			tenants[i] = t.Name
+		}
+		reasons := make([]string, len(ratelimit.Reasons))
+		for i, r := range ratelimit.Reasons {
+			reasons[i] = string(r)
+		}
+		s.metrics.AddTenants(tenants, reasons, s.admit.Stats)
+	} else if old != nil && old.admit != nil {
+		old.admit.Close()
+	}
 	s.metrics.Register()
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
@@ -146,6 +173,9 @@ func (p *Proxy) Apply(cfg Config) error {
 // Close releases idle upstream connections and unregisters metrics.
 func (p *Proxy) Close() {
 	if s := p.snap.Load(); s != nil {
+		if s.admit != nil {
+			s.admit.Close()
+		}
 		s.metrics.Unregister()
 		for _, r := range s.routes {
 			r.up.closeIdle()

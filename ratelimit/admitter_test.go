@@ -413,7 +413,7 @@ func TestReloadKeepsStateOfUnchangedTenants(t *testing.T) {
 	if _, ref := b.Admit(context.Background(), "changed", "r", 0); ref != nil {
 		t.Fatalf("changed tenant kept the old state: %+v", ref)
 	}
-	held.Release(0) // a request admitted before the reload releases into the new one
+	held.Release(0)                        // a request admitted before the reload releases into the new one
 	if in, _ := b.Stats("same"); in != 1 { // held and one more were in flight
 		t.Fatalf("in flight after release: %d", in)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy"
+	"github.com/tokentap/tokentap/ratelimit"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -24,6 +25,8 @@ type fileConfig struct {
 	Models    fileModels     `yaml:"models"`
 	Timeouts  fileTimeouts   `yaml:"timeouts"`
 	Limits    fileLimits     `yaml:"limits"`
+	Tenants   []fileTenant   `yaml:"tenants"`
+	Admission fileAdmission  `yaml:"admission"`
 	lines     map[string]int // field path → line, for validation errors
 }
 
@@ -35,6 +38,35 @@ type fileRoute struct {
 	Dialect     string        `yaml:"dialect"`
 	InjectUsage bool          `yaml:"inject_usage"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
+}
+
+type fileTenant struct {
+	Name         string   `yaml:"name"`
+	Keys         []string `yaml:"keys"`
+	KeySHA256    []string `yaml:"key_sha256"`
+	fileLimitSet `yaml:",inline"`
+	Routes       map[string]fileLimitSet `yaml:"routes"`
+}
+
+type fileLimitSet struct {
+	RequestsPerSecond float64 `yaml:"requests_per_second"`
+	Burst             int     `yaml:"burst"`
+	TokensPerMinute   int64   `yaml:"tokens_per_minute"`
+	MaxConcurrent     int     `yaml:"max_concurrent"`
+}
+
+func (l fileLimitSet) limits() ratelimit.Limits {
+	return ratelimit.Limits{RequestsPerSecond: l.RequestsPerSecond, Burst: l.Burst, TokensPerMinute: l.TokensPerMinute, MaxConcurrent: l.MaxConcurrent}
+}
+
+type fileAdmission struct {
+	Mode                string   `yaml:"mode"`
+	MaxQueue            *int     `yaml:"max_queue"`
+	MaxWait             duration `yaml:"max_wait"`
+	UnknownKey          string   `yaml:"unknown_key"`
+	TrustedTenantHeader string   `yaml:"trusted_tenant_header"`
+	DefaultMaxOutput    int      `yaml:"default_max_output"`
+	IdleTTL             duration `yaml:"idle_ttl"`
 }
 
 type fileModels struct {
@@ -255,6 +287,37 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 	}
 	s.opts.MaxRequestBodySize = int(fc.Limits.MaxRequestBody)
 	s.opts.ClientWriteTimeout = fc.Limits.ClientWriteTimeout.d
+
+	if len(fc.Tenants) > 0 {
+		ad := &ratelimit.Config{
+			Mode: ratelimit.Mode(fc.Admission.Mode), MaxQueue: 100, MaxWait: 2 * time.Second,
+			UnknownKey: fc.Admission.UnknownKey, TrustedTenantHeader: fc.Admission.TrustedTenantHeader,
+			IdleTTL: fc.Admission.IdleTTL.d,
+		}
+		if ad.Mode == "" {
+			ad.Mode = ratelimit.ModeReject
+		}
+		if fc.Admission.MaxQueue != nil {
+			ad.MaxQueue = *fc.Admission.MaxQueue
+		}
+		if fc.Admission.MaxWait.set {
+			ad.MaxWait = fc.Admission.MaxWait.d
+		}
+		for _, t := range fc.Tenants {
+			rt := ratelimit.Tenant{Name: t.Name, Keys: t.Keys, KeySHA256: t.KeySHA256, Limits: t.limits()}
+			if len(t.Routes) > 0 {
+				rt.Routes = map[string]ratelimit.Limits{}
+				for route, l := range t.Routes {
+					rt.Routes[route] = l.limits()
+				}
+			}
+			ad.Tenants = append(ad.Tenants, rt)
+		}
+		s.proxy.Admission = ad
+		s.proxy.DefaultMaxOutput = fc.Admission.DefaultMaxOutput
+	} else if fc.lines["admission"] > 0 {
+		return nil, fmt.Errorf("%s: admission needs a tenants section", where("admission"))
+	}
 
 	if err := s.proxy.Validate(); err != nil {
 		// Validate names routes[i].field; add the file line when known.

@@ -105,3 +105,45 @@ func TestDemoRuns(t *testing.T) {
 		}
 	}
 }
+
+func TestTenantsConfigLoads(t *testing.T) {
+	s, err := parseFlags([]string{"-config", "../../configs/tenants.yaml"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ad := s.proxy.Admission
+	if ad == nil || len(ad.Tenants) != 3 || ad.Mode != "queue" || ad.MaxQueue != 100 || ad.MaxWait != 2*time.Second || ad.UnknownKey != "guests" {
+		t.Fatalf("admission: %+v", ad)
+	}
+	a := ad.Tenants[0]
+	if a.Limits.RequestsPerSecond != 5 || a.Limits.Burst != 5 || a.Limits.TokensPerMinute != 20000 || a.Limits.MaxConcurrent != 4 ||
+		a.Routes["chat"].MaxConcurrent != 2 || len(a.KeySHA256) != 1 || s.proxy.DefaultMaxOutput != 1024 {
+		t.Fatalf("tenant alpha: %+v", a)
+	}
+	if b := ad.Tenants[1]; b.Limits.MaxConcurrent != 0 || b.Limits.RequestsPerSecond != 1 {
+		t.Fatalf("absent limits must be off: %+v", b)
+	}
+}
+
+func TestTenantConfigErrorsNameTheField(t *testing.T) {
+	f := func(yaml string, want ...string) {
+		t.Helper()
+		_, err := parseFlags([]string{"-upstream", "http://x", "-config", writeFile(t, yaml)})
+		if err == nil {
+			t.Fatalf("no error for %q", yaml)
+		}
+		for _, w := range want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("error %q lacks %q", err, w)
+			}
+		}
+	}
+	f("tenants:\n  - name: a\n    requests_per_second: -1\n", ":3:", "tenants[0].requests_per_second")
+	f("tenants:\n  - name: a\n    rps: 1\n", ":3:", "unknown field rps")
+	f("tenants:\n  - name: a\nadmission:\n  mode: drop\n", ":4:", "admission.mode")
+	f("tenants:\n  - name: a\nadmission:\n  unknown_key: nobody\n", ":4:", "admission.unknown_key")
+	f("tenants:\n  - name: a\n    key_sha256: [abc]\n", ":3:", "tenants[0].key_sha256[0]")
+	f("tenants:\n  - name: a\n    routes:\n      nosuch:\n        max_concurrent: 1\n", "tenants[0].routes.nosuch", "no route")
+	f("admission:\n  mode: queue\n", ":1:", "admission", "tenants")
+	f("tenants:\n  - name: a\nadmission:\n  max_wait: soon\n", ":4:", "admission.max_wait")
+}

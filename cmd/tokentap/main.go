@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 	"time"
 
@@ -98,6 +99,27 @@ func run(args []string, stop <-chan struct{}) error {
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
+	// reload re-reads the config with the same flags, validates it fully and
+	// swaps it in; a bad file keeps the running config. Streams in flight
+	// finish on the config they started with.
+	var reloadMu sync.Mutex
+	reload := func() error {
+		reloadMu.Lock()
+		defer reloadMu.Unlock()
+		next, err := parseFlags(args)
+		if err == nil {
+			err = p.Apply(next.proxy)
+		}
+		if err != nil {
+			logger.Error("config reload failed, keeping the running config", zap.Error(err))
+			return err
+		}
+		if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog {
+			logger.Warn("listen, admin and access_log take effect only on restart")
+		}
+		logger.Info("config reloaded", zap.Int("routes", len(next.proxy.Routes)))
+		return nil
+	}
 	srv := p.Server()
 	go func() {
 		if err := srv.Serve(ln); err != nil {
@@ -111,18 +133,27 @@ func run(args []string, stop <-chan struct{}) error {
 			_ = srv.Shutdown()
 			return fmt.Errorf("admin: %w", err)
 		}
-		admin = &fasthttp.Server{Handler: adminHandler, Name: "tokentap-admin"}
+		admin = &fasthttp.Server{Handler: adminHandler(reload), Name: "tokentap-admin"}
 		go func() { _ = admin.Serve(aln) }()
 	}
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
 		zap.Int("routes", len(s.proxy.Routes)))
 
 	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	defer signal.Stop(sig)
-	select {
-	case <-sig:
-	case <-stop:
+wait:
+	for {
+		select {
+		case got := <-sig:
+			if got == syscall.SIGHUP {
+				_ = reload()
+				continue
+			}
+			break wait
+		case <-stop:
+			break wait
+		}
 	}
 	logger.Info("draining")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -150,17 +181,32 @@ func openLog(path string) (zapcore.WriteSyncer, func(), error) {
 	return zapcore.Lock(f), func() { _ = f.Close() }, nil
 }
 
-// adminHandler serves /metrics (Prometheus text) and /healthz.
-func adminHandler(ctx *fasthttp.RequestCtx) {
-	switch string(ctx.Path()) {
-	case "/metrics":
-		ctx.SetContentType("text/plain; version=0.0.4")
-		vm.WritePrometheus(ctx, true)
-	case "/healthz":
-		ctx.SetContentType("text/plain")
-		ctx.SetBodyString("ok\n")
-	default:
-		ctx.SetStatusCode(fasthttp.StatusNotFound)
-		ctx.SetBodyString("not found\n")
+// adminHandler serves /metrics (Prometheus text), /healthz and
+// POST /-/reload.
+func adminHandler(reload func() error) fasthttp.RequestHandler {
+	return func(ctx *fasthttp.RequestCtx) {
+		switch string(ctx.Path()) {
+		case "/metrics":
+			ctx.SetContentType("text/plain; version=0.0.4")
+			vm.WritePrometheus(ctx, true)
+		case "/healthz":
+			ctx.SetContentType("text/plain")
+			ctx.SetBodyString("ok\n")
+		case "/-/reload":
+			if !ctx.IsPost() {
+				ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
+				ctx.SetBodyString("use POST\n")
+				return
+			}
+			if err := reload(); err != nil {
+				ctx.SetStatusCode(fasthttp.StatusBadRequest)
+				ctx.SetBodyString("reload failed, running config kept: " + err.Error() + "\n")
+				return
+			}
+			ctx.SetBodyString("reloaded\n")
+		default:
+			ctx.SetStatusCode(fasthttp.StatusNotFound)
+			ctx.SetBodyString("not found\n")
+		}
 	}
 }

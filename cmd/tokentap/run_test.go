@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -105,5 +106,118 @@ func TestRunEndToEnd(t *testing.T) {
 	}
 	if len(lines) != 1 || lines[0]["output_tokens"] != float64(5) || lines[0]["tokens_source"] != "usage" || lines[0]["ttft_ms"] == nil {
 		t.Fatalf("access log: %v", lines)
+	}
+}
+
+// Reload by POST /-/reload and by SIGHUP: a good file is swapped in, a bad
+// one keeps the running config and says why, a stream in flight is not
+// dropped, and a tenant at its limit stays there.
+func TestReload(t *testing.T) {
+	backend := &http.Server{Handler: mockllm.New(mockllm.Options{TokenGap: 20 * time.Millisecond, PrefillBase: time.Millisecond})}
+	bln, _ := net.Listen("tcp", "127.0.0.1:0")
+	go backend.Serve(bln)
+	defer backend.Close()
+	up := "http://" + bln.Addr().String()
+
+	cfgPath := filepath.Join(t.TempDir(), "tokentap.yaml")
+	write := func(s string) {
+		if err := os.WriteFile(cfgPath, []byte(s), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := "routes:\n  - name: a\n    prefix: /v1/\n    upstream: " + up + "\n" +
+		"tenants:\n  - name: t\n    keys: [k]\n    requests_per_second: 0.01\n    burst: 4\n"
+	write(base)
+	listen, admin := freeAddr(t), freeAddr(t)
+	stop := make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- run([]string{"-config", cfgPath, "-listen", listen, "-admin", admin, "-access-log", ""}, stop)
+	}()
+	defer func() {
+		close(stop)
+		<-done
+	}()
+	waitUp(t, "http://"+admin+"/healthz")
+
+	post := func(path string) int {
+		req, _ := http.NewRequest("POST", "http://"+listen+path, strings.NewReader(`{"stream":true,"max_tokens":3}`))
+		req.Header.Set("Authorization", "Bearer k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	reload := func() (int, string) {
+		resp, err := http.Post("http://"+admin+"/-/reload", "", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode, string(b)
+	}
+	if post("/v1/chat/completions") != 200 || post("/v1/chat/completions") != 200 || post("/other/v1/chat/completions") != 404 {
+		t.Fatal("before reload")
+	}
+
+	// A long stream in flight across the reload.
+	streamDone := make(chan string, 1)
+	go func() {
+		req, _ := http.NewRequest("POST", "http://"+listen+"/v1/chat/completions", strings.NewReader(`{"stream":true,"max_tokens":20}`))
+		req.Header.Set("Authorization", "Bearer k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			streamDone <- err.Error()
+			return
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			streamDone <- err.Error()
+			return
+		}
+		streamDone <- string(b)
+	}()
+	time.Sleep(50 * time.Millisecond)
+
+	write("routes:\n  - name: a\n    prefix: /v1/\n    upstream: " + up + "\n  - name: b\n    prefix: /other\n    strip_prefix: true\n    upstream: " + up + "\n" +
+		"tenants:\n  - name: t\n    keys: [k]\n    requests_per_second: 0.01\n    burst: 4\n")
+	if code, body := reload(); code != 200 {
+		t.Fatalf("reload: %d %s", code, body)
+	}
+	if post("/other/v1/chat/completions") != 200 { // the new route works; tenant t had one of its 4 requests left
+		t.Fatal("new route not served after reload")
+	}
+	if code := post("/v1/chat/completions"); code != 429 {
+		t.Fatalf("tenant at its limit got %d after reload: its limiter state was reset", code)
+	}
+	if s := <-streamDone; !strings.HasSuffix(s, "data: [DONE]\n\n") {
+		t.Fatalf("stream across the reload: %q", s)
+	}
+
+	write("routes:\n  - name: a\n    prefix: v1\n")
+	code, body := reload()
+	if code != 400 || !strings.Contains(body, "routes[0].prefix") {
+		t.Fatalf("bad reload: %d %s", code, body)
+	}
+	if post("/other/v1/chat/completions") != 429 { // still the last good config (and t is limited)
+		t.Fatal("bad file replaced the running config")
+	}
+
+	// SIGHUP takes the same path.
+	write("routes:\n  - name: a\n    prefix: /v1/\n    upstream: " + up + "\n")
+	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for post("/other/v1/chat/completions") != 404 { // no tenants any more, and no /other route
+		if time.Now().After(deadline) {
+			t.Fatal("SIGHUP did not reload")
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -230,3 +230,24 @@ func (genericDialect) Event(_, data []byte) Obs {
 }
 
 func (genericDialect) Body([]byte) Obs { return Obs{} }
+
+// maxOutputPaths are where the APIs put the output limit of a request.
+var maxOutputPaths = []string{"max_tokens", "max_completion_tokens", "max_output_tokens",
+	"generationConfig.maxOutputTokens", "options.num_predict", "parameters.max_new_tokens", "n_predict"}
+
+// MaxOutputTokens returns the output limit a JSON request body declares
+// (max_tokens, max_completion_tokens, max_output_tokens, Gemini's
+// generationConfig.maxOutputTokens, Ollama's options.num_predict, TGI's
+// parameters.max_new_tokens, llama.cpp's n_predict), or 0.
+func MaxOutputTokens(body []byte) int {
+	s := object(body)
+	if s == "" {
+		return 0
+	}
+	for _, p := range maxOutputPaths {
+		if v := gjson.Get(s, p); v.Type == gjson.Number && v.Int() > 0 {
+			return int(v.Int())
+		}
+	}
+	return 0
+}

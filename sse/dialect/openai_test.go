@@ -84,3 +84,16 @@ func BenchmarkOpenAIEvent(b *testing.B) {
 		OpenAI.Event(nil, data)
 	}
 }
+
+func TestMaxOutputTokens(t *testing.T) {
+	for body, want := range map[string]int{
+		`{"max_tokens":100}`: 100, `{"max_completion_tokens":7}`: 7, `{"max_output_tokens":9}`: 9,
+		`{"generationConfig":{"maxOutputTokens":11}}`: 11, `{"options":{"num_predict":12}}`: 12,
+		`{"parameters":{"max_new_tokens":13}}`: 13, `{"n_predict":14}`: 14,
+		`{"max_tokens":-1,"n_predict":5}`: 5, `{}`: 0, `nope`: 0, `{"max_tokens":"100"}`: 0,
+	} {
+		if got := MaxOutputTokens([]byte(body)); got != want {
+			t.Errorf("%s: %d, want %d", body, got, want)
+		}
+	}
+}

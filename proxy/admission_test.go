@@ -1,0 +1,295 @@
+package proxy
+
+import (
+	"bytes"
+	"io"
+
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	vm "github.com/VictoriaMetrics/metrics"
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/ratelimit"
+)
+
+func withTenants(mode ratelimit.Mode, tenants ...ratelimit.Tenant) func(*Config) {
+	return func(c *Config) {
+		c.Admission = &ratelimit.Config{Tenants: tenants, Mode: mode, MaxQueue: 10, MaxWait: time.Second}
+	}
+}
+
+func postKey(t *testing.T, url, key, body string) (*http.Response, []byte) {
+	t.Helper()
+	req := mustReq(t, "POST", url, body)
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	return resp, b
+}
+
+func TestTenantsFromKeys(t *testing.T) {
+	var seenTenant atomic.Value
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		seenTenant.Store(r.Header.Get("X-Tokentap-Tenant"))
+		io.WriteString(w, `{"usage":{"prompt_tokens":1,"completion_tokens":1}}`)
+	})
+	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeReject,
+		ratelimit.Tenant{Name: "alpha", Keys: []string{"sk-alpha-secret"}, Limits: Limits1000()}))
+
+	resp, body := postKey(t, tp.url+"/v1/chat/completions", "sk-wrong", `{}`)
+	if resp.StatusCode != 401 || !strings.Contains(string(body), "invalid_api_key") {
+		t.Fatalf("unknown key: %d %s", resp.StatusCode, body)
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeRejected || rec.Status != 401 || rec.UpstreamTTFB != metrics.Absent {
+		t.Fatalf("record: %+v", rec)
+	}
+	// A client cannot claim a tenant with tokentap's own header.
+	req := mustReq(t, "POST", tp.url+"/v1/chat/completions", `{}`)
+	req.Header.Set("X-Api-Key", "sk-alpha-secret")
+	req.Header.Set("X-Tokentap-Tenant", "root")
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 || seenTenant.Load() != "alpha" {
+		t.Fatalf("x-api-key: %d, upstream saw tenant %v", resp.StatusCode, seenTenant.Load())
+	}
+	if rec := tp.rec.next(t); rec.Tenant != "alpha" || rec.Outcome != metrics.OutcomeOK {
+		t.Fatalf("record: %+v", rec)
+	}
+	var b bytes.Buffer
+	vm.WritePrometheus(&b, false)
+	if strings.Contains(b.String(), "sk-alpha-secret") || !strings.Contains(b.String(), `tokentap_tenant_requests_total{tenant="alpha",outcome="ok"} 1`) {
+		t.Fatalf("tenant metrics wrong or hold the key")
+	}
+}
+
+func Limits1000() ratelimit.Limits { return ratelimit.Limits{RequestsPerSecond: 1000, Burst: 1000} }
+
+func TestUnknownKeyToDefaultTenantAndTrustedHeader(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+	tp := startProxy(t, up.URL, func(c *Config) {
+		withTenants(ratelimit.ModeReject, ratelimit.Tenant{Name: "alpha", Keys: []string{"k"}}, ratelimit.Tenant{Name: "guest"})(c)
+		c.Admission.UnknownKey = "guest"
+	})
+	postKey(t, tp.url+"/x", "", `{}`)
+	if rec := tp.rec.next(t); rec.Tenant != "guest" || rec.Status != 200 {
+		t.Fatalf("record: %+v", rec)
+	}
+
+	tp2 := startProxy(t, up.URL, func(c *Config) {
+		withTenants(ratelimit.ModeReject, ratelimit.Tenant{Name: "alpha", Keys: []string{"k"}}, ratelimit.Tenant{Name: "beta"})(c)
+		c.Admission.TrustedTenantHeader = "X-Tenant"
+	})
+	req := mustReq(t, "POST", tp2.url+"/x", `{}`)
+	req.Header.Set("X-Tenant", "beta")
+	req.Header.Set("Authorization", "Bearer k") // ignored in trusted-header mode
+	resp, _ := http.DefaultTransport.RoundTrip(req)
+	resp.Body.Close()
+	if rec := tp2.rec.next(t); rec.Tenant != "beta" || rec.Status != 200 {
+		t.Fatalf("trusted header: %+v", rec)
+	}
+	resp, _ = postKey(t, tp2.url+"/x", "k", `{}`)
+	if rec := tp2.rec.next(t); resp.StatusCode != 401 || rec.Outcome != metrics.OutcomeRejected {
+		t.Fatalf("no trusted header: %d %+v", resp.StatusCode, rec)
+	}
+}
+
+func TestRateLimited429WithHeaders(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeReject,
+		ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{RequestsPerSecond: 0.2, Burst: 2, TokensPerMinute: 100000}}))
+	for i := 0; i < 2; i++ {
+		resp, _ := postKey(t, tp.url+"/v1/chat/completions", "k", `{"max_tokens":100}`)
+		if resp.StatusCode != 200 || resp.Header.Get("X-Ratelimit-Limit-Requests") != "2" ||
+			resp.Header.Get("X-Ratelimit-Remaining-Requests") != strconv.Itoa(1-i) || resp.Header.Get("X-Ratelimit-Limit-Tokens") != "100000" {
+			t.Fatalf("admitted %d: %d %v", i, resp.StatusCode, resp.Header)
+		}
+		tp.rec.next(t)
+	}
+	resp, body := postKey(t, tp.url+"/v1/chat/completions", "k", `{"max_tokens":100}`)
+	if resp.StatusCode != 429 || !strings.Contains(string(body), "rate_limit_exceeded") {
+		t.Fatalf("third: %d %s", resp.StatusCode, body)
+	}
+	if ra, _ := strconv.Atoi(resp.Header.Get("Retry-After")); ra < 4 || ra > 5 {
+		t.Fatalf("Retry-After %q, want 5 (one request per 5 s)", resp.Header.Get("Retry-After"))
+	}
+	if resp.Header.Get("X-Ratelimit-Remaining-Requests") != "0" || resp.Header.Get("X-Ratelimit-Reset-Requests") == "" {
+		t.Fatalf("429 headers: %v", resp.Header)
+	}
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeRejected || rec.Status != 429 || rec.Tenant != "a" || rec.UpstreamTTFB != metrics.Absent || rec.Queue < 0 {
+		t.Fatalf("record: %+v", rec)
+	}
+	var b bytes.Buffer
+	vm.WritePrometheus(&b, false)
+	if !strings.Contains(b.String(), `tokentap_admission_rejected_total{tenant="a",reason="requests"} 1`) {
+		t.Fatal("rejection not counted")
+	}
+}
+
+// The token budget is reserved before forwarding and reconciled with the
+// real usage: streamed usage, a truncated stream (counted tokens) and a
+// stream without usage.
+func TestTokenBudgetReconciledFromTheStream(t *testing.T) {
+	usageChunk := `data: {"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2}}` + "\n\n"
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a")+chatChunk("b"))
+		flush(w)
+		switch r.URL.Query().Get("mode") {
+		case "usage":
+			io.WriteString(w, usageChunk+"data: [DONE]\n\n")
+		case "truncated":
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close()
+		default:
+			io.WriteString(w, "data: [DONE]\n\n")
+		}
+	})
+	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeReject,
+		ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{TokensPerMinute: 60_000}}))
+	body := `{"stream":true,"max_tokens":1000,"x":"` + strings.Repeat("y", 380) + `"}` // ~100 tokens in, 1000 out
+	remaining := func(resp *http.Response) int {
+		n, _ := strconv.Atoi(resp.Header.Get("X-Ratelimit-Remaining-Tokens"))
+		return n
+	}
+	check := func(path string, used int) {
+		t.Helper()
+		resp, _ := postKey(t, tp.url+path, "k", body)
+		// During the request the whole estimate is reserved.
+		if r := remaining(resp); r > 60_000-1100 || r < 60_000-1200 {
+			t.Fatalf("%s: remaining while reserved %d", path, r)
+		}
+		rec := tp.rec.next(t)
+		if rec.Tenant != "a" {
+			t.Fatalf("%s: %+v", path, rec)
+		}
+		// After it, only what was used is spent (the budget refills at
+		// 1000/s, so allow the time the test took).
+		_, tok := tp.p.snap.Load().admit.Quotas("a", "default")
+		if tok.Remaining < int64(60_000-used-5) || tok.Remaining > 60_000 {
+			t.Fatalf("%s: remaining after %d, want ≈ %d", path, tok.Remaining, 60_000-used)
+		}
+		time.Sleep(time.Duration(used+50) * time.Millisecond) // refill for the next case
+	}
+	const path = "/v1/chat/completions?mode="
+	check(path+"usage", 42)        // 40 in + 2 out, from usage
+	check(path+"none", 105+2)      // estimated input (420 bytes / 4) + 2 counted
+	check(path+"truncated", 105+2) // truncated: estimated input + 2 counted
+	if in, q := tp.p.snap.Load().admit.Stats("a"); in != 0 || q != 0 {
+		t.Fatalf("gauges after: in flight %d queued %d", in, q)
+	}
+}
+
+// A client that leaves while queued never reaches the upstream, and the
+// gauges return to zero, cancelled streams included.
+func TestCancelWhileQueuedAndGaugesReturnToZero(t *testing.T) {
+	var upstreamCalls atomic.Int64
+	release := make(chan struct{})
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		upstreamCalls.Add(1)
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a"))
+		flush(w)
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	tp := startProxy(t, up.URL, func(c *Config) {
+		withTenants(ratelimit.ModeQueue, ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{MaxConcurrent: 1}})(c)
+		c.Admission.MaxWait = 5 * time.Second
+	})
+	admit := tp.p.snap.Load().admit
+
+	// The first request holds the only slot, streaming.
+	c1, br1 := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`, "Authorization: Bearer k"))
+	if _, err := http.ReadResponse(br1, nil); err != nil {
+		t.Fatal(err)
+	}
+	// The second waits in the queue, then its client leaves.
+	c2, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`, "Authorization: Bearer k"))
+	waitUntil(t, func() bool { _, q := admit.Stats("a"); return q == 1 })
+	c2.Close()
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeClientCancel || rec.Status != 499 || rec.Queue <= 0 || rec.UpstreamTTFB != metrics.Absent {
+		t.Fatalf("queued cancel: %+v", rec)
+	}
+	if in, q := admit.Stats("a"); in != 1 || q != 0 || upstreamCalls.Load() != 1 {
+		t.Fatalf("after queued cancel: in flight %d queued %d upstream calls %d", in, q, upstreamCalls.Load())
+	}
+	// The streaming client leaves too: its slot is freed.
+	c1.Close()
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeClientCancel {
+		t.Fatalf("stream cancel: %+v", rec)
+	}
+	if in, q := admit.Stats("a"); in != 0 || q != 0 {
+		t.Fatalf("gauges after traffic: in flight %d queued %d", in, q)
+	}
+	var b bytes.Buffer
+	vm.WritePrometheus(&b, false)
+	for _, want := range []string{`tokentap_tenant_inflight{tenant="a"} 0`, `tokentap_tenant_queue_depth{tenant="a"} 0`,
+		`tokentap_admission_rejected_total{tenant="a",reason="cancelled"} 1`} {
+		if !strings.Contains(b.String(), want) {
+			t.Fatalf("/metrics lacks %s", want)
+		}
+	}
+	close(release)
+}
+
+// Queued time shows in queue_ms; TTFT still counts from arrival.
+func TestQueueTimeMeasured(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		time.Sleep(50 * time.Millisecond)
+		io.WriteString(w, chatChunk("a"))
+	})
+	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeQueue, ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{MaxConcurrent: 1}}))
+	done := make(chan struct{})
+	for range 2 {
+		go func() {
+			postKey(t, tp.url+"/v1/chat/completions", "k", `{"stream":true}`)
+			done <- struct{}{}
+		}()
+	}
+	<-done
+	<-done
+	a, b := tp.rec.next(t), tp.rec.next(t)
+	if a.Queue > b.Queue {
+		a, b = b, a
+	}
+	if a.Queue > 10*time.Millisecond || b.Queue < 40*time.Millisecond || b.TTFT < b.Queue+50*time.Millisecond {
+		t.Fatalf("queue %v / %v, second ttft %v", a.Queue, b.Queue, b.TTFT)
+	}
+	var buf bytes.Buffer
+	vm.WritePrometheus(&buf, false)
+	if !strings.Contains(buf.String(), `tokentap_queue_seconds_count{route="default",model="other"} 2`) {
+		t.Fatal("queue histogram not updated")
+	}
+}
+
+func waitUntil(t *testing.T, cond func() bool) {
+	t.Helper()
+	for i := 0; i < 500; i++ {
+		if cond() {
+			return
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Fatal("condition not met within 1s")
+}
