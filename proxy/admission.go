@@ -70,6 +70,7 @@ func (p *Proxy) admit(ctx *fasthttp.RequestCtx, x *exchange, body []byte) bool {
 	if !ok {
 		x.watch.stop()
 		x.watch = nil
+		x.rec.Tenant = "unknown"
 		p.fail(ctx, x, fasthttp.StatusUnauthorized, metrics.OutcomeRejected, "invalid_api_key", "unknown or missing API key")
 		return false
 	}

@@ -50,7 +50,7 @@ func TestTenantsFromKeys(t *testing.T) {
 	if resp.StatusCode != 401 || !strings.Contains(string(body), "invalid_api_key") {
 		t.Fatalf("unknown key: %d %s", resp.StatusCode, body)
 	}
-	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeRejected || rec.Status != 401 || rec.UpstreamTTFB != metrics.Absent {
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeRejected || rec.Status != 401 || rec.UpstreamTTFB != metrics.Absent || rec.Tenant != "unknown" {
 		t.Fatalf("record: %+v", rec)
 	}
 	// A client cannot claim a tenant with tokentap's own header.
