@@ -22,6 +22,9 @@ func main() {
 	flag.Float64Var(&o.Jitter, "jitter", 0, "relative spread of the token gap, 0..1 (default 0.2)")
 	flag.IntVar(&o.MaxTokens, "max-tokens", 0, "output tokens when the request sets none (default 32)")
 	flag.StringVar(&o.Model, "model", "", "model name reported (default mock-llm)")
+	flag.Float64Var(&o.BatchSlowdown, "batch-slowdown", 0, "continuous batching: relative slowdown of prefill and decode per concurrent request (0: off)")
+	flag.BoolVar(&o.PrefixCache, "prefix-cache", false, "model prefix caching: repeated prompt prefixes cost no prefill")
+	flag.BoolVar(&o.Stamp, "stamp", false, "add mock_sent (Unix ns) to streamed chat chunks, for delivery-delay benchmarks")
 	flag.Parse()
 	fmt.Fprintf(os.Stderr, "mockllm listening on %s\n", *listen)
 	if err := http.ListenAndServe(*listen, mockllm.New(o)); err != nil {

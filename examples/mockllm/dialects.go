@@ -21,7 +21,11 @@ func (openAIChat) token(c *call, _ int, reasoning bool, text string) string {
 	if reasoning {
 		field = "reasoning_content"
 	}
-	return sseData(fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[{"index":0,"delta":{%q:%q},"finish_reason":null}]}`, c.id, c.model, field, text))
+	stamp := ""
+	if c.s.o.Stamp {
+		stamp = fmt.Sprintf(`,"mock_sent":%d`, time.Now().UnixNano())
+	}
+	return sseData(fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[{"index":0,"delta":{%q:%q},"finish_reason":null}]%s}`, c.id, c.model, field, text, stamp))
 }
 
 func (openAIChat) end(c *call) string {

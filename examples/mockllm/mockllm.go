@@ -24,10 +24,12 @@ package mockllm
 
 import (
 	"fmt"
+	"hash/fnv"
 	"io"
 	"math/rand/v2"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -48,6 +50,19 @@ type Options struct {
 	MaxTokens int
 	// Model is reported when the request names none (default "mock-llm").
 	Model string
+	// BatchSlowdown models continuous batching: with n requests being
+	// served, each decode step takes TokenGap × (1 + BatchSlowdown×(n−1)) and
+	// a prefill PrefillBase+prompt cost × (1 + BatchSlowdown×n). More
+	// concurrency buys throughput with per-user latency, as on real servers.
+	// 0 turns it off.
+	BatchSlowdown float64
+	// PrefixCache models prefix caching: prompt bytes in 512-byte blocks
+	// that start the same as an earlier request's cost no prefill.
+	PrefixCache bool
+	// Stamp adds "mock_sent" (Unix nanoseconds) to every streamed OpenAI
+	// chunk, so a client on the same machine can measure each token's
+	// delivery delay.
+	Stamp bool
 }
 
 // Server is the simulated backend, an http.Handler.
@@ -55,6 +70,9 @@ type Server struct {
 	o      Options
 	seq    atomic.Uint64
 	active atomic.Int64
+
+	cacheMu sync.Mutex
+	cache   map[uint64]struct{} // hashes of cached prompt prefixes
 }
 
 // New returns a Server with o's timing.
@@ -93,6 +111,7 @@ type call struct {
 	model     string
 	stream    bool
 	prompt    int // prompt tokens (estimated)
+	cached    int // of which found in the prefix cache
 	reasoning int // reasoning tokens before the answer
 	answer    int // answer tokens
 	start     time.Time
@@ -140,6 +159,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	c.reasoning = int(gjson.Get(body, "mock_reasoning_tokens").Int())
 	c.prompt = max(1, len(body)/4)
+	c.cached = s.cachedPrefix(raw) / 4
 	c.stream = gjson.Get(body, "stream").Bool()
 
 	var d dialect
@@ -194,7 +214,8 @@ type dialect interface {
 
 func (c *call) serve(d dialect) {
 	s := c.s
-	prefill := s.o.PrefillBase + time.Duration(c.prompt)*s.o.PrefillPerToken
+	prefill := s.o.PrefillBase + time.Duration(c.prompt-c.cached)*s.o.PrefillPerToken
+	prefill = time.Duration(float64(prefill) * (1 + s.o.BatchSlowdown*float64(s.active.Load())))
 	if !c.sleep(prefill) {
 		return
 	}
@@ -251,10 +272,38 @@ func (c *call) send(s string) bool {
 	return true
 }
 
-// gap is one decode step: TokenGap ± Jitter.
+// gap is one decode step: TokenGap ± Jitter, slowed by the batch.
 func (s *Server) gap() time.Duration {
 	j := 1 + s.o.Jitter*(2*rand.Float64()-1)
-	return time.Duration(float64(s.o.TokenGap) * j)
+	batch := 1 + s.o.BatchSlowdown*float64(max(0, s.active.Load()-1))
+	return time.Duration(float64(s.o.TokenGap) * j * batch)
+}
+
+// cachedPrefix returns how many leading bytes of body, in whole 512-byte
+// blocks, an earlier request already had, and remembers body's blocks.
+func (s *Server) cachedPrefix(body []byte) int {
+	if !s.o.PrefixCache {
+		return 0
+	}
+	const block = 512
+	s.cacheMu.Lock()
+	defer s.cacheMu.Unlock()
+	if s.cache == nil || len(s.cache) > 1<<20 {
+		s.cache = map[uint64]struct{}{}
+	}
+	h := fnv.New64a()
+	cached, hit := 0, true
+	for off := 0; off+block <= len(body); off += block {
+		h.Write(body[off : off+block])
+		sum := h.Sum64()
+		if _, ok := s.cache[sum]; ok && hit {
+			cached = off + block
+		} else {
+			hit = false
+			s.cache[sum] = struct{}{}
+		}
+	}
+	return cached
 }
 
 // sleep waits d unless the client goes away first.

@@ -1,0 +1,65 @@
+package mockllm
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func ttft(t *testing.T, url, body string) time.Duration {
+	t.Helper()
+	start := time.Now()
+	resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1)
+	resp.Body.Read(buf)
+	d := time.Since(start)
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return d
+}
+
+// Prefill grows with the prompt and shrinks when its prefix is cached.
+func TestPrefillAndPrefixCache(t *testing.T) {
+	s := httptest.NewServer(New(Options{PrefillBase: time.Millisecond, PrefillPerToken: 20 * time.Microsecond, PrefixCache: true, MaxTokens: 1}))
+	defer s.Close()
+	long := strings.Repeat("x", 20000) // 5000 tokens: 100 ms of prefill
+	body := func(suffix string) string {
+		return `{"stream":true,"messages":[{"role":"user","content":"` + long + suffix + `"}]}`
+	}
+	fresh := ttft(t, s.URL, body("a"))
+	cached := ttft(t, s.URL, body("b"))
+	if fresh < 100*time.Millisecond || cached > fresh/3 {
+		t.Fatalf("fresh prefill %v, cached %v", fresh, cached)
+	}
+}
+
+// With a batch slowdown, concurrency raises per-user latency.
+func TestBatchSlowdown(t *testing.T) {
+	s := httptest.NewServer(New(Options{PrefillBase: 20 * time.Millisecond, TokenGap: 5 * time.Millisecond, BatchSlowdown: 0.5, MaxTokens: 2}))
+	defer s.Close()
+	alone := ttft(t, s.URL, `{"stream":true}`)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var worst time.Duration
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			d := ttft(t, s.URL, `{"stream":true}`)
+			mu.Lock()
+			worst = max(worst, d)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	if worst < 2*alone {
+		t.Fatalf("8 concurrent: worst TTFT %v, alone %v: no batching effect", worst, alone)
+	}
+}
