@@ -1,0 +1,76 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"os"
+	"strings"
+	"time"
+)
+
+// accuracy compares, request by request, what tokentap recorded in its
+// access log with what the client saw: the absolute differences.
+type accuracy struct {
+	Matched int  `json:"matched"`
+	TTFT    dist `json:"ttft_abs_diff"`
+	E2E     dist `json:"e2e_abs_diff"`
+	ITL     dist `json:"itl_mean_abs_diff"`
+}
+
+type logLine struct {
+	RequestID string   `json:"request_id"`
+	TTFT      *float64 `json:"ttft_ms"`
+	E2E       *float64 `json:"e2e_ms"`
+	ITLMean   *float64 `json:"itl_mean_ms"`
+}
+
+// compareLog reads a tokentap access log and matches its lines to results
+// by request id (the client sends X-Request-Id).
+func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	byID := make(map[string]*result, len(res))
+	for i := range res {
+		byID[res[i].ID] = &res[i]
+	}
+	var dTTFT, dE2E, dITL []time.Duration
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	acc := &accuracy{}
+	for sc.Scan() {
+		var l logLine
+		if json.Unmarshal(sc.Bytes(), &l) != nil || !strings.HasPrefix(l.RequestID, idPrefix) {
+			continue
+		}
+		r := byID[l.RequestID]
+		if r == nil || r.Err != "" {
+			continue
+		}
+		acc.Matched++
+		abs := func(tokentapMs float64, client time.Duration) time.Duration {
+			d := time.Duration(tokentapMs*1e6) - client
+			if d < 0 {
+				d = -d
+			}
+			return d
+		}
+		if l.TTFT != nil && r.TTFT >= 0 {
+			dTTFT = append(dTTFT, abs(*l.TTFT, r.TTFT))
+		}
+		if l.E2E != nil {
+			dE2E = append(dE2E, abs(*l.E2E, r.E2E))
+		}
+		if g := r.ITL(); l.ITLMean != nil && len(g) > 0 {
+			var sum time.Duration
+			for _, x := range g {
+				sum += x
+			}
+			dITL = append(dITL, abs(*l.ITLMean, sum/time.Duration(len(g))))
+		}
+	}
+	acc.TTFT, acc.E2E, acc.ITL = newDist(dTTFT), newDist(dE2E), newDist(dITL)
+	return acc, sc.Err()
+}

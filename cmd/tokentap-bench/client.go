@@ -1,0 +1,295 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/tidwall/gjson"
+	"github.com/tokentap/tokentap/sse"
+	"github.com/tokentap/tokentap/sse/dialect"
+)
+
+// client is a lean HTTP/1.1 client on raw keep-alive sockets. It stamps
+// every chunk of a response as it is read, which general-purpose HTTP
+// clients do not expose, and costs a few microseconds per request.
+type client struct {
+	addr    string
+	host    string
+	path    string
+	headers string // extra request header lines, each ending in CRLF
+	timeout time.Duration
+
+	mu   sync.Mutex
+	idle []*conn
+}
+
+type conn struct {
+	c  net.Conn
+	br *bufio.Reader
+	bw *bufio.Writer
+	p  *sse.Parser
+}
+
+func newClient(rawURL string, headers map[string]string, timeout time.Duration) (*client, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Scheme != "http" || u.Host == "" {
+		return nil, fmt.Errorf("url %q: want http://host:port/path", rawURL)
+	}
+	cl := &client{addr: u.Host, host: u.Host, path: u.RequestURI(), timeout: timeout}
+	if u.Port() == "" {
+		cl.addr = net.JoinHostPort(u.Hostname(), "80")
+	}
+	for k, v := range headers {
+		cl.headers += k + ": " + v + "\r\n"
+	}
+	return cl, nil
+}
+
+func (cl *client) get() (*conn, error) {
+	cl.mu.Lock()
+	if n := len(cl.idle); n > 0 {
+		c := cl.idle[n-1]
+		cl.idle = cl.idle[:n-1]
+		cl.mu.Unlock()
+		return c, nil
+	}
+	cl.mu.Unlock()
+	nc, err := net.DialTimeout("tcp", cl.addr, 5*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	return &conn{c: nc, br: bufio.NewReaderSize(nc, 32<<10), bw: bufio.NewWriterSize(nc, 16<<10), p: sse.NewParser(1 << 20)}, nil
+}
+
+func (cl *client) put(c *conn) {
+	cl.mu.Lock()
+	cl.idle = append(cl.idle, c)
+	cl.mu.Unlock()
+}
+
+// closeIdle closes the pooled connections.
+func (cl *client) closeIdle() {
+	cl.mu.Lock()
+	for _, c := range cl.idle {
+		c.c.Close()
+	}
+	cl.idle = nil
+	cl.mu.Unlock()
+}
+
+// result is what the client saw of one request.
+type result struct {
+	ID       string          `json:"request_id"`
+	Workload string          `json:"workload,omitempty"`
+	Status   int             `json:"status"`
+	Err      string          `json:"error,omitempty"`
+	Timeout  bool            `json:"timeout,omitempty"`
+	Start    time.Time       `json:"-"`
+	TTFB     time.Duration   `json:"-"`
+	TTFT     time.Duration   `json:"-"` // -1: no token
+	E2E      time.Duration   `json:"-"`
+	Tokens   []time.Duration `json:"-"` // arrival of each token event, from Start
+	Delays   []time.Duration `json:"-"` // delivery delay of stamped tokens
+	Output   int             `json:"output_tokens"`
+	Input    int             `json:"input_tokens"`
+	Bytes    int             `json:"bytes"`
+}
+
+// ITL returns the gaps between consecutive token events.
+func (r *result) ITL() []time.Duration {
+	var g []time.Duration
+	for i := 1; i < len(r.Tokens); i++ {
+		g = append(g, r.Tokens[i]-r.Tokens[i-1])
+	}
+	return g
+}
+
+// TPOT is (E2E − TTFT) / (output − 1), or -1.
+func (r *result) TPOT() time.Duration {
+	if r.TTFT < 0 || r.Output < 2 {
+		return -1
+	}
+	return (r.E2E - r.TTFT) / time.Duration(r.Output-1)
+}
+
+var errStatus = errors.New("bad response")
+
+// do sends one POST and reads the whole response, stamping token events.
+func (cl *client) do(id string, body []byte, stamped bool) result {
+	res := result{ID: id, TTFT: -1}
+	c, err := cl.get()
+	if err != nil {
+		res.Err = err.Error()
+		return res
+	}
+	if cl.timeout > 0 {
+		c.c.SetDeadline(time.Now().Add(cl.timeout))
+	}
+	res.Start = time.Now()
+	fmt.Fprintf(c.bw, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nX-Request-Id: %s\r\n%s\r\n",
+		cl.path, cl.host, len(body), id, cl.headers)
+	c.bw.Write(body)
+	if err = c.bw.Flush(); err == nil {
+		err = cl.read(c, &res, stamped)
+	}
+	if err == errClosed {
+		c.c.Close()
+		return res
+	}
+	if err != nil {
+		var ne net.Error
+		res.Timeout = errors.As(err, &ne) && ne.Timeout()
+		res.Err = err.Error()
+		c.c.Close()
+		return res
+	}
+	if cl.timeout > 0 {
+		c.c.SetDeadline(time.Time{})
+	}
+	cl.put(c)
+	return res
+}
+
+func (cl *client) read(c *conn, res *result, stamped bool) error {
+	line, err := c.br.ReadSlice('\n')
+	if err != nil {
+		return err
+	}
+	res.TTFB = time.Since(res.Start)
+	if len(line) < 12 {
+		return errStatus
+	}
+	res.Status, _ = strconv.Atoi(string(line[9:12]))
+	length, chunked, closeAfter := -1, false, false
+	for {
+		h, err := c.br.ReadSlice('\n')
+		if err != nil {
+			return err
+		}
+		h = bytes.TrimRight(h, "\r\n")
+		if len(h) == 0 {
+			break
+		}
+		k, v, _ := bytes.Cut(h, []byte(":"))
+		v = bytes.TrimSpace(v)
+		switch {
+		case bytes.EqualFold(k, []byte("Content-Length")):
+			length, _ = strconv.Atoi(string(v))
+		case bytes.EqualFold(k, []byte("Transfer-Encoding")):
+			chunked = bytes.EqualFold(v, []byte("chunked"))
+		case bytes.EqualFold(k, []byte("Connection")):
+			closeAfter = bytes.EqualFold(v, []byte("close"))
+		}
+	}
+	c.p.Reset()
+	var whole []byte
+	feed := func(b []byte) {
+		now := time.Now()
+		res.Bytes += len(b)
+		if !chunked && length >= 0 {
+			whole = append(whole, b...)
+			return
+		}
+		c.p.Feed(b)
+		for c.p.Next() {
+			ev := c.p.Event()
+			o := dialect.OpenAI.Event(ev.Type, ev.Data)
+			if o.Token {
+				if res.TTFT < 0 {
+					res.TTFT = now.Sub(res.Start)
+				}
+				res.Tokens = append(res.Tokens, now.Sub(res.Start))
+				if stamped {
+					if sent := gjson.GetBytes(ev.Data, "mock_sent").Int(); sent > 0 {
+						res.Delays = append(res.Delays, time.Duration(now.UnixNano()-sent))
+					}
+				}
+			}
+			if o.HasOut {
+				res.Output = o.Out
+			}
+			if o.HasIn {
+				res.Input = o.In
+			}
+		}
+	}
+	buf := make([]byte, 32<<10)
+	switch {
+	case chunked:
+		for {
+			sz, err := c.br.ReadSlice('\n')
+			if err != nil {
+				return err
+			}
+			n, err := strconv.ParseInt(string(bytes.TrimSpace(bytes.SplitN(sz, []byte(";"), 2)[0])), 16, 64)
+			if err != nil {
+				return fmt.Errorf("bad chunk size %q", sz)
+			}
+			if n == 0 {
+				if _, err := c.br.ReadSlice('\n'); err != nil { // the trailer's end
+					return err
+				}
+				break
+			}
+			for n > 0 {
+				m, err := c.br.Read(buf[:min(int64(len(buf)), n)])
+				if m > 0 {
+					feed(buf[:m])
+				}
+				if err != nil {
+					return err
+				}
+				n -= int64(m)
+			}
+			if _, err := c.br.Discard(2); err != nil {
+				return err
+			}
+		}
+	case length >= 0:
+		for length > 0 {
+			m, err := c.br.Read(buf[:min(len(buf), length)])
+			if m > 0 {
+				feed(buf[:m])
+			}
+			if err != nil {
+				return err
+			}
+			length -= m
+		}
+		o := dialect.OpenAI.Body(whole)
+		res.Output, res.Input = o.Out, o.In
+	default:
+		for {
+			m, err := c.br.Read(buf)
+			if m > 0 {
+				feed(buf[:m])
+			}
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				return err
+			}
+		}
+		closeAfter = true
+	}
+	res.E2E = time.Since(res.Start)
+	if res.Output == 0 {
+		res.Output = len(res.Tokens)
+	}
+	if closeAfter {
+		return errClosed
+	}
+	return nil
+}
+
+// errClosed: the response is complete but the connection cannot be reused.
+var errClosed = errors.New("connection closed after response")
