@@ -16,7 +16,8 @@
 // Usage is reported as each API does (for OpenAI streams only with
 // stream_options.include_usage), with server timings where the API has them.
 // A request may set "mock_reasoning_tokens": N to get N reasoning tokens
-// before the answer. tokentap's tests, demo and benchmarks run against it;
+// before the answer, and "mock_hold_ms": N to stay silent N ms after the
+// first token (an open, idle stream). tokentap's tests, demo and benchmarks run against it;
 // cmd/mockllm serves it standalone.
 //
 //	srv := &http.Server{Handler: mockllm.New(mockllm.Options{})}
@@ -110,10 +111,11 @@ type call struct {
 	id        string
 	model     string
 	stream    bool
-	prompt    int // prompt tokens (estimated)
-	cached    int // of which found in the prefix cache
-	reasoning int // reasoning tokens before the answer
-	answer    int // answer tokens
+	prompt    int           // prompt tokens (estimated)
+	cached    int           // of which found in the prefix cache
+	hold      time.Duration // silence after the first token (an idle stream)
+	reasoning int           // reasoning tokens before the answer
+	answer    int           // answer tokens
 	start     time.Time
 	prefill   time.Duration
 	decode    time.Duration
@@ -158,6 +160,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	c.reasoning = int(gjson.Get(body, "mock_reasoning_tokens").Int())
+	c.hold = time.Duration(gjson.Get(body, "mock_hold_ms").Int()) * time.Millisecond
 	c.prompt = max(1, len(body)/4)
 	c.cached = s.cachedPrefix(raw) / 4
 	c.stream = gjson.Get(body, "stream").Bool()
@@ -252,6 +255,9 @@ func (c *call) serve(d dialect) {
 			return
 		}
 		if !c.send(d.token(c, i, i < c.reasoning, word(i))) {
+			return
+		}
+		if i == 0 && c.hold > 0 && !c.sleep(c.hold) {
 			return
 		}
 	}
