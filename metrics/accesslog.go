@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"bufio"
 	"sync"
 	"time"
 
@@ -18,6 +19,7 @@ var accessLogDropped = vm.NewCounter("tokentap_access_log_dropped_total")
 //
 // Call Close to write what is queued and stop.
 type AccessLog struct {
+	buf   *bufferedSyncer
 	log   *zap.Logger
 	queue chan accessItem
 	done  chan struct{}
@@ -40,8 +42,12 @@ func NewAccessLog(w zapcore.WriteSyncer, queueLen int) *AccessLog {
 		LineEnding:     zapcore.DefaultLineEnding,
 		EncodeDuration: zapcore.StringDurationEncoder,
 	})
+	// Lines are written in batches: buffered while records keep coming,
+	// flushed as soon as the queue is empty.
+	bw := &bufferedSyncer{w: bufio.NewWriterSize(w, 256<<10), ws: w}
 	a := &AccessLog{
-		log:   zap.New(zapcore.NewCore(enc, w, zapcore.InfoLevel)),
+		buf:   bw,
+		log:   zap.New(zapcore.NewCore(enc, bw, zapcore.InfoLevel)),
 		queue: make(chan accessItem, queueLen),
 		done:  make(chan struct{}),
 	}
@@ -89,7 +95,28 @@ func (a *AccessLog) run() {
 		}
 		fields = appendFields(fields[:0], &it.rec)
 		a.log.Info("", fields...)
+		if len(a.queue) == 0 {
+			_ = a.buf.flush()
+		}
 	}
+}
+
+// bufferedSyncer batches the access log's writes. Only the writer
+// goroutine touches it.
+type bufferedSyncer struct {
+	w  *bufio.Writer
+	ws zapcore.WriteSyncer
+}
+
+func (b *bufferedSyncer) Write(p []byte) (int, error) { return b.w.Write(p) }
+
+func (b *bufferedSyncer) flush() error { return b.w.Flush() }
+
+func (b *bufferedSyncer) Sync() error {
+	if err := b.w.Flush(); err != nil {
+		return err
+	}
+	return b.ws.Sync()
 }
 
 // appendFields renders r with the access log's field names. Timings that

@@ -484,7 +484,7 @@ func (x *exchange) finish(writeErr error) {
 	x.fillRecord(now)
 	x.releaseTicket()
 	if x.client != nil {
-		rec.ClientRTT = clientRTT(x.client)
+		rec.ClientRTT = clientRTT(x.client, now)
 	}
 	x.snap.metrics.Observe(rec)
 	for _, s := range x.p.opts.Sinks {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -76,13 +77,20 @@ func peekConn(conn net.Conn) peerState {
 // and gone is called. Bytes waiting (a pipelined request) end the watch
 // without calling gone, since closure can no longer be seen without reading.
 type peerWatch struct {
-	conn net.Conn
-	raw  syscall.RawConn
-	done chan struct{}
+	conn    net.Conn
+	raw     syscall.RawConn
+	done    chan struct{}
+	timer   *time.Timer
+	stopped atomic.Bool
 }
 
-// watchPeer starts watching conn; it returns nil when conn is not a socket.
-// gone is called at most once, from the watch goroutine.
+// watchDelay is how long a request runs before its client is watched: most
+// short requests end before, and skip the goroutine's syscall. A client
+// leaving is then noticed at most this much later.
+const watchDelay = 2 * time.Millisecond
+
+// watchPeer starts watching conn after watchDelay; it returns nil when conn
+// is not a socket. gone is called at most once, from the watch goroutine.
 func watchPeer(conn net.Conn, gone func()) *peerWatch {
 	raw := rawConn(conn)
 	if raw == nil {
@@ -94,12 +102,15 @@ func watchPeer(conn net.Conn, gone func()) *peerWatch {
 		return nil
 	}
 	w := &peerWatch{conn: conn, raw: raw, done: make(chan struct{})}
-	go w.run(gone)
+	w.timer = time.AfterFunc(watchDelay, func() { w.run(gone) })
 	return w
 }
 
 func (w *peerWatch) run(gone func()) {
 	defer close(w.done)
+	if w.stopped.Load() {
+		return
+	}
 	state := peerIdle
 	// Read calls the function again each time the socket becomes readable
 	// for as long as it returns false; a read deadline in the past ends it.
@@ -120,6 +131,10 @@ func (w *peerWatch) stop() {
 	if w == nil {
 		return
 	}
+	w.stopped.Store(true)
+	if w.timer.Stop() {
+		return // the watch never started
+	}
 	select {
 	case <-w.done:
 	default:
@@ -131,9 +146,17 @@ func (w *peerWatch) stop() {
 
 var aLongTimeAgo = time.Unix(1, 0)
 
-// clientRTT returns the kernel's smoothed round-trip time of conn
-// (TCP_INFO tcpi_rtt), or -1 when it is not a TCP socket.
-func clientRTT(conn net.Conn) time.Duration {
+// clientRTT returns the kernel's smoothed round-trip time of a client
+// connection, or -1 when it is not a TCP socket.
+func clientRTT(conn net.Conn, now time.Time) time.Duration {
+	if c, ok := conn.(*writeDeadlineConn); ok {
+		return c.RTT(now)
+	}
+	return tcpRTT(conn)
+}
+
+// tcpRTT reads TCP_INFO tcpi_rtt, or -1.
+func tcpRTT(conn net.Conn) time.Duration {
 	raw := rawConn(conn)
 	if raw == nil {
 		return -1

@@ -21,6 +21,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/valyala/fasthttp"
+	"github.com/valyala/fasthttp/pprofhandler"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -181,8 +182,8 @@ func openLog(path string) (zapcore.WriteSyncer, func(), error) {
 	return zapcore.Lock(f), func() { _ = f.Close() }, nil
 }
 
-// adminHandler serves /metrics (Prometheus text), /healthz and
-// POST /-/reload.
+// adminHandler serves /metrics (Prometheus text), /healthz, POST
+// /-/reload and Go's profiles under /debug/pprof/.
 func adminHandler(reload func() error) fasthttp.RequestHandler {
 	return func(ctx *fasthttp.RequestCtx) {
 		switch string(ctx.Path()) {
@@ -192,6 +193,9 @@ func adminHandler(reload func() error) fasthttp.RequestHandler {
 		case "/healthz":
 			ctx.SetContentType("text/plain")
 			ctx.SetBodyString("ok\n")
+		case "/debug/pprof/", "/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/allocs", "/debug/pprof/goroutine", "/debug/pprof/trace",
+			"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/block", "/debug/pprof/mutex", "/debug/pprof/threadcreate":
+			pprofhandler.PprofHandler(ctx)
 		case "/-/reload":
 			if !ctx.IsPost() {
 				ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)

@@ -29,26 +29,44 @@ func (openAI) Event(_, data []byte) Obs { return readOpenAI(object(data)) }
 
 func (openAI) Body(body []byte) Obs { return readOpenAI(object(body)) }
 
+// readOpenAI reads a chunk or body in one pass over its top-level members
+// (the first occurrence of a duplicated member counts, as in gjson.Get).
 func readOpenAI(s string) Obs {
 	var o Obs
 	if s == "" {
 		return o
 	}
-	if choices := gjson.Get(s, "choices"); choices.IsArray() {
-		choices.ForEach(func(_, c gjson.Result) bool {
-			readChoice(c.Raw, &o)
-			return true
-		})
-	}
-	if usage := gjson.Get(s, "usage"); usage.IsObject() {
-		readUsage(usage.Raw, "prompt_tokens", "completion_tokens", &o)
-	}
-	if present(gjson.Get(s, "error")) {
-		o.Error = true
-	}
-	if t := gjson.Get(s, "timings"); t.IsObject() {
-		o.Timings = llamaTimings(t.Raw)
-	}
+	var seen uint8
+	gjson.Parse(s).ForEach(func(k, v gjson.Result) bool {
+		var bit uint8
+		switch k.Str {
+		case "choices":
+			bit = 1
+			if seen&bit == 0 && v.IsArray() {
+				v.ForEach(func(_, c gjson.Result) bool {
+					readChoice(c.Raw, &o)
+					return true
+				})
+			}
+		case "usage":
+			bit = 2
+			if seen&bit == 0 && v.IsObject() {
+				readUsage(v.Raw, "prompt_tokens", "completion_tokens", &o)
+			}
+		case "error":
+			bit = 4
+			if seen&bit == 0 && present(v) {
+				o.Error = true
+			}
+		case "timings":
+			bit = 8
+			if seen&bit == 0 && v.IsObject() {
+				o.Timings = llamaTimings(v.Raw)
+			}
+		}
+		seen |= bit
+		return true
+	})
 	return o
 }
 
