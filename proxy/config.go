@@ -40,7 +40,7 @@ var DefaultTimeouts = Timeouts{
 	FirstByte:    10 * time.Minute,
 	Idle:         2 * time.Minute,
 	IdleConn:     4 * time.Second, // uvicorn (vLLM) closes idle connections after 5 s
-	MaxIdleConns: 256,
+	MaxIdleConns: 1024,
 	MaxConns:     0,
 }
 

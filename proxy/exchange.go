@@ -199,7 +199,7 @@ func (x *exchange) pull(b []byte) (int, error) {
 // fasthttp uses WriteTo for chunked responses (see SupportsBodyWriteTo).
 func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 	if x.buf == nil {
-		x.buf = make([]byte, 16<<10)
+		x.buf = make([]byte, 8<<10)
 	}
 	var written int64
 	for {

@@ -195,8 +195,8 @@ func (p *Proxy) Server() *fasthttp.Server {
 		NoDefaultContentType:          true,
 		DisablePreParseMultipartForm:  true,
 		DisableHeaderNamesNormalizing: false,
-		ReadBufferSize:                64 << 10, // also the max request header size
-		WriteBufferSize:               16 << 10,
+		ReadBufferSize:                16 << 10, // also the max request header size
+		WriteBufferSize:               4 << 10,  // larger writes (stream chunks) bypass it
 		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
 		ReadTimeout:                   p.opts.RequestReadTimeout,
 		IdleTimeout:                   p.opts.IdleTimeout,

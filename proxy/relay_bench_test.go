@@ -90,3 +90,30 @@ func BenchmarkFinishRecord(b *testing.B) {
 		x.finish(nil)
 	}
 }
+
+// countingReader returns the same chunk n times, then io.EOF.
+type countingReader struct {
+	chunk []byte
+	n     int
+}
+
+func (r *countingReader) Read(p []byte) (int, error) {
+	if r.n == 0 {
+		return 0, io.EOF
+	}
+	r.n--
+	return copy(p, r.chunk), nil
+}
+
+// BenchmarkRelayWriteTo is the chunked relay as fasthttp drives it: one
+// upstream read, parse and flushed client write per event.
+func BenchmarkRelayWriteTo(b *testing.B) {
+	x := streamingExchange(newProxyForBench(b), &countingReader{chunk: benchEvent, n: b.N})
+	x.gaps = make([]time.Duration, 0, maxGaps)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(benchEvent)))
+	b.ResetTimer()
+	if _, err := x.WriteTo(io.Discard); err != nil {
+		b.Fatal(err)
+	}
+}

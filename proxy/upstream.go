@@ -170,8 +170,10 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 		conn = tc
 	}
 	c := &upConn{Conn: conn, up: up}
-	c.br = bufio.NewReaderSize(c, 16<<10)
-	c.bw = bufio.NewWriterSize(conn, 16<<10)
+	// Held by every open stream: kept small. Larger writes (long prompts)
+	// bypass the writer's buffer.
+	c.br = bufio.NewReaderSize(c, 8<<10)
+	c.bw = bufio.NewWriterSize(conn, 4<<10)
 	return c, nil
 }
 

@@ -35,6 +35,9 @@ type plan struct {
 	Duration time.Duration // counted time (0: until Requests)
 	Progress func(done, errors int)
 	IDPrefix string
+	// Client, when set, is used (and kept open) instead of a new one, so
+	// that connections live across runs.
+	Client *client
 }
 
 type step struct {
@@ -58,11 +61,14 @@ func parseSteps(s string) ([]step, error) {
 
 // run applies the plan and returns the counted results and their wall time.
 func run(p plan) ([]result, time.Duration, error) {
-	cl, err := newClient(p.URL, p.Headers, p.Timeout)
-	if err != nil {
-		return nil, 0, err
+	cl := p.Client
+	if cl == nil {
+		var err error
+		if cl, err = newClient(p.URL, p.Headers, p.Timeout); err != nil {
+			return nil, 0, err
+		}
+		defer cl.closeIdle()
 	}
-	defer cl.closeIdle()
 	seed := rand.Uint64()
 	var seq atomic.Int64
 	var mu sync.Mutex

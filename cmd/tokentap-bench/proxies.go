@@ -63,7 +63,7 @@ func runProxies(args []string, out io.Writer) error {
 	rounds := fs.Int("rounds", 5, "measured rounds per condition, after a warm-up round")
 	roundTime := fs.Duration("round-time", 3*time.Second, "time per arm per round")
 	levelsSpec := fs.String("levels", "1,100,1000", "concurrent streams")
-	idle := fs.Int("idle", 9500, "idle streams held at once for the memory test (each costs the proxy two file descriptors)")
+	idle := fs.Int("idle", 9000, "idle streams held at once for the memory test (each costs a proxy two file descriptors; nginx keeps 1024 more upstream)")
 	gmp := fs.Int("gomaxprocs", 1, "GOMAXPROCS of tokentap (nginx and HAProxy run one worker thread)")
 	tokens := fs.Int("tokens", 16, "tokens per streamed response")
 	gap := fs.Duration("token-gap", 50*time.Millisecond, "backend time between tokens")
@@ -93,11 +93,12 @@ func runProxies(args []string, out io.Writer) error {
 		}
 	}
 
-	// The simulated backend: no prefill, tokens at a fixed pace, each
-	// stamped with its send time.
+	// The simulated backend: no prefill, tokens every token-gap ± 20% (the
+	// jitter keeps streams from marching in lockstep), each stamped with
+	// its send time.
 	mockAddr := freePort()
 	mock, err := startProc(*outDir, "mockllm", filepath.Join(*bin, "mockllm"), nil, "-listen", mockAddr,
-		"-prefill", "1us", "-prefill-per-token", "1ns", "-token-gap", gap.String(), "-jitter", "0.0001", "-stamp")
+		"-prefill", "1us", "-prefill-per-token", "1ns", "-token-gap", gap.String(), "-jitter", "0.2", "-stamp")
 	if err != nil {
 		return err
 	}
@@ -150,6 +151,17 @@ func runProxies(args []string, out io.Writer) error {
 	}
 	var accResults []result
 	var accPrefixes []string
+	// One client per arm, kept across rounds: connections are opened in the
+	// warm-up round, not in a storm at the start of every measured one.
+	clients := map[string]*client{}
+	for _, a := range arms {
+		cl, err := newClient(a.URL, nil, time.Minute)
+		if err != nil {
+			return err
+		}
+		clients[a.Name] = cl
+		defer cl.closeIdle()
+	}
 	for _, level := range levels {
 		key := strconv.Itoa(level)
 		rep.Streaming[key] = map[string][]roundStat{}
@@ -158,7 +170,7 @@ func runProxies(args []string, out io.Writer) error {
 			for i := range arms {
 				a := arms[(i+r)%len(arms)] // rotate the order each round
 				p := streamBody(level)
-				p.URL = a.URL
+				p.URL, p.Client = a.URL, clients[a.Name]
 				p.IDPrefix = fmt.Sprintf("s%d-%s-%d-", level, a.Name, r)
 				st, res := measure(a, p)
 				if r == 0 {
@@ -184,7 +196,7 @@ func runProxies(args []string, out io.Writer) error {
 		for i := range arms {
 			a := arms[(i+r)%len(arms)]
 			p := plan{URL: a.URL, Model: "m", Workloads: []workload{workloads["tiny"]}, Concurrency: 64, Duration: *roundTime, Timeout: time.Minute,
-				IDPrefix: fmt.Sprintf("t-%s-%d-", a.Name, r)}
+				IDPrefix: fmt.Sprintf("t-%s-%d-", a.Name, r), Client: clients[a.Name]}
 			st, _ := measure(a, p)
 			if r > 0 {
 				rep.Small[a.Name] = append(rep.Small[a.Name], st)
@@ -192,6 +204,9 @@ func runProxies(args []string, out io.Writer) error {
 		}
 	}
 
+	for _, cl := range clients {
+		cl.closeIdle()
+	}
 	fmt.Fprintf(os.Stderr, "memory: %d idle streams per proxy\n", *idle)
 	for _, a := range arms {
 		if a.pids == nil {
