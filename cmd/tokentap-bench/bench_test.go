@@ -1,0 +1,125 @@
+package main
+
+import (
+	"math"
+	"math/rand/v2"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/examples/mockllm"
+)
+
+func TestDistPercentiles(t *testing.T) {
+	var d []time.Duration
+	for i := 1; i <= 100; i++ {
+		d = append(d, time.Duration(i)*time.Millisecond)
+	}
+	s := newDist(d)
+	if s.N != 100 || s.P50 != 50 || s.P95 != 95 || s.P99 != 99 || s.Max != 100 || s.Mean != 50.5 {
+		t.Fatalf("%+v", s)
+	}
+	if newDist(nil).N != 0 {
+		t.Fatal("empty")
+	}
+}
+
+// Gamma gaps keep the mean 1/rate whatever the burstiness; a smaller shape
+// spreads them more.
+func TestGammaArrivals(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, shape := range []float64{0.25, 1, 4} {
+		var sum, sq float64
+		const n = 200000
+		for range n {
+			x := gamma(r, shape) / shape
+			sum += x
+			sq += x * x
+		}
+		mean := sum / n
+		cv2 := (sq/n - mean*mean) / (mean * mean)
+		if math.Abs(mean-1) > 0.02 || math.Abs(cv2-1/shape) > 0.1/shape+0.05 {
+			t.Errorf("shape %v: mean %.3f, squared CV %.3f, want 1 and %.3f", shape, mean, cv2, 1/shape)
+		}
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	st, err := parseSteps("5:10s,50:2s")
+	if err != nil || len(st) != 2 || st[1].Rate != 50 || st[1].For != 2*time.Second {
+		t.Fatalf("%v %v", st, err)
+	}
+	if _, err := parseSteps("5"); err == nil {
+		t.Fatal("bad step accepted")
+	}
+	o, err := parseSLO("ttft=500ms,tpot=50ms,e2e=10s")
+	if err != nil || o.TTFT != 500*time.Millisecond || o.TPOT != 50*time.Millisecond || o.E2E != 10*time.Second {
+		t.Fatalf("%+v %v", o, err)
+	}
+	if _, err := parseSLO("latency=1s"); err == nil {
+		t.Fatal("unknown target accepted")
+	}
+	ok := result{Status: 200, TTFT: 100 * time.Millisecond, E2E: 500 * time.Millisecond, Output: 10} // TPOT 44 ms
+	if !o.met(&ok) {
+		t.Fatal("within SLO")
+	}
+	ok.TTFT = 600 * time.Millisecond
+	if o.met(&ok) {
+		t.Fatal("TTFT over the SLO met it")
+	}
+}
+
+// The client against the simulated backend: streamed and not, closed and
+// open loop; what it measures matches the backend's schedule.
+func TestClientAgainstMock(t *testing.T) {
+	s := httptest.NewServer(mockllm.New(mockllm.Options{PrefillBase: 30 * time.Millisecond, TokenGap: 10 * time.Millisecond, Jitter: 0.01, Stamp: true}))
+	defer s.Close()
+	p := plan{URL: s.URL + "/v1/chat/completions", Model: "m", Workloads: []workload{{Name: "t", PromptBytes: 100, MaxTokens: 5}},
+		Stream: true, Stamped: true, Concurrency: 2, Requests: 6, Warmup: 1}
+	res, wall, err := run(p)
+	if err != nil || len(res) < 6 || wall <= 0 {
+		t.Fatalf("%d results, %v", len(res), err)
+	}
+	sum := summarize("x", res, wall, 1, slo{TTFT: time.Second})
+	if sum.Errors != 0 || sum.TTFT.P50 < 30 || sum.TTFT.P50 > 60 || sum.ITL.P50 < 9 || sum.ITL.P50 > 15 || sum.Delay.N == 0 || sum.GoodFraction != 1 {
+		t.Fatalf("%+v", sum)
+	}
+	for _, r := range res {
+		if r.Output != 5 || len(r.Tokens) != 5 || r.Input == 0 {
+			t.Fatalf("result %+v", r)
+		}
+	}
+	p.Stream, p.Rate, p.Requests, p.Duration = false, 50, 10, time.Second
+	res, _, err = run(p)
+	if err != nil || len(res) == 0 || res[0].Output != 5 || res[0].TTFT != -1 || res[0].Status != 200 {
+		t.Fatalf("open loop, unstreamed: %+v %v", res, err)
+	}
+}
+
+func TestCompareAccessLog(t *testing.T) {
+	dir := t.TempDir()
+	log := filepath.Join(dir, "a.log")
+	os.WriteFile(log, []byte(`{"request_id":"p-1","ttft_ms":10.5,"e2e_ms":100,"itl_mean_ms":5}`+"\n"+`{"request_id":"other"}`+"\n"), 0o644)
+	res := []result{{ID: "p-1", TTFT: 10 * time.Millisecond, E2E: 101 * time.Millisecond, Tokens: []time.Duration{0, 5 * time.Millisecond, 11 * time.Millisecond}}}
+	acc, err := compareLog(log, "p-", res)
+	if err != nil || acc.Matched != 1 || acc.TTFT.P50 != 0.5 || acc.E2E.P50 != 1 || acc.ITL.P50 != 0.5 {
+		t.Fatalf("%+v %v", acc, err)
+	}
+}
+
+func TestCompareResults(t *testing.T) {
+	dir := t.TempDir()
+	a, b := filepath.Join(dir, "a.json"), filepath.Join(dir, "b.json")
+	writeJSON(a, map[string]any{"conditions": []summary{{Name: "chat/fresh/low", TTFT: dist{P50: 100}, RequestsPerS: 10}}})
+	writeJSON(b, map[string]any{"conditions": []summary{{Name: "chat/fresh/low", TTFT: dist{P50: 110}, RequestsPerS: 10.3}}})
+	var out strings.Builder
+	if err := runCompare([]string{a, b}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "+10.0%") || !strings.Contains(out.String(), "+3.0%") {
+		t.Fatalf("%s", out.String())
+	}
+}

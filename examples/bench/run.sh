@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The side-by-side proxy bench: the same workload, on loopback, straight to
+# the simulated backend, through tokentap, through nginx and through HAProxy,
+# in interleaved rounds. Writes examples/bench/results/{results.json,
+# results.md,ttft.svg} and the processes' logs. Takes about 7 minutes.
+#
+#   examples/bench/run.sh                 # everything
+#   examples/bench/run.sh -rounds 3 -levels 1,100
+#
+# nginx and HAProxy come from Debian: apt-get install nginx-light haproxy
+# (as root). Without them the bench runs the other arms and says so.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+args=()
+command -v nginx >/dev/null || { echo "nginx not installed: skipping its arm" >&2; args+=(-nginx ""); }
+command -v haproxy >/dev/null || { echo "haproxy not installed: skipping its arm" >&2; args+=(-haproxy ""); }
+exec go run ./cmd/tokentap-bench proxies -out examples/bench/results \
+  -nginx "$(command -v nginx || true)" -haproxy "$(command -v haproxy || true)" "${args[@]}" "$@"
