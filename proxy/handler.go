@@ -132,7 +132,10 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		// as its own chunk. A known length would make fasthttp buffer until
 		// 4 KiB are ready, holding back the first events.
 		cl = -1
-		ctx.Response.ImmediateHeaderFlush = true
+		// Headers go out at once, so a client sees them during a long
+		// prefill; when body bytes came with them, they go out together
+		// with the first chunk instead, in one write.
+		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
 	}
 	x.contentLength = cl
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {

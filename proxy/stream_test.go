@@ -446,3 +446,32 @@ func TestCancelDetectedAfterRequestReadTimeout(t *testing.T) {
 		t.Fatalf("record: %+v", rec)
 	}
 }
+
+// Headers the upstream sends before its first token reach the client at
+// once, not with the first token.
+func TestHeadersRelayedBeforeFirstToken(t *testing.T) {
+	release := make(chan struct{})
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		flush(w)
+		<-release
+		io.WriteString(w, chatChunk("a"))
+	})
+	tp := startProxy(t, up.URL, nil)
+	_, br := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+	got := make(chan error, 1)
+	go func() {
+		_, err := http.ReadResponse(br, nil)
+		got <- err
+	}()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("headers held back until the first token")
+	}
+	close(release)
+}
