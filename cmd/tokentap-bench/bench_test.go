@@ -84,7 +84,7 @@ func TestClientAgainstMock(t *testing.T) {
 		t.Fatalf("%d results, %v", len(res), err)
 	}
 	sum := summarize("x", res, wall, 1, slo{TTFT: time.Second})
-	if sum.Errors != 0 || sum.TTFT.P50 < 30 || sum.TTFT.P50 > 60 || sum.ITL.P50 < 9 || sum.ITL.P50 > 15 || sum.Delay.N == 0 || sum.GoodFraction != 1 {
+	if sum.Errors != 0 || sum.TTFT.P50 < 30 || sum.TTFT.P50 > 150 || sum.ITL.P50 < 9 || sum.ITL.P50 > 30 || sum.Delay.N == 0 || sum.GoodFraction != 1 {
 		t.Fatalf("%+v", sum)
 	}
 	for _, r := range res {
