@@ -373,3 +373,45 @@ func TestInjectUsageGivesUpOnHugeEvent(t *testing.T) {
 		t.Fatalf("record: %+v", rec)
 	}
 }
+
+// Responses without a body (HEAD, 204, 304) end at once, with their headers.
+func TestResponsesWithoutBody(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/204":
+			w.WriteHeader(204)
+		case "/304":
+			w.WriteHeader(304)
+		default:
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("Content-Length", "42")
+			if r.Method != "HEAD" {
+				io.WriteString(w, strings.Repeat("x", 42))
+			}
+		}
+	})
+	tp := startProxy(t, up.URL, nil)
+	c, br := rawRequest(t, tp.addr, "")
+	for _, tc := range []struct {
+		method, path string
+		status       int
+		length       string
+	}{
+		{"HEAD", "/x", 200, "42"}, {"GET", "/204", 204, ""}, {"GET", "/304", 304, ""}, {"GET", "/x", 200, "42"},
+	} {
+		io.WriteString(c, tc.method+" "+tc.path+" HTTP/1.1\r\nHost: x\r\n\r\n")
+		c.SetReadDeadline(time.Now().Add(3 * time.Second))
+		resp, err := http.ReadResponse(br, &http.Request{Method: tc.method})
+		if err != nil {
+			t.Fatalf("%s %s: %v", tc.method, tc.path, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.status || resp.Header.Get("Content-Length") != tc.length || (tc.method == "HEAD" && len(b) != 0) {
+			t.Fatalf("%s %s: %d %v body %d bytes", tc.method, tc.path, resp.StatusCode, resp.Header, len(b))
+		}
+		if rec := tp.rec.next(t); rec.Status != tc.status || rec.Outcome != metrics.OutcomeOK {
+			t.Fatalf("%s %s: record %+v", tc.method, tc.path, rec)
+		}
+	}
+}
