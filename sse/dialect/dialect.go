@@ -231,23 +231,37 @@ func (genericDialect) Event(_, data []byte) Obs {
 
 func (genericDialect) Body([]byte) Obs { return Obs{} }
 
-// maxOutputPaths are where the APIs put the output limit of a request.
-var maxOutputPaths = []string{"max_tokens", "max_completion_tokens", "max_output_tokens",
-	"generationConfig.maxOutputTokens", "options.num_predict", "parameters.max_new_tokens", "n_predict"}
-
 // MaxOutputTokens returns the output limit a JSON request body declares
 // (max_tokens, max_completion_tokens, max_output_tokens, Gemini's
 // generationConfig.maxOutputTokens, Ollama's options.num_predict, TGI's
-// parameters.max_new_tokens, llama.cpp's n_predict), or 0.
+// parameters.max_new_tokens, llama.cpp's n_predict): the first of them, in
+// the body's order, that holds a positive number; or 0. It reads the body's
+// top-level members once.
 func MaxOutputTokens(body []byte) int {
 	s := object(body)
 	if s == "" {
 		return 0
 	}
-	for _, p := range maxOutputPaths {
-		if v := gjson.Get(s, p); v.Type == gjson.Number && v.Int() > 0 {
-			return int(v.Int())
+	n := 0
+	positive := func(v gjson.Result) bool {
+		if v.Type == gjson.Number && v.Int() > 0 {
+			n = int(v.Int())
+			return true
 		}
+		return false
 	}
-	return 0
+	gjson.Parse(s).ForEach(func(k, v gjson.Result) bool {
+		switch k.Str {
+		case "max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict":
+			return !positive(v)
+		case "generationConfig":
+			return !positive(gjson.Get(v.Raw, "maxOutputTokens"))
+		case "options":
+			return !positive(gjson.Get(v.Raw, "num_predict"))
+		case "parameters":
+			return !positive(gjson.Get(v.Raw, "max_new_tokens"))
+		}
+		return true
+	})
+	return n
 }
