@@ -1,11 +1,9 @@
 package proxy
 
 import (
-	"bytes"
 	"io"
 	"net"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -126,50 +124,6 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	p.pool.Put(x)
 }
 
-// startParsing chooses how the body is measured from its Content-Type and
-// Content-Encoding.
-func (x *exchange) startParsing(resp *fasthttp.Response) {
-	ct := resp.Header.ContentType()
-	if i := bytes.IndexByte(ct, ';'); i >= 0 {
-		ct = ct[:i]
-	}
-	ct = bytes.TrimSpace(ct)
-	switch {
-	case bytes.EqualFold(ct, []byte("text/event-stream")):
-		x.streamed, x.mode = true, parseSSE
-	case bytes.EqualFold(ct, []byte("application/x-ndjson")), bytes.EqualFold(ct, []byte("application/jsonl")),
-		bytes.EqualFold(ct, []byte("application/json-seq")):
-		x.streamed, x.mode = true, parseLines
-	default:
-		x.mode = parseBody
-	}
-	x.rec.Stream = x.streamed
-	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
-		// The compressed bytes pass through untouched; the parser reads a
-		// decompressed copy.
-		if x.dec = newSideDecoder(enc, x.parseDecoded); x.dec == nil {
-			x.mode = parseNone
-			x.rec.Partial = true
-		}
-	}
-	if x.strip && (x.mode != parseSSE || x.dec != nil) {
-		x.strip = false // only a plain SSE stream can have the chunk removed
-	}
-	max := x.snap.cfg.MaxEventBytes
-	switch x.mode {
-	case parseSSE:
-		if x.parser == nil {
-			x.parser = sse.NewParser(max)
-		}
-		x.parser.Reset()
-	case parseLines:
-		if x.lines == nil {
-			x.lines = sse.NewLines(max)
-		}
-		x.lines.Reset()
-	}
-}
-
 // pull reads the upstream once into b and feeds what it read to the
 // parser. An upstream error is kept and returned again on every later call;
 // when bytes came with it, they are returned first, without the error.
@@ -276,127 +230,6 @@ func (x *exchange) flushed(t time.Time) {
 			x.rec.Series.ITL(gap)
 		}
 		x.lastTokenFlush = t
-	}
-}
-
-// observe feeds one upstream read, read at t, to the parser (through the
-// decompressor when the body is compressed).
-func (x *exchange) observe(b []byte, t time.Time) {
-	if x.firstByteRead.IsZero() {
-		x.firstByteRead = t
-	}
-	if x.dec != nil {
-		x.decAt = t
-		x.dec.feed(b)
-		return
-	}
-	x.parse(b, t)
-}
-
-// parseDecoded is the decompressor's sink; it runs while observe waits.
-func (x *exchange) parseDecoded(b []byte) { x.parse(b, x.decAt) }
-
-// parse reads body bytes read at t.
-func (x *exchange) parse(b []byte, t time.Time) {
-	switch x.mode {
-	case parseSSE:
-		if x.strip {
-			x.parseStrip(b, t)
-			return
-		}
-		x.parser.Feed(b)
-		for x.parser.Next() {
-			ev := x.parser.Event()
-			if ev.Truncated {
-				x.rec.Partial = true
-			}
-			x.apply(x.dialect.Event(ev.Type, ev.Data), t)
-		}
-	case parseLines:
-		x.lines.Feed(b)
-		for x.lines.Next() {
-			if x.lines.Truncated() {
-				x.rec.Partial = true
-			}
-			x.apply(x.dialect.Event(nil, x.lines.Line()), t)
-		}
-	case parseBody:
-		if len(x.whole)+len(b) <= x.snap.cfg.MaxEventBytes {
-			x.whole = append(x.whole, b...)
-		} else {
-			x.rec.Partial = true
-			x.mode = parseNone
-		}
-	}
-}
-
-// parseStrip parses like parse and also leaves in x.stripped the bytes to
-// relay: everything but the usage-only chunk that tokentap itself asked for
-// (stream_options.include_usage injected into the request). Bytes of an
-// event still incomplete are held back until it completes, so an event is
-// relayed in the write of the read that completed it, as without stripping.
-func (x *exchange) parseStrip(b []byte, t time.Time) {
-	out := x.stripped[:0]
-	start := 0
-	x.parser.Feed(b)
-	for x.parser.Next() {
-		end := x.parser.Offset()
-		ev := x.parser.Event()
-		if ev.Truncated {
-			x.rec.Partial = true
-		}
-		x.apply(x.dialect.Event(ev.Type, ev.Data), t)
-		if !dialect.UsageOnly(ev.Data) {
-			out = append(out, x.held...)
-			out = append(out, b[start:end]...)
-		}
-		x.held = x.held[:0]
-		start = end
-	}
-	rest := b[start:]
-	switch {
-	case !x.parser.Pending():
-		// Between events (comments, blank lines): nothing to decide later.
-		out = append(out, x.held...)
-		out = append(out, rest...)
-		x.held = x.held[:0]
-	case len(x.held)+len(rest) > x.snap.cfg.MaxEventBytes:
-		// An event too large to hold: stop stripping, relay as it comes.
-		out = append(out, x.held...)
-		out = append(out, rest...)
-		x.held = x.held[:0]
-		x.strip = false
-	default:
-		x.held = append(x.held, rest...)
-	}
-	x.stripped = out
-}
-
-func (x *exchange) apply(o dialect.Obs, t time.Time) {
-	if o.Token {
-		x.events++
-		x.chunkTokens++
-		if o.Answer {
-			x.chunkAnswers++
-		}
-		if x.firstTokenRead.IsZero() {
-			x.firstTokenRead = t
-		}
-	}
-	if o.HasIn {
-		x.usage.hasIn, x.usage.in = true, o.In
-	}
-	if o.HasOut {
-		x.usage.hasOut, x.usage.out = true, o.Out
-	}
-	if o.Items > 0 {
-		x.items = o.Items
-	}
-	if o.Timings.Set {
-		x.timings = o.Timings
-	}
-	if o.Error {
-		x.streamError = true
 	}
 }
 
@@ -552,64 +385,4 @@ func (x *exchange) fillRecord(now time.Time) {
 		}
 		rec.Overhead = o
 	}
-}
-
-// cancelState ties the exchange's upstream connection to the peer watch:
-// when the client goes, the connection is closed, which interrupts any
-// read or write on it and cancels the request at the backend; a request
-// waiting for admission sees done closed.
-type cancelState struct {
-	mu   sync.Mutex
-	gone bool
-	conn net.Conn
-	done chan struct{}
-}
-
-// doneChan returns a channel closed when the client has gone.
-func (c *cancelState) doneChan() <-chan struct{} {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.done == nil {
-		c.done = make(chan struct{})
-		if c.gone {
-			close(c.done)
-		}
-	}
-	return c.done
-}
-
-// attach makes conn the one to close on cancel; false if already cancelled.
-func (c *cancelState) attach(conn net.Conn) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.gone {
-		return false
-	}
-	c.conn = conn
-	return true
-}
-
-func (c *cancelState) detach() {
-	c.mu.Lock()
-	c.conn = nil
-	c.mu.Unlock()
-}
-
-// fire is called by the peer watch when the client has gone.
-func (c *cancelState) fire() {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.gone && c.done != nil {
-		close(c.done)
-	}
-	c.gone = true
-	if c.conn != nil {
-		_ = c.conn.Close()
-	}
-}
-
-func (c *cancelState) isGone() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.gone
 }

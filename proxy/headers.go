@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"strings"
 
 	"github.com/valyala/fasthttp"
 )
@@ -52,7 +53,8 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 	// The URI as the client sent it (not normalized), under the route.
 	uri := in.Header.RequestURI()
 	if r.StripPrefix {
-		uri = uri[len(r.Prefix)-boolInt(r.Prefix[len(r.Prefix)-1] == '/'):]
+		// Keep the slash that ends the prefix: /ollama/api/chat → /api/chat.
+		uri = uri[len(strings.TrimSuffix(r.Prefix, "/")):]
 		if len(uri) == 0 || uri[0] != '/' {
 			uri = append([]byte{'/'}, uri...)
 		}
@@ -79,13 +81,6 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 	}
 	req.Header.SetBytesV("X-Request-Id", requestID)
 	req.SetBodyRaw(in.Body())
-}
-
-func boolInt(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // copyResponseHeader copies the upstream response's status and headers to

@@ -1,0 +1,66 @@
+package proxy
+
+import (
+	"net"
+	"sync"
+)
+
+// cancelState ties the exchange's upstream connection to the peer watch:
+// when the client goes, the connection is closed, which interrupts any
+// read or write on it and cancels the request at the backend; a request
+// waiting for admission sees done closed.
+type cancelState struct {
+	mu   sync.Mutex
+	gone bool
+	conn net.Conn
+	done chan struct{}
+}
+
+// doneChan returns a channel closed when the client has gone.
+func (c *cancelState) doneChan() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.done == nil {
+		c.done = make(chan struct{})
+		if c.gone {
+			close(c.done)
+		}
+	}
+	return c.done
+}
+
+// attach makes conn the one to close on cancel; false if already cancelled.
+func (c *cancelState) attach(conn net.Conn) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gone {
+		return false
+	}
+	c.conn = conn
+	return true
+}
+
+func (c *cancelState) detach() {
+	c.mu.Lock()
+	c.conn = nil
+	c.mu.Unlock()
+}
+
+// fire is called by the peer watch when the client has gone.
+func (c *cancelState) fire() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.gone && c.done != nil {
+		close(c.done)
+	}
+	c.gone = true
+	if c.conn != nil {
+		_ = c.conn.Close()
+	}
+}
+
+func (c *cancelState) isGone() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.gone
+}
