@@ -415,3 +415,32 @@ func TestResponsesWithoutBody(t *testing.T) {
 		}
 	}
 }
+
+// strip_prefix and a path in the upstream URL shape the forwarded URI.
+func TestStripPrefixAndBasePath(t *testing.T) {
+	seen := make(chan string, 4)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { seen <- r.RequestURI })
+	tp := startProxy(t, up.URL, func(c *Config) {
+		c.Routes = []Route{
+			{Name: "slash", Prefix: "/ollama/", Upstream: up.URL, StripPrefix: true, Timeouts: DefaultTimeouts},
+			{Name: "bare", Prefix: "/vllm", Upstream: up.URL + "/base/", StripPrefix: true, Timeouts: DefaultTimeouts},
+			{Name: "keep", Prefix: "/v1/", Upstream: up.URL + "/base", Timeouts: DefaultTimeouts},
+		}
+	})
+	for path, want := range map[string]string{
+		"/ollama/api/chat?x=1": "/api/chat?x=1",
+		"/vllm/v1/models":      "/base/v1/models",
+		"/vllm?q":              "/base/?q",
+		"/v1/models":           "/base/v1/models",
+	} {
+		resp, err := http.Get(tp.url + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if got := <-seen; got != want {
+			t.Errorf("%s forwarded as %s, want %s", path, got, want)
+		}
+		tp.rec.next(t)
+	}
+}
