@@ -87,16 +87,36 @@ func (a *AccessLog) Close() {
 func (a *AccessLog) run() {
 	defer close(a.done)
 	fields := make([]zap.Field, 0, 40)
-	for it := range a.queue {
-		if it.flush != nil {
-			_ = a.log.Sync()
-			close(it.flush)
-			continue
-		}
-		fields = appendFields(fields[:0], &it.rec)
-		a.log.Info("", fields...)
-		if len(a.queue) == 0 {
-			_ = a.buf.flush()
+	// Lines are flushed in batches: when the queue runs dry and the last
+	// flush is 10 ms old, and at the latest 50 ms after they were written.
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	var lastFlush time.Time
+	dirty := false
+	for {
+		select {
+		case it, ok := <-a.queue:
+			if !ok {
+				return
+			}
+			if it.flush != nil {
+				_ = a.log.Sync()
+				dirty = false
+				close(it.flush)
+				continue
+			}
+			fields = appendFields(fields[:0], &it.rec)
+			a.log.Info("", fields...)
+			dirty = true
+			if len(a.queue) == 0 && time.Since(lastFlush) > 10*time.Millisecond {
+				_ = a.buf.flush()
+				lastFlush, dirty = time.Now(), false
+			}
+		case <-tick.C:
+			if dirty {
+				_ = a.buf.flush()
+				lastFlush, dirty = time.Now(), false
+			}
 		}
 	}
 }
