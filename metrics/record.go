@@ -114,9 +114,3 @@ func (r *Record) Reset() {
 type Sink interface {
 	Observe(r *Record)
 }
-
-// SinkFunc adapts a function to Sink.
-type SinkFunc func(r *Record)
-
-// Observe calls f(r).
-func (f SinkFunc) Observe(r *Record) { f(r) }

@@ -68,8 +68,6 @@ func (p *Proxy) admit(ctx *fasthttp.RequestCtx, x *exchange, body []byte) bool {
 	a := x.snap.admit
 	tenant, ok := identify(a, &ctx.Request.Header)
 	if !ok {
-		x.watch.stop()
-		x.watch = nil
 		x.rec.Tenant = "unknown"
 		p.fail(ctx, x, fasthttp.StatusUnauthorized, metrics.OutcomeRejected, "invalid_api_key", "unknown or missing API key")
 		return false
@@ -87,8 +85,6 @@ func (p *Proxy) admit(ctx *fasthttp.RequestCtx, x *exchange, body []byte) bool {
 		x.ticket = ticket
 		return true
 	}
-	x.watch.stop()
-	x.watch = nil
 	x.rec.TenantSeries.Rejected(string(refusal.Reason))
 	if refusal.Reason == ratelimit.ReasonCancelled {
 		p.fail(ctx, x, 499, metrics.OutcomeClientCancel, "", "client closed the connection while queued")

@@ -256,10 +256,21 @@ func (x *exchange) finish(writeErr error) {
 		// The last chunk went out with the end of the response.
 		x.flushed(now)
 	}
-	if x.watch != nil {
-		x.watch.stop()
-	}
+	x.watch.stop()
 	gone := x.cancel.isGone()
+
+	// Everything the body says is known before the outcome is decided.
+	if x.dec != nil {
+		if !x.dec.close() && complete {
+			rec.Partial = true // the copy did not decode; the relay was unaffected
+		}
+		x.dec = nil
+	}
+	if x.mode == parseBody && complete && len(x.whole) > 0 {
+		o := x.dialect.Body(x.whole)
+		o.Token, o.Answer = false, false
+		x.apply(o, now)
+	}
 
 	// The outcome, upstream faults before client faults.
 	switch {
@@ -300,20 +311,6 @@ func (x *exchange) finish(writeErr error) {
 		x.conn = nil
 	}
 
-	if x.dec != nil {
-		if !x.dec.close() && complete {
-			rec.Partial = true // the copy did not decode; the relay was unaffected
-		}
-		x.dec = nil
-	}
-	if x.mode == parseBody && complete && len(x.whole) > 0 {
-		o := x.dialect.Body(x.whole)
-		o.Token, o.Answer = false, false
-		x.apply(o, now)
-		if x.streamError && rec.Outcome == metrics.OutcomeOK {
-			rec.Outcome, rec.Error = metrics.OutcomeUpstreamError, "error reported inside the response"
-		}
-	}
 	x.fillRecord(now)
 	x.releaseTicket()
 	if x.client != nil {
@@ -345,14 +342,9 @@ func (x *exchange) fillRecord(now time.Time) {
 	case x.streamed && x.events > 0:
 		rec.OutputTokens, rec.TokensSource = x.events, "counted"
 	}
-	if x.items > 0 {
-		rec.Items = x.items
-	}
+	rec.Items = x.items
 	if t := x.timings; t.Set {
 		rec.ServerQueue, rec.ServerLoad, rec.ServerPrefill, rec.ServerDecode = t.Queue, t.Load, t.Prefill, t.Decode
-	}
-	if x.written.IsZero() {
-		rec.UpstreamTTFB = metrics.Absent
 	}
 	if x.streamed && !x.firstAnswerFlush.IsZero() {
 		rec.TTFA = x.firstAnswerFlush.Sub(x.arrival)
@@ -364,16 +356,15 @@ func (x *exchange) fillRecord(now time.Time) {
 		}
 	}
 	if n := len(x.gaps); n > 0 {
-		var sum, maxGap time.Duration
+		var sum time.Duration
 		for _, g := range x.gaps {
 			sum += g
-			maxGap = max(maxGap, g)
 		}
 		slices.Sort(x.gaps)
 		rec.ITLMean = sum / time.Duration(n)
 		rec.ITLP50 = x.gaps[(n-1)/2]
 		rec.ITLP99 = x.gaps[(n-1)*99/100]
-		rec.ITLMax = maxGap
+		rec.ITLMax = x.gaps[n-1]
 	}
 	if !x.written.IsZero() {
 		o := x.written.Sub(x.arrival) - max(rec.Queue, 0)

@@ -89,8 +89,6 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	head := ctx.IsHead()
 	err := x.roundTrip(head)
 	if err != nil {
-		x.watch.stop()
-		x.watch = nil
 		switch {
 		case x.cancel.isGone():
 			p.fail(ctx, x, 499, metrics.OutcomeClientCancel, "", "client closed the connection")

@@ -15,18 +15,29 @@ var hopHeaders = []string{
 	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade", "Expect",
 }
 
-// connectionTokens appends to dst the header names listed in the
-// Connection header(s) of h, which are hop-by-hop as well.
-func connectionTokens(dst [][]byte, values [][]byte) [][]byte {
-	for _, v := range values {
+// hopHeader is what dropHop needs of a fasthttp request or response header.
+type hopHeader interface {
+	Del(key string)
+	DelBytes(key []byte)
+	ResetConnectionClose()
+}
+
+// dropHop removes the hop-by-hop headers from h, and the headers named in
+// connection, the values of the message's Connection header(s), which are
+// hop-by-hop as well.
+func dropHop(h hopHeader, connection [][]byte) {
+	for _, name := range hopHeaders {
+		h.Del(name)
+	}
+	for _, v := range connection {
 		for _, tok := range bytes.Split(v, []byte{','}) {
 			tok = bytes.TrimSpace(tok)
 			if len(tok) > 0 && !bytes.EqualFold(tok, []byte("close")) && !bytes.EqualFold(tok, []byte("keep-alive")) {
-				dst = append(dst, tok)
+				h.DelBytes(tok)
 			}
 		}
 	}
-	return dst
+	h.ResetConnectionClose()
 }
 
 // prepareRequest turns the client's request into the upstream request:
@@ -35,17 +46,7 @@ func connectionTokens(dst [][]byte, values [][]byte) [][]byte {
 func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, requestID []byte) {
 	in := &ctx.Request
 	in.Header.CopyTo(&req.Header)
-	var listed [][]byte
-	if vals := in.Header.PeekAll("Connection"); len(vals) > 0 {
-		listed = connectionTokens(nil, vals)
-	}
-	for _, h := range hopHeaders {
-		req.Header.Del(h)
-	}
-	for _, h := range listed {
-		req.Header.DelBytes(h)
-	}
-	req.Header.ResetConnectionClose()
+	dropHop(&req.Header, in.Header.PeekAll("Connection"))
 	// tokentap speaks HTTP/1.1 upstream whatever the client speaks, so the
 	// upstream connection stays pooled and streams stay chunked.
 	req.Header.SetProtocol("HTTP/1.1")
@@ -87,18 +88,8 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 // the client's response, minus hop-by-hop headers and the framing, which
 // the server sets from the relayed body.
 func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, requestID []byte) {
-	var listed [][]byte
-	if v := from.Header.Peek("Connection"); len(v) > 0 {
-		listed = connectionTokens(nil, [][]byte{v})
-	}
 	from.Header.CopyTo(to)
-	for _, h := range hopHeaders {
-		to.Del(h)
-	}
-	for _, h := range listed {
-		to.DelBytes(h)
-	}
-	to.ResetConnectionClose()
+	dropHop(to, from.Header.PeekAll("Connection"))
 	to.SetProtocol([]byte("HTTP/1.1"))
 	if len(to.Peek("X-Request-Id")) == 0 {
 		to.SetBytesV("X-Request-Id", requestID)

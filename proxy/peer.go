@@ -126,12 +126,12 @@ func (w *peerWatch) run(gone func()) {
 }
 
 // stop ends the watch and waits for its goroutine, leaving conn with no
-// read deadline. It must be called before the server reads from conn again.
+// read deadline. It must be called before the server reads from conn again;
+// calls after the first do nothing.
 func (w *peerWatch) stop() {
-	if w == nil {
+	if w == nil || !w.stopped.CompareAndSwap(false, true) {
 		return
 	}
-	w.stopped.Store(true)
 	if w.timer.Stop() {
 		return // the watch never started
 	}

@@ -16,6 +16,7 @@ package dialect
 
 import (
 	"bytes"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -142,7 +143,7 @@ func stringView(src []byte, v gjson.Result) []byte {
 	if v.Type != gjson.String {
 		return nil
 	}
-	if v.Index > 0 && bytes.IndexByte([]byte(v.Raw), '\\') < 0 {
+	if v.Index > 0 && strings.IndexByte(v.Raw, '\\') < 0 {
 		return src[v.Index+1 : v.Index+len(v.Raw)-1]
 	}
 	return []byte(v.Str)
