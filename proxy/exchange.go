@@ -133,7 +133,16 @@ func (x *exchange) pull(b []byte) (int, error) {
 	}
 	n, err := x.body.Read(b)
 	if n > 0 {
-		x.observe(b[:n], x.p.now())
+		// Stamped with the kernel's receive time of the bytes: time they
+		// waited in the socket is time tokentap added.
+		var at time.Time
+		if x.conn != nil {
+			at = x.conn.readAt
+		}
+		if at.IsZero() {
+			at = x.p.now()
+		}
+		x.observe(b[:n], at)
 	}
 	if err != nil {
 		if err == io.EOF {

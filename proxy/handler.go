@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"syscall"
+	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/sse/dialect"
@@ -16,9 +17,8 @@ import (
 
 // ServeHTTP relays one request. See the package comment for its journey.
 func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
-	arrival := p.now()
 	snap := p.snap.Load()
-	x := p.acquireExchange(snap, arrival)
+	x := p.acquireExchange(snap, p.arrival(ctx))
 	rec := &x.rec
 	rec.Series, rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 
@@ -143,6 +143,17 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	ctx.Response.SetBodyStream(x, cl)
 }
 
+// arrival is when the request began to reach tokentap: the kernel's receive
+// time of its first bytes, so that time spent in the socket before tokentap
+// read it counts in every figure, as the client lived it.
+func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
+	now := p.now()
+	if c, ok := ctx.Conn().(*clientConn); ok {
+		return c.arrival(now, p.opts.RequestReadTimeout)
+	}
+	return now
+}
+
 // roundTrip sends the request on a pooled or new connection. A reused
 // connection that turns out to be closed before any response byte arrived is
 // retried once on a new one, as the request cannot have been processed.
@@ -161,7 +172,8 @@ func (x *exchange) roundTrip(head bool) error {
 		x.written = written
 		if err == nil {
 			x.conn = c
-			x.rec.UpstreamTTFB = c.first.Sub(written)
+			// The response can reach the socket before the write is stamped.
+			x.rec.UpstreamTTFB = max(c.first.Sub(written), 0)
 			return nil
 		}
 		up.discard(c)
@@ -203,7 +215,7 @@ func (p *Proxy) fail(ctx *fasthttp.RequestCtx, x *exchange, status int, outcome 
 // too large) and records them like any other.
 func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
 	snap := p.snap.Load()
-	x := p.acquireExchange(snap, p.now())
+	x := p.acquireExchange(snap, p.arrival(ctx))
 	x.rec.Series, x.rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 	x.id = p.newRequestID(x.id[:0])
 	x.rec.RequestID = string(x.id)

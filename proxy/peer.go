@@ -149,7 +149,7 @@ var aLongTimeAgo = time.Unix(1, 0)
 // clientRTT returns the kernel's smoothed round-trip time of a client
 // connection, or -1 when it is not a TCP socket.
 func clientRTT(conn net.Conn, now time.Time) time.Duration {
-	if c, ok := conn.(*writeDeadlineConn); ok {
+	if c, ok := conn.(*clientConn); ok {
 		return c.RTT(now)
 	}
 	return tcpRTT(conn)

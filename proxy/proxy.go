@@ -9,11 +9,12 @@
 //	...
 //	p.Close()
 //
-// The journey of one request: ServeHTTP stamps arrival, picks the route
+// The journey of one request: ServeHTTP stamps arrival (when the kernel
+// received the request's first bytes, see rx.go), picks the route
 // (longest prefix), reads the model from the body, starts watching the
 // client socket for a close, sends the request upstream on a connection of
 // the route's pool and reads the response headers; the body is then relayed
-// by the exchange (tap.go), which the server reads chunk by chunk. The
+// by the exchange (exchange.go), which the server reads chunk by chunk. The
 // record is finished exactly once, when the exchange closes or on an early
 // error return.
 package proxy
@@ -215,7 +216,13 @@ func (p *Proxy) Listen(addr string) (net.Listener, error) {
 	if err != nil {
 		return nil, err
 	}
-	return writeDeadlineListener{ln, p.opts.ClientWriteTimeout}, nil
+	l := clientListener{Listener: ln, d: p.opts.ClientWriteTimeout}
+	if tl, ok := ln.(*net.TCPListener); ok {
+		if raw, err := tl.SyscallConn(); err == nil && enableRxStamps(raw) == nil {
+			l.stamped = true
+		}
+	}
+	return l, nil
 }
 
 type zapPrintf struct{ l *zap.Logger }

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/url"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -65,7 +66,12 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, er
 	if u.Scheme == "https" {
 		up.tls = &tls.Config{ServerName: u.Hostname(), MinVersion: tls.VersionTLS12, NextProtos: []string{"http/1.1"}}
 	}
-	up.dialer = net.Dialer{Timeout: t.Connect, KeepAlive: 30 * time.Second}
+	up.dialer = net.Dialer{Timeout: t.Connect, KeepAlive: 30 * time.Second,
+		Control: func(_, _ string, raw syscall.RawConn) error {
+			// Best effort: without stamps, reads are stamped when they return.
+			_ = enableRxStamps(raw)
+			return nil
+		}}
 	return up, nil
 }
 
@@ -92,7 +98,14 @@ type upConn struct {
 	first    time.Time     // when it came
 	lastUsed time.Time
 	reused   bool
+
+	rx     *rxConn   // the TCP connection, for receive timestamps
+	readAt time.Time // when the kernel received the bytes of the last read
 }
+
+// maxRxAge bounds how long bytes can have waited in an upstream socket for
+// their receive timestamp to be believed (a guard against a stepped clock).
+const maxRxAge = time.Minute
 
 func (c *upConn) Read(p []byte) (int, error) {
 	if c.timeout > 0 {
@@ -106,9 +119,15 @@ func (c *upConn) Read(p []byte) (int, error) {
 		}
 	}
 	n, err := c.Conn.Read(p)
-	if n > 0 && c.armed {
-		c.armed = false
-		c.first = c.up.now()
+	if n > 0 {
+		c.readAt = c.up.now()
+		if c.rx != nil {
+			c.readAt = received(c.rx.rx, c.readAt, maxRxAge)
+		}
+		if c.armed {
+			c.armed = false
+			c.first = c.readAt
+		}
 	}
 	return n, err
 }
@@ -155,8 +174,11 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 	if err != nil {
 		return nil, err
 	}
+	var rx *rxConn
 	if tc, ok := conn.(*net.TCPConn); ok {
 		_ = tc.SetNoDelay(true)
+		rx = newRxConn(tc, true)
+		conn = rx
 	}
 	if up.tls != nil {
 		tc := tls.Client(conn, up.tls)
@@ -169,7 +191,7 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 		}
 		conn = tc
 	}
-	c := &upConn{Conn: conn, up: up}
+	c := &upConn{Conn: conn, up: up, rx: rx}
 	// Held by every open stream: kept small. Larger writes (long prompts)
 	// bypass the writer's buffer.
 	c.br = bufio.NewReaderSize(c, 8<<10)
@@ -183,6 +205,7 @@ func (up *upstream) put(c *upConn) {
 	c.setFor = 0
 	c.armed = false
 	c.first = time.Time{}
+	c.readAt = time.Time{}
 	c.reused = false
 	if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
 		up.discard(c)

@@ -1,0 +1,152 @@
+package proxy
+
+import (
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// rxConn is a TCP connection whose reads report when the kernel received
+// the bytes (SO_TIMESTAMPNS), not when tokentap got around to reading them.
+//
+// Under load a request or an event can sit in the socket while the
+// goroutine that will read it waits for a CPU; stamps taken after the read
+// hide that wait from every figure tokentap records, and it is time the
+// gateway added. Reads go through recvmsg with a control buffer held by the
+// connection, so they allocate nothing; a connection whose timestamps
+// cannot be enabled reads as usual and reports none.
+type rxConn struct {
+	*net.TCPConn
+	raw  syscall.RawConn // nil: timestamps off, plain reads
+	msg  unix.Msghdr
+	iov  unix.Iovec
+	oob  [8]uint64 // control messages, 8-byte aligned
+	recv func(fd uintptr) bool
+
+	n     int
+	errno syscall.Errno
+	rx    int64 // kernel receive time of the last read, Unix ns; 0: none
+}
+
+// enableRxStamps asks the kernel to stamp what the socket receives. Set on
+// a listening socket, it is inherited by every accepted one, stamps
+// included for the bytes that arrive before accept returns; set before
+// connect (net.Dialer.Control), it covers a dialled one from its first byte.
+func enableRxStamps(raw syscall.RawConn) error {
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TIMESTAMPNS, 1)
+	}); err != nil {
+		return err
+	}
+	return serr
+}
+
+// newRxConn wraps tc, whose socket has receive timestamps enabled
+// (enableRxStamps) when stamped is true.
+func newRxConn(tc *net.TCPConn, stamped bool) *rxConn {
+	c := &rxConn{TCPConn: tc}
+	if !stamped {
+		return c
+	}
+	raw, err := tc.SyscallConn()
+	if err != nil {
+		return c
+	}
+	c.raw = raw
+	c.msg.Iov = &c.iov
+	c.msg.SetIovlen(1)
+	c.recv = c.recvmsg
+	return c
+}
+
+// recvmsg is the read done when the socket is readable; false asks the
+// runtime to wait for readability and call it again.
+func (c *rxConn) recvmsg(fd uintptr) bool {
+	for {
+		c.msg.Control = (*byte)(unsafe.Pointer(&c.oob[0]))
+		c.msg.SetControllen(len(c.oob) * 8)
+		n, _, e := unix.Syscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&c.msg)), unix.MSG_CMSG_CLOEXEC)
+		switch e {
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false
+		}
+		c.n, c.errno = int(n), e
+		if e == 0 && n > 0 {
+			c.rx = c.timestamp()
+		}
+		return true
+	}
+}
+
+// timestamp finds SCM_TIMESTAMPNS among the control messages of the last
+// recvmsg, or returns 0.
+func (c *rxConn) timestamp() int64 {
+	oob := unsafe.Slice((*byte)(unsafe.Pointer(&c.oob[0])), len(c.oob)*8)
+	oob = oob[:min(int(c.msg.Controllen), len(oob))]
+	for len(oob) >= unix.SizeofCmsghdr {
+		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+		l := int(h.Len)
+		if l < unix.SizeofCmsghdr || l > len(oob) {
+			return 0
+		}
+		if h.Level == unix.SOL_SOCKET && h.Type == unix.SCM_TIMESTAMPNS && l >= unix.CmsgLen(int(unsafe.Sizeof(unix.Timespec{}))) {
+			ts := (*unix.Timespec)(unsafe.Pointer(&oob[unix.CmsgLen(0)]))
+			return ts.Nano()
+		}
+		oob = oob[min(unix.CmsgSpace(l-unix.CmsgLen(0)), len(oob)):]
+	}
+	return 0
+}
+
+func (c *rxConn) Read(b []byte) (int, error) {
+	if c.raw == nil || len(b) == 0 {
+		return c.TCPConn.Read(b)
+	}
+	c.iov.Base = &b[0]
+	c.iov.SetLen(len(b))
+	c.n, c.errno = 0, 0
+	err := c.raw.Read(c.recv)
+	c.iov.Base = nil // do not keep the caller's buffer alive
+	switch {
+	case err != nil:
+		// A deadline or a closed connection, as net.Conn reports them.
+		if oe, ok := err.(*net.OpError); ok {
+			oe.Op = "read"
+		}
+		return 0, err
+	case c.errno != 0:
+		return 0, &net.OpError{Op: "read", Net: "tcp", Source: c.LocalAddr(), Addr: c.RemoteAddr(),
+			Err: os.NewSyscallError("recvmsg", c.errno)}
+	case c.n == 0:
+		return 0, io.EOF
+	}
+	return c.n, nil
+}
+
+// received returns when the kernel received the bytes of the last read, on
+// now's clock (so that durations against other stamps stay monotonic). It
+// returns now when there is no timestamp or it is not within maxAge before
+// now (a stepped wall clock, or a clock other than the system's).
+func received(rx int64, now time.Time, maxAge time.Duration) time.Time {
+	if rx == 0 {
+		return now
+	}
+	d := time.Duration(now.UnixNano() - rx)
+	if d <= 0 || d > maxAge {
+		return now
+	}
+	return now.Add(-d)
+}
+
+// WriteTo hides TCPConn's, which would read the socket without Read.
+func (c *rxConn) WriteTo(w io.Writer) (int64, error) {
+	return io.Copy(w, struct{ io.Reader }{c})
+}

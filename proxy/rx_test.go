@@ -1,0 +1,138 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// tcpPair returns a connected client and the accepted side wrapped in rxConn.
+func tcpPair(t *testing.T) (client net.Conn, server *rxConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	if raw, err := ln.(*net.TCPListener).SyscallConn(); err != nil || enableRxStamps(raw) != nil {
+		t.Fatal("receive timestamps could not be enabled")
+	}
+	client, err = net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close(); sc.Close() })
+	return client, newRxConn(sc.(*net.TCPConn), true)
+}
+
+// Bytes that waited in the socket are stamped with their arrival, not with
+// the read; reads behave like net.Conn's (EOF, deadlines) and allocate
+// nothing.
+func TestRxConnReceiveTime(t *testing.T) {
+	client, c := tcpPair(t)
+	sent := time.Now()
+	io.WriteString(client, "hello")
+	const wait = 60 * time.Millisecond
+	time.Sleep(wait)
+	buf := make([]byte, 64)
+	n, err := c.Read(buf)
+	now := time.Now()
+	if err != nil || string(buf[:n]) != "hello" {
+		t.Fatalf("read %q, %v", buf[:n], err)
+	}
+	at := received(c.rx, now, time.Minute)
+	if waited := now.Sub(at); waited < wait-5*time.Millisecond || at.Before(sent.Add(-time.Millisecond)) {
+		t.Fatalf("received %v before the read, sent %v before it: want ≈ %v", waited, now.Sub(sent), wait)
+	}
+
+	one := []byte("x")
+	if a := testing.AllocsPerRun(200, func() {
+		client.Write(one)
+		if n, err := c.Read(buf); n != 1 || err != nil {
+			t.Fatalf("read %d, %v", n, err)
+		}
+	}); a != 0 {
+		t.Errorf("allocs per read = %v, want 0", a)
+	}
+
+	c.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+	_, err = c.Read(buf)
+	var ne net.Error
+	if !errors.Is(err, os.ErrDeadlineExceeded) || !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("read past deadline: %v, want a timeout", err)
+	}
+	c.SetReadDeadline(time.Time{})
+
+	client.Close()
+	if n, err := c.Read(buf); n != 0 || err != io.EOF {
+		t.Fatalf("read after close: %d, %v, want io.EOF", n, err)
+	}
+}
+
+// A stamp that is absent, in the future or too old falls back to now, on
+// now's monotonic clock.
+func TestReceivedBounds(t *testing.T) {
+	now := time.Now()
+	for _, rx := range []int64{0, now.Add(time.Second).UnixNano(), now.Add(-2 * time.Minute).UnixNano()} {
+		if got := received(rx, now, time.Minute); got != now {
+			t.Errorf("received(%d) = %v, want now", rx, got)
+		}
+	}
+	got := received(now.Add(-3*time.Millisecond).UnixNano(), now, time.Minute)
+	if d := now.Sub(got); d != 3*time.Millisecond {
+		t.Errorf("received 3ms ago: %v", d)
+	}
+}
+
+// A request whose first bytes came in well before its last is timed from its
+// first byte, as its client times it: the arrival is the kernel's, not the
+// moment tokentap had the whole request.
+func TestArrivalIsFirstByte(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("hi"))
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, nil)
+	body := `{"model":"m","stream":true}`
+	req := postJSON("/v1/chat/completions", body)
+	head := req[:len(req)-len(body)]
+	c, br := rawRequest(t, tp.addr, head)
+	const hold = 80 * time.Millisecond
+	time.Sleep(hold)
+	io.WriteString(c, body)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	if !strings.Contains(string(b), "[DONE]") {
+		t.Fatalf("body %q", b)
+	}
+	rec := tp.rec.next(t)
+	if rec.TTFT < hold || rec.E2E < hold || rec.Overhead < hold-5*time.Millisecond {
+		t.Fatalf("ttft=%v e2e=%v overhead=%v: the %v between the first and last byte of the request are missing",
+			rec.TTFT, rec.E2E, rec.Overhead, hold)
+	}
+
+	// The next request on the same connection is timed from its own bytes.
+	io.WriteString(c, req)
+	resp, err = http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.ReadAll(resp.Body)
+	if rec := tp.rec.next(t); rec.TTFT >= hold {
+		t.Fatalf("second request ttft=%v: timed from the first request's bytes", rec.TTFT)
+	}
+}
