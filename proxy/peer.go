@@ -85,20 +85,16 @@ type peerWatch struct {
 }
 
 // watchDelay is how long a request runs before its client is watched: most
-// short requests end before, and skip the goroutine's syscall. A client
-// leaving is then noticed at most this much later.
-const watchDelay = 2 * time.Millisecond
+// short requests (embeddings, cached or tiny completions) end before, and
+// skip the goroutine, its timers and its syscall. A client leaving is then
+// noticed at most this much later, against prefills of hundreds of ms.
+const watchDelay = 10 * time.Millisecond
 
 // watchPeer starts watching conn after watchDelay; it returns nil when conn
 // is not a socket. gone is called at most once, from the watch goroutine.
 func watchPeer(conn net.Conn, gone func()) *peerWatch {
 	raw := rawConn(conn)
 	if raw == nil {
-		return nil
-	}
-	// The server's read deadline for the request (ReadTimeout) is still
-	// set; left alone it would end the watch minutes into a long stream.
-	if conn.SetReadDeadline(time.Time{}) != nil {
 		return nil
 	}
 	w := &peerWatch{conn: conn, raw: raw, done: make(chan struct{})}
@@ -108,7 +104,12 @@ func watchPeer(conn net.Conn, gone func()) *peerWatch {
 
 func (w *peerWatch) run(gone func()) {
 	defer close(w.done)
-	if w.stopped.Load() {
+	// The server's read deadline for the request (ReadTimeout) is still
+	// set; left alone it would end the watch minutes into a long stream.
+	// stop marks the watch stopped before it moves the deadline into the
+	// past, so either that deadline comes after this one, or stopped is
+	// seen below.
+	if w.conn.SetReadDeadline(time.Time{}) != nil || w.stopped.Load() {
 		return
 	}
 	state := peerIdle

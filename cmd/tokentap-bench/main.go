@@ -33,6 +33,8 @@ func main() {
 		err = runCompare(args[1:], os.Stdout)
 	case len(args) > 0 && args[0] == "proxies":
 		err = runProxies(args[1:], os.Stdout)
+	case len(args) > 0 && args[0] == "relay":
+		err = runRelay(args[1:])
 	default:
 		err = runOnce(args, os.Stdout)
 	}

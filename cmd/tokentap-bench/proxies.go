@@ -60,6 +60,7 @@ func runProxies(args []string, out io.Writer) error {
 	bin := fs.String("bin", "", "directory holding the tokentap and mockllm binaries (built there when empty)")
 	nginxBin := fs.String("nginx", "/usr/sbin/nginx", "nginx binary (empty: skip nginx)")
 	haproxyBin := fs.String("haproxy", "/usr/sbin/haproxy", "HAProxy binary (empty: skip HAProxy)")
+	goRelay := fs.Bool("go-relay", true, "also measure a bare Go TCP relay (io.Copy, goroutine per direction, same GOMAXPROCS): the floor for a Go proxy")
 	rounds := fs.Int("rounds", 5, "measured rounds per condition, after a warm-up round")
 	roundTime := fs.Duration("round-time", 3*time.Second, "time per arm per round")
 	levelsSpec := fs.String("levels", "1,100,1000", "concurrent streams")
@@ -117,6 +118,19 @@ func runProxies(args []string, out io.Writer) error {
 	defer stop(tt)
 	arms = append(arms, &arm{Name: "tokentap", URL: "http://" + ttAddr + "/v1/chat/completions", cmd: tt, pids: pidsOf(tt)})
 
+	if *goRelay {
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		addr := freePort()
+		cmd, err := startProc(*outDir, "go-relay", self, []string{fmt.Sprintf("GOMAXPROCS=%d", *gmp)}, "relay", "-listen", addr, "-upstream", mockAddr)
+		if err != nil {
+			return err
+		}
+		defer stop(cmd)
+		arms = append(arms, &arm{Name: "go-relay", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)})
+	}
 	if *nginxBin != "" {
 		a, err := startNginx(*outDir, *nginxBin, mockAddr)
 		if err != nil {
@@ -350,7 +364,7 @@ func ratio(x, y float64) string {
 func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	var b strings.Builder
 	d := rep.Derived
-	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap GOMAXPROCS=%v; nginx 1 worker; HAProxy nbthread 1.\n",
+	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap and go-relay (a bare Go TCP relay, the floor for a Go proxy) GOMAXPROCS=%v; nginx 1 worker; HAProxy nbthread 1.\n",
 		rep.Machine["cpu"], rep.Machine["cores"], rep.Machine["kernel"], rep.Settings["tokentap_gomaxprocs"])
 	fmt.Fprintf(&b, "%v measured rounds per condition after a warm-up round, arms interleaved in rotating order, %vs per arm per round; "+
 		"each figure is the median of the per-round values, [min–max] across rounds.\n\n", rep.Settings["rounds"], rep.Settings["round_time_s"])
@@ -411,7 +425,7 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 // plotSVG draws added TTFT p50 and p99 against concurrency, one line per proxy.
 func plotSVG(rep *proxiesReport, arms []*arm, levels []int) string {
 	const W, H, pad = 760, 340, 60
-	colors := map[string]string{"tokentap": "#d62728", "nginx": "#2ca02c", "haproxy": "#1f77b4"}
+	colors := map[string]string{"tokentap": "#d62728", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f"}
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", W, H)
 	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", W, H)

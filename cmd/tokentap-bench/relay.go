@@ -1,0 +1,47 @@
+package main
+
+import (
+	"flag"
+	"io"
+	"net"
+)
+
+// runRelay is the bench's floor for a Go proxy: a TCP relay with a
+// goroutine per direction and io.Copy, no HTTP parsing, no measurement.
+// Each client connection gets its own upstream connection, so HTTP/1.1
+// keep-alive passes through unchanged. What it costs per token is what Go's
+// runtime and the kernel cost any goroutine-per-connection proxy in the
+// same run; what tokentap costs above it is tokentap's own work.
+func runRelay(args []string) error {
+	fs := flag.NewFlagSet("tokentap-bench relay", flag.ContinueOnError)
+	listen := fs.String("listen", "127.0.0.1:8091", "address to accept on")
+	upstream := fs.String("upstream", "127.0.0.1:8000", "address to relay to")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return err
+		}
+		go relayConn(c, *upstream)
+	}
+}
+
+func relayConn(c net.Conn, upstream string) {
+	defer c.Close()
+	u, err := net.Dial("tcp", upstream)
+	if err != nil {
+		return
+	}
+	defer u.Close()
+	go func() {
+		_, _ = io.Copy(u, c)
+		_ = u.(*net.TCPConn).CloseWrite()
+	}()
+	_, _ = io.Copy(c, u)
+}
