@@ -207,10 +207,8 @@ func (up *upstream) put(c *upConn) {
 	c.first = time.Time{}
 	c.readAt = time.Time{}
 	c.reused = false
-	if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
-		up.discard(c)
-		return
-	}
+	// The read deadline is left as it is: nothing reads an idle connection
+	// (get peeks without it), and the next Read moves it (setFor is 0).
 	c.lastUsed = up.now()
 	up.mu.Lock()
 	if len(up.idle) < up.t.MaxIdleConns {
