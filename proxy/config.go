@@ -24,7 +24,11 @@ type Timeouts struct {
 	// Idle bounds the gap between two reads of the response body.
 	Idle time.Duration
 	// IdleConn is how long an unused keep-alive connection stays pooled.
-	// Keep it below the backend's own keep-alive timeout.
+	// A connection idle for over a second is checked before reuse (one
+	// non-consuming peek), so one the backend has closed is replaced
+	// without failing a request; a backend closing exactly as a request
+	// goes out resets it before any response byte, and the request is sent
+	// again once on a new connection.
 	IdleConn time.Duration
 	// MaxIdleConns caps the pooled idle connections per upstream.
 	MaxIdleConns int
@@ -35,11 +39,14 @@ type Timeouts struct {
 
 // DefaultTimeouts are the timeouts used where the config says nothing.
 var DefaultTimeouts = Timeouts{
-	Connect:      5 * time.Second,
-	Write:        30 * time.Second,
-	FirstByte:    10 * time.Minute,
-	Idle:         2 * time.Minute,
-	IdleConn:     4 * time.Second, // uvicorn (vLLM) closes idle connections after 5 s
+	Connect:   5 * time.Second,
+	Write:     30 * time.Second,
+	FirstByte: 10 * time.Minute,
+	Idle:      2 * time.Minute,
+	// As Go's http.Transport. A short lifetime would make the first burst
+	// after every lull dial anew: a dial costs tokentap several times a
+	// request's CPU, and the burst's first tokens wait behind it.
+	IdleConn:     90 * time.Second,
 	MaxIdleConns: 1024,
 	MaxConns:     0,
 }

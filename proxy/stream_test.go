@@ -6,7 +6,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -474,4 +476,47 @@ func TestHeadersRelayedBeforeFirstToken(t *testing.T) {
 		t.Fatal("headers held back until the first token")
 	}
 	close(release)
+}
+
+// A pooled connection the backend closed while it was idle (uvicorn closes
+// after 5 s) never fails a request: after over a second idle it is found
+// closed before reuse; sooner, the request it carried is reset before any
+// response byte and sent again on a new connection.
+func TestPooledConnectionClosedByBackend(t *testing.T) {
+	var mu sync.Mutex
+	conns := map[string]bool{}
+	s := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		conns[r.RemoteAddr] = true
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`)
+	}))
+	s.Config.IdleTimeout = 100 * time.Millisecond
+	s.Start()
+	t.Cleanup(s.Close)
+	tp := startProxy(t, s.URL, nil)
+	for i, wait := range []time.Duration{0, 300 * time.Millisecond, 1200 * time.Millisecond} {
+		time.Sleep(wait)
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+		if err != nil {
+			t.Fatalf("request %d after %v idle: %v", i, wait, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(string(b), `"ok"`) {
+			t.Fatalf("request %d after %v idle: %d %q", i, wait, resp.StatusCode, b)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+			t.Fatalf("request %d after %v idle: %+v", i, wait, rec)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(conns) != 3 {
+		t.Fatalf("backend saw %d connections, want 3 (each idle one closed by it)", len(conns))
+	}
+	if open, _ := tp.upstreamConns(); open != 1 {
+		t.Fatalf("pool: %d open, want 1", open)
+	}
 }

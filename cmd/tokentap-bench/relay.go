@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"io"
+	"log"
 	"net"
 )
 
@@ -36,6 +37,7 @@ func relayConn(c net.Conn, upstream string) {
 	defer c.Close()
 	u, err := net.Dial("tcp", upstream)
 	if err != nil {
+		log.Print(err)
 		return
 	}
 	defer u.Close()
