@@ -15,6 +15,11 @@ type accuracy struct {
 	TTFT    dist `json:"ttft_abs_diff"`
 	E2E     dist `json:"e2e_abs_diff"`
 	ITL     dist `json:"itl_mean_abs_diff"`
+	// The share of requests whose client saw the longer time: where it is
+	// near 1, the differences are time outside tokentap (the client's own
+	// sending and reading), not time tokentap missed or invented.
+	TTFTClientLonger float64 `json:"ttft_client_longer_share"`
+	E2EClientLonger  float64 `json:"e2e_client_longer_share"`
 }
 
 type logLine struct {
@@ -37,6 +42,7 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 		byID[res[i].ID] = &res[i]
 	}
 	var dTTFT, dE2E, dITL []time.Duration
+	var longerTTFT, longerE2E int
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	acc := &accuracy{}
@@ -59,9 +65,15 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 		}
 		if l.TTFT != nil && r.TTFT >= 0 {
 			dTTFT = append(dTTFT, abs(*l.TTFT, r.TTFT))
+			if r.TTFT > time.Duration(*l.TTFT*1e6) {
+				longerTTFT++
+			}
 		}
 		if l.E2E != nil {
 			dE2E = append(dE2E, abs(*l.E2E, r.E2E))
+			if r.E2E > time.Duration(*l.E2E*1e6) {
+				longerE2E++
+			}
 		}
 		if g := r.ITL(); l.ITLMean != nil && len(g) > 0 {
 			var sum time.Duration
@@ -72,5 +84,11 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 		}
 	}
 	acc.TTFT, acc.E2E, acc.ITL = newDist(dTTFT), newDist(dE2E), newDist(dITL)
+	if len(dTTFT) > 0 {
+		acc.TTFTClientLonger = float64(longerTTFT) / float64(len(dTTFT))
+	}
+	if len(dE2E) > 0 {
+		acc.E2EClientLonger = float64(longerE2E) / float64(len(dE2E))
+	}
 	return acc, sc.Err()
 }

@@ -105,7 +105,8 @@ func TestCompareAccessLog(t *testing.T) {
 	os.WriteFile(log, []byte(`{"request_id":"p-1","ttft_ms":10.5,"e2e_ms":100,"itl_mean_ms":5}`+"\n"+`{"request_id":"other"}`+"\n"), 0o644)
 	res := []result{{ID: "p-1", TTFT: 10 * time.Millisecond, E2E: 101 * time.Millisecond, Tokens: []time.Duration{0, 5 * time.Millisecond, 11 * time.Millisecond}}}
 	acc, err := compareLog(log, "p-", res)
-	if err != nil || acc.Matched != 1 || acc.TTFT.P50 != 0.5 || acc.E2E.P50 != 1 || acc.ITL.P50 != 0.5 {
+	if err != nil || acc.Matched != 1 || acc.TTFT.P50 != 0.5 || acc.E2E.P50 != 1 || acc.ITL.P50 != 0.5 ||
+		acc.TTFTClientLonger != 0 || acc.E2EClientLonger != 1 {
 		t.Fatalf("%+v %v", acc, err)
 	}
 }

@@ -71,6 +71,7 @@ func printSummary(w io.Writer, s summary) {
 	if a := s.Accuracy; a != nil {
 		fmt.Fprintf(w, "\ntokentap vs client, %d requests matched by id: |Δ| p50/p99\n", a.Matched)
 		fmt.Fprintf(w, "  TTFT %.3f/%.3f ms   E2E %.3f/%.3f ms   ITL mean %.3f/%.3f ms\n", a.TTFT.P50, a.TTFT.P99, a.E2E.P50, a.E2E.P99, a.ITL.P50, a.ITL.P99)
+		fmt.Fprintf(w, "  the client saw the longer time for %.0f%% (TTFT) and %.0f%% (E2E) of them\n", 100*a.TTFTClientLonger, 100*a.E2EClientLonger)
 	}
 }
 
