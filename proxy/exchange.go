@@ -33,8 +33,9 @@ type exchange struct {
 	conn    *upConn
 	body    io.Reader
 	client  net.Conn
-	watch   *peerWatch
+	watch   peerWatch
 	cancel  cancelState
+	fire    func() // cancel.fire, made once per pooled exchange
 
 	// What the body is and how it is parsed.
 	streamed      bool // text/event-stream or NDJSON: measured event by event
@@ -51,6 +52,7 @@ type exchange struct {
 	contentLength int
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 	injected      []byte // the request body with include_usage injected
+	scratch       []byte // header values being built
 
 	// Clock marks.
 	arrival, written                time.Time
@@ -104,6 +106,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	x, _ := p.pool.Get().(*exchange)
 	if x == nil {
 		x = &exchange{p: p, req: new(fasthttp.Request), resp: new(fasthttp.Response)}
+		x.fire = x.cancel.fire
 	}
 	x.snap = s
 	x.arrival = arrival
@@ -118,8 +121,9 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	x.resp.Reset()
 	*x = exchange{
 		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
-		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0],
+		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp,
+		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)
 }

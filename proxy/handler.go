@@ -28,7 +28,7 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		x.id = p.newRequestID(x.id[:0])
 	}
 	rec.RequestID = string(x.id)
-	rec.Method = string(ctx.Method())
+	rec.Method = methodString(ctx.Method())
 	uri := ctx.Request.Header.RequestURI()
 	path := uri
 	if i := bytes.IndexByte(path, '?'); i >= 0 {
@@ -65,12 +65,12 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	// From here on a client that goes away cancels the request, queued or
 	// upstream.
 	x.client = ctx.Conn()
-	x.watch = watchPeer(x.client, x.cancel.fire)
+	x.watch.start(x.client, x.fire)
 	if snap.admit != nil && !p.admit(ctx, x, body) {
 		return
 	}
 
-	prepareRequest(ctx, x.req, r, x.id)
+	x.scratch = prepareRequest(ctx, x.req, r, x.id, x.scratch)
 	x.req.Header.Del(tenantHeader)
 	if x.tenant != "" {
 		x.req.Header.Set(tenantHeader, x.tenant)
@@ -141,6 +141,17 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	ctx.Response.SetBodyStream(x, cl)
+}
+
+// methodString returns the method as a string, without allocating for the
+// common ones.
+func methodString(m []byte) string {
+	for _, s := range [...]string{"POST", "GET", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"} {
+		if string(m) == s {
+			return s
+		}
+	}
+	return string(m)
 }
 
 // arrival is when the request began to reach tokentap: the kernel's receive
@@ -219,7 +230,7 @@ func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
 	x.rec.Series, x.rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 	x.id = p.newRequestID(x.id[:0])
 	x.rec.RequestID = string(x.id)
-	x.rec.Method = string(ctx.Method())
+	x.rec.Method = methodString(ctx.Method())
 	status, code := fasthttp.StatusBadRequest, "bad_request"
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		status, code = fasthttp.StatusRequestEntityTooLarge, "body_too_large"

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"net"
 	"strings"
 
 	"github.com/valyala/fasthttp"
@@ -43,7 +44,10 @@ func dropHop(h hopHeader, connection [][]byte) {
 // prepareRequest turns the client's request into the upstream request:
 // the same method, URI, headers and body, minus hop-by-hop headers, with
 // Host set for the upstream and X-Forwarded-* and X-Request-Id added.
-func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, requestID []byte) {
+//
+// scratch is a buffer the caller lends for building header values; the
+// grown buffer is returned.
+func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, requestID, scratch []byte) []byte {
 	in := &ctx.Request
 	in.Header.CopyTo(&req.Header)
 	dropHop(&req.Header, in.Header.PeekAll("Connection"))
@@ -69,12 +73,12 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 		req.Header.SetBytesV("X-Forwarded-Host", host)
 	}
 
-	ip := ctx.RemoteIP().String()
+	xff := scratch[:0]
 	if prior := in.Header.Peek("X-Forwarded-For"); len(prior) > 0 {
-		req.Header.Set("X-Forwarded-For", string(prior)+", "+ip)
-	} else {
-		req.Header.Set("X-Forwarded-For", ip)
+		xff = append(append(xff, prior...), ", "...)
 	}
+	xff = appendIP(xff, ctx.RemoteAddr())
+	req.Header.SetBytesV("X-Forwarded-For", xff)
 	if ctx.IsTLS() {
 		req.Header.Set("X-Forwarded-Proto", "https")
 	} else {
@@ -82,6 +86,20 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 	}
 	req.Header.SetBytesV("X-Request-Id", requestID)
 	req.SetBodyRaw(in.Body())
+	return xff
+}
+
+// appendIP appends the IP address of addr (a TCP address, IPv4-mapped
+// addresses unmapped) without allocating.
+func appendIP(b []byte, addr net.Addr) []byte {
+	if ta, ok := addr.(*net.TCPAddr); ok {
+		return ta.AddrPort().Addr().Unmap().AppendTo(b)
+	}
+	host, _, err := net.SplitHostPort(addr.String())
+	if err != nil {
+		return append(b, addr.String()...)
+	}
+	return append(b, host...)
 }
 
 // copyResponseHeader copies the upstream response's status and headers to

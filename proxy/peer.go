@@ -41,6 +41,11 @@ func peek(fd uintptr) (peerState, bool) {
 // rawConn returns conn's file descriptor access, or nil when conn is not
 // backed by a socket.
 func rawConn(conn net.Conn) syscall.RawConn {
+	if c, ok := conn.(interface{ rawConn() syscall.RawConn }); ok {
+		if raw := c.rawConn(); raw != nil {
+			return raw // kept by the connection: no allocation
+		}
+	}
 	sc, ok := conn.(syscall.Conn)
 	if !ok {
 		return nil
@@ -76,12 +81,19 @@ func peekConn(conn net.Conn) peerState {
 // readable, then peeks: a zero-byte read or an error means the client left,
 // and gone is called. Bytes waiting (a pipelined request) end the watch
 // without calling gone, since closure can no longer be seen without reading.
+//
+// A peerWatch lives in a pooled exchange and serves one request after
+// another: its timer and channel are made once.
 type peerWatch struct {
 	conn    net.Conn
 	raw     syscall.RawConn
-	done    chan struct{}
+	gone    func()
+	done    chan struct{} // the watch goroutine's end, one value per run
 	timer   *time.Timer
+	active  bool // started and not yet stopped (owner goroutine only)
 	stopped atomic.Bool
+	state   peerState
+	peekFn  func(fd uintptr) bool
 }
 
 // watchDelay is how long a request runs before its client is watched: most
@@ -90,20 +102,28 @@ type peerWatch struct {
 // noticed at most this much later, against prefills of hundreds of ms.
 const watchDelay = 10 * time.Millisecond
 
-// watchPeer starts watching conn after watchDelay; it returns nil when conn
-// is not a socket. gone is called at most once, from the watch goroutine.
-func watchPeer(conn net.Conn, gone func()) *peerWatch {
+// start watches conn from watchDelay on; nothing happens when conn is not a
+// socket. gone is called at most once, from the watch goroutine. Every
+// start must be followed by a stop before the next.
+func (w *peerWatch) start(conn net.Conn, gone func()) {
 	raw := rawConn(conn)
 	if raw == nil {
-		return nil
+		return
 	}
-	w := &peerWatch{conn: conn, raw: raw, done: make(chan struct{})}
-	w.timer = time.AfterFunc(watchDelay, func() { w.run(gone) })
-	return w
+	w.conn, w.raw, w.gone = conn, raw, gone
+	w.stopped.Store(false)
+	w.active = true
+	if w.timer == nil {
+		w.done = make(chan struct{}, 1)
+		w.peekFn = w.peekOnce
+		w.timer = time.AfterFunc(watchDelay, w.run)
+		return
+	}
+	w.timer.Reset(watchDelay)
 }
 
-func (w *peerWatch) run(gone func()) {
-	defer close(w.done)
+func (w *peerWatch) run() {
+	defer func() { w.done <- struct{}{} }()
 	// The server's read deadline for the request (ReadTimeout) is still
 	// set; left alone it would end the watch minutes into a long stream.
 	// stop marks the watch stopped before it moves the deadline into the
@@ -112,28 +132,33 @@ func (w *peerWatch) run(gone func()) {
 	if w.conn.SetReadDeadline(time.Time{}) != nil || w.stopped.Load() {
 		return
 	}
-	state := peerIdle
+	w.state = peerIdle
 	// Read calls the function again each time the socket becomes readable
 	// for as long as it returns false; a read deadline in the past ends it.
-	err := w.raw.Read(func(fd uintptr) bool {
-		for again := true; again; {
-			state, again = peek(fd)
-		}
-		return state != peerIdle
-	})
-	if err == nil && state == peerClosed {
-		gone()
+	err := w.raw.Read(w.peekFn)
+	if err == nil && w.state == peerClosed {
+		w.gone()
 	}
 }
 
+func (w *peerWatch) peekOnce(fd uintptr) bool {
+	for again := true; again; {
+		w.state, again = peek(fd)
+	}
+	return w.state != peerIdle
+}
+
 // stop ends the watch and waits for its goroutine, leaving conn with no
-// read deadline. It must be called before the server reads from conn again;
-// calls after the first do nothing.
+// read deadline when the watch ran. It must be called before the server
+// reads from conn again; calls after the first do nothing.
 func (w *peerWatch) stop() {
-	if w == nil || !w.stopped.CompareAndSwap(false, true) {
+	if !w.active {
 		return
 	}
+	w.active = false
+	w.stopped.Store(true)
 	if w.timer.Stop() {
+		w.release()
 		return // the watch never started
 	}
 	select {
@@ -143,7 +168,11 @@ func (w *peerWatch) stop() {
 		<-w.done
 	}
 	_ = w.conn.SetReadDeadline(time.Time{})
+	w.release()
 }
+
+// release drops the request's references; the timer and channel stay.
+func (w *peerWatch) release() { w.conn, w.raw, w.gone = nil, nil, nil }
 
 var aLongTimeAgo = time.Unix(1, 0)
 

@@ -65,6 +65,9 @@ func newRxConn(tc *net.TCPConn, stamped bool) *rxConn {
 	return c
 }
 
+// rawConn returns the connection's descriptor access, or nil.
+func (c *rxConn) rawConn() syscall.RawConn { return c.raw }
+
 // recvmsg is the read done when the socket is readable; false asks the
 // runtime to wait for readability and call it again.
 func (c *rxConn) recvmsg(fd uintptr) bool {

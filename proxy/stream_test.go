@@ -520,3 +520,61 @@ func TestPooledConnectionClosedByBackend(t *testing.T) {
 		t.Fatalf("pool: %d open, want 1", open)
 	}
 }
+
+// The upstream write timeout bounds writing a request the backend does not
+// read; after a large request set it, a later small one on the same pooled
+// connection is not cut by the old deadline.
+func TestUpstreamWriteTimeout(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close() // accepted, never read
+		}
+	}()
+	tp := startProxy(t, "http://"+ln.Addr().String(), func(c *Config) { c.Routes[0].Timeouts.Write = 200 * time.Millisecond })
+	big := `{"model":"m","pad":"` + strings.Repeat("x", 16<<20) + `"}`
+	start := time.Now()
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(big))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusGatewayTimeout || time.Since(start) > 5*time.Second {
+		t.Fatalf("status %d after %v, want 504 soon after the 200ms write timeout", resp.StatusCode, time.Since(start))
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeUpstreamTimeout {
+		t.Fatalf("record: %+v", rec)
+	}
+
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		io.WriteString(w, `{"choices":[]}`)
+	})
+	tp = startProxy(t, up.URL, func(c *Config) { c.Routes[0].Timeouts.Write = 100 * time.Millisecond })
+	for i, body := range []string{`{"model":"m","pad":"` + strings.Repeat("x", 64<<10) + `"}`, `{"model":"m"}`} {
+		if i > 0 {
+			time.Sleep(300 * time.Millisecond) // the first request's deadline has passed
+		}
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: status %d", i, resp.StatusCode)
+		}
+		tp.rec.next(t)
+	}
+	if open, _ := tp.upstreamConns(); open != 1 {
+		t.Fatalf("%d upstream connections, want 1 (the second request reused the first's)", open)
+	}
+}

@@ -99,6 +99,8 @@ type upConn struct {
 	lastUsed time.Time
 	reused   bool
 
+	writeDeadline bool // a write deadline is set (large requests only)
+
 	rx     *rxConn   // the TCP connection, for receive timestamps
 	readAt time.Time // when the kernel received the bytes of the last read
 }
@@ -248,11 +250,23 @@ func (up *upstream) counts() (open, idle int) {
 	return up.open, len(up.idle)
 }
 
+// smallRequest is the largest body written upstream without a write
+// deadline (the kernel's default send buffer is 16 KiB, headers included).
+const smallRequest = 8 << 10
+
 // send writes req on c and reads the response headers into resp, leaving
 // the body as resp.BodyStream. It returns when the request was written.
 func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool) (written time.Time, err error) {
-	if c.up.t.Write > 0 {
+	switch {
+	case c.up.t.Write > 0 && len(req.Body()) > smallRequest:
 		_ = c.Conn.SetWriteDeadline(c.up.now().Add(c.up.t.Write))
+		c.writeDeadline = true
+	case c.writeDeadline:
+		// Cleared once, not moved per request: a small request on a
+		// connection with nothing in flight fits in the socket's send
+		// buffer, so its write cannot block.
+		_ = c.Conn.SetWriteDeadline(time.Time{})
+		c.writeDeadline = false
 	}
 	if err = req.Write(c.bw); err == nil {
 		err = c.bw.Flush()
