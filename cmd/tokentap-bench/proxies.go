@@ -48,6 +48,7 @@ type proxiesReport struct {
 	Settings  map[string]any                    `json:"settings"`
 	Streaming map[string]map[string][]roundStat `json:"streaming"` // level → arm → rounds
 	Small     map[string][]roundStat            `json:"small_requests"`
+	Bursts    map[string][]roundStat            `json:"bursts"`
 	IdleRSS   map[string]float64                `json:"idle_rss_mb_per_1000_streams"`
 	IdleCount int                               `json:"idle_streams"`
 	Accuracy  *accuracy                         `json:"accuracy_at_100_streams"`
@@ -60,6 +61,8 @@ func runProxies(args []string, out io.Writer) error {
 	bin := fs.String("bin", "", "directory holding the tokentap and mockllm binaries (built there when empty)")
 	nginxBin := fs.String("nginx", "/usr/sbin/nginx", "nginx binary (empty: skip nginx)")
 	haproxyBin := fs.String("haproxy", "/usr/sbin/haproxy", "HAProxy binary (empty: skip HAProxy)")
+	burstN := fs.Int("burst", 100, "requests sent at once in the burst phase (0: skip it)")
+	burstGap := fs.Duration("burst-gap", 5*time.Second, "quiet time before each round of bursts")
 	goRelay := fs.Bool("go-relay", true, "also measure a bare Go TCP relay (io.Copy, goroutine per direction, same GOMAXPROCS): the floor for a Go proxy")
 	rounds := fs.Int("rounds", 5, "measured rounds per condition, after a warm-up round")
 	roundTime := fs.Duration("round-time", 3*time.Second, "time per arm per round")
@@ -156,8 +159,9 @@ func runProxies(args []string, out io.Writer) error {
 	rep := proxiesReport{
 		Machine: machine(),
 		Settings: map[string]any{"rounds": *rounds, "round_time_s": roundTime.Seconds(), "levels": levels, "tokens_per_stream": *tokens,
-			"token_gap_ms": ms(*gap), "tokentap_gomaxprocs": *gmp, "idle_streams": *idle},
-		Streaming: map[string]map[string][]roundStat{}, Small: map[string][]roundStat{}, IdleRSS: map[string]float64{}, IdleCount: *idle,
+			"token_gap_ms": ms(*gap), "tokentap_gomaxprocs": *gmp, "idle_streams": *idle,
+			"burst_requests": *burstN, "burst_gap_s": burstGap.Seconds()},
+		Streaming: map[string]map[string][]roundStat{}, Small: map[string][]roundStat{}, Bursts: map[string][]roundStat{}, IdleRSS: map[string]float64{}, IdleCount: *idle,
 	}
 	streamBody := func(conc int) plan {
 		return plan{Model: "m", Workloads: []workload{{Name: "stream", PromptBytes: 100, MaxTokens: *tokens}}, Stream: true,
@@ -214,6 +218,26 @@ func runProxies(args []string, out io.Writer) error {
 			st, _ := measure(a, p)
 			if r > 0 {
 				rep.Small[a.Name] = append(rep.Small[a.Name], st)
+			}
+		}
+	}
+
+	if *burstN > 0 {
+		// Bursts after a lull: the first requests after a quiet spell, all
+		// at once on warm client connections, as when a batch job or a
+		// page of users starts. Every proxy has been idle for burst-gap
+		// (plus the other arms' bursts) when its burst comes.
+		fmt.Fprintf(os.Stderr, "bursts: %d small requests at once after %v quiet, %d rounds\n", *burstN, *burstGap, *rounds)
+		for r := 0; r <= *rounds; r++ {
+			time.Sleep(*burstGap)
+			for i := range arms {
+				a := arms[(i+r)%len(arms)]
+				p := plan{URL: a.URL, Model: "m", Workloads: []workload{workloads["tiny"]}, Concurrency: *burstN, Requests: *burstN,
+					Timeout: time.Minute, IDPrefix: fmt.Sprintf("b-%s-%d-", a.Name, r), Client: clients[a.Name]}
+				st, _ := measure(a, p)
+				if r > 0 {
+					rep.Bursts[a.Name] = append(rep.Bursts[a.Name], st)
+				}
 			}
 		}
 	}
@@ -347,6 +371,17 @@ func derive(rep *proxiesReport, arms []*arm, levels []int) map[string]any {
 		if a.pids != nil {
 			d["cpu_us_per_small_request/"+a.Name] = spreadOf(cpu)
 		}
+		var p50, p99, bcpu []float64
+		for _, s := range rep.Bursts[a.Name] {
+			p50, p99 = append(p50, s.E2Ep50), append(p99, s.E2Ep99)
+			if s.Requests > 0 {
+				bcpu = append(bcpu, s.CPU/float64(s.Requests)*1e6)
+			}
+		}
+		d["burst_e2e_p50_ms/"+a.Name], d["burst_e2e_p99_ms/"+a.Name] = spreadOf(p50), spreadOf(p99)
+		if a.pids != nil {
+			d["cpu_us_per_burst_request/"+a.Name] = spreadOf(bcpu)
+		}
 	}
 	return d
 }
@@ -408,6 +443,21 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 			cpu = fmt.Sprintf("%.1f", get(d, "cpu_us_per_small_request/"+a.Name).Median)
 		}
 		fmt.Fprintf(&b, "| %s | %.0f [%.0f–%.0f] | %s | %s | %s |\n", a.Name, r.Median, r.Min, r.Max, ratio(r.Median, directRPS), ratio(r.Median, nginxRPS), cpu)
+	}
+	if len(rep.Bursts) > 0 {
+		fmt.Fprintf(&b, "\n### Bursts: %v small requests at once after %vs quiet\n\n| path | E2E p50 | E2E p99 | p50 / p99 vs nginx | CPU µs per request |\n|---|---|---|---|---|\n",
+			rep.Settings["burst_requests"], rep.Settings["burst_gap_s"])
+		n50, n99 := get(d, "burst_e2e_p50_ms/nginx").Median, get(d, "burst_e2e_p99_ms/nginx").Median
+		for _, a := range arms {
+			p50, p99 := get(d, "burst_e2e_p50_ms/"+a.Name), get(d, "burst_e2e_p99_ms/"+a.Name)
+			cpu := "–"
+			if a.pids != nil {
+				cpu = fmt.Sprintf("%.1f", get(d, "cpu_us_per_burst_request/"+a.Name).Median)
+			}
+			fmt.Fprintf(&b, "| %s | %.3f [%.3f–%.3f] | %.3f [%.3f–%.3f] | %s / %s | %s |\n", a.Name, p50.Median, p50.Min, p50.Max,
+				p99.Median, p99.Min, p99.Max, ratio(p50.Median, n50), ratio(p99.Median, n99), cpu)
+		}
+		b.WriteString("\n(ms, whole requests as the client saw them; the last of a burst waits for all the others)\n")
 	}
 	fmt.Fprintf(&b, "\n### Memory: %d idle streams open at once\n\n| path | RSS per 1000 idle streams |\n|---|---|\n", rep.IdleCount)
 	for _, a := range arms {
@@ -698,18 +748,39 @@ func procStat(pid int) []string {
 }
 
 // cpuSeconds is the user+system CPU time of an arm's processes.
+// cpuSeconds returns the CPU time the arm's processes have used: the sum
+// over their threads of /proc/<pid>/task/<tid>/schedstat (nanoseconds; a
+// burst of a hundred small requests is a few ms of CPU, below the 10 ms
+// tick of /proc/<pid>/stat, which is the fallback).
 func cpuSeconds(a *arm) float64 {
 	if a.pids == nil {
 		return 0
 	}
-	var ticks float64
+	var ns, ticks float64
+	exact := true
 	for _, pid := range a.pids() {
-		f := procStat(pid)
-		if len(f) > 14 {
+		tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/schedstat", pid))
+		if len(tasks) == 0 {
+			exact = false
+		}
+		for _, t := range tasks {
+			b, err := os.ReadFile(t)
+			f := strings.Fields(string(b))
+			if err != nil || len(f) == 0 {
+				exact = false
+				continue
+			}
+			v, _ := strconv.ParseFloat(f[0], 64)
+			ns += v
+		}
+		if f := procStat(pid); len(f) > 14 {
 			u, _ := strconv.ParseFloat(f[13], 64)
 			s, _ := strconv.ParseFloat(f[14], 64)
 			ticks += u + s
 		}
+	}
+	if exact {
+		return ns / 1e9
 	}
 	return ticks / 100 // USER_HZ
 }
