@@ -12,7 +12,7 @@ import (
 )
 
 // tcpPair returns a connected client and the accepted side wrapped in rxConn.
-func tcpPair(t *testing.T) (client net.Conn, server *rxConn) {
+func tcpPair(t testing.TB) (client net.Conn, server *rxConn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -134,5 +134,35 @@ func TestArrivalIsFirstByte(t *testing.T) {
 	io.ReadAll(resp.Body)
 	if rec := tp.rec.next(t); rec.TTFT >= hold {
 		t.Fatalf("second request ttft=%v: timed from the first request's bytes", rec.TTFT)
+	}
+}
+
+// BenchmarkSocketRead compares a stamped read (recvmsg with the receive
+// timestamp) with a plain one, 200-byte events on loopback.
+func BenchmarkSocketRead(b *testing.B) {
+	for _, stamped := range []bool{false, true} {
+		name := "plain"
+		if stamped {
+			name = "stamped"
+		}
+		b.Run(name, func(b *testing.B) {
+			client, c := tcpPair(b)
+			if !stamped {
+				c.raw = nil
+			}
+			ev := make([]byte, 200)
+			buf := make([]byte, 4096)
+			b.ReportAllocs()
+			for b.Loop() {
+				client.Write(ev)
+				for n := 0; n < len(ev); {
+					m, err := c.Read(buf)
+					if err != nil {
+						b.Fatal(err)
+					}
+					n += m
+				}
+			}
+		})
 	}
 }

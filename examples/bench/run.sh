@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The side-by-side proxy bench: the same workload, on loopback, straight to
-# the simulated backend, through tokentap, through nginx and through HAProxy,
-# in interleaved rounds. Writes examples/bench/results/{results.json,
-# results.md,ttft.svg} and the processes' logs. Takes about 7 minutes.
+# the simulated backend, through tokentap, through nginx, through HAProxy and
+# through a bare Go TCP relay (the floor for a Go proxy), in interleaved
+# rounds. Writes examples/bench/results/{results.json,
+# results.md,ttft.svg} and the processes' logs. Takes about 10 minutes.
 #
 #   examples/bench/run.sh                 # everything
 #   examples/bench/run.sh -rounds 3 -levels 1,100
