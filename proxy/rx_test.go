@@ -9,6 +9,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // tcpPair returns a connected client and the accepted side wrapped in rxConn.
@@ -165,4 +168,42 @@ func BenchmarkSocketRead(b *testing.B) {
 			}
 		})
 	}
+}
+
+// The control-message reader never reads past what the kernel filled in,
+// whatever the bytes, and finds a well-formed SCM_TIMESTAMPNS wherever it
+// sits among other messages.
+func FuzzRxTimestamp(f *testing.F) {
+	f.Add([]byte{}, uint8(0), int64(0), int64(0))
+	f.Add(make([]byte, 40), uint8(16), int64(1795973035), int64(108205099))
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}, uint8(0), int64(1), int64(2))
+	f.Fuzz(func(t *testing.T, raw []byte, prefix uint8, sec, nsec int64) {
+		var c rxConn
+		oob := unsafe.Slice((*byte)(unsafe.Pointer(&c.oob[0])), len(c.oob)*8)
+		// Arbitrary bytes, with an arbitrary filled length.
+		n := copy(oob, raw)
+		c.msg.SetControllen(n)
+		_ = c.timestamp()
+		c.msg.SetControllen(len(raw)) // may claim more than the buffer
+		_ = c.timestamp()
+
+		// A well-formed timestamp after an aligned filler message.
+		clear(oob)
+		off := 0
+		if p := int(prefix) % 3; p > 0 {
+			h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+			h.Level, h.Type = unix.SOL_SOCKET, 99
+			h.SetLen(unix.CmsgLen(p * 4))
+			off = unix.CmsgSpace(p * 4)
+		}
+		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[off]))
+		h.Level, h.Type = unix.SOL_SOCKET, unix.SCM_TIMESTAMPNS
+		ts := unix.Timespec{Sec: sec, Nsec: nsec}
+		h.SetLen(unix.CmsgLen(int(unsafe.Sizeof(ts))))
+		*(*unix.Timespec)(unsafe.Pointer(&oob[off+unix.CmsgLen(0)])) = ts
+		c.msg.SetControllen(off + unix.CmsgSpace(int(unsafe.Sizeof(ts))))
+		if got := c.timestamp(); got != ts.Nano() {
+			t.Fatalf("timestamp %d, want %d", got, ts.Nano())
+		}
+	})
 }
