@@ -42,8 +42,9 @@ func NewAccessLog(w zapcore.WriteSyncer, queueLen int) *AccessLog {
 		LineEnding:     zapcore.DefaultLineEnding,
 		EncodeDuration: zapcore.StringDurationEncoder,
 	})
-	// Lines are written in batches: buffered while records keep coming,
-	// flushed as soon as the queue is empty.
+	// Lines are written in batches: a record after a lull is written at
+	// once; while records keep coming, the writer wakes every batchEvery
+	// to write and flush what queued up.
 	bw := &bufferedSyncer{w: bufio.NewWriterSize(w, 256<<10), ws: w}
 	a := &AccessLog{
 		buf:   bw,
@@ -84,41 +85,57 @@ func (a *AccessLog) Close() {
 	})
 }
 
+// batchEvery is how often the writer drains the queue while records keep
+// coming. Between drains records queue up without waking it; when they stop
+// coming it blocks on the queue, so an idle proxy has no timer running.
+const batchEvery = 5 * time.Millisecond
+
 func (a *AccessLog) run() {
 	defer close(a.done)
 	fields := make([]zap.Field, 0, 40)
-	// Lines are flushed in batches: when the queue runs dry and the last
-	// flush is 10 ms old, and at the latest 50 ms after they were written.
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	var lastFlush time.Time
-	dirty := false
+	timer := time.NewTimer(batchEvery)
+	timer.Stop()
 	for {
-		select {
-		case it, ok := <-a.queue:
-			if !ok {
-				return
+		// Idle: block until a record comes; write it at once.
+		it, ok := <-a.queue
+		if !ok {
+			return
+		}
+		a.write(it, &fields)
+		_ = a.buf.flush()
+		// Busy: drain every batchEvery until a period brings nothing.
+		for {
+			timer.Reset(batchEvery)
+			<-timer.C
+			if len(a.queue) == 0 {
+				break
 			}
-			if it.flush != nil {
-				_ = a.log.Sync()
-				dirty = false
-				close(it.flush)
-				continue
+			for drained := false; !drained; {
+				select {
+				case it, ok := <-a.queue:
+					if !ok {
+						_ = a.buf.flush()
+						return
+					}
+					a.write(it, &fields)
+				default:
+					drained = true
+				}
 			}
-			fields = appendFields(fields[:0], &it.rec)
-			a.log.Info("", fields...)
-			dirty = true
-			if len(a.queue) == 0 && time.Since(lastFlush) > 10*time.Millisecond {
-				_ = a.buf.flush()
-				lastFlush, dirty = time.Now(), false
-			}
-		case <-tick.C:
-			if dirty {
-				_ = a.buf.flush()
-				lastFlush, dirty = time.Now(), false
-			}
+			_ = a.buf.flush()
 		}
 	}
+}
+
+// write renders one record, or answers a Flush marker.
+func (a *AccessLog) write(it accessItem, fields *[]zap.Field) {
+	if it.flush != nil {
+		_ = a.log.Sync()
+		close(it.flush)
+		return
+	}
+	*fields = appendFields((*fields)[:0], &it.rec)
+	a.log.Info("", *fields...)
 }
 
 // bufferedSyncer batches the access log's writes. Only the writer
