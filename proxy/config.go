@@ -23,8 +23,8 @@ type Timeouts struct {
 	FirstByte time.Duration
 	// Idle bounds the gap between two reads of the response body.
 	Idle time.Duration
-	// IdleConn is how long an unused keep-alive connection stays pooled.
-	// A connection idle for over a second is checked before reuse (one
+	// IdleConn is how long an unused keep-alive connection stays pooled;
+	// it is closed then, with or without traffic. A connection idle for over a second is checked before reuse (one
 	// non-consuming peek), so one the backend has closed is replaced
 	// without failing a request; a backend closing exactly as a request
 	// goes out resets it before any response byte, and the request is sent

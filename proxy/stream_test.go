@@ -578,3 +578,57 @@ func TestUpstreamWriteTimeout(t *testing.T) {
 		t.Fatalf("%d upstream connections, want 1 (the second request reused the first's)", open)
 	}
 }
+
+// Idle pooled connections are closed once they outlive IdleConn, without a
+// request coming to find them, and the backend sees them close.
+func TestIdleConnectionsReaped(t *testing.T) {
+	closed := make(chan struct{}, 10)
+	s := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, `{"choices":[]}`)
+	}))
+	s.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateClosed {
+			closed <- struct{}{}
+		}
+	}
+	s.Start()
+	t.Cleanup(s.Close)
+	tp := startProxy(t, s.URL, func(c *Config) { c.Routes[0].Timeouts.IdleConn = 200 * time.Millisecond })
+	var wg sync.WaitGroup
+	for range 3 { // three at once: three connections
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}()
+	}
+	wg.Wait()
+	for range 3 {
+		tp.rec.next(t)
+	}
+	if open, idle := tp.upstreamConns(); open == 0 || open != idle {
+		t.Fatalf("after the requests: open=%d idle=%d, want all open ones idle", open, idle)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		open, idle := tp.upstreamConns()
+		if open == 0 && idle == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("idle connections not reaped: open=%d idle=%d", open, idle)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	select {
+	case <-closed:
+	case <-time.After(2 * time.Second):
+		t.Fatal("the backend never saw a pooled connection close")
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -35,9 +36,10 @@ type upstream struct {
 	t        Timeouts
 	now      func() time.Time
 
-	mu   sync.Mutex
-	idle []*upConn // LIFO
-	open int       // connections open, idle or busy
+	mu      sync.Mutex
+	idle    []*upConn // LIFO: the longest idle first
+	open    int       // connections open, idle or busy
+	reaping bool      // a reap is scheduled (only while connections are idle)
 }
 
 func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, error) {
@@ -215,11 +217,40 @@ func (up *upstream) put(c *upConn) {
 	up.mu.Lock()
 	if len(up.idle) < up.t.MaxIdleConns {
 		up.idle = append(up.idle, c)
+		if !up.reaping && up.t.IdleConn > 0 {
+			up.reaping = true
+			time.AfterFunc(up.t.IdleConn, up.reap)
+		}
 		up.mu.Unlock()
 		return
 	}
 	up.mu.Unlock()
 	up.discard(c)
+}
+
+// reap closes the connections idle for longer than IdleConn, so that their
+// descriptors, and the backend's, do not wait for the next request to be
+// found expired. It is scheduled only while connections are idle: an idle
+// proxy with an empty pool runs no timer.
+func (up *upstream) reap() {
+	now := up.now()
+	up.mu.Lock()
+	n := 0
+	for n < len(up.idle) && now.Sub(up.idle[n].lastUsed) >= up.t.IdleConn {
+		n++
+	}
+	expired := slices.Clone(up.idle[:n])
+	up.idle = slices.Delete(up.idle, 0, n)
+	up.open -= n
+	if len(up.idle) > 0 {
+		time.AfterFunc(up.idle[0].lastUsed.Add(up.t.IdleConn).Sub(now), up.reap)
+	} else {
+		up.reaping = false
+	}
+	up.mu.Unlock()
+	for _, c := range expired {
+		_ = c.Conn.Close()
+	}
 }
 
 // discard closes a connection that must not be reused: its response was not
