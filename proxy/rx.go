@@ -37,6 +37,9 @@ type rxConn struct {
 // a listening socket, it is inherited by every accepted one, stamps
 // included for the bytes that arrive before accept returns; set before
 // connect (net.Dialer.Control), it covers a dialled one from its first byte.
+// The kernel turns stamping on for the whole host asynchronously when the
+// first socket asks for it: packets received in that first moment carry no
+// stamp, and their reads fall back to the time the read returned.
 func enableRxStamps(raw syscall.RawConn) error {
 	var serr error
 	if err := raw.Control(func(fd uintptr) {

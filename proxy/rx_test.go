@@ -37,10 +37,35 @@ func tcpPair(t testing.TB) (client net.Conn, server *rxConn) {
 	return client, newRxConn(sc.(*net.TCPConn), true)
 }
 
+// stampsOn holds a stamped socket open for the rest of the test and waits
+// until the kernel stamps what it receives: the first socket to ask turns a
+// global switch on asynchronously, and closing the last turns it off, so
+// tests that open and close listeners would otherwise race it. (A
+// long-running tokentap keeps its listener, and the switch, on.)
+func stampsOn(t testing.TB) {
+	t.Helper()
+	client, c := tcpPair(t)
+	buf := make([]byte, 8)
+	for deadline := time.Now().Add(2 * time.Second); ; {
+		client.Write([]byte("x"))
+		if _, err := c.Read(buf); err != nil {
+			t.Fatal(err)
+		}
+		if c.rx != 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the kernel does not stamp received packets")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // Bytes that waited in the socket are stamped with their arrival, not with
 // the read; reads behave like net.Conn's (EOF, deadlines) and allocate
 // nothing.
 func TestRxConnReceiveTime(t *testing.T) {
+	stampsOn(t)
 	client, c := tcpPair(t)
 	sent := time.Now()
 	io.WriteString(client, "hello")
@@ -100,6 +125,7 @@ func TestReceivedBounds(t *testing.T) {
 // first byte, as its client times it: the arrival is the kernel's, not the
 // moment tokentap had the whole request.
 func TestArrivalIsFirstByte(t *testing.T) {
+	stampsOn(t)
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "text/event-stream")
@@ -149,6 +175,7 @@ func BenchmarkSocketRead(b *testing.B) {
 			name = "stamped"
 		}
 		b.Run(name, func(b *testing.B) {
+			stampsOn(b)
 			client, c := tcpPair(b)
 			if !stamped {
 				c.raw = nil
