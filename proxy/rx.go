@@ -118,9 +118,8 @@ func (c *rxConn) Read(b []byte) (int, error) {
 	}
 	c.iov.Base = &b[0]
 	c.iov.SetLen(len(b))
-	c.n, c.errno = 0, 0
-	err := c.raw.Read(c.recv)
-	c.iov.Base = nil // do not keep the caller's buffer alive
+	err := c.raw.Read(c.recv) // recvmsg sets n and errno whenever it ends the read
+	c.iov.Base = nil          // do not keep the caller's buffer alive
 	switch {
 	case err != nil:
 		// A deadline or a closed connection, as net.Conn reports them.

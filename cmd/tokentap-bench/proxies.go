@@ -122,17 +122,12 @@ func runProxies(args []string, out io.Writer) error {
 	arms = append(arms, &arm{Name: "tokentap", URL: "http://" + ttAddr + "/v1/chat/completions", cmd: tt, pids: pidsOf(tt)})
 
 	if *goRelay {
-		self, err := os.Executable()
+		a, err := startGoRelay(*outDir, *gmp, mockAddr)
 		if err != nil {
 			return err
 		}
-		addr := freePort()
-		cmd, err := startProc(*outDir, "go-relay", self, []string{fmt.Sprintf("GOMAXPROCS=%d", *gmp)}, "relay", "-listen", addr, "-upstream", mockAddr)
-		if err != nil {
-			return err
-		}
-		defer stop(cmd)
-		arms = append(arms, &arm{Name: "go-relay", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)})
+		defer stop(a.cmd)
+		arms = append(arms, a)
 	}
 	if *nginxBin != "" {
 		a, err := startNginx(*outDir, *nginxBin, mockAddr)
@@ -586,6 +581,20 @@ func idleRSS(a *arm, n int) (float64, error) {
 		return 0, firstErr
 	}
 	return float64(with-base) / 1024 / float64(n) * 1000, nil
+}
+
+// startGoRelay runs this program's relay subcommand at tokentap's GOMAXPROCS.
+func startGoRelay(dir string, gomaxprocs int, upstream string) (*arm, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	addr := freePort()
+	cmd, err := startProc(dir, "go-relay", self, []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)}, "relay", "-listen", addr, "-upstream", upstream)
+	if err != nil {
+		return nil, err
+	}
+	return &arm{Name: "go-relay", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
 }
 
 func startNginx(dir, bin, upstream string) (*arm, error) {
