@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -63,6 +64,7 @@ func runProxies(args []string, out io.Writer) error {
 	haproxyBin := fs.String("haproxy", "/usr/sbin/haproxy", "HAProxy binary (empty: skip HAProxy)")
 	burstN := fs.Int("burst", 100, "requests sent at once in the burst phase (0: skip it)")
 	burstGap := fs.Duration("burst-gap", 5*time.Second, "quiet time before each round of bursts")
+	render := fs.Bool("render", false, "only rewrite results.md and the plot of -out from its results.json")
 	goRelay := fs.Bool("go-relay", true, "also measure a bare Go TCP relay (io.Copy, goroutine per direction, same GOMAXPROCS): the floor for a Go proxy")
 	rounds := fs.Int("rounds", 5, "measured rounds per condition, after a warm-up round")
 	roundTime := fs.Duration("round-time", 3*time.Second, "time per arm per round")
@@ -73,6 +75,9 @@ func runProxies(args []string, out io.Writer) error {
 	gap := fs.Duration("token-gap", 50*time.Millisecond, "backend time between tokens")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *render {
+		return rerender(*outDir, out)
 	}
 	var levels []int
 	for _, s := range strings.Split(*levelsSpec, ",") {
@@ -255,19 +260,58 @@ func runProxies(args []string, out io.Writer) error {
 		rep.IdleRSS[a.Name] = mb
 	}
 
-	rep.Derived = derive(&rep, arms, levels)
-	if err := writeJSON(filepath.Join(*outDir, "results.json"), rep); err != nil {
+	return writeReport(*outDir, &rep, arms, levels, out)
+}
+
+// writeReport derives the figures and writes results.json, results.md and
+// the plot.
+func writeReport(dir string, rep *proxiesReport, arms []*arm, levels []int, out io.Writer) error {
+	rep.Derived = derive(rep, arms, levels)
+	if err := writeJSON(filepath.Join(dir, "results.json"), rep); err != nil {
 		return err
 	}
-	md := markdown(&rep, arms, levels)
-	if err := os.WriteFile(filepath.Join(*outDir, "results.md"), []byte(md), 0o644); err != nil {
+	md := markdown(rep, arms, levels)
+	if err := os.WriteFile(filepath.Join(dir, "results.md"), []byte(md), 0o644); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(*outDir, "ttft.svg"), []byte(plotSVG(&rep, arms, levels)), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, "ttft.svg"), []byte(plotSVG(rep, arms, levels)), 0o644); err != nil {
 		return err
 	}
 	fmt.Fprint(out, md)
 	return nil
+}
+
+// rerender rewrites results.md and the plot of dir from its results.json,
+// without measuring again (for a change in how the figures are shown).
+func rerender(dir string, out io.Writer) error {
+	b, err := os.ReadFile(filepath.Join(dir, "results.json"))
+	if err != nil {
+		return err
+	}
+	var rep proxiesReport
+	if err := json.Unmarshal(b, &rep); err != nil {
+		return fmt.Errorf("%s: %w", filepath.Join(dir, "results.json"), err)
+	}
+	var levels []int
+	if ls, ok := rep.Settings["levels"].([]any); ok {
+		for _, l := range ls {
+			if f, ok := l.(float64); ok {
+				levels = append(levels, int(f))
+			}
+		}
+	}
+	var arms []*arm
+	for _, name := range []string{"direct", "tokentap", "go-relay", "nginx", "haproxy"} {
+		if _, ok := rep.Small[name]; !ok {
+			continue
+		}
+		a := &arm{Name: name}
+		if name != "direct" {
+			a.pids = func() []int { return nil } // measured: its CPU columns are shown
+		}
+		arms = append(arms, a)
+	}
+	return writeReport(dir, &rep, arms, levels, out)
 }
 
 // measure runs one plan against one arm and reads the arm's CPU time.
@@ -393,6 +437,15 @@ func ratio(x, y float64) string {
 	return fmt.Sprintf("%.2f×", x/y)
 }
 
+// addedRatio compares two added times; where either is below zero (the
+// path was faster than direct in that run: noise) a ratio says nothing.
+func addedRatio(x, y float64) string {
+	if x < 0 || y <= 0 {
+		return "–"
+	}
+	return ratio(x, y)
+}
+
 func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	var b strings.Builder
 	d := rep.Derived
@@ -403,7 +456,16 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	for _, l := range levels {
 		key := strconv.Itoa(l)
 		fmt.Fprintf(&b, "### %d concurrent streams (%v tokens each, %vms apart)\n\n", l, rep.Settings["tokens_per_stream"], rep.Settings["token_gap_ms"])
-		b.WriteString("| path | TTFT p50 | TTFT p99 | token delay p50 | token delay p99 | added TTFT p50 | added TTFT p99 | added delay p50 | added delay p99 | vs nginx (added TTFT p50 / delay p50) | CPU s per 1000 tokens |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+		b.WriteString("| path | TTFT p50 | TTFT p99 | token delay p50 | token delay p99 | added TTFT p50 | added TTFT p99 | added delay p50 | added delay p99 | vs direct (TTFT p50 / p99 · delay p50 / p99) | added vs nginx's (TTFT p50 / p99 · delay p50 / p99) | CPU s per 1000 tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+		med := func(name string, f func(roundStat) float64) float64 {
+			var x []float64
+			for _, s := range rep.Streaming[key][name] {
+				x = append(x, f(s))
+			}
+			return spreadOf(x).Median
+		}
+		fTTFT50, fTTFT99 := func(s roundStat) float64 { return s.TTFTp50 }, func(s roundStat) float64 { return s.TTFTp99 }
+		fDelay50, fDelay99 := func(s roundStat) float64 { return s.DelayP50 }, func(s roundStat) float64 { return s.DelayP99 }
 		for _, a := range arms {
 			rs := rep.Streaming[key][a.Name]
 			col := func(f func(roundStat) float64) string {
@@ -417,14 +479,18 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 			row := fmt.Sprintf("| %s | %s | %s | %s | %s", a.Name, col(func(s roundStat) float64 { return s.TTFTp50 }), col(func(s roundStat) float64 { return s.TTFTp99 }),
 				col(func(s roundStat) float64 { return s.DelayP50 }), col(func(s roundStat) float64 { return s.DelayP99 }))
 			if a.Name == "direct" {
-				b.WriteString(row + " | – | – | – | – | – | – |\n")
+				b.WriteString(row + " | – | – | – | – | – | – | – |\n")
 				continue
 			}
-			g := func(s string) spread { return get(d, fmt.Sprintf("added_%s_ms/%s/%s", s, key, a.Name)) }
-			ng := func(s string) spread { return get(d, fmt.Sprintf("added_%s_ms/%s/nginx", s, key)) }
+			g := func(s string) float64 { return get(d, fmt.Sprintf("added_%s_ms/%s/%s", s, key, a.Name)).Median }
+			ng := func(s string) float64 { return get(d, fmt.Sprintf("added_%s_ms/%s/nginx", s, key)).Median }
+			vsDirect := func(f func(roundStat) float64) string { return ratio(med(a.Name, f), med("direct", f)) }
 			cpu := get(d, fmt.Sprintf("cpu_s_per_1000_tokens/%s/%s", key, a.Name))
-			fmt.Fprintf(&b, "%s | %+.3f | %+.3f | %+.3f | %+.3f | %s / %s | %.4f |\n", row, g("ttft_p50").Median, g("ttft_p99").Median,
-				g("delay_p50").Median, g("delay_p99").Median, ratio(g("ttft_p50").Median, ng("ttft_p50").Median), ratio(g("delay_p50").Median, ng("delay_p50").Median), cpu.Median)
+			fmt.Fprintf(&b, "%s | %+.3f | %+.3f | %+.3f | %+.3f | %s / %s · %s / %s | %s / %s · %s / %s | %.4f |\n", row,
+				g("ttft_p50"), g("ttft_p99"), g("delay_p50"), g("delay_p99"),
+				vsDirect(fTTFT50), vsDirect(fTTFT99), vsDirect(fDelay50), vsDirect(fDelay99),
+				addedRatio(g("ttft_p50"), ng("ttft_p50")), addedRatio(g("ttft_p99"), ng("ttft_p99")), addedRatio(g("delay_p50"), ng("delay_p50")), addedRatio(g("delay_p99"), ng("delay_p99")),
+				cpu.Median)
 		}
 		b.WriteString("\n(ms; added = path − direct, round by round)\n\n")
 	}
