@@ -24,11 +24,13 @@ type Timeouts struct {
 	// Idle bounds the gap between two reads of the response body.
 	Idle time.Duration
 	// IdleConn is how long an unused keep-alive connection stays pooled;
-	// it is closed then, with or without traffic. A connection idle for over a second is checked before reuse (one
-	// non-consuming peek), so one the backend has closed is replaced
-	// without failing a request; a backend closing exactly as a request
-	// goes out resets it before any response byte, and the request is sent
-	// again once on a new connection.
+	// it is closed then, with or without traffic. The backend's own
+	// Keep-Alive header (timeout, max) shortens it. Every pooled connection
+	// is checked before reuse (one non-consuming peek): one the backend
+	// closed is replaced, one with unread bytes is closed. A request the
+	// backend provably never received (reset before it acknowledged a byte
+	// of it) is sent again once on a new connection; one it received never
+	// is.
 	IdleConn time.Duration
 	// MaxIdleConns caps the pooled idle connections per upstream.
 	MaxIdleConns int

@@ -165,19 +165,30 @@ func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	return now
 }
 
-// roundTrip sends the request on a pooled or new connection. A reused
-// connection that turns out to be closed before any response byte arrived is
-// retried once on a new one, as the request cannot have been processed.
+// roundTrip sends the request on a pooled or new connection.
+//
+// A request is sent again, on a new connection, only when the backend
+// provably never received it: the connection was reused, no response byte
+// came, the failure is a close or reset (not a timeout), and the backend's
+// kernel acknowledged none of the request's bytes (TCP_INFO
+// tcpi_bytes_acked unchanged since before the write). A socket the backend
+// had already closed answers data with a reset and acknowledges nothing;
+// one whose backend read the request has acknowledged it, and sending it
+// again would run (and bill) the generation twice.
 func (x *exchange) roundTrip(head bool) error {
 	up := x.route.up
 	for attempt := 0; ; attempt++ {
-		c, err := up.get(context.Background())
+		c, err := up.get(context.Background(), attempt > 0)
 		if err != nil {
 			return err
 		}
 		if !x.cancel.attach(c.Conn) {
 			up.discard(c)
 			return errCancelled
+		}
+		acked := int64(-1)
+		if c.reused {
+			acked = c.bytesAcked()
 		}
 		written, err := c.send(x.req, x.resp, head)
 		x.written = written
@@ -187,14 +198,17 @@ func (x *exchange) roundTrip(head bool) error {
 			x.rec.UpstreamTTFB = max(c.first.Sub(written), 0)
 			return nil
 		}
+		unread := c.reused && acked >= 0 && c.first.IsZero() && !isTimeout(err) && isConnReset(err) &&
+			c.bytesAcked() == acked
 		up.discard(c)
 		x.cancel.detach()
 		if x.cancel.isGone() {
 			return errCancelled
 		}
-		if !c.reused || !c.first.IsZero() || attempt > 0 || isTimeout(err) || !isConnReset(err) {
+		if !unread || attempt > 0 {
 			return err
 		}
+		metrics.UpstreamRetry()
 	}
 }
 

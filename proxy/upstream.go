@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -9,11 +10,14 @@ import (
 	"net"
 	"net/url"
 	"slices"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
 
+	"github.com/tokentap/tokentap/metrics"
 	"github.com/valyala/fasthttp"
+	"golang.org/x/sys/unix"
 )
 
 // upstream is one backend address with its own small pool of keep-alive
@@ -101,6 +105,12 @@ type upConn struct {
 	lastUsed time.Time
 	reused   bool
 
+	// What the backend allows of this connection, from its Keep-Alive
+	// response header: requests left (-1: no limit) and the time it may
+	// close the connection by (zero: no limit).
+	usesLeft  int
+	keepUntil time.Time
+
 	writeDeadline bool // a write deadline is set (large requests only)
 
 	rx     *rxConn   // the TCP connection, for receive timestamps
@@ -136,22 +146,43 @@ func (c *upConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// get returns an idle connection that is still open, or dials a new one.
-func (up *upstream) get(ctx context.Context) (*upConn, error) {
+// get returns an idle connection that is still open and quiet, or dials a
+// new one; fresh skips the pool.
+//
+// Every pooled connection is looked at before reuse (one non-consuming
+// peek, no allocation): one the backend closed is replaced, and one with
+// bytes waiting is closed unread. Such bytes can only be a response to no
+// request (a backend that answered more than it was asked, or miscounted
+// a body): read as the next request's response they would hand one user
+// another's answer.
+func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 	now := up.now()
 	up.mu.Lock()
-	for len(up.idle) > 0 {
+	for !fresh && len(up.idle) > 0 {
 		c := up.idle[len(up.idle)-1]
 		up.idle = up.idle[:len(up.idle)-1]
-		// A connection used within the last second is taken as is; an older
-		// one is first checked for a close by the backend (one syscall).
-		if idle := now.Sub(c.lastUsed); idle < up.t.IdleConn && (idle < time.Second || peekConn(c.Conn) == peerIdle) {
+		state := peerUnknown
+		if c.usable(now) {
+			state = peekConn(c.socket())
+		}
+		if state == peerIdle {
 			up.mu.Unlock()
 			c.reused = true
+			if c.usesLeft > 0 {
+				c.usesLeft--
+			}
 			return c, nil
 		}
 		up.open--
 		up.mu.Unlock()
+		switch state {
+		case peerData:
+			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
+		case peerClosed:
+			metrics.UpstreamConnDiscarded(metrics.DiscardClosedByPeer)
+		default:
+			metrics.UpstreamConnDiscarded(metrics.DiscardExpired)
+		}
 		_ = c.Conn.Close()
 		up.mu.Lock()
 	}
@@ -195,7 +226,7 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 		}
 		conn = tc
 	}
-	c := &upConn{Conn: conn, up: up, rx: rx}
+	c := &upConn{Conn: conn, up: up, rx: rx, usesLeft: -1}
 	// Held by every open stream: kept small. Larger writes (long prompts)
 	// bypass the writer's buffer.
 	c.br = bufio.NewReaderSize(c, 8<<10)
@@ -203,8 +234,73 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 	return c, nil
 }
 
-// put returns a connection whose last response was read completely.
+// socket returns the TCP connection under c (under TLS, if any).
+func (c *upConn) socket() net.Conn {
+	if c.rx != nil {
+		return c.rx
+	}
+	return c.Conn
+}
+
+// usable reports whether the connection may carry another request at now:
+// within the pool's idle lifetime and what the backend's Keep-Alive header
+// allowed.
+func (c *upConn) usable(now time.Time) bool {
+	if c.up.t.IdleConn > 0 && now.Sub(c.lastUsed) >= c.up.t.IdleConn {
+		return false
+	}
+	if !c.keepUntil.IsZero() && !now.Before(c.keepUntil) {
+		return false
+	}
+	return c.usesLeft != 0
+}
+
+// keepAlive reads the backend's Keep-Alive response header (RFC 2068
+// §19.7.1.1, as Apache, llama.cpp's server and others send it):
+// "timeout=N" is how long the backend keeps an idle connection, "max=N"
+// how many more requests it accepts on it. The connection is not reused
+// past either; a second of margin keeps tokentap from sending a request as
+// the backend closes.
+func (c *upConn) keepAlive(v []byte, end time.Time) {
+	for len(v) > 0 {
+		var tok []byte
+		if i := bytes.IndexByte(v, ','); i >= 0 {
+			tok, v = v[:i], v[i+1:]
+		} else {
+			tok, v = v, nil
+		}
+		k, val, ok := bytes.Cut(bytes.TrimSpace(tok), []byte{'='})
+		if !ok {
+			continue
+		}
+		n, err := strconv.Atoi(string(bytes.Trim(bytes.TrimSpace(val), `"`)))
+		if err != nil || n < 0 {
+			continue
+		}
+		switch {
+		case bytes.EqualFold(bytes.TrimSpace(k), []byte("timeout")):
+			d := time.Duration(n) * time.Second
+			c.keepUntil = end.Add(d - min(time.Second, d/2))
+		case bytes.EqualFold(bytes.TrimSpace(k), []byte("max")):
+			c.usesLeft = n
+		}
+	}
+}
+
+// put returns a connection whose last response was read completely. A
+// connection with bytes read past the end of that response is closed
+// instead: the response did not end at a message boundary.
 func (up *upstream) put(c *upConn) {
+	if c.br.Buffered() > 0 {
+		metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
+		up.discard(c)
+		return
+	}
+	if c.usesLeft == 0 {
+		metrics.UpstreamConnDiscarded(metrics.DiscardExpired)
+		up.discard(c)
+		return
+	}
 	c.timeout = 0
 	c.setFor = 0
 	c.armed = false
@@ -314,5 +410,24 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 		return written, fmt.Errorf("cannot read upstream response: %w", err)
 	}
 	c.timeout = c.up.t.Idle
+	if ka := resp.Header.Peek("Keep-Alive"); len(ka) > 0 {
+		c.keepAlive(ka, c.up.now())
+	}
 	return written, nil
+}
+
+// bytesAcked returns how many bytes the peer's kernel acknowledged on the
+// connection (TCP_INFO tcpi_bytes_acked), or -1 when it cannot be read.
+func (c *upConn) bytesAcked() int64 {
+	raw := rawConn(c.socket())
+	if raw == nil {
+		return -1
+	}
+	acked := int64(-1)
+	_ = raw.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			acked = int64(info.Bytes_acked)
+		}
+	})
+	return acked
 }

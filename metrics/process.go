@@ -1,0 +1,49 @@
+package metrics
+
+import vm "github.com/VictoriaMetrics/metrics"
+
+// Process-wide counters of faults tokentap recovered from. They are not
+// tied to a config generation: reloads never reset them.
+
+// Reasons a pooled upstream connection was closed instead of reused.
+const (
+	DiscardStrayBytes   = "stray_bytes"    // bytes past the end of a response
+	DiscardClosedByPeer = "closed_by_peer" // the backend closed it while idle
+	DiscardExpired      = "expired"        // idle too long, or past the backend's Keep-Alive limits
+)
+
+var (
+	upstreamDiscarded = map[string]*vm.Counter{
+		DiscardStrayBytes:   vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="stray_bytes"}`),
+		DiscardClosedByPeer: vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="closed_by_peer"}`),
+		DiscardExpired:      vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="expired"}`),
+	}
+	upstreamRetries = vm.NewCounter("tokentap_upstream_retries_total")
+	acceptErrors    = vm.NewCounter("tokentap_accept_errors_total")
+	connsRefused    = map[string]*vm.Counter{
+		"total":  vm.NewCounter(`tokentap_client_conns_refused_total{reason="total"}`),
+		"per_ip": vm.NewCounter(`tokentap_client_conns_refused_total{reason="per_ip"}`),
+	}
+)
+
+// UpstreamConnDiscarded counts a pooled upstream connection closed for
+// reason (one of the Discard constants).
+func UpstreamConnDiscarded(reason string) { upstreamDiscarded[reason].Inc() }
+
+// UpstreamRetry counts a request sent again on a new connection because the
+// backend provably never received it on the first.
+func UpstreamRetry() { upstreamRetries.Inc() }
+
+// AcceptError counts a failed accept (out of descriptors, for instance),
+// after which the listener backs off and accepts again.
+func AcceptError() { acceptErrors.Inc() }
+
+// ConnRefused counts a client connection closed at once because a cap on
+// open connections was reached; reason is "total" or "per_ip".
+func ConnRefused(reason string) { connsRefused[reason].Inc() }
+
+// ClientConnsGauge publishes the number of open client connections, read
+// from f at each scrape. Call it once per process.
+func ClientConnsGauge(f func() float64) {
+	vm.GetOrCreateGauge("tokentap_client_conns", f)
+}

@@ -1,0 +1,259 @@
+package proxy
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// rawUpstream is a scripted HTTP/1.1 backend on loopback that answers each
+// request with whatever bytes answer writes, on keep-alive connections
+// unless answer returns false. Every request is counted by path.
+type rawUpstream struct {
+	ln    net.Listener
+	url   string
+	mu    sync.Mutex
+	seen  map[string]int
+	conns atomic.Int64
+}
+
+func startRawUpstream(t *testing.T, answer func(c net.Conn, r *http.Request) (keep bool)) *rawUpstream {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := &rawUpstream{ln: ln, url: "http://" + ln.Addr().String(), seen: map[string]int{}}
+	var wg sync.WaitGroup
+	var open sync.Map
+	t.Cleanup(func() {
+		ln.Close()
+		open.Range(func(k, _ any) bool { k.(net.Conn).Close(); return true })
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u.conns.Add(1)
+			open.Store(c, true)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for {
+					r, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					io.Copy(io.Discard, r.Body)
+					u.mu.Lock()
+					u.seen[r.URL.Path]++
+					u.mu.Unlock()
+					if !answer(c, r) {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return u
+}
+
+func (u *rawUpstream) count(path string) int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.seen[path]
+}
+
+// echo answers with the request path as the body.
+func echo(c net.Conn, r *http.Request) {
+	io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "+itoa(len(r.URL.Path))+"\r\n\r\n"+r.URL.Path)
+}
+
+// getBody sends GET path on a new client connection and returns status and body.
+func getBody(t *testing.T, url, method, path string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url+path, nil)
+	req.Header.Set("Authorization", "Bearer sk-canary-"+strings.Trim(path, "/"))
+	resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}).Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// An upstream that sends bytes after a complete response must never hand
+// them to the next request on the connection: every later request gets its
+// own answer, in all four forms of the fault.
+func TestFaultResponseDesync(t *testing.T) {
+	const injected = "HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nINJECTED"
+	for name, bad := range map[string]func(c net.Conn, r *http.Request){
+		"second response after the body": func(c net.Conn, r *http.Request) {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n/x"+injected)
+		},
+		"body after HEAD": func(c net.Conn, r *http.Request) {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nINJECTED")
+		},
+		"body after 204": func(c net.Conn, r *http.Request) {
+			io.WriteString(c, "HTTP/1.1 204 No Content\r\n\r\n"+injected)
+		},
+		"content-length in characters": func(c net.Conn, r *http.Request) {
+			body := "/x ünïcödé" // 10 characters, 14 bytes
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n"+body+"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nINJECTED")
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+				if r.URL.Path == "/x" {
+					bad(c, r)
+				} else {
+					echo(c, r)
+				}
+				return true
+			})
+			tp := startProxy(t, up.url, nil)
+			method := "GET"
+			if name == "body after HEAD" {
+				method = "HEAD"
+			}
+			getBody(t, tp.url, method, "/x")
+			tp.rec.next(t)
+			for _, user := range []string{"/alice", "/bob", "/carol"} {
+				status, body := getBody(t, tp.url, "GET", user)
+				if status != 200 || body != user {
+					t.Fatalf("%s got %d %q: another response leaked into it", user, status, body)
+				}
+				if strings.Contains(body, "sk-canary") {
+					t.Fatalf("%s saw another user's key: %q", user, body)
+				}
+				if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+					t.Fatalf("%s: record %+v", user, rec)
+				}
+			}
+		})
+	}
+}
+
+// llama.cpp's server announces Keep-Alive: timeout=5, max=100 and then
+// closes the connection right after every streamed response. Requests sent
+// back to back must never fail for it.
+func TestFaultBackendClosesAfterStreams(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n")
+		ev := chatChunk("hi") + "data: [DONE]\n\n"
+		io.WriteString(c, strings.ToLower(strconvHex(len(ev)))+"\r\n"+ev+"\r\n0\r\n\r\n")
+		return false // close at once, as llama-server does
+	})
+	tp := startProxy(t, up.url, nil)
+	client := &http.Client{Timeout: 5 * time.Second}
+	const n = 200
+	for i := 0; i < n; i++ {
+		resp, err := client.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(string(b), "[DONE]") {
+			t.Fatalf("request %d: %d %q", i, resp.StatusCode, b)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+			t.Fatalf("request %d: %+v", i, rec)
+		}
+	}
+	if got := up.count("/v1/chat/completions"); got != n {
+		t.Fatalf("backend saw %d requests, want %d", got, n)
+	}
+}
+
+// The Keep-Alive header's max is honoured: after max more requests the
+// connection is not reused.
+func TestKeepAliveMaxHonoured(t *testing.T) {
+	var mu sync.Mutex
+	served := map[net.Conn]int{}
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+		mu.Lock()
+		served[c]++
+		left := 2 - served[c] // as Apache counts: two requests per connection
+		mu.Unlock()
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nKeep-Alive: timeout=60, max="+itoa(left)+"\r\nContent-Length: 2\r\n\r\nok")
+		return true
+	})
+	tp := startProxy(t, up.url, nil)
+	for i := 0; i < 4; i++ {
+		if status, _ := getBody(t, tp.url, "GET", "/m"); status != 200 {
+			t.Fatalf("request %d: %d", i, status)
+		}
+		tp.rec.next(t)
+	}
+	// max=1, then max=0: each connection carries two requests.
+	if got := up.conns.Load(); got != 2 {
+		t.Fatalf("backend saw %d connections for 4 requests, want 2", got)
+	}
+}
+
+// A backend that read a POST on a pooled connection, worked, then reset
+// the connection must see it once: sending it again would run and bill the
+// generation twice.
+func TestFaultNoResentPOST(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+		if r.URL.Path == "/warm" {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			return true
+		}
+		time.Sleep(300 * time.Millisecond)
+		c.(*net.TCPConn).SetLinger(0) // reset
+		return false
+	})
+	tp := startProxy(t, up.url, nil)
+	c, br := rawRequest(t, tp.addr, postJSON("/warm", `{}`))
+	if resp, err := http.ReadResponse(br, nil); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("warm-up: %v %v", resp, err)
+	} else {
+		io.ReadAll(resp.Body)
+	}
+	tp.rec.next(t)
+	io.WriteString(c, postJSON("/v1/chat/completions", `{"model":"m"}`))
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.ReadAll(resp.Body)
+	if resp.StatusCode != 502 {
+		t.Fatalf("status %d, want 502", resp.StatusCode)
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeUpstreamError {
+		t.Fatalf("record %+v", rec)
+	}
+	if got := up.count("/v1/chat/completions"); got != 1 {
+		t.Fatalf("backend received the POST %d times, want 1", got)
+	}
+}
+
+func strconvHex(n int) string {
+	const digits = "0123456789abcdef"
+	if n == 0 {
+		return "0"
+	}
+	var b []byte
+	for ; n > 0; n /= 16 {
+		b = append([]byte{digits[n%16]}, b...)
+	}
+	return string(b)
+}
