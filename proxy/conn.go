@@ -1,26 +1,123 @@
 package proxy
 
 import (
+	"errors"
 	"net"
+	"net/netip"
+	"strconv"
+	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"go.uber.org/zap"
 )
 
-// clientListener wraps accepted connections in clientConn.
+// clientListener wraps accepted connections in clientConn, keeps accepting
+// through transient errors, and caps the open connections.
 type clientListener struct {
 	net.Listener
 	d       time.Duration
 	stamped bool // receive timestamps are enabled on the listening socket
+	caps    *connCaps
+	log     *zap.Logger
 }
 
-func (l clientListener) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err != nil {
-		return nil, err
+// Accept returns the next connection within the caps. A failed accept
+// (out of descriptors, out of memory, a connection reset while queued) is
+// counted and retried after a pause that doubles from 5 ms to 1 s, as
+// net/http does, so one burst of connections can never stop the server;
+// only a closed listener ends it. A connection beyond a cap is answered 503
+// and closed at once.
+func (l *clientListener) Accept() (net.Conn, error) {
+	var delay time.Duration
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return nil, err
+			}
+			metrics.AcceptError()
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			if l.log != nil && delay == 5*time.Millisecond {
+				l.log.Warn("cannot accept a connection, retrying", zap.Error(err))
+			}
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
+		tc, ok := c.(*net.TCPConn)
+		if !ok {
+			return c, nil
+		}
+		ip := tc.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap()
+		if reason := l.caps.take(ip); reason != "" {
+			metrics.ConnRefused(reason)
+			refuse(tc)
+			continue
+		}
+		return &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip}, nil
 	}
-	if tc, ok := c.(*net.TCPConn); ok {
-		return &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d}, nil
+}
+
+// busyResponse is what a connection beyond a cap receives before it is closed.
+var busyResponse = func() []byte {
+	body := `{"error":{"type":"tokentap_error","code":"too_many_connections","message":"too many connections"}}` + "\n"
+	return []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " +
+		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
+}()
+
+// refuse answers 503 without reading the request and closes. The write
+// fits in the socket's send buffer; the deadline only guards the syscall.
+func refuse(c *net.TCPConn) {
+	_ = c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	_, _ = c.Write(busyResponse)
+	_ = c.Close()
+}
+
+// connCaps counts open client connections, in all and per client address.
+type connCaps struct {
+	max, maxPerIP int // 0: no cap
+	mu            sync.Mutex
+	open          int
+	perIP         map[netip.Addr]int
+}
+
+// take counts a new connection from ip, or returns the cap it would break
+// ("total" or "per_ip").
+func (cc *connCaps) take(ip netip.Addr) string {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	if cc.max > 0 && cc.open >= cc.max {
+		return "total"
 	}
-	return c, nil
+	if cc.maxPerIP > 0 {
+		if cc.perIP[ip] >= cc.maxPerIP {
+			return "per_ip"
+		}
+		cc.perIP[ip]++
+	}
+	cc.open++
+	return ""
+}
+
+func (cc *connCaps) release(ip netip.Addr) {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	cc.open--
+	if cc.maxPerIP > 0 {
+		if n := cc.perIP[ip] - 1; n > 0 {
+			cc.perIP[ip] = n
+		} else {
+			delete(cc.perIP, ip)
+		}
+	}
+}
+
+func (cc *connCaps) count() int {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	return cc.open
 }
 
 // clientConn is a client connection with a sliding write deadline (every
@@ -37,6 +134,22 @@ type clientConn struct {
 
 	rtt   time.Duration // the last TCP_INFO reading, and when it was taken
 	rttAt time.Time
+
+	caps   *connCaps
+	ip     netip.Addr
+	closed atomic.Bool
+}
+
+// Close closes the connection and frees its place under the caps, once.
+func (c *clientConn) Close() error {
+	if c.closed.Swap(true) {
+		return nil
+	}
+	err := c.rxConn.Close()
+	if c.caps != nil {
+		c.caps.release(c.ip)
+	}
+	return err
 }
 
 func (c *clientConn) Read(b []byte) (int, error) {

@@ -25,6 +25,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net"
+	"net/netip"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -52,6 +53,10 @@ type Options struct {
 	// ClientWriteTimeout bounds each write to a client, so a client that
 	// stops reading cannot hold a stream forever (default 60 s).
 	ClientWriteTimeout time.Duration
+	// MaxConns caps the open client connections (0: no cap); beyond it a
+	// new connection is answered 503 and closed. MaxConnsPerIP caps them
+	// per client address (0: no cap).
+	MaxConns, MaxConnsPerIP int
 	// RequestReadTimeout bounds reading a request's headers and body, and
 	// IdleTimeout the wait for the next request on a keep-alive connection
 	// (default 2 min each).
@@ -67,6 +72,7 @@ type Proxy struct {
 	snap    atomic.Pointer[snapshot]
 	applyMu sync.Mutex // one Apply at a time
 
+	caps     *connCaps // client connections opened through Listen
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
@@ -108,7 +114,8 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 	if opts.IdleTimeout <= 0 {
 		opts.IdleTimeout = 2 * time.Minute
 	}
-	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy")}
+	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy"),
+		caps: &connCaps{max: opts.MaxConns, maxPerIP: opts.MaxConnsPerIP, perIP: map[netip.Addr]int{}}}
 	_, _ = rand.Read(p.idPrefix[:])
 	if err := p.Apply(cfg); err != nil {
 		return nil, err
@@ -171,6 +178,10 @@ func (p *Proxy) Apply(cfg Config) error {
 	return nil
 }
 
+// ClientConns returns the number of open client connections accepted
+// through Listen.
+func (p *Proxy) ClientConns() int { return p.caps.count() }
+
 // Close releases idle upstream connections and unregisters metrics.
 func (p *Proxy) Close() {
 	if s := p.snap.Load(); s != nil {
@@ -210,13 +221,15 @@ func (p *Proxy) Server() *fasthttp.Server {
 }
 
 // Listen opens a TCP listener whose connections bound every write with
-// the client write timeout. Use it with Server().Serve.
+// the client write timeout, carry the kernel's receive times, and count
+// under the connection caps; its Accept survives transient errors. Use it
+// with Server().Serve.
 func (p *Proxy) Listen(addr string) (net.Listener, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
-	l := clientListener{Listener: ln, d: p.opts.ClientWriteTimeout}
+	l := &clientListener{Listener: ln, d: p.opts.ClientWriteTimeout, caps: p.caps, log: p.log}
 	if tl, ok := ln.(*net.TCPListener); ok {
 		if raw, err := tl.SyscallConn(); err == nil && enableRxStamps(raw) == nil {
 			l.stamped = true

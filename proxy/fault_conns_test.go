@@ -1,0 +1,144 @@
+package proxy
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	vm "github.com/VictoriaMetrics/metrics"
+)
+
+// TestHelperLowFDProxy is not a test: run by TestFaultAcceptRecoversFromEMFILE
+// in a child process, it serves a proxy under a descriptor limit of 64,
+// prints the proxy's address, and on EOF of stdin prints the accept errors.
+func TestHelperLowFDProxy(t *testing.T) {
+	if os.Getenv("TOKENTAP_LOWFD_CHILD") != "1" {
+		t.Skip("helper process")
+	}
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	tp := startProxy(t, up.URL, nil)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: 64, Max: 64}); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Println("addr", tp.addr)
+	io.Copy(io.Discard, os.Stdin)
+	var b strings.Builder
+	vm.WritePrometheus(&b, false)
+	for _, line := range strings.Split(b.String(), "\n") {
+		if strings.HasPrefix(line, "tokentap_accept_errors_total") {
+			fmt.Println(line)
+		}
+	}
+}
+
+// One burst of connections beyond the descriptor limit must not stop the
+// proxy: accept errors back off and recover, and once the burst is gone
+// requests are served again.
+func TestFaultAcceptRecoversFromEMFILE(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperLowFDProxy$", "-test.v")
+	cmd.Env = append(os.Environ(), "TOKENTAP_LOWFD_CHILD=1")
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	out := bufio.NewScanner(stdout)
+	var addr string
+	for out.Scan() {
+		if a, ok := strings.CutPrefix(out.Text(), "addr "); ok {
+			addr = a
+			break
+		}
+	}
+	if addr == "" {
+		t.Fatal("child printed no address")
+	}
+	// 100 idle connections: the child runs out of descriptors.
+	var conns []net.Conn
+	for i := 0; i < 100; i++ {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatalf("dial %d: %v", i, err)
+		}
+		conns = append(conns, c)
+	}
+	time.Sleep(300 * time.Millisecond) // the child meets EMFILE and backs off
+	for _, c := range conns {
+		c.Close()
+	}
+	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := client.Get("http://" + addr + "/x")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == 200 && string(b) == "ok" {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("proxy did not recover: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stdin.Close()
+	var errs string
+	for out.Scan() {
+		if strings.HasPrefix(out.Text(), "tokentap_accept_errors_total") {
+			errs = out.Text()
+		}
+	}
+	if errs == "" || strings.HasSuffix(errs, " 0") {
+		t.Fatalf("no accept error was seen (%q): the test did not reach the descriptor limit", errs)
+	}
+}
+
+// Connections beyond the caps are answered 503 at once and closed; the
+// ones within are served, and a freed place can be taken again.
+func TestFaultConnectionCaps(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	for _, tc := range []struct {
+		name         string
+		total, perIP int
+	}{{"total", 3, 0}, {"per_ip", 0, 3}} {
+		t.Run(tc.name, func(t *testing.T) {
+			tp := startProxyOpts(t, up.URL, nil, Options{MaxConns: tc.total, MaxConnsPerIP: tc.perIP})
+			var held []net.Conn
+			for i := 0; i < 3; i++ {
+				c, err := net.Dial("tcp", tp.addr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				held = append(held, c)
+			}
+			waitUntil(t, func() bool { return tp.p.ClientConns() == 3 })
+			_, br := rawRequest(t, tp.addr, "GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			if resp.StatusCode != 503 || !strings.Contains(string(b), "too_many_connections") {
+				t.Fatalf("beyond the cap: %d %q", resp.StatusCode, b)
+			}
+			held[0].Close()
+			waitUntil(t, func() bool { return tp.p.ClientConns() == 2 })
+			_, br = rawRequest(t, tp.addr, "GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+			if resp, err := http.ReadResponse(br, nil); err != nil || resp.StatusCode != 200 {
+				t.Fatalf("within the cap: %v %v", resp, err)
+			}
+		})
+	}
+}
