@@ -115,6 +115,10 @@ func (s *Set) ModelIndex(model []byte) int {
 	return len(s.models)
 }
 
+// OtherIndex returns the index of the "other" model, for a request whose
+// model is not known yet.
+func (s *Set) OtherIndex() int { return len(s.models) }
+
 // Allowed reports whether model is in the allowlist.
 func (s *Set) Allowed(model []byte) bool {
 	_, ok := s.models[string(model)]

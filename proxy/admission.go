@@ -62,19 +62,12 @@ func estimate(body []byte, d dialect.Dialect, defaultOut int) (in, total int64) 
 	return in, in + out
 }
 
-// admit runs admission control for a request; false means the request was
-// answered (401, 429 or a cancel) and is finished.
+// admit runs admission control for a request of an identified tenant
+// (x.tenant); false means the request was answered (429 or a cancel) and
+// is finished.
 func (p *Proxy) admit(ctx *fasthttp.RequestCtx, x *exchange, body []byte) bool {
 	a := x.snap.admit
-	tenant, ok := identify(a, &ctx.Request.Header)
-	if !ok {
-		x.rec.Tenant = "unknown"
-		p.fail(ctx, x, fasthttp.StatusUnauthorized, metrics.OutcomeRejected, "invalid_api_key", "unknown or missing API key")
-		return false
-	}
-	x.rec.Tenant = tenant
-	x.rec.TenantSeries = x.snap.metrics.Tenant(tenant)
-	x.tenant = tenant
+	tenant := x.tenant
 	var total int64
 	x.estIn, total = estimate(body, x.dialect, x.snap.cfg.DefaultMaxOutput)
 

@@ -52,6 +52,9 @@ type exchange struct {
 	contentLength int
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 	injected      []byte // the request body with include_usage injected
+	path          []byte // the normalised request path
+	query         []byte // the raw query, with its "?", a view of the request
+	reqBody       []byte // the request body, read in bounded pieces
 	scratch       []byte // header values being built
 
 	// Clock marks.
@@ -119,14 +122,22 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 func (p *Proxy) releaseExchange(x *exchange) {
 	x.req.Reset()
 	x.resp.Reset()
+	body := x.reqBody[:0]
+	if cap(body) > maxPooledBody {
+		body = nil // a large body's buffer goes with its request
+	}
 	*x = exchange{
 		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
 		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0], scratch: x.scratch[:0],
-		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp,
+		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)
 }
+
+// maxPooledBody is the largest request body buffer kept for the next
+// request.
+const maxPooledBody = 256 << 10
 
 // pull reads the upstream once into b and feeds what it read to the
 // parser. An upstream error is kept and returned again on every later call;

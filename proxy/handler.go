@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"strings"
 	"syscall"
 	"time"
 
@@ -22,37 +23,72 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	rec := &x.rec
 	rec.Series, rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 
-	if id := ctx.Request.Header.Peek("X-Request-Id"); len(id) > 0 && len(id) <= 200 {
-		x.id = append(x.id[:0], id...)
-	} else {
-		x.id = p.newRequestID(x.id[:0])
-	}
+	x.id = p.requestID(x.id[:0], ctx.Request.Header.Peek("X-Request-Id"))
 	rec.RequestID = string(x.id)
 	rec.Method = methodString(ctx.Method())
 	uri := ctx.Request.Header.RequestURI()
-	path := uri
-	if i := bytes.IndexByte(path, '?'); i >= 0 {
-		path = path[:i]
+	rawPath := uri
+	if i := bytes.IndexByte(rawPath, '?'); i >= 0 {
+		rawPath, x.query = rawPath[:i], rawPath[i:]
 	}
-	rec.Path = string(path)
-	body := ctx.Request.Body()
-	rec.BytesIn = int64(len(body))
+	rec.Path = boundedString(rawPath, maxLoggedPath)
+	if ctx.IsConnect() || ctx.IsTrace() {
+		// TRACE would echo the request, credentials included; CONNECT
+		// would open a tunnel. Neither is an inference call.
+		ctx.Response.Header.Set("Allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+		p.failEarly(ctx, x, fasthttp.StatusMethodNotAllowed, "method_not_allowed", "this method is not relayed")
+		return
+	}
+	if !validHeaderNames(&ctx.Request.Header) {
+		p.failEarly(ctx, x, fasthttp.StatusBadRequest, "invalid_header", "a header name is not a valid token")
+		return
+	}
+	path, err := normalizePath(x.path[:0], rawPath)
+	if err != nil {
+		p.failEarly(ctx, x, fasthttp.StatusBadRequest, "invalid_path", "the request path cannot be normalised")
+		return
+	}
+	x.path = path
+	rec.Path = boundedString(path, maxLoggedPath)
 
 	r := snap.match(path)
 	if r == nil {
-		p.fail(ctx, x, fasthttp.StatusNotFound, metrics.OutcomeBadRequest, "no_route", "no route matches this path")
+		p.failEarly(ctx, x, fasthttp.StatusNotFound, "no_route", "no route matches this path")
 		return
 	}
 	x.route = r
 	rec.Route = r.Name
+	rec.Series = snap.metrics.Series(r.index, snap.metrics.OtherIndex())
 	x.dialect = r.dialect
 	if x.dialect == nil {
 		x.dialect = dialect.ForPath(path)
 	}
 	rec.Dialect = x.dialect.Name()
+
+	// The tenant comes from the headers, before a byte of the body is
+	// read: an unknown key costs no more than its headers.
+	if snap.admit != nil {
+		tenant, ok := identify(snap.admit, &ctx.Request.Header)
+		if !ok {
+			rec.Tenant = "unknown"
+			rec.Outcome = metrics.OutcomeRejected
+			p.failEarly(ctx, x, fasthttp.StatusUnauthorized, "invalid_api_key", "unknown or missing API key")
+			return
+		}
+		x.tenant, rec.Tenant = tenant, tenant
+		rec.TenantSeries = snap.metrics.Tenant(tenant)
+	}
+
+	body, f := x.readBody(ctx, p.opts.MaxRequestBodySize)
+	rec.BytesIn = int64(len(body))
+	if f != nil {
+		ctx.SetConnectionClose()
+		p.fail(ctx, x, f.status, f.outcome, f.code, f.msg)
+		return
+	}
 	req := x.dialect.Request(path, body)
 	model := req.Model
-	rec.Model = string(model)
+	rec.Model = boundedString(model, maxLoggedModel)
 	rec.Stream = req.Stream
 	x.items = req.Items
 	rec.Series = snap.metrics.Series(r.index, snap.metrics.ModelIndex(model))
@@ -70,7 +106,7 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		return
 	}
 
-	x.scratch = prepareRequest(ctx, x.req, r, x.id, x.scratch)
+	x.scratch = prepareRequest(ctx, x.req, r, x.path, x.query, body, x.id, x.scratch)
 	x.req.Header.Del(tenantHeader)
 	if x.tenant != "" {
 		x.req.Header.Set(tenantHeader, x.tenant)
@@ -87,15 +123,15 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	head := ctx.IsHead()
-	err := x.roundTrip(head)
+	err = x.roundTrip(head)
 	if err != nil {
 		switch {
 		case x.cancel.isGone():
 			p.fail(ctx, x, 499, metrics.OutcomeClientCancel, "", "client closed the connection")
 		case isTimeout(err):
-			p.fail(ctx, x, fasthttp.StatusGatewayTimeout, metrics.OutcomeUpstreamTimeout, "upstream_timeout", err.Error())
+			p.fail(ctx, x, fasthttp.StatusGatewayTimeout, metrics.OutcomeUpstreamTimeout, "upstream_timeout", describeUpstreamError(err))
 		default:
-			p.fail(ctx, x, fasthttp.StatusBadGateway, metrics.OutcomeUpstreamError, "upstream_unavailable", err.Error())
+			p.fail(ctx, x, fasthttp.StatusBadGateway, metrics.OutcomeUpstreamError, "upstream_unavailable", describeUpstreamError(err))
 		}
 		return
 	}
@@ -142,6 +178,66 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	}
 	ctx.Response.SetBodyStream(x, cl)
 }
+
+// Bounds on client-supplied strings in records and logs.
+const (
+	maxLoggedPath  = 512
+	maxLoggedModel = 128
+	maxRequestID   = 128
+)
+
+// boundedString copies at most n bytes of b, marking a cut with "…".
+func boundedString(b []byte, n int) string {
+	if len(b) <= n {
+		return string(b)
+	}
+	return string(b[:n]) + "…"
+}
+
+// requestID returns the client's X-Request-Id when it is short and made of
+// safe characters (letters, digits, "-", "_", ".", ":"), so that the value
+// echoed, forwarded and logged is the same; otherwise a new id.
+func (p *Proxy) requestID(dst, client []byte) []byte {
+	if len(client) == 0 || len(client) > maxRequestID {
+		return p.newRequestID(dst)
+	}
+	for _, c := range client {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.' || c == ':') {
+			return p.newRequestID(dst)
+		}
+	}
+	return append(dst, client...)
+}
+
+// validHeaderNames reports whether every header name is an RFC 9110 token:
+// a name with a space or a colon in it could be read differently by the
+// upstream ("Transfer-Encoding x: chunked").
+func validHeaderNames(h *fasthttp.RequestHeader) bool {
+	ok := true
+	for k := range h.All() {
+		if !ok {
+			break
+		}
+		if len(k) == 0 {
+			ok = false
+		}
+		for _, c := range k {
+			if !tchar[c] {
+				ok = false
+				break
+			}
+		}
+	}
+	return ok
+}
+
+// tchar marks the characters of an RFC 9110 token.
+var tchar = func() (t [256]bool) {
+	for c := 0; c < 256; c++ {
+		t[c] = 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", byte(c)) >= 0
+	}
+	return t
+}()
 
 // methodString returns the method as a string, without allocating for the
 // common ones.
@@ -221,7 +317,20 @@ func isTimeout(err error) bool {
 	return errors.As(err, &te) && te.Timeout() || errors.Is(err, os.ErrDeadlineExceeded)
 }
 
+// failEarly answers a request refused before its body was read: the
+// connection is closed rather than drained of a body nobody needs.
+func (p *Proxy) failEarly(ctx *fasthttp.RequestCtx, x *exchange, status int, code, msg string) {
+	ctx.SetConnectionClose()
+	outcome := metrics.OutcomeBadRequest
+	if x.rec.Outcome != metrics.OutcomeOK {
+		outcome = x.rec.Outcome
+	}
+	p.fail(ctx, x, status, outcome, code, msg)
+}
+
 // fail answers the client with a short JSON error and finishes the record.
+// msg is in tokentap's words: never a header value, an upstream's bytes
+// or an address.
 func (p *Proxy) fail(ctx *fasthttp.RequestCtx, x *exchange, status int, outcome metrics.Outcome, code, msg string) {
 	x.rec.Status = status
 	x.rec.Outcome = outcome
@@ -237,7 +346,9 @@ func (p *Proxy) fail(ctx *fasthttp.RequestCtx, x *exchange, status int, outcome 
 }
 
 // serveError answers requests fasthttp could not parse (or whose body was
-// too large) and records them like any other.
+// too large) and records them like any other. fasthttp's error text quotes
+// the request, credentials included: only its kind reaches the client and
+// the log.
 func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
 	snap := p.snap.Load()
 	x := p.acquireExchange(snap, p.arrival(ctx))
@@ -245,12 +356,18 @@ func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
 	x.id = p.newRequestID(x.id[:0])
 	x.rec.RequestID = string(x.id)
 	x.rec.Method = methodString(ctx.Method())
-	status, code := fasthttp.StatusBadRequest, "bad_request"
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		status, code = fasthttp.StatusRequestEntityTooLarge, "body_too_large"
+	status, code, msg := fasthttp.StatusBadRequest, "bad_request", "the request cannot be parsed"
+	var small *fasthttp.ErrSmallBuffer
+	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		status, code, msg = fasthttp.StatusRequestEntityTooLarge, "body_too_large", "the request body is too large"
+	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
+		status, code, msg = fasthttp.StatusRequestHeaderFieldsTooLarge, "headers_too_large", "the request headers are too large"
+	case isTimeout(err):
+		status, code, msg = fasthttp.StatusRequestTimeout, "request_timeout", "the request was not received in time"
 	}
 	ctx.SetConnectionClose()
-	p.fail(ctx, x, status, metrics.OutcomeBadRequest, code, err.Error())
+	p.fail(ctx, x, status, metrics.OutcomeBadRequest, code, msg)
 }
 
 func writeJSONError(ctx *fasthttp.RequestCtx, status int, code, msg string, id []byte) {

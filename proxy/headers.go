@@ -42,38 +42,43 @@ func dropHop(h hopHeader, connection [][]byte) {
 }
 
 // prepareRequest turns the client's request into the upstream request:
-// the same method, URI, headers and body, minus hop-by-hop headers, with
-// Host set for the upstream and X-Forwarded-* and X-Request-Id added.
+// the same method, headers and body, minus hop-by-hop headers and
+// tokentap's own, with the normalised path (under the route's upstream
+// base, its prefix stripped when the route says so) and the client's raw
+// query, Host set for the upstream and X-Forwarded-* and X-Request-Id
+// added.
 //
 // scratch is a buffer the caller lends for building header values; the
 // grown buffer is returned.
-func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, requestID, scratch []byte) []byte {
+func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, path, query, body, requestID, scratch []byte) []byte {
 	in := &ctx.Request
 	in.Header.CopyTo(&req.Header)
 	dropHop(&req.Header, in.Header.PeekAll("Connection"))
+	dropOwn(&req.Header)
+	// A body without Content-Type goes without one: fasthttp would add
+	// application/octet-stream.
+	req.Header.SetNoDefaultContentType(true)
 	// tokentap speaks HTTP/1.1 upstream whatever the client speaks, so the
 	// upstream connection stays pooled and streams stay chunked.
 	req.Header.SetProtocol("HTTP/1.1")
 
-	// The URI as the client sent it (not normalized), under the route.
-	uri := in.Header.RequestURI()
+	// path is normalised: no dot segments, so nothing escapes the base.
 	if r.StripPrefix {
 		// Keep the slash that ends the prefix: /ollama/api/chat → /api/chat.
-		uri = uri[len(strings.TrimSuffix(r.Prefix, "/")):]
-		if len(uri) == 0 || uri[0] != '/' {
-			uri = append([]byte{'/'}, uri...)
-		}
+		path = path[len(strings.TrimSuffix(r.Prefix, "/")):]
 	}
-	if r.up.basePath != "" {
-		uri = append([]byte(r.up.basePath), uri...)
+	uri := append(scratch[:0], r.up.basePath...)
+	if len(path) == 0 || path[0] != '/' {
+		uri = append(uri, '/')
 	}
+	uri = append(append(uri, path...), query...)
 	req.Header.SetRequestURIBytes(uri)
 	req.Header.SetHost(r.up.host)
 	if host := in.Header.Host(); len(host) > 0 {
 		req.Header.SetBytesV("X-Forwarded-Host", host)
 	}
 
-	xff := scratch[:0]
+	xff := uri[:0]
 	if prior := in.Header.Peek("X-Forwarded-For"); len(prior) > 0 {
 		xff = append(append(xff, prior...), ", "...)
 	}
@@ -85,8 +90,25 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, r
 		req.Header.Set("X-Forwarded-Proto", "http")
 	}
 	req.Header.SetBytesV("X-Request-Id", requestID)
-	req.SetBodyRaw(in.Body())
+	req.SetBodyRaw(body)
 	return xff
+}
+
+// dropOwn removes inbound copies of the headers tokentap sets itself
+// (X-Tokentap-*), in every spelling an upstream could read as one of them:
+// any case, and with underscores for dashes, which some servers (CGI,
+// WSGI) fold together.
+func dropOwn(h *fasthttp.RequestHeader) {
+	var names [][]byte
+	for k := range h.All() {
+		if len(k) >= len("x-tokentap-") && (k[1] == '-' || k[1] == '_') && bytes.EqualFold(k[:1], []byte("x")) &&
+			bytes.EqualFold(k[2:10], []byte("tokentap")) && (k[10] == '-' || k[10] == '_') {
+			names = append(names, append([]byte(nil), k...))
+		}
+	}
+	for _, k := range names {
+		h.DelBytes(k)
+	}
 }
 
 // appendIP appends the IP address of addr (a TCP address, IPv4-mapped

@@ -20,7 +20,6 @@
 package proxy
 
 import (
-	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -210,8 +209,12 @@ func (p *Proxy) Server() *fasthttp.Server {
 		ReadBufferSize:                16 << 10, // also the max request header size
 		WriteBufferSize:               4 << 10,  // larger writes (stream chunks) bypass it
 		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
-		ReadTimeout:                   p.opts.RequestReadTimeout,
-		IdleTimeout:                   p.opts.IdleTimeout,
+		// The handler reads the body itself, in pieces that grow only as
+		// bytes arrive (body.go), after the headers identified the tenant:
+		// a Content-Length alone reserves nothing.
+		StreamRequestBody: true,
+		ReadTimeout:       p.opts.RequestReadTimeout,
+		IdleTimeout:       p.opts.IdleTimeout,
 		// No WriteTimeout: it is one deadline for the whole response and
 		// would cut long streams. Listen wraps connections with a sliding
 		// per-write deadline instead.
@@ -253,10 +256,11 @@ func (p *Proxy) newRequestID(dst []byte) []byte {
 	return hex.AppendEncode(dst, b[:])
 }
 
-// match returns the route for path, longest prefix first.
+// match returns the route for a normalised path, longest prefix first,
+// prefixes matched on segment boundaries.
 func (s *snapshot) match(path []byte) *route {
 	for _, r := range s.routes {
-		if bytes.HasPrefix(path, []byte(r.Prefix)) {
+		if prefixMatch(path, r.Prefix) {
 			return r
 		}
 	}

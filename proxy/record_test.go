@@ -85,7 +85,7 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 	cfg := Config{
 		Routes: []Route{
 			{Name: "chat", Prefix: "/v1/", Upstream: up.URL, Timeouts: DefaultTimeouts},
-			{Name: "misc", Prefix: "/b", Upstream: up.URL, Timeouts: DefaultTimeouts},
+			{Name: "misc", Prefix: "/boom", Upstream: up.URL, Timeouts: DefaultTimeouts},
 			{Name: "slow", Prefix: "/slow", Upstream: up.URL, Timeouts: func() Timeouts { t := DefaultTimeouts; t.FirstByte = 50 * time.Millisecond; return t }()},
 			{Name: "dead", Prefix: "/dead", Upstream: deadURL, Timeouts: DefaultTimeouts},
 		},
@@ -131,7 +131,7 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 		{"POST", "/slow", `{}`, 504, metrics.OutcomeUpstreamTimeout, "slow"},
 		{"POST", "/dead", `{}`, 502, metrics.OutcomeUpstreamError, "dead"},
 		{"GET", "/nowhere", ``, 404, metrics.OutcomeBadRequest, "unmatched"},
-		{"POST", "/v1/chat/completions", strings.Repeat("x", 2000), 413, metrics.OutcomeBadRequest, "unmatched"},
+		{"POST", "/v1/chat/completions", strings.Repeat("x", 2000), 413, metrics.OutcomeBadRequest, "chat"},
 	}
 	for _, c := range cases {
 		if got := send(c.method, c.path, c.body); got != c.status {
@@ -169,7 +169,7 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 		if hasTTFT != stream || hasITL != stream {
 			t.Errorf("line %d: ttft/itl present=%v/%v, want %v: %s", i, hasTTFT, hasITL, stream, line)
 		}
-		if wantTTFB := c.status < 500 && c.route != "unmatched"; hasTTFB != wantTTFB && c.status != 500 {
+		if wantTTFB := c.status < 400; hasTTFB != wantTTFB && c.status != 500 {
 			t.Errorf("line %d: upstream_ttfb_ms present=%v: %s", i, hasTTFB, line)
 		}
 	}

@@ -90,10 +90,11 @@ func TestRequestIDGeneratedAndURIPreserved(t *testing.T) {
 	if len(id) != 32 || id != seenID {
 		t.Fatalf("request id: response %q upstream %q", id, seenID)
 	}
-	if seenURI != "/a/../b//c?q=%20x" {
+	// The path is forwarded normalised, the query as the client sent it.
+	if seenURI != "/b/c?q=%20x" {
 		t.Fatalf("upstream saw URI %q", seenURI)
 	}
-	if rec := tp.rec.next(t); rec.RequestID != id || rec.Path != "/a/../b//c" || rec.Method != "GET" {
+	if rec := tp.rec.next(t); rec.RequestID != id || rec.Path != "/b/c" || rec.Method != "GET" {
 		t.Fatalf("record: %+v", rec)
 	}
 }

@@ -202,7 +202,11 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 	return c, nil
 }
 
-var errTooManyConns = errors.New("upstream connection limit reached")
+var (
+	errTooManyConns  = errors.New("upstream connection limit reached")
+	errWriteUpstream = errors.New("cannot write the request upstream")
+	errReadUpstream  = errors.New("cannot read the upstream response")
+)
 
 func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 	conn, err := up.dialer.DialContext(ctx, "tcp", up.addr)
@@ -400,14 +404,14 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 	}
 	written = c.up.now()
 	if err != nil {
-		return written, fmt.Errorf("cannot write request upstream: %w", err)
+		return written, fmt.Errorf("%w: %w", errWriteUpstream, err)
 	}
 	c.timeout = c.up.t.FirstByte
 	c.armed = true
 	resp.StreamBody = true
 	resp.SkipBody = head
 	if err = resp.Read(c.br); err != nil {
-		return written, fmt.Errorf("cannot read upstream response: %w", err)
+		return written, fmt.Errorf("%w: %w", errReadUpstream, err)
 	}
 	c.timeout = c.up.t.Idle
 	if ka := resp.Header.Peek("Keep-Alive"); len(ka) > 0 {

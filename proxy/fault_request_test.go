@@ -1,0 +1,254 @@
+package proxy
+
+import (
+		"io"
+	"net"
+	"net/http"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/ratelimit"
+)
+
+// Paths are matched and forwarded in their normal form: no path reaches an
+// upstream outside its route's base, prefixes match on segment boundaries,
+// and spellings of one path land on one route.
+func TestFaultPathEscapes(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool { echo(c, r); return true })
+	tp := startProxy(t, up.url+"/default", func(c *Config) {
+		c.Routes = append(c.Routes,
+			Route{Name: "public", Prefix: "/public/", Upstream: up.url + "/public-only/", StripPrefix: true, Timeouts: DefaultTimeouts},
+			Route{Name: "ollama", Prefix: "/ollama", Upstream: up.url + "/ollama-base", StripPrefix: true, Timeouts: DefaultTimeouts},
+			Route{Name: "chat", Prefix: "/v1/", Upstream: up.url, Timeouts: DefaultTimeouts},
+		)
+	})
+	for _, tc := range []struct {
+		path, route, upstreamPath string
+		status                    int
+	}{
+		{"/public/a", "public", "/public-only/a", 200},
+		{"/public/../private", "default", "/default/private", 200},
+		{"/public/%2e%2e/private", "default", "/default/private", 200},
+		{"/public/x/%2E%2E/y", "public", "/public-only/y", 200},
+		{"/public/..%2fprivate", "unmatched", "", 400},
+		{"/public/..%5Cprivate", "unmatched", "", 400},
+		{"/public/../../etc/passwd", "unmatched", "", 400},
+		{"/ollama/api/chat", "ollama", "/ollama-base/api/chat", 200},
+		{"/ollama", "ollama", "/ollama-base/", 200},
+		{"/ollamaEVIL/api", "default", "/default/ollamaEVIL/api", 200},
+		{"/%76%31/chat/completions", "chat", "/v1/chat/completions", 200},
+		{"//v1/chat/completions", "chat", "/v1/chat/completions", 200},
+		{"/v1/./chat//completions", "chat", "/v1/chat/completions", 200},
+	} {
+		status, body := getBody(t, tp.url, "GET", tc.path)
+		rec := tp.rec.next(t)
+		if status != tc.status || rec.Route != tc.route {
+			t.Errorf("%s: status %d route %q, want %d %q (body %q)", tc.path, status, rec.Route, tc.status, tc.route, body)
+			continue
+		}
+		if tc.status == 200 && body != tc.upstreamPath {
+			t.Errorf("%s: upstream saw %q, want %q", tc.path, body, tc.upstreamPath)
+		}
+	}
+	if n := up.count("/private"); n != 0 {
+		t.Errorf("the upstream's /private was reached %d times", n)
+	}
+}
+
+// A per-route tenant limit cannot be bypassed by spelling the path of the
+// limited route another way.
+func TestFaultRouteLimitNotBypassedBySpelling(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool { echo(c, r); return true })
+	tp := startProxy(t, up.url, func(c *Config) {
+		c.Routes = append(c.Routes, Route{Name: "chat", Prefix: "/v1/", Upstream: up.url, Timeouts: DefaultTimeouts})
+		c.Admission = &ratelimit.Config{Mode: ratelimit.ModeReject,
+			Tenants: []ratelimit.Tenant{{Name: "acme", Keys: []string{"sk-acme"},
+				Routes: map[string]ratelimit.Limits{"chat": {RequestsPerSecond: 0.001, Burst: 1}}}},
+		}
+	})
+	statuses := []int{}
+	for _, path := range []string{"/v1/chat/completions", "/%76%31/chat/completions", "//v1/chat/completions", "/v1//chat/completions"} {
+		req, _ := http.NewRequest("POST", tp.url+path, strings.NewReader(`{}`))
+		req.Header.Set("Authorization", "Bearer sk-acme")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		statuses = append(statuses, resp.StatusCode)
+		if rec := tp.rec.next(t); rec.Route != "chat" {
+			t.Errorf("%s: route %q, want chat", path, rec.Route)
+		}
+	}
+	if statuses[0] != 200 || statuses[1] != 429 || statuses[2] != 429 || statuses[3] != 429 {
+		t.Fatalf("statuses %v, want 200 then 429s", statuses)
+	}
+}
+
+// Header names that are not tokens are refused, inbound copies of
+// tokentap's own headers are dropped in every spelling, a body without
+// Content-Type gains none, TRACE is not relayed, and an unsafe
+// X-Request-Id is replaced by one value used everywhere.
+func TestFaultRequestHeaders(t *testing.T) {
+	var seen http.Header
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+		seen = r.Header.Clone()
+		echo(c, r)
+		return true
+	})
+	tp := startProxy(t, up.url, nil)
+	status := func(raw string) int {
+		t.Helper()
+		_, br := rawRequest(t, tp.addr, raw)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("%q: %v", raw, err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		tp.rec.next(t)
+		return resp.StatusCode
+	}
+	for _, bad := range []string{"X Foo: a", "Transfer-Encoding x: chunked", "X@Y: 1"} {
+		if got := status("GET /a HTTP/1.1\r\nHost: h\r\n" + bad + "\r\n\r\n"); got != 400 {
+			t.Errorf("header %q: status %d, want 400", bad, got)
+		}
+	}
+	if up.count("/a") != 0 {
+		t.Fatal("a request with an invalid header name reached the upstream")
+	}
+	if got := status("TRACE /t HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer sk-canary\r\n\r\n"); got != 405 {
+		t.Errorf("TRACE: status %d, want 405", got)
+	}
+	if got := status("POST /b HTTP/1.1\r\nHost: h\r\nX_Tokentap_Tenant: evil\r\nx-tokentap-tenant: evil\r\nX-TOKENTAP_Other: 1\r\nContent-Length: 3\r\n\r\nabc"); got != 200 {
+		t.Fatalf("POST: status %d", got)
+	}
+	for k := range seen {
+		if strings.Contains(strings.ToLower(strings.ReplaceAll(k, "_", "-")), "x-tokentap-") {
+			t.Errorf("upstream received %s", k)
+		}
+	}
+	if ct, ok := seen["Content-Type"]; ok {
+		t.Errorf("upstream received Content-Type %q for a body sent without one", ct)
+	}
+
+	_, br := rawRequest(t, tp.addr, "GET /c HTTP/1.1\r\nHost: h\r\nX-Request-Id: <script>alert(1)</script>\r\n\r\n")
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	rec := tp.rec.next(t)
+	id := resp.Header.Get("X-Request-Id")
+	if len(id) != 32 || id != rec.RequestID || id != seen.Get("X-Request-Id") {
+		t.Fatalf("request id: echoed %q, logged %q, forwarded %q", id, rec.RequestID, seen.Get("X-Request-Id"))
+	}
+}
+
+// Slow and oversized request headers get the statuses that say so.
+func TestFaultRequestTimeoutAndHeaderSize(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool { echo(c, r); return true })
+	tp := startProxyOpts(t, up.url, nil, Options{RequestReadTimeout: 300 * time.Millisecond})
+
+	_, br := rawRequest(t, tp.addr, "GET /a HTTP/1.1\r\nHost: h\r\nX-Half")
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 408 {
+		t.Errorf("slow headers: status %d, want 408", resp.StatusCode)
+	}
+	tp.rec.next(t)
+
+	_, br = rawRequest(t, tp.addr, "GET /a HTTP/1.1\r\nHost: h\r\nX-Big: "+strings.Repeat("a", 40<<10)+"\r\n\r\n")
+	resp, err = http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 431 {
+		t.Errorf("oversized headers: status %d, want 431", resp.StatusCode)
+	}
+	tp.rec.next(t)
+}
+
+// A Content-Length announces, it reserves nothing: 40 connections that
+// each announce 32 MiB and send one byte hold a small fraction of it, and
+// a request without a valid key is refused before its body is read.
+func TestFaultContentLengthReservesNothing(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool { echo(c, r); return true })
+	tp := startProxyOpts(t, up.url, func(c *Config) {
+		c.Routes = append(c.Routes, Route{Name: "keyed", Prefix: "/keyed/", Upstream: up.url, Timeouts: DefaultTimeouts})
+	}, Options{MaxRequestBodySize: 64 << 20})
+	runtime.GC()
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	const conns = 40
+	for i := 0; i < conns; i++ {
+		c, _ := rawRequest(t, tp.addr, "POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 33554432\r\n\r\n{")
+		_ = c
+	}
+	// Let every connection reach the handler and block on its body.
+	deadline := time.Now().Add(5 * time.Second)
+	for tp.p.ClientConns() < conns && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond)
+	var after runtime.MemStats
+	runtime.ReadMemStats(&after)
+	grown := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	if grown > 16<<20 {
+		t.Fatalf("%d connections announcing 32 MiB each grew the heap by %d MiB", conns, grown>>20)
+	}
+	t.Logf("heap grew by %.1f MiB for %d connections announcing 32 MiB each", float64(grown)/(1<<20), conns)
+}
+
+// Without a valid key the answer comes before the body: a client that
+// announced a 10 MB body gets its 401 after the first 8 KiB.
+func TestFaultUnknownKeyRefusedBeforeBody(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool { echo(c, r); return true })
+	tp := startProxy(t, up.url, func(c *Config) {
+		c.Admission = &ratelimit.Config{Mode: ratelimit.ModeReject,
+			Tenants: []ratelimit.Tenant{{Name: "acme", Keys: []string{"sk-acme"}}},
+		}
+	})
+	// fasthttp reads up to 8 KiB of a body before the handler runs.
+	c, br := rawRequest(t, tp.addr, "POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer sk-wrong\r\nContent-Length: 10000000\r\n\r\n"+strings.Repeat("a", 8<<10))
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 401 || resp.Close != true {
+		t.Fatalf("status %d close %v, want 401 and a closed connection", resp.StatusCode, resp.Close)
+	}
+	if rec := tp.rec.next(t); rec.Tenant != "unknown" || rec.BytesIn != 0 {
+		t.Fatalf("record: tenant %q bytes_in %d", rec.Tenant, rec.BytesIn)
+	}
+}
+
+// An upstream that declares more body than it sends and closes: the client
+// never sees a complete response (its connection breaks), and the record
+// says the response was incomplete. A fixed-length body this short is still
+// in the server's write buffer when the upstream fails, so the client gets
+// no byte of it; streamed bodies go out chunk by chunk as they arrive.
+func TestFaultShortUpstreamBody(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"+strings.Repeat("x", 50))
+		return false
+	})
+	tp := startProxy(t, up.url, nil)
+	_, br := rawRequest(t, tp.addr, "GET /short HTTP/1.1\r\nHost: h\r\n\r\n")
+	if resp, err := http.ReadResponse(br, nil); err == nil {
+		b, err := io.ReadAll(resp.Body)
+		if err == nil {
+			t.Errorf("the client read a clean end of a 100-byte body after %d bytes", len(b))
+		}
+	}
+	rec := tp.rec.next(t)
+	if rec.Outcome != "upstream_error" || rec.Status != 200 || rec.Error == "" {
+		t.Fatalf("record: outcome %q status %d error %q", rec.Outcome, rec.Status, rec.Error)
+	}
+}
+
