@@ -1,7 +1,7 @@
 package proxy
 
 import (
-		"io"
+	"io"
 	"net"
 	"net/http"
 	"runtime"
@@ -251,4 +251,3 @@ func TestFaultShortUpstreamBody(t *testing.T) {
 		t.Fatalf("record: outcome %q status %d error %q", rec.Outcome, rec.Status, rec.Error)
 	}
 }
-
