@@ -1,7 +1,9 @@
 package metrics
 
 import (
-	"bufio"
+	"bytes"
+	"errors"
+	"os"
 	"sync"
 	"time"
 
@@ -10,29 +12,72 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-var accessLogDropped = vm.NewCounter("tokentap_access_log_dropped_total")
+var (
+	accessLogDropped     = vm.NewCounter("tokentap_access_log_dropped_total")
+	accessLogWriteErrors = vm.NewCounter("tokentap_access_log_write_errors_total")
+	accessLogReopens     = vm.NewCounter("tokentap_access_log_reopens_total")
+)
 
 // AccessLog writes one JSON line per record through zap, from a goroutine of
 // its own: Observe only copies the record into a bounded queue, so a slow
-// disk never blocks the relay. When the queue is full the record is dropped
-// and tokentap_access_log_dropped_total counts it.
+// or full disk never blocks the relay. When the queue is full the record is
+// dropped and tokentap_access_log_dropped_total counts it.
 //
-// Call Close to write what is queued and stop.
+// A failed write (a full disk, an I/O error) is counted in
+// tokentap_access_log_write_errors_total and retried, from where it
+// stopped, after a pause that doubles from 50 ms to 5 s; lines written
+// meanwhile wait, up to 16 MiB of them (past that a line is dropped and
+// counted), so a disk that fills up and is freed loses no line. Reopen
+// starts a new file after a rotation (logrotate's rename) with no line lost.
+//
+// Observe, Flush and Reopen are safe for concurrent use, also after Close
+// (a record observed after Close is counted as dropped). Call Close to
+// write what is queued and stop.
 type AccessLog struct {
-	buf   *bufferedSyncer
+	out   *logOutput // the writer goroutine's only
 	log   *zap.Logger
 	queue chan accessItem
 	done  chan struct{}
-	once  sync.Once
+
+	mu     sync.RWMutex // guards closed against the sends on queue
+	closed bool
+	once   sync.Once
 }
 
 type accessItem struct {
-	rec   Record
-	flush chan struct{} // non-nil: a Flush marker, not a record
+	rec    Record
+	flush  chan struct{} // non-nil: a Flush marker, not a record
+	reopen chan error    // non-nil: a Reopen marker
 }
 
 // NewAccessLog starts an access log writing to w. queueLen <= 0 means 8192.
+// Reopen on it does nothing.
 func NewAccessLog(w zapcore.WriteSyncer, queueLen int) *AccessLog {
+	return newAccessLog(&logOutput{ws: w}, queueLen)
+}
+
+// OpenAccessLog starts an access log appending to the file at path ("-" is
+// standard output), which Reopen opens again by name. queueLen <= 0 means
+// 8192.
+func OpenAccessLog(path string, queueLen int) (*AccessLog, error) {
+	if path == "-" {
+		return NewAccessLog(zapcore.Lock(os.Stdout), queueLen), nil
+	}
+	open := func() (zapcore.WriteSyncer, func() error, error) {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+		if err != nil {
+			return nil, nil, err
+		}
+		return f, f.Close, nil
+	}
+	ws, closeFn, err := open()
+	if err != nil {
+		return nil, err
+	}
+	return newAccessLog(&logOutput{ws: ws, closeFn: closeFn, open: open}, queueLen), nil
+}
+
+func newAccessLog(out *logOutput, queueLen int) *AccessLog {
 	if queueLen <= 0 {
 		queueLen = 8192
 	}
@@ -42,13 +87,9 @@ func NewAccessLog(w zapcore.WriteSyncer, queueLen int) *AccessLog {
 		LineEnding:     zapcore.DefaultLineEnding,
 		EncodeDuration: zapcore.StringDurationEncoder,
 	})
-	// Lines are written in batches: a record after a lull is written at
-	// once; while records keep coming, the writer wakes every batchEvery
-	// to write and flush what queued up.
-	bw := &bufferedSyncer{w: bufio.NewWriterSize(w, 256<<10), ws: w}
 	a := &AccessLog{
-		buf:   bw,
-		log:   zap.New(zapcore.NewCore(enc, bw, zapcore.InfoLevel)),
+		out:   out,
+		log:   zap.New(zapcore.NewCore(enc, out, zapcore.InfoLevel)),
 		queue: make(chan accessItem, queueLen),
 		done:  make(chan struct{}),
 	}
@@ -58,6 +99,12 @@ func NewAccessLog(w zapcore.WriteSyncer, queueLen int) *AccessLog {
 
 // Observe queues r for writing. It never blocks.
 func (a *AccessLog) Observe(r *Record) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	if a.closed {
+		accessLogDropped.Inc()
+		return
+	}
 	select {
 	case a.queue <- accessItem{rec: *r}:
 	default:
@@ -65,29 +112,55 @@ func (a *AccessLog) Observe(r *Record) {
 	}
 }
 
-// Flush waits until every record queued before the call is written.
+// send queues a marker, blocking while the queue is full; false after Close.
+func (a *AccessLog) send(it accessItem) bool {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	if a.closed {
+		return false
+	}
+	a.queue <- it
+	return true
+}
+
+// Flush waits until every record queued before the call was handed to the
+// output (written, or waiting for a failed write's retry).
 func (a *AccessLog) Flush() {
 	ch := make(chan struct{})
-	select {
-	case a.queue <- accessItem{flush: ch}:
+	if a.send(accessItem{flush: ch}) {
 		<-ch
-	case <-a.done:
 	}
 }
 
-// Close writes what is queued and stops the writer. Observe must not be
-// called after Close.
+// Reopen closes the log file and opens it again by its name, after the
+// records queued before the call were written to the old one: the way to
+// follow a rotation that renamed the file. It does nothing for standard
+// output or a writer given to NewAccessLog. On an error the old file stays
+// in use.
+func (a *AccessLog) Reopen() error {
+	ch := make(chan error, 1)
+	if !a.send(accessItem{reopen: ch}) {
+		return errors.New("access log closed")
+	}
+	return <-ch
+}
+
+// Close writes what is queued (retrying a failing output for up to 2 s,
+// then counting what is left as dropped) and stops the writer.
 func (a *AccessLog) Close() {
 	a.once.Do(func() {
+		a.mu.Lock()
+		a.closed = true
 		close(a.queue)
+		a.mu.Unlock()
 		<-a.done
-		_ = a.log.Sync()
 	})
 }
 
 // batchEvery is how often the writer drains the queue while records keep
 // coming. Between drains records queue up without waking it; when they stop
-// coming it blocks on the queue, so an idle proxy has no timer running.
+// coming it blocks on the queue, so an idle proxy has no timer running
+// (unless a failed write waits for its retry).
 const batchEvery = 5 * time.Millisecond
 
 func (a *AccessLog) run() {
@@ -96,13 +169,28 @@ func (a *AccessLog) run() {
 	timer := time.NewTimer(batchEvery)
 	timer.Stop()
 	for {
-		// Idle: block until a record comes; write it at once.
-		it, ok := <-a.queue
+		// Idle: block until a record comes (or a failed write's retry is
+		// due); write it at once.
+		var it accessItem
+		ok := true
+		if a.out.waiting() {
+			timer.Reset(time.Until(a.out.retryAt))
+			select {
+			case it, ok = <-a.queue:
+				timer.Stop()
+			case <-timer.C:
+				a.out.flush()
+				continue
+			}
+		} else {
+			it, ok = <-a.queue
+		}
 		if !ok {
+			a.out.final()
 			return
 		}
-		a.write(it, &fields)
-		_ = a.buf.flush()
+		a.handle(it, &fields)
+		a.out.flush()
 		// Busy: drain every batchEvery until a period brings nothing.
 		for {
 			timer.Reset(batchEvery)
@@ -114,46 +202,129 @@ func (a *AccessLog) run() {
 				select {
 				case it, ok := <-a.queue:
 					if !ok {
-						_ = a.buf.flush()
+						a.out.final()
 						return
 					}
-					a.write(it, &fields)
+					a.handle(it, &fields)
 				default:
 					drained = true
 				}
 			}
-			_ = a.buf.flush()
+			a.out.flush()
 		}
 	}
 }
 
-// write renders one record, or answers a Flush marker.
-func (a *AccessLog) write(it accessItem, fields *[]zap.Field) {
-	if it.flush != nil {
-		_ = a.log.Sync()
+// handle renders one record, or answers a marker.
+func (a *AccessLog) handle(it accessItem, fields *[]zap.Field) {
+	switch {
+	case it.flush != nil:
+		a.out.flush()
+		_ = a.out.ws.Sync()
 		close(it.flush)
+	case it.reopen != nil:
+		it.reopen <- a.out.reopen()
+	default:
+		*fields = appendFields((*fields)[:0], &it.rec)
+		a.log.Info("", *fields...)
+	}
+}
+
+// maxPending bounds the rendered lines waiting for the output.
+const maxPending = 16 << 20
+
+// logOutput holds rendered lines until the output takes them. Only the
+// writer goroutine touches it.
+type logOutput struct {
+	ws      zapcore.WriteSyncer
+	closeFn func() error                                      // nil: nothing to close
+	open    func() (zapcore.WriteSyncer, func() error, error) // nil: cannot reopen
+
+	pend    []byte // lines not yet written; pend[off:] is what is left
+	off     int
+	backoff time.Duration // zero while the output works
+	retryAt time.Time
+}
+
+// Write takes one rendered line (zap writes each entry in one call).
+func (o *logOutput) Write(p []byte) (int, error) {
+	if len(o.pend)-o.off+len(p) > maxPending {
+		accessLogDropped.Inc()
+		return len(p), nil
+	}
+	o.pend = append(o.pend, p...)
+	return len(p), nil
+}
+
+// Sync is a no-op: the writer goroutine decides when lines go out.
+func (o *logOutput) Sync() error { return nil }
+
+// waiting reports lines held back by a failed write.
+func (o *logOutput) waiting() bool { return o.backoff > 0 && o.off < len(o.pend) }
+
+// flush writes what is pending, unless a failed write's retry is not due.
+func (o *logOutput) flush() {
+	if o.backoff > 0 && time.Now().Before(o.retryAt) {
 		return
 	}
-	*fields = appendFields((*fields)[:0], &it.rec)
-	a.log.Info("", *fields...)
+	for o.off < len(o.pend) {
+		n, err := o.ws.Write(o.pend[o.off:])
+		o.off += n
+		if err != nil {
+			accessLogWriteErrors.Inc()
+			o.backoff = min(max(2*o.backoff, 50*time.Millisecond), 5*time.Second)
+			o.retryAt = time.Now().Add(o.backoff)
+			return
+		}
+	}
+	o.pend, o.off, o.backoff = o.pend[:0], 0, 0
+	if cap(o.pend) > 1<<20 {
+		o.pend = nil // a backlog's buffer is not kept
+	}
 }
 
-// bufferedSyncer batches the access log's writes. Only the writer
-// goroutine touches it.
-type bufferedSyncer struct {
-	w  *bufio.Writer
-	ws zapcore.WriteSyncer
-}
-
-func (b *bufferedSyncer) Write(p []byte) (int, error) { return b.w.Write(p) }
-
-func (b *bufferedSyncer) flush() error { return b.w.Flush() }
-
-func (b *bufferedSyncer) Sync() error {
-	if err := b.w.Flush(); err != nil {
+// reopen writes what it can to the old file and switches to a new one;
+// what the old one refused goes to the new one.
+func (o *logOutput) reopen() error {
+	if o.open == nil {
+		return nil
+	}
+	o.backoff = 0
+	o.flush()
+	ws, closeFn, err := o.open()
+	if err != nil {
+		accessLogWriteErrors.Inc()
 		return err
 	}
-	return b.ws.Sync()
+	_ = o.ws.Sync()
+	if o.closeFn != nil {
+		_ = o.closeFn()
+	}
+	o.ws, o.closeFn, o.backoff = ws, closeFn, 0
+	accessLogReopens.Inc()
+	o.flush()
+	return nil
+}
+
+// final writes what is left, retrying a failing output for up to 2 s; the
+// lines it could not write are counted as dropped.
+func (o *logOutput) final() {
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		o.backoff = 0
+		o.flush()
+		if o.off == len(o.pend) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if left := o.pend[o.off:]; len(left) > 0 {
+		accessLogDropped.Add(bytes.Count(left, []byte{'\n'}))
+	}
+	_ = o.ws.Sync()
+	if o.closeFn != nil {
+		_ = o.closeFn()
+	}
 }
 
 // appendFields renders r with the access log's field names. Timings that

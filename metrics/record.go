@@ -33,10 +33,16 @@ const (
 	OutcomeRejected Outcome = "rejected"
 	// OutcomeBadRequest: refused by tokentap itself as malformed or not allowed.
 	OutcomeBadRequest Outcome = "bad_request"
+	// OutcomeShutdown: still running when tokentap's drain at shutdown ran
+	// out of time, and cut.
+	OutcomeShutdown Outcome = "shutdown"
 )
 
 // Outcomes lists every Outcome, in a fixed order.
-var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest}
+var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest, OutcomeShutdown}
+
+// numOutcomes is len(Outcomes).
+const numOutcomes = 7
 
 // Absent marks a timing that did not happen (a non-streamed response has no
 // TTFT; a rejected request has no upstream timings). It is never logged.

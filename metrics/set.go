@@ -31,13 +31,28 @@ const OtherModel = "other"
 
 var statusClasses = []string{"1xx", "2xx", "3xx", "4xx", "5xx"}
 
+// durable holds every counter and histogram, keyed by name and label
+// values, for the life of the process: a reload that keeps a route, model or
+// tenant keeps counting on the same series, and a request that started
+// before the reload and finishes after it counts there too. Only gauges,
+// which are read from the running config, live in a generation's own set.
+// Series of a route or model a reload removed stay exposed, at their last
+// values (Prometheus counters never go back), so their number is bounded by
+// the configs the process has run with.
+var durable = func() *vm.Set {
+	s := vm.NewSet()
+	vm.RegisterSet(s)
+	return s
+}()
+
 // Set holds the metric handles of one config generation: one Series per
 // (route, model) pair, where models are the allowlist plus "other". Label
 // values come only from the config, so clients cannot add series. A Set is
 // safe for concurrent use; register it with Register and drop it with
-// Unregister when a new config replaces it.
+// Unregister when a new config replaces it (its counters and histograms
+// live on, see durable).
 type Set struct {
-	set    *vm.Set
+	set    *vm.Set // gauges of this generation
 	models map[string]int
 	series [][]*Series // [route][model]; the last model is "other"
 	// unmatched counts requests that matched no route or could not be parsed.
@@ -53,7 +68,7 @@ type Series struct {
 	ttft, ttfa, itl, tpot, e2e, queue, overhead, ttfb *vm.PrometheusHistogram
 	serverQueue, serverPrefill, serverDecode          *vm.PrometheusHistogram
 	outTokens, inTokens, items                        *vm.Counter
-	requests                                          [6][5]*vm.Counter // [outcome][status class]
+	requests                                          [numOutcomes][5]*vm.Counter // [outcome][status class]
 }
 
 // NewSet builds every series for the given route names and model allowlist.
@@ -80,7 +95,7 @@ func (s *Set) Unmatched() *Series { return s.unmatched }
 func (s *Set) newSeries(route, model string) *Series {
 	l := fmt.Sprintf(`route=%q,model=%q`, route, model)
 	h := func(name string, b []float64) *vm.PrometheusHistogram {
-		return s.set.NewPrometheusHistogramExt(name+"{"+l+"}", b)
+		return durable.GetOrCreatePrometheusHistogramExt(name+"{"+l+"}", b)
 	}
 	x := &Series{
 		ttft:      h("tokentap_ttft_seconds", latencyBuckets),
@@ -91,16 +106,16 @@ func (s *Set) newSeries(route, model string) *Series {
 		queue:     h("tokentap_queue_seconds", latencyBuckets),
 		overhead:  h("tokentap_overhead_seconds", overheadBuckets),
 		ttfb:      h("tokentap_upstream_ttfb_seconds", latencyBuckets),
-		outTokens: s.set.NewCounter("tokentap_output_tokens_total{" + l + "}"),
-		inTokens:  s.set.NewCounter("tokentap_input_tokens_total{" + l + "}"),
-		items:     s.set.NewCounter("tokentap_items_total{" + l + "}"),
+		outTokens: durable.GetOrCreateCounter("tokentap_output_tokens_total{" + l + "}"),
+		inTokens:  durable.GetOrCreateCounter("tokentap_input_tokens_total{" + l + "}"),
+		items:     durable.GetOrCreateCounter("tokentap_items_total{" + l + "}"),
 	}
 	x.serverQueue = h("tokentap_server_queue_seconds", latencyBuckets)
 	x.serverPrefill = h("tokentap_server_prefill_seconds", latencyBuckets)
 	x.serverDecode = h("tokentap_server_decode_seconds", latencyBuckets)
 	for i, o := range Outcomes {
 		for j, c := range statusClasses {
-			x.requests[i][j] = s.set.NewCounter(fmt.Sprintf(`tokentap_requests_total{%s,outcome=%q,status_class=%q}`, l, o, c))
+			x.requests[i][j] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_requests_total{%s,outcome=%q,status_class=%q}`, l, o, c))
 		}
 	}
 	return x

@@ -8,7 +8,7 @@ import (
 
 // TenantSeries is the handles of one tenant's metrics (label tenant).
 type TenantSeries struct {
-	requests            [6]*vm.Counter // by outcome
+	requests            [numOutcomes]*vm.Counter // by outcome
 	outTokens, inTokens *vm.Counter
 	rejected            []*vm.Counter // by reason, as given to AddTenants
 	reasons             []string
@@ -23,15 +23,15 @@ func (s *Set) AddTenants(names, reasons []string, stats func(tenant string) (inf
 	for _, name := range names {
 		l := fmt.Sprintf(`tenant=%q`, name)
 		t := &TenantSeries{
-			outTokens: s.set.NewCounter("tokentap_tenant_output_tokens_total{" + l + "}"),
-			inTokens:  s.set.NewCounter("tokentap_tenant_input_tokens_total{" + l + "}"),
+			outTokens: durable.GetOrCreateCounter("tokentap_tenant_output_tokens_total{" + l + "}"),
+			inTokens:  durable.GetOrCreateCounter("tokentap_tenant_input_tokens_total{" + l + "}"),
 			reasons:   reasons,
 		}
 		for i, o := range Outcomes {
-			t.requests[i] = s.set.NewCounter(fmt.Sprintf(`tokentap_tenant_requests_total{%s,outcome=%q}`, l, o))
+			t.requests[i] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_tenant_requests_total{%s,outcome=%q}`, l, o))
 		}
 		for _, r := range reasons {
-			t.rejected = append(t.rejected, s.set.NewCounter(fmt.Sprintf(`tokentap_admission_rejected_total{%s,reason=%q}`, l, r)))
+			t.rejected = append(t.rejected, durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_admission_rejected_total{%s,reason=%q}`, l, r)))
 		}
 		name := name
 		s.set.NewGauge("tokentap_tenant_inflight{"+l+"}", func() float64 { in, _ := stats(name); return float64(in) })

@@ -111,3 +111,20 @@ func describeUpstreamError(err error) string {
 	}
 	return "upstream failure"
 }
+
+// describeStreamError names what broke a relay already under way, without
+// the addresses a net.OpError carries.
+func describeStreamError(err error) string {
+	var errno syscall.Errno
+	switch {
+	case isTimeout(err):
+		return "timed out"
+	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+		return "connection closed"
+	case errors.As(err, &errno):
+		return errno.Error()
+	case errors.Is(err, net.ErrClosed):
+		return "connection closed"
+	}
+	return "connection failed"
+}

@@ -115,6 +115,11 @@ func (c *Config) Validate() error {
 		case prefixes[r.Prefix]:
 			return fmt.Errorf("%s: duplicate prefix %q", field("prefix"), r.Prefix)
 		}
+		// Requests are matched in normal form, so a prefix in any other
+		// form would never match.
+		if norm, err := normalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
+			return fmt.Errorf("%s: %q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", field("prefix"), r.Prefix)
+		}
 		names[r.Name], prefixes[r.Prefix] = true, true
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
 			return fmt.Errorf("%s: unknown dialect %q (known: %s)", field("dialect"), r.Dialect, dialectNames())
@@ -122,6 +127,13 @@ func (c *Config) Validate() error {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fmt.Errorf("%s: %q: %w", field("upstream"), r.Upstream, err)
 		}
+	}
+	seen := map[string]bool{}
+	for i, m := range c.Models {
+		if m == "" || m == metrics.OtherModel || seen[m] {
+			return fmt.Errorf("models.allow[%d]: %q must be a distinct model name other than %q", i, m, metrics.OtherModel)
+		}
+		seen[m] = true
 	}
 	if c.MaxEventBytes < 0 {
 		return errors.New("max_event_bytes: must not be negative")

@@ -56,7 +56,9 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuse(tc)
 			continue
 		}
-		return &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip}, nil
+		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip}
+		l.caps.track(cc)
+		return cc, nil
 	}
 }
 
@@ -75,12 +77,37 @@ func refuse(c *net.TCPConn) {
 	_ = c.Close()
 }
 
-// connCaps counts open client connections, in all and per client address.
+// connCaps counts open client connections, in all and per client address,
+// and knows them, so that a drain that ran out of time can cut them.
 type connCaps struct {
 	max, maxPerIP int // 0: no cap
 	mu            sync.Mutex
 	open          int
 	perIP         map[netip.Addr]int
+	conns         map[*clientConn]struct{}
+}
+
+func (cc *connCaps) track(c *clientConn) {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	if cc.conns == nil {
+		cc.conns = map[*clientConn]struct{}{}
+	}
+	cc.conns[c] = struct{}{}
+}
+
+// closeAll closes every open client connection.
+func (cc *connCaps) closeAll() int {
+	cc.mu.Lock()
+	conns := make([]*clientConn, 0, len(cc.conns))
+	for c := range cc.conns {
+		conns = append(conns, c)
+	}
+	cc.mu.Unlock()
+	for _, c := range conns {
+		_ = c.Close()
+	}
+	return len(conns)
 }
 
 // take counts a new connection from ip, or returns the cap it would break
@@ -148,6 +175,9 @@ func (c *clientConn) Close() error {
 	err := c.rxConn.Close()
 	if c.caps != nil {
 		c.caps.release(c.ip)
+		c.caps.mu.Lock()
+		delete(c.caps.conns, c)
+		c.caps.mu.Unlock()
 	}
 	return err
 }

@@ -111,6 +111,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 		x = &exchange{p: p, req: new(fasthttp.Request), resp: new(fasthttp.Response)}
 		x.fire = x.cancel.fire
 	}
+	p.inflight.Add(1)
 	x.snap = s
 	x.arrival = arrival
 	x.rec.Reset()
@@ -296,10 +297,13 @@ func (x *exchange) finish(writeErr error) {
 		x.apply(o, now)
 	}
 
-	// The outcome, upstream faults before client faults.
+	// The outcome, upstream faults before client faults. Error texts are
+	// tokentap's words: no address, no upstream bytes.
 	switch {
 	case rec.Outcome != metrics.OutcomeOK:
 		// Set by fail.
+	case x.p.cutting.Load() && (gone || writeErr != nil || !complete):
+		rec.Outcome, rec.Error = metrics.OutcomeShutdown, "cut at shutdown: the drain timeout ran out"
 	case gone:
 		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "client closed the connection"
 	case x.readErr != nil && x.readErr != io.EOF:
@@ -308,11 +312,13 @@ func (x *exchange) finish(writeErr error) {
 		} else {
 			rec.Outcome = metrics.OutcomeUpstreamError
 		}
-		rec.Error = "upstream stream broken: " + x.readErr.Error()
+		rec.Error = "upstream stream broken: " + describeStreamError(x.readErr)
+	case x.body != nil && !complete && writeErr == nil && x.contentLength >= 0:
+		rec.Outcome, rec.Error = metrics.OutcomeUpstreamError, "the upstream response ended before its Content-Length"
 	case writeErr != nil || (x.body != nil && !complete):
 		rec.Outcome = metrics.OutcomeClientCancel
 		if writeErr != nil {
-			rec.Error = "cannot write to client: " + writeErr.Error()
+			rec.Error = "cannot write to client: " + describeStreamError(writeErr)
 		}
 	case rec.Status >= 500 || x.streamError:
 		rec.Outcome = metrics.OutcomeUpstreamError
@@ -344,6 +350,7 @@ func (x *exchange) finish(writeErr error) {
 	for _, s := range x.p.opts.Sinks {
 		s.Observe(rec)
 	}
+	x.p.inflight.Add(-1)
 	x.p.releaseExchange(x)
 }
 

@@ -71,7 +71,9 @@ type Proxy struct {
 	snap    atomic.Pointer[snapshot]
 	applyMu sync.Mutex // one Apply at a time
 
-	caps     *connCaps // client connections opened through Listen
+	caps     *connCaps    // client connections opened through Listen
+	inflight atomic.Int64 // exchanges begun and not finished
+	cutting  atomic.Bool  // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
@@ -180,6 +182,27 @@ func (p *Proxy) Apply(cfg Config) error {
 // ClientConns returns the number of open client connections accepted
 // through Listen.
 func (p *Proxy) ClientConns() int { return p.caps.count() }
+
+// InFlight returns the number of requests begun and not yet finished
+// (recorded).
+func (p *Proxy) InFlight() int { return int(p.inflight.Load()) }
+
+// Cut ends a drain that ran out of time: it closes every client connection
+// accepted through Listen, which cancels their requests upstream, and
+// records each of them with outcome shutdown. It then waits, up to wait,
+// for their records to be written, and reports whether all were.
+func (p *Proxy) Cut(wait time.Duration) bool {
+	p.cutting.Store(true)
+	p.caps.closeAll()
+	deadline := time.Now().Add(wait)
+	for p.inflight.Load() > 0 {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
+}
 
 // Close releases idle upstream connections and unregisters metrics.
 func (p *Proxy) Close() {

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -33,6 +32,21 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// promValue returns the value of one exposed series, given as its name with
+// labels exactly as exposed (0 when absent).
+func promValue(t *testing.T, series string) int {
+	t.Helper()
+	var b bytes.Buffer
+	vm.WritePrometheus(&b, false)
+	for _, line := range strings.Split(b.String(), "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			n, _ := strconv.Atoi(v)
+			return n
+		}
+	}
+	return 0
 }
 
 // requestsTotal sums tokentap_requests_total over the series whose labels
@@ -104,6 +118,10 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 	base := "http://" + ln.Addr().String()
 
 	before := requestsTotal(t)
+	// Series outlive a proxy (they survive reloads): count what this test adds.
+	otherBefore := requestsTotal(t, `route="chat"`, `model="other"`, `outcome="ok"`, `status_class="2xx"`)
+	llamaBefore := requestsTotal(t, `route="chat"`, `model="llama"`, `outcome="ok"`)
+	ttftBefore := promValue(t, `tokentap_ttft_seconds_count{route="chat",model="llama"}`)
 	const secret = "sk-very-secret-key"
 	send := func(method, path, body string) int {
 		req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
@@ -182,13 +200,13 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 	if strings.Contains(b.String(), "client-invented-model") {
 		t.Fatal("a client-supplied model name became a label value")
 	}
-	if n := requestsTotal(t, `route="chat"`, `model="other"`, `outcome="ok"`, `status_class="2xx"`); n != 1 {
+	if n := requestsTotal(t, `route="chat"`, `model="other"`, `outcome="ok"`, `status_class="2xx"`) - otherBefore; n != 1 {
 		t.Fatalf("chat/other/ok/2xx = %d, want 1", n)
 	}
-	if n := requestsTotal(t, `route="chat"`, `model="llama"`, `outcome="ok"`); n != 2 {
+	if n := requestsTotal(t, `route="chat"`, `model="llama"`, `outcome="ok"`) - llamaBefore; n != 2 {
 		t.Fatalf("chat/llama/ok = %d, want 2", n)
 	}
-	if !regexp.MustCompile(`tokentap_ttft_seconds_count\{route="chat",model="llama"\} 1`).MatchString(b.String()) {
+	if promValue(t, `tokentap_ttft_seconds_count{route="chat",model="llama"}`)-ttftBefore != 1 {
 		t.Fatal("ttft histogram not updated once for chat/llama")
 	}
 }
