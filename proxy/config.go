@@ -87,6 +87,11 @@ type Config struct {
 	// MaxEventBytes bounds the bytes kept of one SSE event or NDJSON line, and
 	// of a non-streamed body read for its usage.
 	MaxEventBytes int
+	// MaxDecodedBytes bounds the bytes of a compressed response decoded
+	// for measuring (default 64 MiB): past it the response still passes
+	// untouched, and its record is marked partial. A compression bomb costs
+	// no more than decoding this much.
+	MaxDecodedBytes int64
 	// Admission is the admission control; nil means off.
 	Admission *ratelimit.Config
 	// DefaultMaxOutput is the output a request reserves of its token budget
@@ -134,6 +139,9 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("models.allow[%d]: %q must be a distinct model name other than %q", i, m, metrics.OtherModel)
 		}
 		seen[m] = true
+	}
+	if c.MaxDecodedBytes < 0 {
+		return errors.New("limits.max_decoded_bytes: must not be negative")
 	}
 	if c.MaxEventBytes < 0 {
 		return errors.New("max_event_bytes: must not be negative")

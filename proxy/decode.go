@@ -28,11 +28,16 @@ type sideDecoder struct {
 	started bool
 	sink    func([]byte)
 	err     error // the decompressor's error, read after done is closed
+	limit   int64 // decoded bytes measured at most (0: no limit)
+	over    bool  // the limit was reached and decoding stopped
 }
 
 // newSideDecoder starts a decoder for a Content-Encoding, or returns nil
-// when tokentap cannot decode it.
-func newSideDecoder(encoding []byte, sink func([]byte)) *sideDecoder {
+// when tokentap cannot decode it. It stops decoding after limit decoded
+// bytes (0: no limit): a compression bomb costs at most that much work,
+// and the relay, which waits for each chunk to be decoded, never waits
+// longer than one chunk's share of it.
+func newSideDecoder(encoding []byte, limit int64, sink func([]byte)) *sideDecoder {
 	var mk func(io.Reader) (io.Reader, error)
 	switch string(bytes.ToLower(bytes.TrimSpace(encoding))) {
 	case "gzip", "x-gzip":
@@ -55,7 +60,7 @@ func newSideDecoder(encoding []byte, sink func([]byte)) *sideDecoder {
 	default:
 		return nil
 	}
-	d := &sideDecoder{in: make(chan []byte), ack: make(chan struct{}), done: make(chan struct{}), sink: sink}
+	d := &sideDecoder{in: make(chan []byte), ack: make(chan struct{}), done: make(chan struct{}), sink: sink, limit: limit}
 	go d.run(mk)
 	return d
 }
@@ -86,8 +91,16 @@ func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 		return
 	}
 	buf := make([]byte, 16<<10)
+	var total int64
 	for {
 		n, err := r.Read(buf)
+		if d.limit > 0 && total+int64(n) > d.limit {
+			// Measuring stops here; the relay goes on untouched.
+			d.sink(buf[:d.limit-total])
+			d.over = true
+			return
+		}
+		total += int64(n)
 		if n > 0 {
 			d.sink(buf[:n])
 		}

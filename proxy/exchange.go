@@ -286,8 +286,8 @@ func (x *exchange) finish(writeErr error) {
 
 	// Everything the body says is known before the outcome is decided.
 	if x.dec != nil {
-		if !x.dec.close() && complete {
-			rec.Partial = true // the copy did not decode; the relay was unaffected
+		if !x.dec.close() && complete || x.dec.over {
+			rec.Partial = true // the copy did not decode (or past the limit); the relay was unaffected
 		}
 		x.dec = nil
 	}

@@ -30,7 +30,7 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
 		// The compressed bytes pass through untouched; the parser reads a
 		// decompressed copy.
-		if x.dec = newSideDecoder(enc, x.parseDecoded); x.dec == nil {
+		if x.dec = newSideDecoder(enc, x.snap.cfg.MaxDecodedBytes, x.parseDecoded); x.dec == nil {
 			x.mode = parseNone
 			x.rec.Partial = true
 		}

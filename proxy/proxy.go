@@ -135,6 +135,9 @@ func (p *Proxy) Apply(cfg Config) error {
 	if cfg.MaxEventBytes == 0 {
 		cfg.MaxEventBytes = 1 << 20
 	}
+	if cfg.MaxDecodedBytes == 0 {
+		cfg.MaxDecodedBytes = 64 << 20
+	}
 	if cfg.DefaultMaxOutput == 0 {
 		cfg.DefaultMaxOutput = 1024
 	}

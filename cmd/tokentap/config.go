@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -18,7 +20,7 @@ import (
 // configs/tokentap.yaml, which a test loads so it never rots.
 type fileConfig struct {
 	Listen    string         `yaml:"listen"`
-	Admin     string         `yaml:"admin"`
+	Admin     fileAdmin      `yaml:"admin"`
 	AccessLog string         `yaml:"access_log"`
 	Upstream  string         `yaml:"upstream"`
 	Routes    []fileRoute    `yaml:"routes"`
@@ -27,7 +29,28 @@ type fileConfig struct {
 	Limits    fileLimits     `yaml:"limits"`
 	Tenants   []fileTenant   `yaml:"tenants"`
 	Admission fileAdmission  `yaml:"admission"`
-	lines     map[string]int // field path → line, for validation errors
+	// DrainTimeout bounds the drain at shutdown; DrainDelay is how long
+	// /readyz says 503 before the listener closes.
+	DrainTimeout duration       `yaml:"drain_timeout"`
+	DrainDelay   duration       `yaml:"drain_delay"`
+	lines        map[string]int // field path → line, for validation errors
+}
+
+// fileAdmin is the admin listener: an address, or a mapping with the
+// address and the file holding the bearer token every admin endpoint but
+// /healthz and /readyz requires.
+type fileAdmin struct {
+	Listen    string `yaml:"listen"`
+	TokenFile string `yaml:"token_file"`
+}
+
+func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode {
+		a.Listen = n.Value
+		return nil
+	}
+	type plain fileAdmin
+	return n.Decode((*plain)(a))
 }
 
 type fileRoute struct {
@@ -85,9 +108,14 @@ type fileTimeouts struct {
 }
 
 type fileLimits struct {
-	MaxRequestBody     int64    `yaml:"max_request_body"`
-	MaxEventBytes      int      `yaml:"max_event_bytes"`
-	ClientWriteTimeout duration `yaml:"client_write_timeout"`
+	MaxRequestBody       int64    `yaml:"max_request_body"`
+	MaxEventBytes        int      `yaml:"max_event_bytes"`
+	ClientWriteTimeout   duration `yaml:"client_write_timeout"`
+	RequestReadTimeout   duration `yaml:"request_read_timeout"`
+	ClientIdleTimeout    duration `yaml:"client_idle_timeout"`
+	MaxClientConns       int      `yaml:"max_client_conns"`
+	MaxClientConnsPerIP  int      `yaml:"max_client_conns_per_ip"`
+	DecodedBytesPerReply int64    `yaml:"max_decoded_bytes"`
 }
 
 // duration is a Go duration string ("5s", "2m30s"); 0 means "not set".
@@ -199,6 +227,8 @@ type flags struct {
 // settings is everything main needs, after file and flags are merged.
 type settings struct {
 	listen, admin, accessLog string
+	adminTokenFile           string
+	drainTimeout, drainDelay time.Duration
 	proxy                    proxy.Config
 	opts                     proxy.Options
 }
@@ -216,7 +246,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		}
 		return field
 	}
-	s := &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-"}
+	s := &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-", drainTimeout: 10 * time.Minute}
 	pick := func(dst *string, file, flagName, flagVal string) {
 		if file != "" {
 			*dst = file
@@ -226,11 +256,38 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		}
 	}
 	pick(&s.listen, fc.Listen, "listen", f.listen)
-	pick(&s.admin, fc.Admin, "admin", f.admin)
+	pick(&s.admin, fc.Admin.Listen, "admin", f.admin)
 	pick(&s.accessLog, fc.AccessLog, "access-log", f.accessLog)
 	upstream := fc.Upstream
 	if f.set["upstream"] {
 		upstream = f.upstream
+	}
+	if err := checkAddr(s.listen); err != nil {
+		return nil, fmt.Errorf("%s: %w", where("listen"), err)
+	}
+	if s.admin != "" {
+		if err := checkAddr(s.admin); err != nil {
+			return nil, fmt.Errorf("%s: %w", where("admin"), err)
+		}
+	}
+	s.adminTokenFile = fc.Admin.TokenFile
+	if s.adminTokenFile != "" {
+		if _, err := readToken(s.adminTokenFile); err != nil {
+			return nil, fmt.Errorf("%s: %w", where("admin.token_file"), err)
+		}
+	}
+	for _, d := range []struct {
+		name string
+		v    duration
+		dst  *time.Duration
+	}{{"drain_timeout", fc.DrainTimeout, &s.drainTimeout}, {"drain_delay", fc.DrainDelay, &s.drainDelay}} {
+		if !d.v.set {
+			continue
+		}
+		if d.v.d <= 0 && d.name == "drain_timeout" {
+			return nil, fmt.Errorf("%s: must be positive", where(d.name))
+		}
+		*d.dst = d.v.d
 	}
 
 	base := applyTimeouts(proxy.DefaultTimeouts, &fc.Timeouts)
@@ -266,6 +323,17 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base})
 		}
 	}
+	if upstream != "" && len(fc.Routes) > 0 && !f.set["upstream"] {
+		// The file's upstream with routes: the catch-all route, unless a
+		// route already has prefix /.
+		found := false
+		for _, r := range s.proxy.Routes {
+			found = found || r.Prefix == "/"
+		}
+		if !found {
+			s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base})
+		}
+	}
 	s.proxy.Models = fc.Models.Allow
 	s.proxy.EnforceModels = fc.Models.Enforce
 	if fc.Models.Enforce && len(fc.Models.Allow) == 0 {
@@ -286,7 +354,31 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		return nil, fmt.Errorf("%s: must be between 0 and 2147483647", where("limits.max_request_body"))
 	}
 	s.opts.MaxRequestBodySize = int(fc.Limits.MaxRequestBody)
-	s.opts.ClientWriteTimeout = fc.Limits.ClientWriteTimeout.d
+	for _, d := range []struct {
+		name string
+		v    duration
+		dst  *time.Duration
+	}{
+		{"limits.client_write_timeout", fc.Limits.ClientWriteTimeout, &s.opts.ClientWriteTimeout},
+		{"limits.request_read_timeout", fc.Limits.RequestReadTimeout, &s.opts.RequestReadTimeout},
+		{"limits.client_idle_timeout", fc.Limits.ClientIdleTimeout, &s.opts.IdleTimeout},
+	} {
+		if d.v.set && d.v.d <= 0 {
+			return nil, fmt.Errorf("%s: must be positive (leave it out for the default)", where(d.name))
+		}
+		*d.dst = d.v.d
+	}
+	if fc.Limits.MaxClientConns < 0 {
+		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_client_conns"))
+	}
+	if fc.Limits.MaxClientConnsPerIP < 0 {
+		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_client_conns_per_ip"))
+	}
+	s.opts.MaxConns, s.opts.MaxConnsPerIP = fc.Limits.MaxClientConns, fc.Limits.MaxClientConnsPerIP
+	if fc.Limits.DecodedBytesPerReply < 0 {
+		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_decoded_bytes"))
+	}
+	s.proxy.MaxDecodedBytes = fc.Limits.DecodedBytesPerReply
 
 	if len(fc.Tenants) > 0 {
 		ad := &ratelimit.Config{
@@ -336,6 +428,34 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 	return s, nil
 }
 
+// checkAddr checks a listen address: host:port with a port from 0 to
+// 65535 (0: any free port).
+func checkAddr(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%q is not host:port", addr)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("%q: port must be a number from 0 to 65535", addr)
+	}
+	return nil
+}
+
+// readToken reads the admin bearer token: the file's first line, at least
+// 16 characters.
+func readToken(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	tok, _, _ := strings.Cut(string(b), "\n")
+	tok = strings.TrimSpace(tok)
+	if len(tok) < 16 {
+		return "", errors.New("the token must be at least 16 characters")
+	}
+	return tok, nil
+}
+
 func applyTimeouts(t proxy.Timeouts, ft *fileTimeouts) proxy.Timeouts {
 	set := func(dst *time.Duration, d duration) {
 		if d.set {
@@ -357,9 +477,16 @@ func applyTimeouts(t proxy.Timeouts, ft *fileTimeouts) proxy.Timeouts {
 }
 
 func checkTimeouts(t proxy.Timeouts, where func(string) string, prefix string) error {
+	// A zero timeout would mean "never": leave the key out for the default.
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"connect", t.Connect}, {"write", t.Write}, {"first_byte", t.FirstByte}, {"idle", t.Idle}, {"idle_conn", t.IdleConn}} {
+		if d.v <= 0 {
+			return fmt.Errorf("%s: must be positive (leave it out for the default)", where(prefix+"."+d.name))
+		}
+	}
 	switch {
-	case t.Connect <= 0:
-		return fmt.Errorf("%s: must be positive", where(prefix+".connect"))
 	case t.MaxIdleConns < 0:
 		return fmt.Errorf("%s: must not be negative", where(prefix+".max_idle_conns"))
 	case t.MaxConns < 0:

@@ -1,0 +1,168 @@
+package proxy
+
+import (
+	"bytes"
+	"compress/gzip"
+	"compress/zlib"
+	"io"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/andybalholm/brotli"
+	"github.com/klauspost/compress/zstd"
+)
+
+// Compressed streams reach the client as their bytes arrive: the relay
+// never waits for the side decoder, and each event is measured when its
+// own compressed bytes were delivered. One flushed block per event, 30 ms
+// apart, against the client's own clock.
+func TestFaultCompressedStreamsOnTime(t *testing.T) {
+	type flushWriter interface {
+		io.WriteCloser
+		Flush() error
+	}
+	encoders := map[string]func(io.Writer) flushWriter{
+		"gzip":    func(w io.Writer) flushWriter { return gzip.NewWriter(w) },
+		"deflate": func(w io.Writer) flushWriter { return zlib.NewWriter(w) },
+		"br":      func(w io.Writer) flushWriter { return brotli.NewWriter(w) },
+		"zstd": func(w io.Writer) flushWriter {
+			z, _ := zstd.NewWriter(w)
+			return z
+		},
+	}
+	const events, gap = 6, 30 * time.Millisecond
+	for enc, newWriter := range encoders {
+		t.Run(enc, func(t *testing.T) {
+			// The compressed bytes of each event, made before the request so
+			// the client knows where each event ends.
+			var whole bytes.Buffer
+			zw := newWriter(&whole)
+			var chunks [][]byte
+			var ends []int
+			for k := 0; k < events; k++ {
+				io.WriteString(zw, chatChunk("tok"))
+				zw.Flush()
+				chunks = append(chunks, bytes.Clone(whole.Bytes()[sum(ends):]))
+				ends = append(ends, whole.Len())
+			}
+			zw.Close()
+			tail := bytes.Clone(whole.Bytes()[ends[events-1]:])
+			var mu sync.Mutex
+			var sentAt []time.Time
+			up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				w.Header().Set("Content-Encoding", enc)
+				for k := 0; k < events; k++ {
+					if k > 0 {
+						time.Sleep(gap)
+					}
+					mu.Lock()
+					sentAt = append(sentAt, time.Now())
+					mu.Unlock()
+					w.Write(chunks[k])
+					flush(w)
+				}
+				w.Write(tail)
+			})
+			tp := startProxy(t, up.URL, nil)
+			tr := &http.Transport{DisableCompression: true}
+			start := time.Now()
+			resp, err := tr.RoundTrip(mustReq(t, "POST", tp.url+"/v1/chat/completions", `{"stream":true}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []byte
+			var gotAt []time.Time // when the client held each event's bytes
+			buf := make([]byte, 64<<10)
+			for {
+				n, err := resp.Body.Read(buf)
+				now := time.Now()
+				got = append(got, buf[:n]...)
+				for len(gotAt) < len(ends) && len(got) >= ends[len(gotAt)] {
+					gotAt = append(gotAt, now)
+				}
+				if err != nil {
+					break
+				}
+			}
+			resp.Body.Close()
+			if len(gotAt) != events {
+				t.Fatalf("client got %d of %d events' bytes", len(gotAt), events)
+			}
+			if !bytes.Equal(got, whole.Bytes()) {
+				t.Fatalf("compressed body changed: %d bytes vs %d", len(got), whole.Len())
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			var worst time.Duration
+			for k := range gotAt {
+				worst = max(worst, gotAt[k].Sub(sentAt[k]))
+			}
+			// A held-back event would be a gap (30 ms) late or more.
+			if worst > 20*time.Millisecond {
+				t.Errorf("an event reached the client %v after the upstream sent it", worst)
+			}
+			rec := tp.rec.next(t)
+			if rec.Events != events || rec.Partial {
+				t.Fatalf("record: events %d partial %v", rec.Events, rec.Partial)
+			}
+			clientTTFT := gotAt[0].Sub(start)
+			if d := rec.TTFT - clientTTFT; d > 10*time.Millisecond || d < -10*time.Millisecond {
+				t.Errorf("ttft %v, the client's %v", rec.TTFT, clientTTFT)
+			}
+			t.Logf("%s: worst delivery delay %v, ttft %v vs client %v", enc, worst, rec.TTFT, clientTTFT)
+		})
+	}
+}
+
+func sum(ends []int) int {
+	if len(ends) == 0 {
+		return 0
+	}
+	return ends[len(ends)-1]
+}
+
+// A compression bomb passes through untouched, but tokentap decodes only
+// MaxDecodedBytes of it for measuring, and marks the record partial.
+func TestFaultGzipBomb(t *testing.T) {
+	// 256 gzip members of 1 MiB of zeros each (a reader decodes them as one
+	// stream), the first with an event in front.
+	member := func(prefix string) []byte {
+		var b bytes.Buffer
+		zw, _ := gzip.NewWriterLevel(&b, gzip.BestCompression)
+		io.WriteString(zw, prefix)
+		zw.Write(make([]byte, 1<<20))
+		zw.Close()
+		return b.Bytes()
+	}
+	var bomb bytes.Buffer
+	bomb.Write(member(chatChunk("first")))
+	zeros := member("")
+	for i := 1; i < 256; i++ {
+		bomb.Write(zeros)
+	}
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.Header().Set("Content-Encoding", "gzip")
+		w.Write(bomb.Bytes())
+	})
+	tp := startProxy(t, up.URL, func(c *Config) { c.MaxDecodedBytes = 4 << 20 })
+	tr := &http.Transport{DisableCompression: true}
+	start := time.Now()
+	resp, err := tr.RoundTrip(mustReq(t, "POST", tp.url+"/v1/chat/completions", `{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !bytes.Equal(got, bomb.Bytes()) {
+		t.Fatalf("the bomb's bytes changed: %d vs %d", len(got), bomb.Len())
+	}
+	rec := tp.rec.next(t)
+	if !rec.Partial || rec.Events != 1 || rec.Outcome != "ok" {
+		t.Fatalf("record: partial %v events %d outcome %s", rec.Partial, rec.Events, rec.Outcome)
+	}
+	t.Logf("%d compressed bytes (256 MiB decoded) relayed in %v", bomb.Len(), time.Since(start))
+}
