@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"bytes"
+	"sync"
+	"sync/atomic"
 	"compress/gzip"
 	"compress/zlib"
 	"io"
@@ -13,31 +15,50 @@ import (
 // sideDecoder decompresses a copy of a compressed response for the parser,
 // while the compressed bytes themselves are relayed untouched.
 //
-// Decompressors pull their input from an io.Reader, while the relay pushes
-// chunks as they arrive. The decompressor therefore runs on a goroutine of
-// its own, and the two proceed in lockstep: feed hands over one chunk and
-// returns once the decompressor asks for the next one, that is once it has
-// produced everything the chunk allowed. So the parser has seen a chunk's
-// events before the chunk is relayed, exactly as for uncompressed bodies,
-// and sink is never called concurrently with the relay.
+// The relay never waits for it: feed queues a copy of each chunk and
+// returns at once, and a goroutine of its own decompresses the queue. What
+// it decodes is kept with the number of the chunk whose bytes produced it,
+// and the relay takes it (take) before it feeds the next chunk and once
+// more at the end; by then that chunk's read and delivery times are known,
+// so every event is stamped with the times of the chunk it came in, however
+// late it was decoded. A decompressor that falls behind by more than
+// maxDecodeQueue chunks, or past the byte limit, stops measuring (the
+// record is partial); the relay goes on untouched.
 type sideDecoder struct {
-	in      chan []byte
-	ack     chan struct{}
-	done    chan struct{}
-	cur     []byte
-	started bool
-	sink    func([]byte)
-	err     error // the decompressor's error, read after done is closed
-	limit   int64 // decoded bytes measured at most (0: no limit)
-	over    bool  // the limit was reached and decoding stopped
+	in    chan []byte
+	done  chan struct{}
+	limit int64 // decoded bytes measured at most (0: no limit)
+
+	// The decompressor's goroutine only, until done is closed.
+	cur []byte
+	seq int // the chunk being consumed
+	err error
+	over bool // the byte limit was reached and decoding stopped
+
+	stopped atomic.Bool // the decompressor ended: feeding is pointless
+
+	mu      sync.Mutex
+	decoded []decodedPart
+
+	// The relay's.
+	fed     int  // chunks fed
+	dropped bool // a chunk could not be queued: decoding stopped
+	closed  bool
 }
+
+// decodedPart is decoded bytes and the chunk they came from.
+type decodedPart struct {
+	seq int
+	b   []byte
+}
+
+// maxDecodeQueue bounds the chunks waiting for the decompressor.
+const maxDecodeQueue = 256
 
 // newSideDecoder starts a decoder for a Content-Encoding, or returns nil
 // when tokentap cannot decode it. It stops decoding after limit decoded
-// bytes (0: no limit): a compression bomb costs at most that much work,
-// and the relay, which waits for each chunk to be decoded, never waits
-// longer than one chunk's share of it.
-func newSideDecoder(encoding []byte, limit int64, sink func([]byte)) *sideDecoder {
+// bytes (0: no limit): a compression bomb costs at most that much work.
+func newSideDecoder(encoding []byte, limit int64) *sideDecoder {
 	var mk func(io.Reader) (io.Reader, error)
 	switch string(bytes.ToLower(bytes.TrimSpace(encoding))) {
 	case "gzip", "x-gzip":
@@ -60,23 +81,20 @@ func newSideDecoder(encoding []byte, limit int64, sink func([]byte)) *sideDecode
 	default:
 		return nil
 	}
-	d := &sideDecoder{in: make(chan []byte), ack: make(chan struct{}), done: make(chan struct{}), sink: sink, limit: limit}
+	d := &sideDecoder{in: make(chan []byte, maxDecodeQueue), done: make(chan struct{}), limit: limit, seq: -1}
 	go d.run(mk)
 	return d
 }
 
-// Read is the decompressor's input: the chunk being fed.
+// Read is the decompressor's input: the queued chunks, in order.
 func (d *sideDecoder) Read(p []byte) (int, error) {
 	if len(d.cur) == 0 {
-		if d.started {
-			d.ack <- struct{}{}
-		}
-		d.started = true
 		b, ok := <-d.in
 		if !ok {
 			return 0, io.EOF
 		}
 		d.cur = b
+		d.seq++
 	}
 	n := copy(p, d.cur)
 	d.cur = d.cur[n:]
@@ -85,6 +103,13 @@ func (d *sideDecoder) Read(p []byte) (int, error) {
 
 func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 	defer close(d.done)
+	defer func() {
+		d.stopped.Store(true)
+		// Unblock nothing: the relay never waits on in. Drain what is
+		// queued so its memory goes.
+		for range d.in {
+		}
+	}()
 	r, err := mk(d)
 	if err != nil {
 		d.err = err
@@ -96,13 +121,13 @@ func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 		n, err := r.Read(buf)
 		if d.limit > 0 && total+int64(n) > d.limit {
 			// Measuring stops here; the relay goes on untouched.
-			d.sink(buf[:d.limit-total])
+			d.keep(buf[:d.limit-total])
 			d.over = true
 			return
 		}
 		total += int64(n)
 		if n > 0 {
-			d.sink(buf[:n])
+			d.keep(buf[:n])
 		}
 		if err != nil {
 			if err != io.EOF {
@@ -113,24 +138,54 @@ func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 	}
 }
 
-// feed hands one compressed chunk to the decompressor and waits until it
-// has decoded all it can. b must not change until feed returns.
-func (d *sideDecoder) feed(b []byte) {
-	select {
-	case d.in <- b:
-	case <-d.done:
-		return
+// keep stores decoded bytes under the chunk being consumed: they cannot
+// come from a later one.
+func (d *sideDecoder) keep(b []byte) {
+	d.mu.Lock()
+	if n := len(d.decoded); n > 0 && d.decoded[n-1].seq == d.seq {
+		d.decoded[n-1].b = append(d.decoded[n-1].b, b...)
+	} else {
+		d.decoded = append(d.decoded, decodedPart{seq: d.seq, b: append([]byte(nil), b...)})
 	}
-	select {
-	case <-d.ack:
-	case <-d.done:
-	}
+	d.mu.Unlock()
 }
 
-// close ends the input and waits for the decompressor; it reports whether
-// the compressed stream decoded cleanly to its end.
+// feed queues a copy of one compressed chunk and returns its number. It
+// never blocks.
+func (d *sideDecoder) feed(b []byte) int {
+	seq := d.fed
+	d.fed++
+	if d.dropped || d.closed || d.stopped.Load() {
+		return seq
+	}
+	select {
+	case d.in <- append([]byte(nil), b...):
+	default:
+		// Too far behind: stop measuring rather than hold the relay.
+		d.dropped = true
+		d.closed = true
+		close(d.in)
+	}
+	return seq
+}
+
+// take returns what was decoded since the last take, in order.
+func (d *sideDecoder) take() []decodedPart {
+	d.mu.Lock()
+	parts := d.decoded
+	d.decoded = nil
+	d.mu.Unlock()
+	return parts
+}
+
+// close ends the input and waits for the decompressor to decode what is
+// queued; it reports whether the compressed stream was measured whole:
+// decoded cleanly to its end, within the limit, nothing dropped.
 func (d *sideDecoder) close() bool {
-	close(d.in)
+	if !d.closed {
+		d.closed = true
+		close(d.in)
+	}
 	<-d.done
-	return d.err == nil
+	return d.err == nil && !d.over && !d.dropped
 }

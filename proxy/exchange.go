@@ -48,7 +48,8 @@ type exchange struct {
 	strip         bool         // drop the usage-only chunk tokentap asked for
 	held          []byte       // strip: bytes of an event not yet complete
 	stripped      []byte       // strip: the bytes of the last read to relay
-	decAt         time.Time    // read time of the chunk being decoded
+	decTimes      []chunkTimes // compressed chunks not yet decoded, from decBase on
+	decBase       int
 	contentLength int
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 	injected      []byte // the request body with include_usage injected
@@ -130,7 +131,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
 		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
 		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0], scratch: x.scratch[:0],
-		whole: x.whole[:0], gaps: x.gaps[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
+		whole: x.whole[:0], gaps: x.gaps[:0], decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)
@@ -239,6 +240,16 @@ func (x *exchange) flushed(t time.Time) {
 	if x.firstByteFlush.IsZero() {
 		x.firstByteFlush = t
 	}
+	if x.dec != nil && len(x.decTimes) > 0 && x.decTimes[len(x.decTimes)-1].flush.IsZero() {
+		// Its tokens are stamped once decoded (takeDecoded).
+		x.decTimes[len(x.decTimes)-1].flush = t
+	}
+	x.stampTokens(t)
+}
+
+// stampTokens stamps the delivery at t of the tokens parsed since the last
+// stamp.
+func (x *exchange) stampTokens(t time.Time) {
 	if x.chunkAnswers > 0 && x.firstAnswerFlush.IsZero() {
 		x.firstAnswerFlush = t
 	}
@@ -266,8 +277,11 @@ func (x *exchange) CloseWithError(err error) error {
 	return nil
 }
 
-// finish ends the exchange exactly once: it settles the upstream connection,
-// stops the peer watch, completes the record and hands it to the sinks.
+// finish ends the exchange exactly once: it settles the upstream
+// connection and stops the peer watch at once, then completes the record
+// and hands it to the sinks. For a compressed response the record is
+// completed on a goroutine of its own once the side decoder has decoded
+// what it was given, so the end of the response never waits for it.
 func (x *exchange) finish(writeErr error) {
 	if x.finished {
 		return
@@ -284,10 +298,40 @@ func (x *exchange) finish(writeErr error) {
 	x.watch.stop()
 	gone := x.cancel.isGone()
 
+	// The upstream connection goes back to the pool only after a complete,
+	// clean response; anything else closes it, which also cancels the
+	// request at the backend.
+	if x.conn != nil {
+		x.cancel.detach()
+		_ = x.resp.CloseBodyStream()
+		if complete && !gone && writeErr == nil && rec.Outcome != metrics.OutcomeClientCancel && !x.resp.ConnectionClose() {
+			x.route.up.put(x.conn)
+		} else {
+			x.route.up.discard(x.conn)
+		}
+		x.conn = nil
+	}
+	if x.client != nil {
+		rec.ClientRTT = clientRTT(x.client, now)
+		x.client = nil
+	}
+	if x.dec != nil {
+		go x.record(now, writeErr, gone, complete)
+		return
+	}
+	x.record(now, writeErr, gone, complete)
+}
+
+// record completes the record: what the body said, the outcome, the
+// timings; then the sinks, and the exchange goes back to the pool.
+func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
+	rec := &x.rec
 	// Everything the body says is known before the outcome is decided.
 	if x.dec != nil {
-		if !x.dec.close() && complete || x.dec.over {
-			rec.Partial = true // the copy did not decode (or past the limit); the relay was unaffected
+		whole := x.dec.close()
+		x.takeDecoded()
+		if !whole && complete || x.dec.over || x.dec.dropped {
+			rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
 		}
 		x.dec = nil
 	}
@@ -327,25 +371,8 @@ func (x *exchange) finish(writeErr error) {
 		}
 	}
 
-	// The upstream connection goes back to the pool only after a complete,
-	// clean response; anything else closes it, which also cancels the
-	// request at the backend.
-	if x.conn != nil {
-		x.cancel.detach()
-		_ = x.resp.CloseBodyStream()
-		if complete && rec.Outcome != metrics.OutcomeClientCancel && !x.resp.ConnectionClose() {
-			x.route.up.put(x.conn)
-		} else {
-			x.route.up.discard(x.conn)
-		}
-		x.conn = nil
-	}
-
 	x.fillRecord(now)
 	x.releaseTicket()
-	if x.client != nil {
-		rec.ClientRTT = clientRTT(x.client, now)
-	}
 	x.snap.metrics.Observe(rec)
 	for _, s := range x.p.opts.Sinks {
 		s.Observe(rec)

@@ -30,7 +30,7 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
 		// The compressed bytes pass through untouched; the parser reads a
 		// decompressed copy.
-		if x.dec = newSideDecoder(enc, x.snap.cfg.MaxDecodedBytes, x.parseDecoded); x.dec == nil {
+		if x.dec = newSideDecoder(enc, x.snap.cfg.MaxDecodedBytes); x.dec == nil {
 			x.mode = parseNone
 			x.rec.Partial = true
 		}
@@ -60,15 +60,41 @@ func (x *exchange) observe(b []byte, t time.Time) {
 		x.firstByteRead = t
 	}
 	if x.dec != nil {
-		x.decAt = t
+		// What was decoded of earlier chunks is measured first, with their
+		// own times; this chunk's events are measured once decoded.
+		x.takeDecoded()
 		x.dec.feed(b)
+		x.decTimes = append(x.decTimes, chunkTimes{read: t})
 		return
 	}
 	x.parse(b, t)
 }
 
-// parseDecoded is the decompressor's sink; it runs while observe waits.
-func (x *exchange) parseDecoded(b []byte) { x.parse(b, x.decAt) }
+// chunkTimes are when a compressed chunk was read and delivered.
+type chunkTimes struct{ read, flush time.Time }
+
+// takeDecoded parses what the side decoder produced since the last call,
+// each part stamped with the read and delivery times of the chunk it came
+// in. Tokens of a chunk that was never delivered (the client write failed)
+// are counted as events but not as delivered.
+func (x *exchange) takeDecoded() {
+	parts := x.dec.take()
+	for _, part := range parts {
+		ct := x.decTimes[part.seq-x.decBase]
+		x.parse(part.b, ct.read)
+		if ct.flush.IsZero() {
+			x.chunkTokens, x.chunkAnswers = 0, 0
+			continue
+		}
+		x.stampTokens(ct.flush)
+	}
+	if n := len(parts); n > 0 {
+		// Later parts come from this chunk or later ones.
+		keep := parts[n-1].seq - x.decBase
+		x.decTimes = append(x.decTimes[:0], x.decTimes[keep:]...)
+		x.decBase += keep
+	}
+}
 
 // parse reads body bytes read at t.
 func (x *exchange) parse(b []byte, t time.Time) {

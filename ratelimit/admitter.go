@@ -67,6 +67,52 @@ type tenantState struct {
 	queued   atomic.Int64
 }
 
+// reconfigure puts the tenant's new limits in place, keeping what is in
+// flight and what was used. st.mu must be held.
+func (st *tenantState) reconfigure(t *Tenant, now time.Time) {
+	st.t = t
+	switch {
+	case !t.Limits.any():
+		st.all = nil
+	case st.all == nil:
+		st.all = newLimiter(t.Limits, now)
+		// Every request in flight counts against the new limits; their
+		// releases decrement it (Release checks st.all).
+		st.all.inflight = int(st.inflight.Load())
+	default:
+		st.all.reconfigure(t.Limits, now)
+	}
+	for route, rl := range st.routes {
+		l, ok := t.Routes[route]
+		if !ok || !l.any() {
+			// Tickets holding it release into it harmlessly.
+			delete(st.routes, route)
+			continue
+		}
+		rl.reconfigure(l, now)
+	}
+}
+
+// reconfigure changes a limiter's limits in place: requests in flight stay
+// counted, the request bucket keeps its tokens (capped at the new burst)
+// and the token budget keeps what was used of it.
+func (l *limiter) reconfigure(lim Limits, now time.Time) {
+	fresh := newLimiter(lim, now)
+	if l.rps != nil && fresh.rps != nil {
+		tokens := min(l.rps.TokensAt(now), float64(fresh.rps.Burst()))
+		// Bring the new bucket to the old level.
+		if spend := int(float64(fresh.rps.Burst()) - tokens); spend > 0 {
+			fresh.rps.AllowN(now, spend)
+		}
+	}
+	if l.tpm != nil && fresh.tpm != nil {
+		l.tpm.refill(now)
+		used := l.tpm.capacity - l.tpm.level
+		fresh.tpm.level = fresh.tpm.capacity - used
+	}
+	l.lim, l.rps, l.tpm = lim, fresh.rps, fresh.tpm
+}
+
 // limiter is one set of limits with its state.
 type limiter struct {
 	lim      Limits
@@ -97,8 +143,10 @@ type Ticket struct {
 
 // New builds an Admitter for cfg, which must be valid. prev, the Admitter
 // of the configuration being replaced (or nil), hands over the state of
-// tenants whose limits did not change, so a reload neither resets their
-// budgets nor forgets requests in flight. prev is closed.
+// every tenant that is still configured, so a reload neither resets
+// budgets nor forgets requests in flight: a tenant whose limits changed
+// keeps its count of requests in flight, its request bucket's tokens and
+// the tokens its budget has used, under the new limits. prev is closed.
 func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 	if now == nil {
 		now = time.Now
@@ -119,8 +167,16 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 	if prev != nil {
 		prev.Close()
 		prev.mu.Lock()
+		now := a.now()
 		for name, st := range prev.states {
-			if t, ok := a.tenants[name]; ok && reflect.DeepEqual(t.Limits, st.t.Limits) && reflect.DeepEqual(t.Routes, st.t.Routes) {
+			if t, ok := a.tenants[name]; ok {
+				st.mu.Lock()
+				if !reflect.DeepEqual(t.Limits, st.t.Limits) || !reflect.DeepEqual(t.Routes, st.t.Routes) {
+					st.reconfigure(t, now)
+				} else {
+					st.t = t
+				}
+				st.mu.Unlock()
 				a.states[name] = st
 			}
 		}

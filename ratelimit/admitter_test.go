@@ -393,7 +393,7 @@ func TestEvictionNeverGrantsAnEarlyBurst(t *testing.T) {
 	}
 }
 
-func TestReloadKeepsStateOfUnchangedTenants(t *testing.T) {
+func TestReloadKeepsStateOfTenants(t *testing.T) {
 	c := newClock()
 	lim := Limits{RequestsPerSecond: 1, Burst: 2}
 	cfg := Config{Tenants: []Tenant{{Name: "same", Limits: lim}, {Name: "changed", Limits: lim}}, Mode: ModeReject}
@@ -410,12 +410,55 @@ func TestReloadKeepsStateOfUnchangedTenants(t *testing.T) {
 	if _, ref := b.Admit(context.Background(), "same", "r", 0); ref == nil {
 		t.Fatal("unchanged tenant got a fresh burst on reload")
 	}
-	if _, ref := b.Admit(context.Background(), "changed", "r", 0); ref != nil {
-		t.Fatalf("changed tenant kept the old state: %+v", ref)
+	// A changed tenant keeps its bucket's level under the new burst: the
+	// reload is no fresh burst either.
+	if _, ref := b.Admit(context.Background(), "changed", "r", 0); ref == nil {
+		t.Fatal("changed tenant got a fresh burst on reload")
+	}
+	c.add(3 * time.Second) // refilled to the new burst of 3
+	for i := range 3 {
+		if _, ref := b.Admit(context.Background(), "changed", "r", 0); ref != nil {
+			t.Fatalf("request %d within the new burst refused: %+v", i, ref)
+		}
 	}
 	held.Release(0)                        // a request admitted before the reload releases into the new one
 	if in, _ := b.Stats("same"); in != 1 { // held and one more were in flight
 		t.Fatalf("in flight after release: %d", in)
+	}
+}
+
+// A reload that raises max_concurrent still counts the requests in flight:
+// 2 in flight under a limit raised from 2 to 3 leave room for exactly one
+// more, and their releases free their slots in the new configuration.
+func TestReloadRaisingConcurrencyKeepsRequestsInFlight(t *testing.T) {
+	c := newClock()
+	cfg := func(n int) Config {
+		return Config{Tenants: []Tenant{{Name: "t", Limits: Limits{MaxConcurrent: n},
+			Routes: map[string]Limits{"r": {MaxConcurrent: n}}}}, Mode: ModeReject}
+	}
+	a := New(cfg(2), c.now, nil)
+	var held []*Ticket
+	for range 2 {
+		tk, ref := a.Admit(context.Background(), "t", "r", 0)
+		if ref != nil {
+			t.Fatal(ref)
+		}
+		held = append(held, tk)
+	}
+	b := New(cfg(3), c.now, a)
+	defer b.Close()
+	if _, ref := b.Admit(context.Background(), "t", "r", 0); ref != nil {
+		t.Fatalf("the one slot the raise added was refused: %+v", ref)
+	}
+	if _, ref := b.Admit(context.Background(), "t", "r", 0); ref == nil {
+		t.Fatal("a 4th request was admitted under max_concurrent 3: the reload forgot the requests in flight")
+	}
+	held[0].Release(0)
+	if _, ref := b.Admit(context.Background(), "t", "r", 0); ref != nil {
+		t.Fatalf("a slot freed by a request from before the reload stayed taken: %+v", ref)
+	}
+	if in, _ := b.Stats("t"); in != 3 {
+		t.Fatalf("in flight: %d, want 3", in)
 	}
 }
 

@@ -19,16 +19,16 @@ import (
 // fileConfig is the YAML file's schema. Every field is documented in
 // configs/tokentap.yaml, which a test loads so it never rots.
 type fileConfig struct {
-	Listen    string         `yaml:"listen"`
-	Admin     fileAdmin      `yaml:"admin"`
-	AccessLog string         `yaml:"access_log"`
-	Upstream  string         `yaml:"upstream"`
-	Routes    []fileRoute    `yaml:"routes"`
-	Models    fileModels     `yaml:"models"`
-	Timeouts  fileTimeouts   `yaml:"timeouts"`
-	Limits    fileLimits     `yaml:"limits"`
-	Tenants   []fileTenant   `yaml:"tenants"`
-	Admission fileAdmission  `yaml:"admission"`
+	Listen    string        `yaml:"listen"`
+	Admin     fileAdmin     `yaml:"admin"`
+	AccessLog string        `yaml:"access_log"`
+	Upstream  string        `yaml:"upstream"`
+	Routes    []fileRoute   `yaml:"routes"`
+	Models    fileModels    `yaml:"models"`
+	Timeouts  fileTimeouts  `yaml:"timeouts"`
+	Limits    fileLimits    `yaml:"limits"`
+	Tenants   []fileTenant  `yaml:"tenants"`
+	Admission fileAdmission `yaml:"admission"`
 	// DrainTimeout bounds the drain at shutdown; DrainDelay is how long
 	// /readyz says 503 before the listener closes.
 	DrainTimeout duration       `yaml:"drain_timeout"`

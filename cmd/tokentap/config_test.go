@@ -91,6 +91,52 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\nlimits:\n  max_event_bytes: -1\n", nil, ":3:", "limits.max_event_bytes")
 	f("routes: 5\n", nil, ":1:", "routes")
 	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    dialect: klingon\n", nil, ":5:", "routes[0].dialect", "klingon", "anthropic")
+	// Accepted silently before: each now names its field.
+	f("upstream: http://x\nlisten: \":99999\"\n", nil, ":2:", "listen", "65535")
+	f("upstream: http://x\nadmin: \"127.0.0.1:70000\"\n", nil, ":2:", "admin", "65535")
+	f("upstream: http://x\nlisten: \"8080\"\n", nil, "listen", "host:port")
+	f("upstream: http://x\ntimeouts:\n  first_byte: 0s\n", nil, ":3:", "timeouts.first_byte", "positive")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    timeouts:\n      idle: 0s\n", nil, "routes[0].timeouts.idle", "positive")
+	f("upstream: http://x\nlimits:\n  client_write_timeout: 0s\n", nil, ":3:", "limits.client_write_timeout", "positive")
+	f("upstream: http://x\nlimits:\n  max_client_conns: -1\n", nil, ":3:", "limits.max_client_conns")
+	f("upstream: http://x\ndrain_timeout: 0s\n", nil, ":2:", "drain_timeout", "positive")
+	f("upstream: http://x\nadmin:\n  listen: 127.0.0.1:0\n  token_file: /nonexistent/token\n", nil, ":4:", "admin.token_file")
+	f("routes:\n  - name: a\n    prefix: //v1/\n    upstream: http://x\n", nil, ":3:", "routes[0].prefix", "normalised")
+}
+
+// The file's upstream with routes makes the catch-all route (as
+// configs/tenants.yaml says), unless a route already has prefix /.
+func TestFileUpstreamWithRoutesIsTheCatchAll(t *testing.T) {
+	s, err := parseFlags([]string{"-config", "../../configs/tenants.yaml"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := s.proxy.Routes[len(s.proxy.Routes)-1]
+	if len(s.proxy.Routes) != 2 || last.Name != "default" || last.Prefix != "/" || last.Upstream != "http://127.0.0.1:8000" {
+		t.Fatalf("routes: %+v", s.proxy.Routes)
+	}
+	s, err = parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nroutes:\n  - name: root\n    prefix: /\n    upstream: http://b\n")})
+	if err != nil || len(s.proxy.Routes) != 1 || s.proxy.Routes[0].Upstream != "http://b" {
+		t.Fatalf("%v %+v", err, s)
+	}
+}
+
+// The admin section: an address, or a mapping with a token file.
+func TestAdminSection(t *testing.T) {
+	tok := filepath.Join(t.TempDir(), "token")
+	os.WriteFile(tok, []byte("0123456789abcdef0123\n"), 0o600)
+	s, err := parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nadmin:\n  listen: 127.0.0.1:9191\n  token_file: "+tok+"\n")})
+	if err != nil || s.admin != "127.0.0.1:9191" || s.adminTokenFile != tok {
+		t.Fatalf("%v %+v", err, s)
+	}
+	os.WriteFile(tok, []byte("short\n"), 0o600)
+	if _, err := parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nadmin: {token_file: "+tok+"}\n")}); err == nil || !strings.Contains(err.Error(), "16 characters") {
+		t.Fatalf("a short token: %v", err)
+	}
+	s, err = parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nadmin: \"127.0.0.1:9292\"\n")})
+	if err != nil || s.admin != "127.0.0.1:9292" {
+		t.Fatalf("%v %+v", err, s)
+	}
 }
 
 func TestDemoRuns(t *testing.T) {

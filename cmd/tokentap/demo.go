@@ -47,12 +47,10 @@ func runDemo(args []string, out io.Writer) error {
 	col := &collector{byRoute: map[string][]metrics.Record{}}
 	sinks := []metrics.Sink{col}
 	if *logPath != "" {
-		w, closeW, err := openLog(*logPath)
+		alog, err := metrics.OpenAccessLog(*logPath, 0)
 		if err != nil {
 			return err
 		}
-		defer closeW()
-		alog := metrics.NewAccessLog(w, 0)
 		defer alog.Close()
 		sinks = append(sinks, alog)
 	}

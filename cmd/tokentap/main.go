@@ -13,17 +13,13 @@ import (
 	"net"
 	"os"
 	"os/signal"
-	"sync"
 	"syscall"
 	"time"
 
-	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/valyala/fasthttp"
-	"github.com/valyala/fasthttp/pprofhandler"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 func main() {
@@ -45,7 +41,7 @@ func parseFlags(args []string) (*settings, error) {
 	fs := flag.NewFlagSet("tokentap", flag.ContinueOnError)
 	var f flags
 	fs.StringVar(&f.listen, "listen", ":8080", "address the proxy listens on")
-	fs.StringVar(&f.admin, "admin", "127.0.0.1:9090", "admin listener for /metrics and /healthz (empty: off)")
+	fs.StringVar(&f.admin, "admin", "127.0.0.1:9090", "admin listener: /metrics, /healthz, /readyz, /-/reload, /-/reopen, /debug/pprof/ (empty: off)")
 	fs.StringVar(&f.upstream, "upstream", "", "upstream base URL; alone, or with a config without routes, it makes the route \"default\"")
 	fs.StringVar(&f.config, "config", "", "YAML config file (see configs/tokentap.yaml)")
 	fs.StringVar(&f.accessLog, "access-log", "-", "access log path, - for stdout, empty to disable")
@@ -68,7 +64,10 @@ func parseFlags(args []string) (*settings, error) {
 }
 
 // run starts tokentap and blocks until SIGINT/SIGTERM (or until stop is
-// closed, for tests), then drains.
+// closed, for tests), then drains: /readyz turns 503 (/healthz stays 200),
+// after drain_delay the listener closes, requests in flight run to their
+// end for up to drain_timeout, and what is still running then is cut and
+// recorded (outcome shutdown) before the access log is closed.
 func run(args []string, stop <-chan struct{}) error {
 	s, err := parseFlags(args)
 	if err != nil {
@@ -77,18 +76,13 @@ func run(args []string, stop <-chan struct{}) error {
 	logger, _ := zap.NewProduction()
 	defer func() { _ = logger.Sync() }()
 
-	var sinks []metrics.Sink
 	var alog *metrics.AccessLog
 	if s.accessLog != "" {
-		w, closeW, err := openLog(s.accessLog)
-		if err != nil {
+		if alog, err = metrics.OpenAccessLog(s.accessLog, 0); err != nil {
 			return fmt.Errorf("access-log: %w", err)
 		}
-		defer closeW()
-		alog = metrics.NewAccessLog(w, 0)
-		sinks = append(sinks, alog)
+		s.opts.Sinks = append(s.opts.Sinks, alog)
 	}
-	s.opts.Sinks = sinks
 	s.opts.Logger = logger
 	p, err := proxy.New(s.proxy, s.opts)
 	if err != nil {
@@ -100,26 +94,10 @@ func run(args []string, stop <-chan struct{}) error {
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	// reload re-reads the config with the same flags, validates it fully and
-	// swaps it in; a bad file keeps the running config. Streams in flight
-	// finish on the config they started with.
-	var reloadMu sync.Mutex
-	reload := func() error {
-		reloadMu.Lock()
-		defer reloadMu.Unlock()
-		next, err := parseFlags(args)
-		if err == nil {
-			err = p.Apply(next.proxy)
-		}
-		if err != nil {
-			logger.Error("config reload failed, keeping the running config", zap.Error(err))
-			return err
-		}
-		if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog {
-			logger.Warn("listen, admin and access_log take effect only on restart")
-		}
-		logger.Info("config reloaded", zap.Int("routes", len(next.proxy.Routes)))
-		return nil
+	a := &admin{logger: logger, args: args, running: s, p: p, alog: alog}
+	a.ready.Store(true)
+	if err := a.loadToken(s); err != nil {
+		return fmt.Errorf("admin.token_file: %w", err)
 	}
 	srv := p.Server()
 	go func() {
@@ -127,43 +105,41 @@ func run(args []string, stop <-chan struct{}) error {
 			logger.Error("proxy server stopped", zap.Error(err))
 		}
 	}()
-	var admin *fasthttp.Server
+	var adminSrv *fasthttp.Server
 	if s.admin != "" {
 		aln, err := net.Listen("tcp", s.admin)
 		if err != nil {
 			_ = srv.Shutdown()
 			return fmt.Errorf("admin: %w", err)
 		}
-		admin = &fasthttp.Server{Handler: adminHandler(reload), Name: "tokentap-admin"}
-		go func() { _ = admin.Serve(aln) }()
+		adminSrv = a.server()
+		go func() { _ = adminSrv.Serve(aln) }()
 	}
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
 		zap.Int("routes", len(s.proxy.Routes)))
 
 	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGUSR1)
 	defer signal.Stop(sig)
 wait:
 	for {
 		select {
 		case got := <-sig:
-			if got == syscall.SIGHUP {
-				_ = reload()
-				continue
+			switch got {
+			case syscall.SIGHUP:
+				_ = a.reload()
+			case syscall.SIGUSR1:
+				_ = a.reopen()
+			default:
+				break wait
 			}
-			break wait
 		case <-stop:
 			break wait
 		}
 	}
-	logger.Info("draining")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := srv.ShutdownWithContext(ctx); err != nil {
-		logger.Warn("drain incomplete", zap.Error(err))
-	}
-	if admin != nil {
-		_ = admin.Shutdown()
+	a.drain(srv)
+	if adminSrv != nil {
+		_ = adminSrv.Shutdown()
 	}
 	if alog != nil {
 		alog.Close()
@@ -171,46 +147,22 @@ wait:
 	return nil
 }
 
-func openLog(path string) (zapcore.WriteSyncer, func(), error) {
-	if path == "-" {
-		return zapcore.Lock(os.Stdout), func() {}, nil
+// drain stops the proxy without losing a record: readiness fails first, so
+// load balancers stop sending; then the listener closes and requests in
+// flight finish; those still running after drain_timeout are cut.
+func (a *admin) drain(srv *fasthttp.Server) {
+	s := a.settings()
+	a.ready.Store(false)
+	a.logger.Info("draining", zap.Duration("drain_delay", s.drainDelay), zap.Duration("drain_timeout", s.drainTimeout),
+		zap.Int("in_flight", a.p.InFlight()))
+	if s.drainDelay > 0 {
+		time.Sleep(s.drainDelay)
 	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
-	if err != nil {
-		return nil, nil, err
-	}
-	return zapcore.Lock(f), func() { _ = f.Close() }, nil
-}
-
-// adminHandler serves /metrics (Prometheus text), /healthz, POST
-// /-/reload and Go's profiles under /debug/pprof/.
-func adminHandler(reload func() error) fasthttp.RequestHandler {
-	return func(ctx *fasthttp.RequestCtx) {
-		switch string(ctx.Path()) {
-		case "/metrics":
-			ctx.SetContentType("text/plain; version=0.0.4")
-			vm.WritePrometheus(ctx, true)
-		case "/healthz":
-			ctx.SetContentType("text/plain")
-			ctx.SetBodyString("ok\n")
-		case "/debug/pprof/", "/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/allocs", "/debug/pprof/goroutine", "/debug/pprof/trace",
-			"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/block", "/debug/pprof/mutex", "/debug/pprof/threadcreate":
-			pprofhandler.PprofHandler(ctx)
-		case "/-/reload":
-			if !ctx.IsPost() {
-				ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
-				ctx.SetBodyString("use POST\n")
-				return
-			}
-			if err := reload(); err != nil {
-				ctx.SetStatusCode(fasthttp.StatusBadRequest)
-				ctx.SetBodyString("reload failed, running config kept: " + err.Error() + "\n")
-				return
-			}
-			ctx.SetBodyString("reloaded\n")
-		default:
-			ctx.SetStatusCode(fasthttp.StatusNotFound)
-			ctx.SetBodyString("not found\n")
-		}
+	ctx, cancel := context.WithTimeout(context.Background(), s.drainTimeout)
+	defer cancel()
+	if err := srv.ShutdownWithContext(ctx); err != nil {
+		n := a.p.InFlight()
+		ok := a.p.Cut(5 * time.Second)
+		a.logger.Warn("drain timeout reached, requests in flight cut", zap.Int("cut", n), zap.Bool("all_recorded", ok))
 	}
 }

@@ -1,0 +1,183 @@
+package main
+
+import (
+	"crypto/subtle"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	vm "github.com/VictoriaMetrics/metrics"
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy"
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fasthttp/pprofhandler"
+	"go.uber.org/zap"
+)
+
+// admin is the admin listener's state: the running settings, readiness,
+// the optional bearer token, and the reload and reopen actions that
+// signals and endpoints share.
+type admin struct {
+	logger *zap.Logger
+	args   []string
+	p      *proxy.Proxy
+	alog   *metrics.AccessLog // nil: no access log
+
+	mu      sync.Mutex // one reload at a time; guards running
+	running *settings
+	token   atomic.Pointer[string] // nil or "": no token required
+	ready   atomic.Bool
+}
+
+func (a *admin) settings() *settings {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.running
+}
+
+// loadToken reads the bearer token file of s, if it names one.
+func (a *admin) loadToken(s *settings) error {
+	tok := ""
+	if s.adminTokenFile != "" {
+		var err error
+		if tok, err = readToken(s.adminTokenFile); err != nil {
+			return err
+		}
+	}
+	a.token.Store(&tok)
+	return nil
+}
+
+// reload re-reads the config with the same flags, validates it fully and
+// swaps it in; a bad file keeps the running config. Streams in flight
+// finish on the config they started with. The admin token file is read
+// again.
+func (a *admin) reload() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	next, err := parseFlags(a.args)
+	if err == nil {
+		err = a.p.Apply(next.proxy)
+	}
+	if err == nil {
+		err = a.loadToken(next)
+	}
+	if err != nil {
+		a.logger.Error("config reload failed, keeping the running config", zap.Error(err))
+		return err
+	}
+	s := a.running
+	if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog {
+		a.logger.Warn("listen, admin and access_log take effect only on restart")
+	}
+	next.listen, next.admin, next.accessLog = s.listen, s.admin, s.accessLog
+	a.running = next
+	a.logger.Info("config reloaded", zap.Int("routes", len(next.proxy.Routes)))
+	return nil
+}
+
+// reopen starts a new access log file after a rotation.
+func (a *admin) reopen() error {
+	if a.alog == nil {
+		return nil
+	}
+	if err := a.alog.Reopen(); err != nil {
+		a.logger.Error("cannot reopen the access log, still writing to the old file", zap.Error(err))
+		return err
+	}
+	a.logger.Info("access log reopened")
+	return nil
+}
+
+// server is the admin listener: bounded reads and idle connections, and
+// few connections, so that it cannot be held open or flooded. No write
+// timeout: a CPU profile takes as long as it was asked for.
+func (a *admin) server() *fasthttp.Server {
+	return &fasthttp.Server{
+		Handler:          a.handle,
+		Name:             "tokentap-admin",
+		ReadTimeout:      10 * time.Second,
+		IdleTimeout:      30 * time.Second,
+		Concurrency:      64,
+		MaxConnsPerIP:    16,
+		ReadBufferSize:   8 << 10,
+		NoDefaultDate:    true,
+		DisableKeepalive: false,
+	}
+}
+
+// handle serves /metrics (Prometheus text), /healthz (the process runs),
+// /readyz (it takes traffic: 503 while draining), POST /-/reload, POST
+// /-/reopen and Go's profiles under /debug/pprof/. With a token
+// configured, every endpoint but /healthz and /readyz requires
+// "Authorization: Bearer <token>".
+func (a *admin) handle(ctx *fasthttp.RequestCtx) {
+	path := string(ctx.Path())
+	switch path {
+	case "/healthz":
+		ctx.SetContentType("text/plain")
+		ctx.SetBodyString("ok\n")
+		return
+	case "/readyz":
+		ctx.SetContentType("text/plain")
+		if !a.ready.Load() {
+			ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+			ctx.SetBodyString("draining\n")
+			return
+		}
+		ctx.SetBodyString("ready\n")
+		return
+	}
+	if !a.authorized(ctx) {
+		ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="tokentap-admin"`)
+		ctx.SetStatusCode(fasthttp.StatusUnauthorized)
+		ctx.SetBodyString("a bearer token is required\n")
+		return
+	}
+	switch path {
+	case "/metrics":
+		ctx.SetContentType("text/plain; version=0.0.4")
+		vm.WritePrometheus(ctx, true)
+	case "/debug/pprof/", "/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/allocs", "/debug/pprof/goroutine", "/debug/pprof/trace",
+		"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/block", "/debug/pprof/mutex", "/debug/pprof/threadcreate":
+		pprofhandler.PprofHandler(ctx)
+	case "/-/reload", "/-/reopen":
+		if !ctx.IsPost() {
+			ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
+			ctx.SetBodyString("use POST\n")
+			return
+		}
+		if path == "/-/reopen" {
+			if err := a.reopen(); err != nil {
+				ctx.SetStatusCode(fasthttp.StatusInternalServerError)
+				ctx.SetBodyString("reopen failed, still writing to the old file: " + err.Error() + "\n")
+				return
+			}
+			ctx.SetBodyString("reopened\n")
+			return
+		}
+		if err := a.reload(); err != nil {
+			ctx.SetStatusCode(fasthttp.StatusBadRequest)
+			ctx.SetBodyString("reload failed, running config kept: " + err.Error() + "\n")
+			return
+		}
+		ctx.SetBodyString("reloaded\n")
+	default:
+		ctx.SetStatusCode(fasthttp.StatusNotFound)
+		ctx.SetBodyString("not found\n")
+	}
+}
+
+// authorized checks the bearer token in constant time.
+func (a *admin) authorized(ctx *fasthttp.RequestCtx) bool {
+	tok := a.token.Load()
+	if tok == nil || *tok == "" {
+		return true
+	}
+	got := ctx.Request.Header.Peek("Authorization")
+	const scheme = "Bearer "
+	if len(got) <= len(scheme) || string(got[:len(scheme)]) != scheme {
+		return false
+	}
+	return subtle.ConstantTimeCompare(got[len(scheme):], []byte(*tok)) == 1
+}
