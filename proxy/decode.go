@@ -2,11 +2,11 @@ package proxy
 
 import (
 	"bytes"
-	"sync"
-	"sync/atomic"
 	"compress/gzip"
 	"compress/zlib"
 	"io"
+	"sync"
+	"sync/atomic"
 
 	"github.com/andybalholm/brotli"
 	"github.com/klauspost/compress/zstd"
@@ -30,9 +30,9 @@ type sideDecoder struct {
 	limit int64 // decoded bytes measured at most (0: no limit)
 
 	// The decompressor's goroutine only, until done is closed.
-	cur []byte
-	seq int // the chunk being consumed
-	err error
+	cur  []byte
+	seq  int // the chunk being consumed
+	err  error
 	over bool // the byte limit was reached and decoding stopped
 
 	stopped atomic.Bool // the decompressor ended: feeding is pointless
