@@ -251,3 +251,38 @@ func TestFaultShortUpstreamBody(t *testing.T) {
 		t.Fatalf("record: outcome %q status %d error %q", rec.Outcome, rec.Status, rec.Error)
 	}
 }
+
+// Requests whose framing two parsers could read differently are refused
+// and never reach the upstream.
+func TestFaultSmuggling(t *testing.T) {
+	up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool { echo(c, r); return true })
+	tp := startProxy(t, up.url, nil)
+	for name, raw := range map[string]string{
+		"cl and te":          "POST /s HTTP/1.1\r\nHost: h\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+		"te and cl":          "POST /s HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\n",
+		"double cl":          "POST /s HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+		"te gzip":            "POST /s HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip\r\n\r\n",
+		"te twice":           "POST /s HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+		"space before colon": "POST /s HTTP/1.1\r\nHost: h\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
+		"bad chunk size":     "POST /s HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+		"negative length":    "POST /s HTTP/1.1\r\nHost: h\r\nContent-Length: -1\r\n\r\n",
+		"two hosts":          "GET /s HTTP/1.1\r\nHost: h\r\nHost: evil\r\n\r\n",
+		"absolute uri":       "GET http://evil/s HTTP/1.1\r\nHost: h\r\n\r\n",
+	} {
+		c, br := rawRequest(t, tp.addr, raw)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
+			continue
+		}
+		io.Copy(io.Discard, resp.Body)
+		if resp.StatusCode < 400 || resp.StatusCode >= 500 {
+			t.Errorf("%s: status %d, want 4xx", name, resp.StatusCode)
+		}
+		tp.rec.next(t)
+	}
+	if n := up.count("/s"); n != 0 {
+		t.Fatalf("%d smuggling attempts reached the upstream", n)
+	}
+}

@@ -43,6 +43,12 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		p.failEarly(ctx, x, fasthttp.StatusBadRequest, "invalid_header", "a header name is not a valid token")
 		return
 	}
+	if ctx.Request.Header.ContentLength() == -1 && hasContentLength(ctx.Request.Header.RawHeaders()) {
+		// Both framings (RFC 9112 §6.3): what an upstream or a proxy
+		// before tokentap made of the body is unknowable. A smuggling try.
+		p.failEarly(ctx, x, fasthttp.StatusBadRequest, "ambiguous_framing", "the request has both Content-Length and Transfer-Encoding")
+		return
+	}
 	path, err := normalizePath(x.path[:0], rawPath)
 	if err != nil {
 		p.failEarly(ctx, x, fasthttp.StatusBadRequest, "invalid_path", "the request path cannot be normalised")
@@ -229,6 +235,24 @@ func validHeaderNames(h *fasthttp.RequestHeader) bool {
 		}
 	}
 	return ok
+}
+
+// hasContentLength reports a Content-Length field among raw request
+// headers.
+func hasContentLength(raw []byte) bool {
+	const name = "content-length:"
+	for len(raw) > 0 {
+		line := raw
+		if i := bytes.IndexByte(raw, '\n'); i >= 0 {
+			line, raw = raw[:i], raw[i+1:]
+		} else {
+			raw = nil
+		}
+		if len(line) >= len(name) && bytes.EqualFold(line[:len(name)], []byte(name)) {
+			return true
+		}
+	}
+	return false
 }
 
 // tchar marks the characters of an RFC 9110 token.

@@ -245,7 +245,9 @@ func (p *Proxy) Server() *fasthttp.Server {
 		// would cut long streams. Listen wraps connections with a sliding
 		// per-write deadline instead.
 		CloseOnShutdown: true,
-		Logger:          zapPrintf{p.log},
+		// fasthttp's error texts quote the request, credentials included.
+		SecureErrorLogMessage: true,
+		Logger:                zapPrintf{p.log},
 	}
 }
 
@@ -267,9 +269,16 @@ func (p *Proxy) Listen(addr string) (net.Listener, error) {
 	return l, nil
 }
 
+// zapPrintf takes fasthttp's own log lines. Only their format string is
+// logged: the arguments can carry a request's bytes (headers, keys) and
+// addresses.
 type zapPrintf struct{ l *zap.Logger }
 
-func (z zapPrintf) Printf(format string, args ...any) { z.l.Debug(fmt.Sprintf(format, args...)) }
+func (z zapPrintf) Printf(format string, args ...any) {
+	if ce := z.l.Check(zap.DebugLevel, "fasthttp"); ce != nil {
+		ce.Write(zap.String("format", format))
+	}
+}
 
 // newRequestID returns a unique id: a random process prefix and a counter.
 func (p *Proxy) newRequestID(dst []byte) []byte {
