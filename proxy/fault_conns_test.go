@@ -8,7 +8,9 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -140,5 +142,100 @@ func TestFaultConnectionCaps(t *testing.T) {
 				t.Fatalf("within the cap: %v %v", resp, err)
 			}
 		})
+	}
+}
+
+// Slowloris: connections that send their headers a byte at a time are
+// closed once the request read timeout runs out, hold little memory while
+// they last, and leave the proxy serving.
+func TestFaultSlowloris(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	tp := startProxyOpts(t, up.URL, nil, Options{RequestReadTimeout: 600 * time.Millisecond})
+	runtime.GC()
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	const conns = 200
+	var wg sync.WaitGroup
+	closedBy := make(chan time.Duration, conns)
+	start := time.Now()
+	for i := 0; i < conns; i++ {
+		c, err := net.Dial("tcp", tp.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req := "GET /x HTTP/1.1\r\nHost: h\r\nX-Slow: " + strings.Repeat("a", 100)
+			for j := 0; j < len(req); j++ {
+				if _, err := c.Write([]byte{req[j]}); err != nil {
+					closedBy <- time.Since(start)
+					return
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			closedBy <- -1
+		}()
+	}
+	waitUntil(t, func() bool { return tp.p.ClientConns() >= conns/2 })
+	var during runtime.MemStats
+	runtime.ReadMemStats(&during)
+	if grown := int64(during.HeapAlloc) - int64(before.HeapAlloc); grown > 32<<20 {
+		t.Errorf("%d slow connections hold %d MiB", conns, grown>>20)
+	}
+	// Served meanwhile.
+	if status, _ := getBody(t, tp.url, "GET", "/served"); status != 200 {
+		t.Fatalf("a normal request during the attack: %d", status)
+	}
+	wg.Wait()
+	close(closedBy)
+	for d := range closedBy {
+		if d < 0 || d > 5*time.Second {
+			t.Fatalf("a slow connection lasted %v (negative: never closed)", d)
+		}
+	}
+	waitUntil(t, func() bool { return tp.p.ClientConns() == 0 })
+}
+
+// A client that never reads a long stream: the proxy does not buffer it
+// (memory stays small), cuts it when a write stalls past the client write
+// timeout, cancels the upstream, and records it.
+func TestFaultNeverReadingClient(t *testing.T) {
+	upstreamDone := make(chan error, 1)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		ev := chatChunk(strings.Repeat("x", 4000))
+		for i := 0; i < 20000; i++ { // 80 MB, far more than any socket buffer
+			if _, err := io.WriteString(w, ev); err != nil {
+				upstreamDone <- err
+				return
+			}
+			flush(w)
+		}
+		upstreamDone <- nil
+	})
+	tp := startProxyOpts(t, up.URL, nil, Options{ClientWriteTimeout: 500 * time.Millisecond})
+	runtime.GC()
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+	_ = c // never read
+	rec := tp.rec.next(t)
+	var after runtime.MemStats
+	runtime.ReadMemStats(&after)
+	if rec.Outcome != "client_cancel" || rec.BytesOut >= 80<<20 {
+		t.Fatalf("record: outcome %s bytes_out %d", rec.Outcome, rec.BytesOut)
+	}
+	if grown := int64(after.HeapAlloc) - int64(before.HeapAlloc); grown > 16<<20 {
+		t.Errorf("a stalled stream grew the heap by %d MiB", grown>>20)
+	}
+	select {
+	case err := <-upstreamDone:
+		if err == nil {
+			t.Fatal("the upstream wrote its whole stream: nothing stopped it")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the upstream was not cancelled")
 	}
 }
