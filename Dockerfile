@@ -9,6 +9,6 @@ RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/tokentap ./cmd/tok
 
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/tokentap /out/mockllm /usr/local/bin/
-EXPOSE 8080 9090
+EXPOSE 8080
 USER nonroot
 ENTRYPOINT ["/usr/local/bin/tokentap"]
