@@ -14,26 +14,31 @@ import (
 	"github.com/klauspost/compress/zstd"
 )
 
+// flushWriter is a compressing writer that can flush a block.
+type flushWriter interface {
+	io.WriteCloser
+	Flush() error
+}
+
+// streamEncoders make a compressing writer for each Content-Encoding
+// tokentap decodes.
+var streamEncoders = map[string]func(io.Writer) flushWriter{
+	"gzip":    func(w io.Writer) flushWriter { return gzip.NewWriter(w) },
+	"deflate": func(w io.Writer) flushWriter { return zlib.NewWriter(w) },
+	"br":      func(w io.Writer) flushWriter { return brotli.NewWriter(w) },
+	"zstd": func(w io.Writer) flushWriter {
+		z, _ := zstd.NewWriter(w)
+		return z
+	},
+}
+
 // Compressed streams reach the client as their bytes arrive: the relay
 // never waits for the side decoder, and each event is measured when its
 // own compressed bytes were delivered. One flushed block per event, 30 ms
 // apart, against the client's own clock.
 func TestFaultCompressedStreamsOnTime(t *testing.T) {
-	type flushWriter interface {
-		io.WriteCloser
-		Flush() error
-	}
-	encoders := map[string]func(io.Writer) flushWriter{
-		"gzip":    func(w io.Writer) flushWriter { return gzip.NewWriter(w) },
-		"deflate": func(w io.Writer) flushWriter { return zlib.NewWriter(w) },
-		"br":      func(w io.Writer) flushWriter { return brotli.NewWriter(w) },
-		"zstd": func(w io.Writer) flushWriter {
-			z, _ := zstd.NewWriter(w)
-			return z
-		},
-	}
 	const events, gap = 6, 30 * time.Millisecond
-	for enc, newWriter := range encoders {
+	for enc, newWriter := range streamEncoders {
 		t.Run(enc, func(t *testing.T) {
 			// The compressed bytes of each event, made before the request so
 			// the client knows where each event ends.

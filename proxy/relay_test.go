@@ -2,8 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"compress/gzip"
-	"compress/zlib"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/andybalholm/brotli"
-	"github.com/klauspost/compress/zstd"
 	"github.com/tokentap/tokentap/metrics"
 )
 
@@ -102,21 +98,8 @@ func TestRequestIDGeneratedAndURIPreserved(t *testing.T) {
 // Compressed responses pass through byte for byte; the parser reads a
 // decompressed copy, event by event as the compressed chunks arrive.
 func TestCompressedStreamsPassThroughAndAreMeasured(t *testing.T) {
-	type flushWriter interface {
-		io.WriteCloser
-		Flush() error
-	}
-	encoders := map[string]func(io.Writer) flushWriter{
-		"gzip":    func(w io.Writer) flushWriter { return gzip.NewWriter(w) },
-		"deflate": func(w io.Writer) flushWriter { return zlib.NewWriter(w) },
-		"br":      func(w io.Writer) flushWriter { return brotli.NewWriter(w) },
-		"zstd": func(w io.Writer) flushWriter {
-			z, _ := zstd.NewWriter(w)
-			return z
-		},
-	}
 	const events, gap = 4, 30 * time.Millisecond
-	for enc, newWriter := range encoders {
+	for enc, newWriter := range streamEncoders {
 		t.Run(enc, func(t *testing.T) {
 			var sent bytes.Buffer
 			up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
