@@ -168,7 +168,6 @@ func runProxies(args []string, out io.Writer) error {
 			Stamped: true, Concurrency: conc, Duration: *roundTime, Timeout: time.Minute}
 	}
 	var accResults []result
-	var accPrefixes []string
 	// One client per arm, kept across rounds: connections are opened in the
 	// warm-up round, not in a storm at the start of every measured one.
 	clients := map[string]*client{}
@@ -197,7 +196,6 @@ func runProxies(args []string, out io.Writer) error {
 				rep.Streaming[key][a.Name] = append(rep.Streaming[key][a.Name], st)
 				if a.Name == "tokentap" && level == 100 {
 					accResults = append(accResults, res...)
-					accPrefixes = append(accPrefixes, p.IDPrefix)
 				}
 			}
 		}

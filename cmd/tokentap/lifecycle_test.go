@@ -343,6 +343,12 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 
 // requestsCounted sums tokentap_requests_total on the admin listener.
 func requestsCounted(t *testing.T, admin string) int {
+	return seriesValue(t, admin, "tokentap_requests_total{")
+}
+
+// seriesValue sums the exposed series whose line starts with prefix (a
+// whole series name with labels matches one).
+func seriesValue(t *testing.T, admin, prefix string) int {
 	t.Helper()
 	resp, err := http.Get("http://" + admin + "/metrics")
 	if err != nil {
@@ -352,7 +358,7 @@ func requestsCounted(t *testing.T, admin string) int {
 	resp.Body.Close()
 	counted := 0
 	for _, line := range strings.Split(string(text), "\n") {
-		if strings.HasPrefix(line, "tokentap_requests_total{") {
+		if strings.HasPrefix(line, prefix) {
 			var n int
 			fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &n)
 			counted += n
