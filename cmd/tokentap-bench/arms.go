@@ -1,0 +1,181 @@
+// The arms of the side-by-side bench: the paths from the load generator to
+// the simulated backend (direct, tokentap, a bare Go relay, nginx, HAProxy),
+// each started as a process of its own, and one measured round on an arm.
+
+package main
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// arm is one path from the load generator to the simulated backend.
+type arm struct {
+	Name string
+	URL  string
+	cmd  *exec.Cmd
+	pids func() []int // processes whose CPU and memory count (none: direct)
+}
+
+// measure runs one plan against one arm and reads the arm's CPU time.
+func measure(a *arm, p plan) (roundStat, []result) {
+	cpu0 := cpuSeconds(a)
+	res, wall, _ := run(p)
+	cpu := cpuSeconds(a) - cpu0
+	var ttft, delay, e2e []time.Duration
+	st := roundStat{Seconds: wall.Seconds(), CPU: cpu}
+	for i := range res {
+		r := &res[i]
+		if r.Err != "" || r.Status >= 400 {
+			st.Errors++
+			continue
+		}
+		st.Requests++
+		st.Tokens += len(r.Tokens)
+		if r.TTFT >= 0 {
+			ttft = append(ttft, r.TTFT)
+		}
+		e2e = append(e2e, r.E2E)
+		delay = append(delay, r.Delays...)
+	}
+	d, t, e := newDist(delay), newDist(ttft), newDist(e2e)
+	st.TTFTp50, st.TTFTp99, st.DelayP50, st.DelayP99, st.E2Ep50, st.E2Ep99 = t.P50, t.P99, d.P50, d.P99, e.P50, e.P99
+	st.ReqPerSec = float64(st.Requests) / max(wall.Seconds(), 1e-9)
+	return st, res
+}
+
+// startGoRelay runs this program's relay subcommand at tokentap's GOMAXPROCS.
+func startGoRelay(dir string, gomaxprocs int, upstream string) (*arm, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	addr := freePort()
+	cmd, err := startProc(dir, "go-relay", self, []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)}, "relay", "-listen", addr, "-upstream", upstream)
+	if err != nil {
+		return nil, err
+	}
+	return &arm{Name: "go-relay", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
+}
+
+func startNginx(dir, bin, upstream string) (*arm, error) {
+	addr := freePort()
+	ndir, _ := filepath.Abs(filepath.Join(dir, "nginx"))
+	os.MkdirAll(filepath.Join(ndir, "logs"), 0o755)
+	conf := fmt.Sprintf(`worker_processes 1;
+worker_rlimit_nofile 20000;
+pid %[1]s/nginx.pid;
+error_log %[1]s/logs/error.log warn;
+events { worker_connections 20000; }
+http {
+  access_log off;
+  upstream backend { server %[2]s; keepalive 1024; keepalive_requests 1000000; }
+  server {
+    listen %[3]s;
+    keepalive_requests 1000000;
+    location / {
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      proxy_read_timeout 600s;
+    }
+  }
+}
+`, ndir, upstream, addr)
+	cfg := filepath.Join(ndir, "nginx.conf")
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+		return nil, err
+	}
+	cmd, err := startProc(dir, "nginx", bin, nil, "-p", ndir, "-c", cfg, "-g", "daemon off;")
+	if err != nil {
+		return nil, err
+	}
+	return &arm{Name: "nginx", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: withChildren(cmd)}, nil
+}
+
+func startHAProxy(dir, bin, upstream string) (*arm, error) {
+	addr := freePort()
+	conf := fmt.Sprintf(`global
+  nbthread 1
+  maxconn 9900
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 600s
+  timeout server 600s
+  option http-no-delay
+  http-reuse always
+frontend fe
+  bind %s
+  default_backend be
+backend be
+  server s1 %s maxconn 9900
+`, addr, upstream)
+	cfg, _ := filepath.Abs(filepath.Join(dir, "haproxy.cfg"))
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+		return nil, err
+	}
+	cmd, err := startProc(dir, "haproxy", bin, nil, "-f", cfg, "-db")
+	if err != nil {
+		return nil, err
+	}
+	return &arm{Name: "haproxy", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: withChildren(cmd)}, nil
+}
+
+func startProc(dir, name, bin string, env []string, args ...string) (*exec.Cmd, error) {
+	logf, err := os.Create(filepath.Join(dir, name+".log"))
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	return cmd, nil
+}
+
+func stop(cmd *exec.Cmd) {
+	if cmd == nil || cmd.Process == nil {
+		return
+	}
+	syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	}
+}
+
+func waitReady(url string) error {
+	addr, _, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
+	for i := 0; i < 200; i++ {
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			return nil
+		}
+		time.Sleep(25 * time.Millisecond)
+	}
+	return fmt.Errorf("%s did not start listening", addr)
+}
+
+func freePort() string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
