@@ -34,7 +34,7 @@ func (tgi) Event(_, data []byte) Obs {
 	if s == "" {
 		return o
 	}
-	if tok := gjson.Get(s, "token"); tok.IsObject() && !gjson.Get(tok.Raw, "special").Bool() {
+	if tok := gjson.Get(s, "token"); tok.IsObject() && gjson.Get(tok.Raw, "special").Type != gjson.True {
 		o.Token, o.Answer = true, true
 	}
 	readTGITail(s, &o)
