@@ -118,10 +118,10 @@ func (x *exchange) releaseTicket() {
 		return
 	}
 	var actual int64
-	if x.responded && (x.rec.Status < 400 || x.usage.hasIn || x.usage.hasOut) {
+	if x.responded && (x.rec.Status < 400 || x.m.usage.hasIn || x.m.usage.hasOut) {
 		in := x.estIn
-		if x.usage.hasIn {
-			in = int64(x.usage.in)
+		if x.m.usage.hasIn {
+			in = int64(x.m.usage.in)
 		}
 		actual = in + int64(x.rec.OutputTokens)
 	}

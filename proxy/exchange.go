@@ -3,7 +3,6 @@ package proxy
 import (
 	"io"
 	"net"
-	"slices"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -58,22 +57,10 @@ type exchange struct {
 	reqBody       []byte // the request body, read in bounded pieces
 	scratch       []byte // header values being built
 
-	// Clock marks.
-	arrival, written                time.Time
-	firstByteRead, firstByteFlush   time.Time
-	firstTokenRead, firstTokenFlush time.Time
-	firstAnswerFlush                time.Time
-	lastTokenFlush, lastFlush       time.Time
-
-	chunkTokens  int  // token events in the chunk being flushed
-	chunkAnswers int  // of which answers
-	unflushed    bool // a chunk was handed to the server and not yet flushed
-	gaps         []time.Duration
-	events       int
-	usage        usage
-	items        int
-	timings      dialect.Timings
-	streamError  bool
+	// What is measured, and whether a chunk handed to the server awaits
+	// its delivery stamp (the fixed-length path, see Read).
+	m         meter
+	unflushed bool
 
 	// Admission control.
 	tenant    string
@@ -87,12 +74,6 @@ type exchange struct {
 	finished bool
 }
 
-// usage is the token usage the response reported, merged across events.
-type usage struct {
-	hasIn, hasOut bool
-	in, out       int
-}
-
 type parseMode uint8
 
 const (
@@ -102,10 +83,6 @@ const (
 	parseBody
 )
 
-// maxGaps bounds the inter-token gaps kept per request for its ITL
-// percentiles (every gap still goes to the histogram).
-const maxGaps = 1 << 16
-
 func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	x, _ := p.pool.Get().(*exchange)
 	if x == nil {
@@ -114,7 +91,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	}
 	p.inflight.Add(1)
 	x.snap = s
-	x.arrival = arrival
+	x.m.reset(arrival)
 	x.rec.Reset()
 	x.rec.Tenant = "default"
 	x.rec.Outcome = metrics.OutcomeOK
@@ -131,7 +108,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
 		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
 		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0], scratch: x.scratch[:0],
-		whole: x.whole[:0], gaps: x.gaps[:0], decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
+		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)
@@ -236,37 +213,11 @@ func (x *exchange) Read(b []byte) (int, error) {
 // flushed stamps the delivery of the last chunk handed to the server.
 func (x *exchange) flushed(t time.Time) {
 	x.unflushed = false
-	x.lastFlush = t
-	if x.firstByteFlush.IsZero() {
-		x.firstByteFlush = t
-	}
 	if x.dec != nil && len(x.decTimes) > 0 && x.decTimes[len(x.decTimes)-1].flush.IsZero() {
 		// Its tokens are stamped once decoded (takeDecoded).
 		x.decTimes[len(x.decTimes)-1].flush = t
 	}
-	x.stampTokens(t)
-}
-
-// stampTokens stamps the delivery at t of the tokens parsed since the last
-// stamp.
-func (x *exchange) stampTokens(t time.Time) {
-	if x.chunkAnswers > 0 && x.firstAnswerFlush.IsZero() {
-		x.firstAnswerFlush = t
-	}
-	x.chunkAnswers = 0
-	for ; x.chunkTokens > 0; x.chunkTokens-- {
-		if x.firstTokenFlush.IsZero() {
-			x.firstTokenFlush = t
-		} else {
-			gap := t.Sub(x.lastTokenFlush)
-			if len(x.gaps) < maxGaps {
-				x.gaps = append(x.gaps, gap)
-			}
-			x.rec.ITLCount++
-			x.rec.Series.ITL(gap)
-		}
-		x.lastTokenFlush = t
-	}
+	x.m.flushed(t)
 }
 
 // CloseWithError is called by the server once the response has been
@@ -338,7 +289,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	if x.mode == parseBody && complete && len(x.whole) > 0 {
 		o := x.dialect.Body(x.whole)
 		o.Token, o.Answer = false, false
-		x.apply(o, now)
+		x.m.observe(o, now)
 	}
 
 	// The outcome, upstream faults before client faults. Error texts are
@@ -364,9 +315,9 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		if writeErr != nil {
 			rec.Error = "cannot write to client: " + describeStreamError(writeErr)
 		}
-	case rec.Status >= 500 || x.streamError:
+	case rec.Status >= 500 || x.m.streamError:
 		rec.Outcome = metrics.OutcomeUpstreamError
-		if x.streamError {
+		if x.m.streamError {
 			rec.Error = "error reported inside the response"
 		}
 	}
@@ -381,57 +332,8 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.p.releaseExchange(x)
 }
 
-// fillRecord derives the record's timings from the clock marks.
+// fillRecord derives the record's timings from the meter.
 func (x *exchange) fillRecord(now time.Time) {
-	rec := &x.rec
-	if x.lastFlush.IsZero() {
-		rec.E2E = now.Sub(x.arrival)
-	} else {
-		rec.E2E = x.lastFlush.Sub(x.arrival)
-	}
-	rec.BytesOut = x.bytesOut
-	rec.Events = x.events
-	if x.usage.hasIn {
-		rec.InputTokens = x.usage.in
-	}
-	switch {
-	case x.usage.hasOut:
-		rec.OutputTokens, rec.TokensSource = x.usage.out, "usage"
-	case x.streamed && x.events > 0:
-		rec.OutputTokens, rec.TokensSource = x.events, "counted"
-	}
-	rec.Items = x.items
-	if t := x.timings; t.Set {
-		rec.ServerQueue, rec.ServerLoad, rec.ServerPrefill, rec.ServerDecode = t.Queue, t.Load, t.Prefill, t.Decode
-	}
-	if x.streamed && !x.firstAnswerFlush.IsZero() {
-		rec.TTFA = x.firstAnswerFlush.Sub(x.arrival)
-	}
-	if x.streamed && !x.firstTokenFlush.IsZero() {
-		rec.TTFT = x.firstTokenFlush.Sub(x.arrival)
-		if rec.OutputTokens > 1 {
-			rec.TPOT = (rec.E2E - rec.TTFT) / time.Duration(rec.OutputTokens-1)
-		}
-	}
-	if n := len(x.gaps); n > 0 {
-		var sum time.Duration
-		for _, g := range x.gaps {
-			sum += g
-		}
-		slices.Sort(x.gaps)
-		rec.ITLMean = sum / time.Duration(n)
-		rec.ITLP50 = x.gaps[(n-1)/2]
-		rec.ITLP99 = x.gaps[(n-1)*99/100]
-		rec.ITLMax = x.gaps[n-1]
-	}
-	if !x.written.IsZero() {
-		o := x.written.Sub(x.arrival) - max(rec.Queue, 0)
-		switch {
-		case !x.firstTokenFlush.IsZero():
-			o += x.firstTokenFlush.Sub(x.firstTokenRead)
-		case !x.firstByteFlush.IsZero():
-			o += x.firstByteFlush.Sub(x.firstByteRead)
-		}
-		rec.Overhead = o
-	}
+	x.rec.BytesOut = x.bytesOut
+	x.m.fill(&x.rec, now, x.streamed)
 }

@@ -96,8 +96,9 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	model := req.Model
 	rec.Model = boundedString(model, maxLoggedModel)
 	rec.Stream = req.Stream
-	x.items = req.Items
+	x.m.items = req.Items
 	rec.Series = snap.metrics.Series(r.index, snap.metrics.ModelIndex(model))
+	x.m.live = rec.Series
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		p.fail(ctx, x, fasthttp.StatusBadRequest, metrics.OutcomeBadRequest, "model_not_allowed", "this model is not served here")
 		return
@@ -147,7 +148,7 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 	rec.Status = resp.StatusCode()
 	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
 		if t := hr.Header(resp.Header.Peek); t.Set {
-			x.timings = t
+			x.m.timings = t
 		}
 	}
 	copyResponseHeader(resp, &ctx.Response.Header, x.id)
@@ -311,7 +312,7 @@ func (x *exchange) roundTrip(head bool) error {
 			acked = c.bytesAcked()
 		}
 		written, err := c.send(x.req, x.resp, head)
-		x.written = written
+		x.m.written = written
 		if err == nil {
 			x.conn = c
 			// The response can reach the socket before the write is stamped.

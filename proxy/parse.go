@@ -56,9 +56,7 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 // observe feeds one upstream read, read at t, to the parser (through the
 // decompressor when the body is compressed).
 func (x *exchange) observe(b []byte, t time.Time) {
-	if x.firstByteRead.IsZero() {
-		x.firstByteRead = t
-	}
+	x.m.read(t)
 	if x.dec != nil {
 		// What was decoded of earlier chunks is measured first, with their
 		// own times; this chunk's events are measured once decoded.
@@ -83,10 +81,10 @@ func (x *exchange) takeDecoded() {
 		ct := x.decTimes[part.seq-x.decBase]
 		x.parse(part.b, ct.read)
 		if ct.flush.IsZero() {
-			x.chunkTokens, x.chunkAnswers = 0, 0
+			x.m.drop()
 			continue
 		}
-		x.stampTokens(ct.flush)
+		x.m.deliver(ct.flush)
 	}
 	if n := len(parts); n > 0 {
 		// Later parts come from this chunk or later ones.
@@ -110,7 +108,7 @@ func (x *exchange) parse(b []byte, t time.Time) {
 			if ev.Truncated {
 				x.rec.Partial = true
 			}
-			x.apply(x.dialect.Event(ev.Type, ev.Data), t)
+			x.m.observe(x.dialect.Event(ev.Type, ev.Data), t)
 		}
 	case parseLines:
 		x.lines.Feed(b)
@@ -118,7 +116,7 @@ func (x *exchange) parse(b []byte, t time.Time) {
 			if x.lines.Truncated() {
 				x.rec.Partial = true
 			}
-			x.apply(x.dialect.Event(nil, x.lines.Line()), t)
+			x.m.observe(x.dialect.Event(nil, x.lines.Line()), t)
 		}
 	case parseBody:
 		if len(x.whole)+len(b) <= x.snap.cfg.MaxEventBytes {
@@ -145,7 +143,7 @@ func (x *exchange) parseStrip(b []byte, t time.Time) {
 		if ev.Truncated {
 			x.rec.Partial = true
 		}
-		x.apply(x.dialect.Event(ev.Type, ev.Data), t)
+		x.m.observe(x.dialect.Event(ev.Type, ev.Data), t)
 		if !dialect.UsageOnly(ev.Data) {
 			out = append(out, x.held...)
 			out = append(out, b[start:end]...)
@@ -170,32 +168,4 @@ func (x *exchange) parseStrip(b []byte, t time.Time) {
 		x.held = append(x.held, rest...)
 	}
 	x.stripped = out
-}
-
-func (x *exchange) apply(o dialect.Obs, t time.Time) {
-	if o.Token {
-		x.events++
-		x.chunkTokens++
-		if o.Answer {
-			x.chunkAnswers++
-		}
-		if x.firstTokenRead.IsZero() {
-			x.firstTokenRead = t
-		}
-	}
-	if o.HasIn {
-		x.usage.hasIn, x.usage.in = true, o.In
-	}
-	if o.HasOut {
-		x.usage.hasOut, x.usage.out = true, o.Out
-	}
-	if o.Items > 0 {
-		x.items = o.Items
-	}
-	if o.Timings.Set {
-		x.timings = o.Timings
-	}
-	if o.Error {
-		x.streamError = true
-	}
 }

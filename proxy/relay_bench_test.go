@@ -45,7 +45,7 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 	x.parser.Reset()
 	x.body = body
 	x.contentLength = -1
-	x.written = time.Now()
+	x.m.written = time.Now()
 	return x
 }
 
@@ -54,13 +54,13 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 func TestRelayNoAllocsPerEvent(t *testing.T) {
 	x := streamingExchange(newProxyForBench(t), &repeatReader{benchEvent})
 	buf := make([]byte, 4096)
-	x.gaps = make([]time.Duration, 0, 1024)
+	x.m.gaps = make([]time.Duration, 0, 1024)
 	x.Read(buf)
 	if a := testing.AllocsPerRun(500, func() { x.Read(buf) }); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.events < 500 {
-		t.Fatalf("events = %d: the benchmark relays nothing", x.events)
+	if x.m.events < 500 {
+		t.Fatalf("events = %d: the benchmark relays nothing", x.m.events)
 	}
 }
 
@@ -109,7 +109,7 @@ func (r *countingReader) Read(p []byte) (int, error) {
 // upstream read, parse and flushed client write per event.
 func BenchmarkRelayWriteTo(b *testing.B) {
 	x := streamingExchange(newProxyForBench(b), &countingReader{chunk: benchEvent, n: b.N})
-	x.gaps = make([]time.Duration, 0, maxGaps)
+	x.m.gaps = make([]time.Duration, 0, maxGaps)
 	b.ReportAllocs()
 	b.SetBytes(int64(len(benchEvent)))
 	b.ResetTimer()

@@ -132,9 +132,10 @@ func TestCompressedStreamsPassThroughAndAreMeasured(t *testing.T) {
 			if rec.Partial || rec.Events != events || rec.OutputTokens != 4 || rec.TokensSource != "usage" || rec.Outcome != metrics.OutcomeOK {
 				t.Fatalf("record: %+v", rec)
 			}
-			// Events were read as they arrived, not all at the end.
-			if rec.ITLCount != events-1 || rec.ITLP50 < gap-5*time.Millisecond {
-				t.Fatalf("itl count=%d p50=%v: events were not decoded as they arrived", rec.ITLCount, rec.ITLP50)
+			// Every gap measured (that events are measured as they arrive,
+			// against the client's clock, is TestFaultCompressedStreamsOnTime).
+			if rec.ITLCount != events-1 {
+				t.Fatalf("itl count=%d, want %d", rec.ITLCount, events-1)
 			}
 		})
 	}

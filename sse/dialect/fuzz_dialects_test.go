@@ -200,13 +200,15 @@ func refLlama(doc map[string]any) (Obs, bool) {
 	return o, true
 }
 
-// fuzzDialect seeds the fuzzer with the dialect's fixtures and checks that
+// fuzzDialect seeds the fuzzer with the dialect's fixtures (their expected
+// records are checked through the relay's meter, in the proxy package:
+// TestDialectFixturesThroughTheMeter) and checks that
 // the event reader never panics and agrees with the reference on valid JSON.
 func fuzzDialect(f *testing.F, d Dialect, ref func(map[string]any) (Obs, bool)) {
 	wants, _ := filepath.Glob("testdata/*.want.json")
 	for _, wf := range wants {
 		raw, _ := os.ReadFile(wf)
-		var w summary
+		var w struct{ Dialect, Framing string }
 		if json.Unmarshal(raw, &w) != nil || w.Dialect != d.Name() || w.Framing == "body" {
 			continue
 		}

@@ -1,0 +1,199 @@
+package proxy
+
+import (
+	"slices"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse/dialect"
+)
+
+// meter is the measuring state of one exchange: clock marks, token events,
+// the gaps between them, usage and server timings. It does no I/O and reads
+// no clock: every method is given the time of what it records, so its rules
+// are tested with made-up timestamps (meter_test.go), and the dialect
+// fixtures run through it.
+//
+// The relay drives it in this order: arrived, then sent, then for each
+// chunk read (the kernel's receive time) and the observations parsed from
+// it (observe), then flushed once the chunk was written to the client; fill
+// at the end.
+type meter struct {
+	arrival, written                time.Time
+	firstByteRead, firstByteFlush   time.Time
+	firstTokenRead, firstTokenFlush time.Time
+	firstAnswerFlush                time.Time
+	lastTokenFlush, lastFlush       time.Time
+
+	chunkTokens  int // token events observed and not yet delivered
+	chunkAnswers int // of which answers
+	gaps         []time.Duration
+	itlCount     int
+	events       int // token events
+	answers      int // answer token events
+	usage        usage
+	items        int
+	timings      dialect.Timings
+	streamError  bool
+
+	// live receives every inter-token gap as it is measured (nil: none).
+	live *metrics.Series
+}
+
+// usage is the token usage the response reported, merged across events.
+type usage struct {
+	hasIn, hasOut bool
+	in, out       int
+}
+
+// maxGaps bounds the inter-token gaps kept per request for its ITL
+// percentiles (every gap still goes to the live histogram).
+const maxGaps = 1 << 16
+
+// reset readies the meter for a request that arrived at arrival, keeping
+// its gap buffer.
+func (m *meter) reset(arrival time.Time) {
+	*m = meter{arrival: arrival, gaps: m.gaps[:0]}
+}
+
+// read marks a chunk of the body read at t.
+func (m *meter) read(t time.Time) {
+	if m.firstByteRead.IsZero() {
+		m.firstByteRead = t
+	}
+}
+
+// observe merges one observation of an event read at t. Its tokens count
+// as delivered at the next flushed (or deliver).
+func (m *meter) observe(o dialect.Obs, t time.Time) {
+	if o.Token {
+		m.events++
+		m.chunkTokens++
+		if o.Answer {
+			m.answers++
+			m.chunkAnswers++
+		}
+		if m.firstTokenRead.IsZero() {
+			m.firstTokenRead = t
+		}
+	}
+	if o.HasIn {
+		m.usage.hasIn, m.usage.in = true, o.In
+	}
+	if o.HasOut {
+		m.usage.hasOut, m.usage.out = true, o.Out
+	}
+	if o.Items > 0 {
+		m.items = o.Items
+	}
+	if o.Timings.Set {
+		m.timings = o.Timings
+	}
+	if o.Error {
+		m.streamError = true
+	}
+}
+
+// flushed marks a chunk written to the client at t, and the delivery of
+// the token events observed since the last delivery.
+func (m *meter) flushed(t time.Time) {
+	m.lastFlush = t
+	if m.firstByteFlush.IsZero() {
+		m.firstByteFlush = t
+	}
+	m.deliver(t)
+}
+
+// deliver stamps the delivery at t of the token events observed since the
+// last delivery. Events delivered together are gaps of 0: that is what the
+// client saw.
+func (m *meter) deliver(t time.Time) {
+	if m.chunkAnswers > 0 && m.firstAnswerFlush.IsZero() {
+		m.firstAnswerFlush = t
+	}
+	m.chunkAnswers = 0
+	for ; m.chunkTokens > 0; m.chunkTokens-- {
+		if m.firstTokenFlush.IsZero() {
+			m.firstTokenFlush = t
+		} else {
+			gap := t.Sub(m.lastTokenFlush)
+			if len(m.gaps) < maxGaps {
+				m.gaps = append(m.gaps, gap)
+			}
+			m.itlCount++
+			if m.live != nil {
+				m.live.ITL(gap)
+			}
+		}
+		m.lastTokenFlush = t
+	}
+}
+
+// drop forgets token events observed and never delivered (their chunk's
+// write failed).
+func (m *meter) drop() { m.chunkTokens, m.chunkAnswers = 0, 0 }
+
+// fill derives the record's timings and counts. now ends a response that
+// delivered nothing; streamed says whether token timings apply; rec.Queue
+// must be set.
+//
+//   - TTFT: arrival → first token event delivered; TTFA the same for the
+//     first answer event (streams only).
+//   - E2E: arrival → last byte delivered (or now).
+//   - TPOT: (E2E − TTFT) / (output tokens − 1), from two tokens on.
+//   - ITL: every gap between consecutive deliveries of token events.
+//   - Overhead: (request written upstream − arrival − queue) + (first
+//     token delivered − first token read); without token events the first
+//     body chunk stands in.
+func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
+	if m.lastFlush.IsZero() {
+		rec.E2E = now.Sub(m.arrival)
+	} else {
+		rec.E2E = m.lastFlush.Sub(m.arrival)
+	}
+	rec.Events = m.events
+	if m.usage.hasIn {
+		rec.InputTokens = m.usage.in
+	}
+	switch {
+	case m.usage.hasOut:
+		rec.OutputTokens, rec.TokensSource = m.usage.out, "usage"
+	case streamed && m.events > 0:
+		rec.OutputTokens, rec.TokensSource = m.events, "counted"
+	}
+	rec.Items = m.items
+	if t := m.timings; t.Set {
+		rec.ServerQueue, rec.ServerLoad, rec.ServerPrefill, rec.ServerDecode = t.Queue, t.Load, t.Prefill, t.Decode
+	}
+	if streamed && !m.firstAnswerFlush.IsZero() {
+		rec.TTFA = m.firstAnswerFlush.Sub(m.arrival)
+	}
+	if streamed && !m.firstTokenFlush.IsZero() {
+		rec.TTFT = m.firstTokenFlush.Sub(m.arrival)
+		if rec.OutputTokens > 1 {
+			rec.TPOT = (rec.E2E - rec.TTFT) / time.Duration(rec.OutputTokens-1)
+		}
+	}
+	rec.ITLCount = m.itlCount
+	if n := len(m.gaps); n > 0 {
+		var sum time.Duration
+		for _, g := range m.gaps {
+			sum += g
+		}
+		slices.Sort(m.gaps)
+		rec.ITLMean = sum / time.Duration(n)
+		rec.ITLP50 = m.gaps[(n-1)/2]
+		rec.ITLP99 = m.gaps[(n-1)*99/100]
+		rec.ITLMax = m.gaps[n-1]
+	}
+	if !m.written.IsZero() {
+		o := m.written.Sub(m.arrival) - max(rec.Queue, 0)
+		switch {
+		case !m.firstTokenFlush.IsZero():
+			o += m.firstTokenFlush.Sub(m.firstTokenRead)
+		case !m.firstByteFlush.IsZero():
+			o += m.firstByteFlush.Sub(m.firstByteRead)
+		}
+		rec.Overhead = o
+	}
+}
