@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -62,37 +61,6 @@ func estimate(body []byte, d dialect.Dialect, defaultOut int) (in, total int64) 
 	return in, in + out
 }
 
-// admit runs admission control for a request of an identified tenant
-// (x.tenant); false means the request was answered (429 or a cancel) and
-// is finished.
-func (p *Proxy) admit(ctx *fasthttp.RequestCtx, x *exchange, body []byte) bool {
-	a := x.snap.admit
-	tenant := x.tenant
-	var total int64
-	x.estIn, total = estimate(body, x.dialect, x.snap.cfg.DefaultMaxOutput)
-
-	start := p.now()
-	ticket, refusal := a.Admit(goneCtx{x.cancel.doneChan()}, tenant, x.route.Name, total)
-	x.rec.Queue = p.now().Sub(start)
-	if refusal == nil {
-		x.ticket = ticket
-		return true
-	}
-	x.rec.TenantSeries.Rejected(string(refusal.Reason))
-	if refusal.Reason == ratelimit.ReasonCancelled {
-		p.fail(ctx, x, 499, metrics.OutcomeClientCancel, "", "client closed the connection while queued")
-		return false
-	}
-	x.rec.Status, x.rec.Outcome = fasthttp.StatusTooManyRequests, metrics.OutcomeRejected
-	x.rec.Error = "rate limited: " + string(refusal.Reason)
-	writeJSONError(ctx, fasthttp.StatusTooManyRequests, "rate_limit_exceeded", "rate limit reached ("+string(refusal.Reason)+"), retry later", x.id)
-	secs := int64((refusal.RetryAfter + time.Second - 1) / time.Second)
-	ctx.Response.Header.Set("Retry-After", strconv.FormatInt(max(secs, 1), 10))
-	setQuotaHeaders(&ctx.Response.Header, a, tenant, x.route.Name)
-	x.finish(nil)
-	return false
-}
-
 // setQuotaHeaders sets the OpenAI-style x-ratelimit-* headers from the
 // tenant's limiter state.
 func setQuotaHeaders(h *fasthttp.ResponseHeader, a *ratelimit.Admitter, tenant, route string) {
@@ -107,26 +75,6 @@ func setQuotaHeaders(h *fasthttp.ResponseHeader, a *ratelimit.Admitter, tenant, 
 	}
 	set("Requests", req)
 	set("Tokens", tok)
-}
-
-// releaseTicket returns the request's admission ticket with the tokens it
-// really used: the usage the backend reported, or the input estimate and
-// the output tokens counted; nothing when no response came or the backend
-// refused the request without usage.
-func (x *exchange) releaseTicket() {
-	if x.ticket == nil {
-		return
-	}
-	var actual int64
-	if x.responded && (x.rec.Status < 400 || x.m.usage.hasIn || x.m.usage.hasOut) {
-		in := x.estIn
-		if x.m.usage.hasIn {
-			in = int64(x.m.usage.in)
-		}
-		actual = in + int64(x.rec.OutputTokens)
-	}
-	x.ticket.Release(actual)
-	x.ticket = nil
 }
 
 // goneCtx is a context that is done when the client has gone.

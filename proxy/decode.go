@@ -7,6 +7,7 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/andybalholm/brotli"
 	"github.com/klauspost/compress/zstd"
@@ -189,3 +190,6 @@ func (d *sideDecoder) close() bool {
 	<-d.done
 	return d.err == nil && !d.over && !d.dropped
 }
+
+// chunkTimes are when a compressed chunk was read and delivered.
+type chunkTimes struct{ read, flush time.Time }

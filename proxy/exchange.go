@@ -1,8 +1,11 @@
 package proxy
 
 import (
+	"bytes"
+	"context"
 	"io"
 	"net"
+	"strconv"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -25,7 +28,7 @@ type exchange struct {
 	rec  metrics.Record
 	id   []byte
 
-	route   *route
+	rt      *route
 	dialect dialect.Dialect
 	req     *fasthttp.Request
 	resp    *fasthttp.Response
@@ -54,7 +57,9 @@ type exchange struct {
 	injected      []byte // the request body with include_usage injected
 	path          []byte // the normalised request path
 	query         []byte // the raw query, with its "?", a view of the request
-	reqBody       []byte // the request body, read in bounded pieces
+	reqBody       []byte // the buffer the request body is read into
+	body0         []byte // the request body (reqBody, or fasthttp's own)
+	stream        bool   // the request asks for a stream
 	scratch       []byte // header values being built
 
 	// What is measured, and whether a chunk handed to the server awaits
@@ -117,6 +122,346 @@ func (p *Proxy) releaseExchange(x *exchange) {
 // maxPooledBody is the largest request body buffer kept for the next
 // request.
 const maxPooledBody = 256 << 10
+
+// --- The request path, step by step (ServeHTTP runs serve). ---
+
+// serve runs the request's steps in order; the first that refuses ends it,
+// and its refusal is answered and recorded by refuse, the one place that
+// does so. After relay the server reads the body through the exchange.
+func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
+	if r := x.route(ctx); r != nil {
+		return r
+	}
+	if r := x.readRequest(ctx); r != nil {
+		return r
+	}
+	// From here on a client that goes away cancels the request, queued or
+	// upstream.
+	x.client = ctx.Conn()
+	x.watch.start(x.client, x.fire)
+	if r := x.admit(); r != nil {
+		return r
+	}
+	if r := x.forward(ctx); r != nil {
+		return r
+	}
+	x.relay(ctx)
+	return nil
+}
+
+// route checks what the headers say and finds the request's route, dialect
+// and tenant, before a byte of the body is read: a refused request costs no
+// more than its headers.
+func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
+	rec, snap := &x.rec, x.snap
+	rawPath := ctx.Request.Header.RequestURI()
+	if i := bytes.IndexByte(rawPath, '?'); i >= 0 {
+		rawPath, x.query = rawPath[:i], rawPath[i:]
+	}
+	rec.Path = boundedString(rawPath, maxLoggedPath)
+	switch {
+	case ctx.IsConnect() || ctx.IsTrace():
+		// TRACE would echo the request, credentials included; CONNECT
+		// would open a tunnel. Neither is an inference call.
+		return refuseMethod
+	case !validHeaderNames(&ctx.Request.Header):
+		return refuseHeaderName
+	case ctx.Request.Header.ContentLength() == -1 && hasContentLength(ctx.Request.Header.RawHeaders()):
+		// Both framings (RFC 9112 §6.3): what an upstream or a proxy
+		// before tokentap made of the body is unknowable. A smuggling try.
+		return refuseFraming
+	}
+	path, err := normalizePath(x.path[:0], rawPath)
+	if err != nil {
+		return refusePath
+	}
+	x.path = path
+	rec.Path = boundedString(path, maxLoggedPath)
+
+	r := snap.match(path)
+	if r == nil {
+		return refuseNoRoute
+	}
+	x.rt = r
+	rec.Route = r.Name
+	rec.Series = snap.metrics.Series(r.index, snap.metrics.OtherIndex())
+	x.dialect = r.dialect
+	if x.dialect == nil {
+		x.dialect = dialect.ForPath(path)
+	}
+	rec.Dialect = x.dialect.Name()
+
+	if snap.admit != nil {
+		tenant, ok := identify(snap.admit, &ctx.Request.Header)
+		if !ok {
+			rec.Tenant = "unknown"
+			return refuseKey
+		}
+		x.tenant, rec.Tenant = tenant, tenant
+		rec.TenantSeries = snap.metrics.Tenant(tenant)
+	}
+	return nil
+}
+
+// readRequest reads the body and what it says: the model (the metric
+// series), whether it streams, how many items it holds.
+func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
+	rec, snap := &x.rec, x.snap
+	body, r := x.readBody(ctx, x.p.opts.MaxRequestBodySize)
+	rec.BytesIn = int64(len(body))
+	if r != nil {
+		return r
+	}
+	x.body0 = body
+	req := x.dialect.Request(x.path, body)
+	model := req.Model
+	rec.Model = boundedString(model, maxLoggedModel)
+	rec.Stream = req.Stream
+	x.stream = req.Stream
+	x.m.items = req.Items
+	rec.Series = snap.metrics.Series(x.rt.index, snap.metrics.ModelIndex(model))
+	x.m.live = rec.Series
+	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
+		return refuseModel
+	}
+	rec.Queue = 0
+	return nil
+}
+
+// readBody reads the request body into the exchange's own buffer, which
+// grows only as bytes arrive: a Content-Length announces, it reserves
+// nothing. The server streams request bodies (StreamRequestBody) and has
+// read at most 8 KiB of one before the handler runs. A body declared or
+// found larger than limit is refused with 413.
+func (x *exchange) readBody(ctx *fasthttp.RequestCtx, limit int) ([]byte, *refusal) {
+	if !ctx.Request.IsBodyStream() {
+		return ctx.Request.Body(), nil
+	}
+	cl := ctx.Request.Header.ContentLength()
+	if cl > limit {
+		return nil, refuseBodyTooLarge
+	}
+	r := ctx.RequestBodyStream()
+	buf := x.reqBody[:0]
+	for cl < 0 || len(buf) < cl {
+		if len(buf) == cap(buf) {
+			// Double as bytes arrive; never past what is declared.
+			next := max(2*cap(buf), 16<<10)
+			if cl >= 0 {
+				next = min(next, cl)
+			}
+			grown := make([]byte, len(buf), next)
+			copy(grown, buf)
+			buf = grown
+		}
+		n, err := r.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if len(buf) > limit {
+			x.reqBody = buf[:0]
+			return nil, refuseBodyTooLarge
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			x.reqBody = buf[:0]
+			if isTimeout(err) {
+				return buf, refuseBodyTimeout
+			}
+			return buf, refuseBodyUnreadable
+		}
+	}
+	x.reqBody = buf
+	return buf, nil
+}
+
+// admit runs admission control for the identified tenant, waiting in its
+// queue when the mode says so.
+func (x *exchange) admit() *refusal {
+	a := x.snap.admit
+	if a == nil {
+		return nil
+	}
+	var total int64
+	x.estIn, total = estimate(x.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
+	start := x.p.now()
+	ticket, refused := a.Admit(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total)
+	x.rec.Queue = x.p.now().Sub(start)
+	if refused == nil {
+		x.ticket = ticket
+		return nil
+	}
+	x.rec.TenantSeries.Rejected(string(refused.Reason))
+	if refused.Reason == ratelimit.ReasonCancelled {
+		return refuseGoneWhileQueued
+	}
+	return &refusal{status: fasthttp.StatusTooManyRequests, outcome: metrics.OutcomeRejected, code: "rate_limit_exceeded",
+		msg:  "rate limit reached (" + string(refused.Reason) + "), retry later",
+		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, quota: true}
+}
+
+// forward builds the upstream request and sends it, up to the response
+// headers.
+func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
+	r, body := x.rt, x.body0
+	x.scratch = prepareRequest(ctx, x.req, r, x.path, x.query, body, x.id, x.scratch)
+	x.req.Header.Del(tenantHeader)
+	if x.tenant != "" {
+		x.req.Header.Set(tenantHeader, x.tenant)
+	}
+	if r.InjectUsage && x.dialect == dialect.OpenAI && x.stream {
+		if b, ok := dialect.InjectIncludeUsage(x.injected[:0], body); ok {
+			// The one case where tokentap changes bytes: the upstream is
+			// asked for usage, and the usage chunk it adds is removed from
+			// the stream. Compression is declined so the chunk can be found.
+			x.injected = b
+			x.req.SetBodyRaw(b)
+			x.req.Header.Del("Accept-Encoding")
+			x.strip = true
+		}
+	}
+	err := x.roundTrip(ctx.IsHead())
+	switch {
+	case err == nil:
+		return nil
+	case x.cancel.isGone():
+		return refuseGone
+	case isTimeout(err):
+		return &refusal{status: fasthttp.StatusGatewayTimeout, outcome: metrics.OutcomeUpstreamTimeout, code: "upstream_timeout", msg: describeUpstreamError(err)}
+	default:
+		return &refusal{status: fasthttp.StatusBadGateway, outcome: metrics.OutcomeUpstreamError, code: "upstream_unavailable", msg: describeUpstreamError(err)}
+	}
+}
+
+// roundTrip sends the request on a pooled or new connection.
+//
+// A request is sent again, on a new connection, only when the backend
+// provably never received it: the connection was reused, no response byte
+// came, the failure is a close or reset (not a timeout), and the backend's
+// kernel acknowledged none of the request's bytes (TCP_INFO
+// tcpi_bytes_acked unchanged since before the write). A socket the backend
+// had already closed answers data with a reset and acknowledges nothing;
+// one whose backend read the request has acknowledged it, and sending it
+// again would run (and bill) the generation twice.
+func (x *exchange) roundTrip(head bool) error {
+	up := x.rt.up
+	for attempt := 0; ; attempt++ {
+		c, err := up.get(context.Background(), attempt > 0)
+		if err != nil {
+			return err
+		}
+		if !x.cancel.attach(c.Conn) {
+			up.discard(c)
+			return errCancelled
+		}
+		acked := int64(-1)
+		if c.reused {
+			acked = c.bytesAcked()
+		}
+		written, err := c.send(x.req, x.resp, head)
+		x.m.written = written
+		if err == nil {
+			x.conn = c
+			// The response can reach the socket before the write is stamped.
+			x.rec.UpstreamTTFB = max(c.first.Sub(written), 0)
+			return nil
+		}
+		unread := c.reused && acked >= 0 && c.first.IsZero() && !isTimeout(err) && isConnReset(err) &&
+			c.bytesAcked() == acked
+		up.discard(c)
+		x.cancel.detach()
+		if x.cancel.isGone() {
+			return errCancelled
+		}
+		if !unread || attempt > 0 {
+			return err
+		}
+		metrics.UpstreamRetry()
+	}
+}
+
+// relay passes the response headers on and hands the body to the server,
+// which reads it through the exchange (WriteTo, Read) and then calls
+// CloseWithError.
+func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
+	rec, resp := &x.rec, x.resp
+	x.responded = true
+	rec.Status = resp.StatusCode()
+	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
+		if t := hr.Header(resp.Header.Peek); t.Set {
+			x.m.timings = t
+		}
+	}
+	copyResponseHeader(resp, &ctx.Response.Header, x.id)
+	if x.ticket != nil {
+		setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
+	}
+	body := resp.BodyStream()
+	if body == nil {
+		// No body (HEAD, 204, 304): the exchange is over.
+		x.upDone = true
+		if ctx.IsHead() {
+			ctx.Response.SkipBody = true
+		}
+		x.finish(nil)
+		return
+	}
+	x.body = body
+	x.startParsing(resp)
+	cl := resp.Header.ContentLength()
+	if x.streamed || cl < 0 {
+		// Unknown length: chunked to the client, each upstream read flushed
+		// as its own chunk. A known length would make fasthttp buffer until
+		// 4 KiB are ready, holding back the first events.
+		cl = -1
+		// Headers go out at once, so a client sees them during a long
+		// prefill; when body bytes came with them, they go out together
+		// with the first chunk instead, in one write.
+		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
+	}
+	x.contentLength = cl
+	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
+		x.serveHTTP10(ctx)
+		return
+	}
+	ctx.Response.SetBodyStream(x, cl)
+}
+
+// refuse answers a request tokentap refuses itself, with a short JSON error
+// in tokentap's words (never a header value, an upstream's bytes or an
+// address), and finishes the record. It is the one place that does.
+func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
+	rec := &x.rec
+	rec.Status, rec.Outcome, rec.Error = r.status, r.outcome, r.msg
+	if r.note != "" {
+		rec.Error = r.note
+	}
+	switch {
+	case r.status == 499:
+		// Nobody is listening: close without writing.
+		ctx.SetConnectionClose()
+		ctx.Response.SetStatusCode(r.status)
+	default:
+		writeJSONError(ctx, r.status, r.code, r.msg, x.id)
+		if r.close {
+			// The body was not read: close rather than drain it.
+			ctx.SetConnectionClose()
+		}
+		if r.allow != "" {
+			ctx.Response.Header.Set("Allow", r.allow)
+		}
+		if r.retryAfter > 0 || r.quota {
+			secs := int64((r.retryAfter + time.Second - 1) / time.Second)
+			ctx.Response.Header.Set("Retry-After", strconv.FormatInt(max(secs, 1), 10))
+		}
+		if r.quota {
+			setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
+		}
+	}
+	x.finish(nil)
+}
+
+// --- Relaying the body (the server reads it through these). ---
 
 // pull reads the upstream once into b and feeds what it read to the
 // parser. An upstream error is kept and returned again on every later call;
@@ -220,6 +565,200 @@ func (x *exchange) flushed(t time.Time) {
 	x.m.flushed(t)
 }
 
+// serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
+// cannot read chunked encoding: the body goes out unframed on a hijacked
+// connection, ended by closing it. fasthttp would send chunked encoding.
+func (x *exchange) serveHTTP10(ctx *fasthttp.RequestCtx) {
+	h := &ctx.Response.Header
+	h.SetContentLength(-2) // identity: no Content-Length, no Transfer-Encoding
+	h.SetConnectionClose()
+	h.SetProtocol([]byte("HTTP/1.0"))
+	x.head = append(x.head[:0], h.Header()...)
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(x.relayRaw)
+}
+
+// relayRaw writes the prepared header and then every chunk straight to the
+// client connection, each Write reaching the socket at once. On an upstream
+// failure the connection is reset, not closed cleanly, so the client can
+// tell a broken body from a complete one.
+func (x *exchange) relayRaw(c net.Conn) {
+	if _, err := c.Write(x.head); err != nil {
+		x.finish(err)
+		return
+	}
+	_, err := x.WriteTo(c)
+	if err != nil && x.readErr != nil && x.readErr != io.EOF {
+		// The upstream broke: reset rather than close cleanly.
+		if tc, ok := x.client.(interface{ SetLinger(int) error }); ok {
+			_ = tc.SetLinger(0)
+		}
+	}
+	x.finish(err)
+}
+
+// --- Measuring the body on the way. ---
+
+// startParsing chooses how the body is measured from its Content-Type and
+// Content-Encoding.
+func (x *exchange) startParsing(resp *fasthttp.Response) {
+	ct := resp.Header.ContentType()
+	if i := bytes.IndexByte(ct, ';'); i >= 0 {
+		ct = ct[:i]
+	}
+	ct = bytes.TrimSpace(ct)
+	switch {
+	case bytes.EqualFold(ct, []byte("text/event-stream")):
+		x.streamed, x.mode = true, parseSSE
+	case bytes.EqualFold(ct, []byte("application/x-ndjson")), bytes.EqualFold(ct, []byte("application/jsonl")),
+		bytes.EqualFold(ct, []byte("application/json-seq")):
+		x.streamed, x.mode = true, parseLines
+	default:
+		x.mode = parseBody
+	}
+	x.rec.Stream = x.streamed
+	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
+		// The compressed bytes pass through untouched; the parser reads a
+		// decompressed copy.
+		if x.dec = newSideDecoder(enc, x.snap.cfg.MaxDecodedBytes); x.dec == nil {
+			x.mode = parseNone
+			x.rec.Partial = true
+		}
+	}
+	if x.strip && (x.mode != parseSSE || x.dec != nil) {
+		x.strip = false // only a plain SSE stream can have the chunk removed
+	}
+	max := x.snap.cfg.MaxEventBytes
+	switch x.mode {
+	case parseSSE:
+		if x.parser == nil {
+			x.parser = sse.NewParser(max)
+		}
+		x.parser.Reset()
+	case parseLines:
+		if x.lines == nil {
+			x.lines = sse.NewLines(max)
+		}
+		x.lines.Reset()
+	}
+}
+
+// observe feeds one upstream read, read at t, to the parser (through the
+// decompressor when the body is compressed).
+func (x *exchange) observe(b []byte, t time.Time) {
+	x.m.read(t)
+	if x.dec != nil {
+		// What was decoded of earlier chunks is measured first, with their
+		// own times; this chunk's events are measured once decoded.
+		x.takeDecoded()
+		x.dec.feed(b)
+		x.decTimes = append(x.decTimes, chunkTimes{read: t})
+		return
+	}
+	x.parse(b, t)
+}
+
+// takeDecoded parses what the side decoder produced since the last call,
+// each part stamped with the read and delivery times of the chunk it came
+// in. Tokens of a chunk that was never delivered (the client write failed)
+// are counted as events but not as delivered.
+func (x *exchange) takeDecoded() {
+	parts := x.dec.take()
+	for _, part := range parts {
+		ct := x.decTimes[part.seq-x.decBase]
+		x.parse(part.b, ct.read)
+		if ct.flush.IsZero() {
+			x.m.drop()
+			continue
+		}
+		x.m.deliver(ct.flush)
+	}
+	if n := len(parts); n > 0 {
+		// Later parts come from this chunk or later ones.
+		keep := parts[n-1].seq - x.decBase
+		x.decTimes = append(x.decTimes[:0], x.decTimes[keep:]...)
+		x.decBase += keep
+	}
+}
+
+// parse reads body bytes read at t.
+func (x *exchange) parse(b []byte, t time.Time) {
+	switch x.mode {
+	case parseSSE:
+		if x.strip {
+			x.parseStrip(b, t)
+			return
+		}
+		x.parser.Feed(b)
+		for x.parser.Next() {
+			ev := x.parser.Event()
+			if ev.Truncated {
+				x.rec.Partial = true
+			}
+			x.m.observe(x.dialect.Event(ev.Type, ev.Data), t)
+		}
+	case parseLines:
+		x.lines.Feed(b)
+		for x.lines.Next() {
+			if x.lines.Truncated() {
+				x.rec.Partial = true
+			}
+			x.m.observe(x.dialect.Event(nil, x.lines.Line()), t)
+		}
+	case parseBody:
+		if len(x.whole)+len(b) <= x.snap.cfg.MaxEventBytes {
+			x.whole = append(x.whole, b...)
+		} else {
+			x.rec.Partial = true
+			x.mode = parseNone
+		}
+	}
+}
+
+// parseStrip parses like parse and also leaves in x.stripped the bytes to
+// relay: everything but the usage-only chunk that tokentap itself asked for
+// (stream_options.include_usage injected into the request). Bytes of an
+// event still incomplete are held back until it completes, so an event is
+// relayed in the write of the read that completed it, as without stripping.
+func (x *exchange) parseStrip(b []byte, t time.Time) {
+	out := x.stripped[:0]
+	start := 0
+	x.parser.Feed(b)
+	for x.parser.Next() {
+		end := x.parser.Offset()
+		ev := x.parser.Event()
+		if ev.Truncated {
+			x.rec.Partial = true
+		}
+		x.m.observe(x.dialect.Event(ev.Type, ev.Data), t)
+		if !dialect.UsageOnly(ev.Data) {
+			out = append(out, x.held...)
+			out = append(out, b[start:end]...)
+		}
+		x.held = x.held[:0]
+		start = end
+	}
+	rest := b[start:]
+	switch {
+	case !x.parser.Pending():
+		// Between events (comments, blank lines): nothing to decide later.
+		out = append(out, x.held...)
+		out = append(out, rest...)
+		x.held = x.held[:0]
+	case len(x.held)+len(rest) > x.snap.cfg.MaxEventBytes:
+		// An event too large to hold: stop stripping, relay as it comes.
+		out = append(out, x.held...)
+		out = append(out, rest...)
+		x.held = x.held[:0]
+		x.strip = false
+	default:
+		x.held = append(x.held, rest...)
+	}
+	x.stripped = out
+}
+
+// --- The end. ---
+
 // CloseWithError is called by the server once the response has been
 // written (err == nil) or has failed (err is the write error, or the read
 // error Read returned). It finishes the exchange.
@@ -256,9 +795,9 @@ func (x *exchange) finish(writeErr error) {
 		x.cancel.detach()
 		_ = x.resp.CloseBodyStream()
 		if complete && !gone && writeErr == nil && rec.Outcome != metrics.OutcomeClientCancel && !x.resp.ConnectionClose() {
-			x.route.up.put(x.conn)
+			x.rt.up.put(x.conn)
 		} else {
-			x.route.up.discard(x.conn)
+			x.rt.up.discard(x.conn)
 		}
 		x.conn = nil
 	}
@@ -336,4 +875,24 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.bytesOut
 	x.m.fill(&x.rec, now, x.streamed)
+}
+
+// releaseTicket returns the request's admission ticket with the tokens it
+// really used: the usage the backend reported, or the input estimate and
+// the output tokens counted; nothing when no response came or the backend
+// refused the request without usage.
+func (x *exchange) releaseTicket() {
+	if x.ticket == nil {
+		return
+	}
+	var actual int64
+	if x.responded && (x.rec.Status < 400 || x.m.usage.hasIn || x.m.usage.hasOut) {
+		in := x.estIn
+		if x.m.usage.hasIn {
+			in = int64(x.m.usage.in)
+		}
+		actual = in + int64(x.rec.OutputTokens)
+	}
+	x.ticket.Release(actual)
+	x.ticket = nil
 }

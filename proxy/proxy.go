@@ -9,14 +9,18 @@
 //	...
 //	p.Close()
 //
-// The journey of one request: ServeHTTP stamps arrival (when the kernel
-// received the request's first bytes, see rx.go), picks the route
-// (longest prefix), reads the model from the body, starts watching the
-// client socket for a close, sends the request upstream on a connection of
-// the route's pool and reads the response headers; the body is then relayed
-// by the exchange (exchange.go), which the server reads chunk by chunk. The
-// record is finished exactly once, when the exchange closes or on an early
-// error return.
+// The journey of one request (docs/ARCHITECTURE.md draws it): ServeHTTP
+// begins the exchange (arrival: when the kernel received the request's
+// first bytes, rx.go; the request id) and runs its steps in order
+// (exchange.go): route (method, framing, normalised path, longest-prefix
+// route on segment boundaries, dialect, tenant from the key), readRequest
+// (the body in bounded pieces, the model), admit (admission control),
+// forward (the upstream request on a checked pooled connection, up to the
+// response headers), relay (headers out; the server then reads the body
+// through the exchange, one upstream read per chunk, measured by its meter
+// on the way). A step that refuses returns a refusal, which refuse answers
+// and records: the one place that does. The record is finished exactly
+// once, in finish.
 package proxy
 
 import (

@@ -35,7 +35,7 @@ func newProxyForBench(tb testing.TB, sinks ...metrics.Sink) *Proxy {
 // for an OpenAI stream, reading from body.
 func streamingExchange(p *Proxy, body io.Reader) *exchange {
 	x := p.acquireExchange(p.snap.Load(), time.Now())
-	x.route = x.snap.routes[0]
+	x.rt = x.snap.routes[0]
 	x.rec.Series = x.snap.metrics.Series(0, 0)
 	x.dialect = dialect.OpenAI
 	x.streamed, x.mode = true, parseSSE

@@ -1,0 +1,145 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/valyala/fasthttp"
+)
+
+// refusal is a request tokentap answers itself, and what its record says:
+// the status, the outcome, and the code and message of the JSON error body
+// (tokentap's words only: never a header value, an upstream's bytes or an
+// address). Every step of the request path returns one to refuse, the one
+// place that answers and records it.
+type refusal struct {
+	status  int
+	outcome metrics.Outcome
+	code    string
+	msg     string
+	note    string // the record's error when it says more than msg
+
+	close      bool          // close the connection: the request body was not read
+	allow      string        // the Allow header of a 405
+	retryAfter time.Duration // Retry-After of a 429
+	quota      bool          // the x-ratelimit-* headers of a 429
+}
+
+func (r *refusal) Error() string { return r.msg }
+
+// The refusals that carry nothing of their request, made once.
+var (
+	refuseMethod = &refusal{status: fasthttp.StatusMethodNotAllowed, outcome: metrics.OutcomeBadRequest, code: "method_not_allowed",
+		msg: "this method is not relayed", close: true, allow: "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"}
+	refuseHeaderName = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "invalid_header",
+		msg: "a header name is not a valid token", close: true}
+	refuseFraming = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "ambiguous_framing",
+		msg: "the request has both Content-Length and Transfer-Encoding", close: true}
+	refusePath = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "invalid_path",
+		msg: "the request path cannot be normalised", close: true}
+	refuseNoRoute = &refusal{status: fasthttp.StatusNotFound, outcome: metrics.OutcomeBadRequest, code: "no_route",
+		msg: "no route matches this path", close: true}
+	refuseKey = &refusal{status: fasthttp.StatusUnauthorized, outcome: metrics.OutcomeRejected, code: "invalid_api_key",
+		msg: "unknown or missing API key", close: true}
+	refuseBodyTooLarge = &refusal{status: fasthttp.StatusRequestEntityTooLarge, outcome: metrics.OutcomeBadRequest, code: "body_too_large",
+		msg: "the request body is too large", close: true}
+	refuseBodyTimeout = &refusal{status: fasthttp.StatusRequestTimeout, outcome: metrics.OutcomeBadRequest, code: "request_timeout",
+		msg: "the request body was not received in time", close: true}
+	refuseBodyUnreadable = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "bad_request",
+		msg: "the request body cannot be read", close: true}
+	refuseModel = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "model_not_allowed",
+		msg: "this model is not served here"}
+	refuseGone            = &refusal{status: 499, outcome: metrics.OutcomeClientCancel, msg: "client closed the connection"}
+	refuseGoneWhileQueued = &refusal{status: 499, outcome: metrics.OutcomeClientCancel, msg: "client closed the connection while queued"}
+
+	// What fasthttp could not parse (serveError).
+	refuseUnparsable = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "bad_request",
+		msg: "the request cannot be parsed", close: true}
+	refuseHeadersTooLarge = &refusal{status: fasthttp.StatusRequestHeaderFieldsTooLarge, outcome: metrics.OutcomeBadRequest, code: "headers_too_large",
+		msg: "the request headers are too large", close: true}
+	refuseRequestTimeout = &refusal{status: fasthttp.StatusRequestTimeout, outcome: metrics.OutcomeBadRequest, code: "request_timeout",
+		msg: "the request was not received in time", close: true}
+)
+
+// parseRefusal says what a request fasthttp could not read gets.
+// fasthttp's error text quotes the request, credentials included: only its
+// kind is used.
+func parseRefusal(err error) *refusal {
+	var small *fasthttp.ErrSmallBuffer
+	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		return refuseBodyTooLarge
+	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
+		return refuseHeadersTooLarge
+	case isTimeout(err):
+		return refuseRequestTimeout
+	}
+	return refuseUnparsable
+}
+
+// describeUpstreamError says in tokentap's words what went wrong with the
+// upstream: never its address, its bytes or a header. The errno, when
+// there is one, says why.
+func describeUpstreamError(err error) string {
+	var why string
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		why = ": " + errno.Error()
+	}
+	var op *net.OpError
+	switch {
+	case errors.Is(err, errTooManyConns):
+		return "upstream connection limit reached"
+	case errors.As(err, &op) && op.Op == "dial":
+		if isTimeout(err) {
+			return "cannot connect to the upstream: timed out"
+		}
+		return "cannot connect to the upstream" + why
+	case errors.Is(err, errWriteUpstream):
+		if isTimeout(err) {
+			return "cannot send the request upstream: timed out"
+		}
+		return "cannot send the request upstream" + why
+	case errors.Is(err, errReadUpstream):
+		switch {
+		case isTimeout(err):
+			return "the upstream did not answer in time"
+		case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+			return "the upstream closed the connection before answering"
+		case why != "":
+			return "the upstream connection failed" + why
+		}
+		return "the upstream sent an invalid response"
+	case isTimeout(err):
+		return "the upstream timed out"
+	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+		return "the upstream closed the connection"
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return "the upstream timed out"
+	case why != "":
+		return "upstream connection failed" + why
+	}
+	return "upstream failure"
+}
+
+// describeStreamError names what broke a relay already under way, without
+// the addresses a net.OpError carries.
+func describeStreamError(err error) string {
+	var errno syscall.Errno
+	switch {
+	case isTimeout(err):
+		return "timed out"
+	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+		return "connection closed"
+	case errors.As(err, &errno):
+		return errno.Error()
+	case errors.Is(err, net.ErrClosed):
+		return "connection closed"
+	}
+	return "connection failed"
+}
