@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"context"
 	"io"
 	"net"
 	"net/http"
@@ -79,10 +80,9 @@ func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Opti
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := p.Server()
-	go func() { _ = srv.Serve(ln) }()
+	go func() { _ = p.Serve(ln) }()
 	t.Cleanup(func() {
-		_ = srv.Shutdown()
+		_ = p.Shutdown(context.Background())
 		p.Close()
 	})
 	return &testProxy{p: p, addr: ln.Addr().String(), url: "http://" + ln.Addr().String(), rec: rec}

@@ -4,8 +4,10 @@
 // what the client experienced, one metrics.Record per request.
 //
 //	p, err := proxy.New(cfg, proxy.Options{Sinks: []metrics.Sink{accessLog}})
-//	srv := p.Server()          // a configured *fasthttp.Server
-//	go srv.Serve(ln)
+//	ln, err := p.Listen(":8080")
+//	go p.Serve(ln)
+//	...
+//	p.Shutdown(ctx)             // drain; p.Cut(wait) for what outlives ctx
 //	...
 //	p.Close()
 //
@@ -24,6 +26,7 @@
 package proxy
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -74,6 +77,9 @@ type Proxy struct {
 	log     *zap.Logger
 	snap    atomic.Pointer[snapshot]
 	applyMu sync.Mutex // one Apply at a time
+
+	srvMu sync.Mutex
+	srv   *fasthttp.Server // made by the first Serve
 
 	caps     *connCaps    // client connections opened through Listen
 	inflight atomic.Int64 // exchanges begun and not finished
@@ -224,10 +230,39 @@ func (p *Proxy) Close() {
 	}
 }
 
-// Server returns a fasthttp.Server configured for relaying through p:
-// streamed bodies flushed per chunk, header names and dates passed through
-// untouched, and parse errors answered (and recorded) by p.
-func (p *Proxy) Server() *fasthttp.Server {
+// Serve serves the proxy on ln until Shutdown: the one way to run it, so
+// that every connection gets the client write timeout, the kernel's
+// receive stamps and the connection caps. ln is best opened with Listen; a
+// plain TCP listener is wrapped here.
+func (p *Proxy) Serve(ln net.Listener) error {
+	if _, ok := ln.(*clientListener); !ok {
+		ln = p.wrap(ln)
+	}
+	p.srvMu.Lock()
+	if p.srv == nil {
+		p.srv = p.server()
+	}
+	srv := p.srv
+	p.srvMu.Unlock()
+	return srv.Serve(ln)
+}
+
+// Shutdown stops accepting, closes idle client connections and waits for
+// the requests in flight until ctx is done (then see Cut).
+func (p *Proxy) Shutdown(ctx context.Context) error {
+	p.srvMu.Lock()
+	srv := p.srv
+	p.srvMu.Unlock()
+	if srv == nil {
+		return nil
+	}
+	return srv.ShutdownWithContext(ctx)
+}
+
+// server is the fasthttp.Server that relays through p: streamed bodies
+// flushed per chunk, header names and dates passed through untouched, and
+// parse errors answered (and recorded) by p.
+func (p *Proxy) server() *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:                       p.ServeHTTP,
 		ErrorHandler:                  p.serveError,
@@ -240,14 +275,14 @@ func (p *Proxy) Server() *fasthttp.Server {
 		WriteBufferSize:               4 << 10,  // larger writes (stream chunks) bypass it
 		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
 		// The handler reads the body itself, in pieces that grow only as
-		// bytes arrive (body.go), after the headers identified the tenant:
-		// a Content-Length alone reserves nothing.
+		// bytes arrive (exchange.readBody), after the headers identified
+		// the tenant: a Content-Length alone reserves nothing.
 		StreamRequestBody: true,
 		ReadTimeout:       p.opts.RequestReadTimeout,
 		IdleTimeout:       p.opts.IdleTimeout,
 		// No WriteTimeout: it is one deadline for the whole response and
-		// would cut long streams. Listen wraps connections with a sliding
-		// per-write deadline instead.
+		// would cut long streams. clientConn has a sliding per-write
+		// deadline instead.
 		CloseOnShutdown: true,
 		// fasthttp's error texts quote the request, credentials included.
 		SecureErrorLogMessage: true,
@@ -255,22 +290,25 @@ func (p *Proxy) Server() *fasthttp.Server {
 	}
 }
 
-// Listen opens a TCP listener whose connections bound every write with
-// the client write timeout, carry the kernel's receive times, and count
-// under the connection caps; its Accept survives transient errors. Use it
-// with Server().Serve.
+// Listen opens a TCP listener for Serve: its connections bound every write
+// with the client write timeout, carry the kernel's receive times, and
+// count under the connection caps; its Accept survives transient errors.
 func (p *Proxy) Listen(addr string) (net.Listener, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
+	return p.wrap(ln), nil
+}
+
+func (p *Proxy) wrap(ln net.Listener) *clientListener {
 	l := &clientListener{Listener: ln, d: p.opts.ClientWriteTimeout, caps: p.caps, log: p.log}
 	if tl, ok := ln.(*net.TCPListener); ok {
 		if raw, err := tl.SyscallConn(); err == nil && enableRxStamps(raw) == nil {
 			l.stamped = true
 		}
 	}
-	return l, nil
+	return l
 }
 
 // zapPrintf takes fasthttp's own log lines. Only their format string is

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"net"
@@ -112,9 +113,8 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 	}
 	defer p.Close()
 	ln, _ := p.Listen("127.0.0.1:0")
-	srv := p.Server()
-	go srv.Serve(ln)
-	defer srv.Shutdown()
+	go p.Serve(ln)
+	defer p.Shutdown(context.Background())
 	base := "http://" + ln.Addr().String()
 
 	before := requestsTotal(t)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"io"
@@ -72,9 +73,8 @@ func runDemo(args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srv := p.Server()
-	go func() { _ = srv.Serve(ln) }()
-	defer func() { _ = srv.Shutdown() }()
+	go func() { _ = p.Serve(ln) }()
+	defer func() { _ = p.Shutdown(context.Background()) }()
 	base := "http://" + ln.Addr().String()
 	fmt.Fprintf(out, "simulated backend on %s, tokentap on %s\nsending %d requests, %d at a time...\n\n", upstream, base, *n, *conc)
 

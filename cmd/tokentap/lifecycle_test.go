@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -72,10 +73,10 @@ func TestDrainCutsLongStreamsAndRecordsThem(t *testing.T) {
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
 	cfg := writeFile(t, "upstream: "+up+"\ndrain_timeout: 600ms\ndrain_delay: 300ms\n")
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run([]string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath}, stop)
+		done <- run(ctx, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
 	}()
 	waitUp(t, "http://"+admin+"/healthz")
 	if got := status(t, "GET", "http://"+admin+"/readyz", ""); got != 200 {
@@ -105,7 +106,7 @@ func TestDrainCutsLongStreamsAndRecordsThem(t *testing.T) {
 	}
 	time.Sleep(100 * time.Millisecond)
 	begin := time.Now()
-	close(stop)
+	stop()
 	time.Sleep(100 * time.Millisecond) // within drain_delay
 	if got := status(t, "GET", "http://"+admin+"/readyz", ""); got != 503 {
 		t.Errorf("/readyz while draining: %d, want 503", got)
@@ -147,10 +148,10 @@ func TestDrainLetsStreamsFinish(t *testing.T) {
 	up := startBackend(t, 10*time.Millisecond)
 	listen := freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run([]string{"-upstream", up, "-listen", listen, "-admin", "", "-access-log", logPath}, stop)
+		done <- run(ctx, []string{"-upstream", up, "-listen", listen, "-admin", "", "-access-log", logPath})
 	}()
 	waitUp(t, "http://"+listen+"/v1/models")
 	var wg sync.WaitGroup
@@ -171,7 +172,7 @@ func TestDrainLetsStreamsFinish(t *testing.T) {
 		}()
 	}
 	time.Sleep(50 * time.Millisecond)
-	close(stop)
+	stop()
 	wg.Wait()
 	close(bodies)
 	for b := range bodies {
@@ -208,9 +209,9 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 	const token = "test-admin-token-0123456789"
 	os.WriteFile(tokPath, []byte(token+"\n"), 0o600)
 	cfg := writeFile(t, "upstream: "+up+"\nadmin:\n  listen: "+admin+"\n  token_file: "+tokPath+"\n")
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- run([]string{"-config", cfg, "-listen", listen, "-access-log", logPath}, stop) }()
+	go func() { done <- run(ctx, []string{"-config", cfg, "-listen", listen, "-access-log", logPath}) }()
 	waitUp(t, "http://"+admin+"/healthz")
 
 	for _, c := range []struct {
@@ -264,7 +265,7 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 		t.Fatalf("POST /-/reopen: %d", got)
 	}
 	send(2)
-	close(stop)
+	stop()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
@@ -281,10 +282,10 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
 	cfg := writeFile(t, "routes:\n  - name: chat\n    prefix: /v1/\n    upstream: "+up+"\nmodels:\n  allow: [m]\n")
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run([]string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath}, stop)
+		done <- run(ctx, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
 	}()
 	waitUp(t, "http://"+admin+"/healthz")
 	// Series live for the process: other tests in it counted too.
@@ -329,7 +330,7 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 		t.Fatalf("%d requests failed", failed)
 	}
 	counted := requestsCounted(t, admin) - before
-	close(stop)
+	stop()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}

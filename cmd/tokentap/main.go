@@ -30,7 +30,9 @@ func main() {
 		}
 		return
 	}
-	if err := run(os.Args[1:], nil); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:]); err != nil {
 		fmt.Fprintln(os.Stderr, "tokentap:", err)
 		os.Exit(2)
 	}
@@ -63,12 +65,13 @@ func parseFlags(args []string) (*settings, error) {
 	return buildSettings(fc, f)
 }
 
-// run starts tokentap and blocks until SIGINT/SIGTERM (or until stop is
-// closed, for tests), then drains: /readyz turns 503 (/healthz stays 200),
+// run starts tokentap and blocks until ctx is done (main's ends on SIGINT
+// or SIGTERM), reloading on SIGHUP and reopening the access log on
+// SIGUSR1; then it drains: /readyz turns 503 (/healthz stays 200),
 // after drain_delay the listener closes, requests in flight run to their
 // end for up to drain_timeout, and what is still running then is cut and
 // recorded (outcome shutdown) before the access log is closed.
-func run(args []string, stop <-chan struct{}) error {
+func run(ctx context.Context, args []string) error {
 	s, err := parseFlags(args)
 	if err != nil {
 		return err
@@ -99,9 +102,8 @@ func run(args []string, stop <-chan struct{}) error {
 	if err := a.loadToken(s); err != nil {
 		return fmt.Errorf("admin.token_file: %w", err)
 	}
-	srv := p.Server()
 	go func() {
-		if err := srv.Serve(ln); err != nil {
+		if err := p.Serve(ln); err != nil {
 			logger.Error("proxy server stopped", zap.Error(err))
 		}
 	}()
@@ -109,7 +111,7 @@ func run(args []string, stop <-chan struct{}) error {
 	if s.admin != "" {
 		aln, err := net.Listen("tcp", s.admin)
 		if err != nil {
-			_ = srv.Shutdown()
+			_ = p.Shutdown(context.Background())
 			return fmt.Errorf("admin: %w", err)
 		}
 		adminSrv = a.server()
@@ -119,25 +121,20 @@ func run(args []string, stop <-chan struct{}) error {
 		zap.Int("routes", len(s.proxy.Routes)))
 
 	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGUSR1)
+	signal.Notify(sig, syscall.SIGHUP, syscall.SIGUSR1)
 	defer signal.Stop(sig)
-wait:
-	for {
+	for ctx.Err() == nil {
 		select {
 		case got := <-sig:
-			switch got {
-			case syscall.SIGHUP:
+			if got == syscall.SIGHUP {
 				_ = a.reload()
-			case syscall.SIGUSR1:
+			} else {
 				_ = a.reopen()
-			default:
-				break wait
 			}
-		case <-stop:
-			break wait
+		case <-ctx.Done():
 		}
 	}
-	a.drain(srv)
+	a.drain()
 	if adminSrv != nil {
 		_ = adminSrv.Shutdown()
 	}
@@ -150,7 +147,7 @@ wait:
 // drain stops the proxy without losing a record: readiness fails first, so
 // load balancers stop sending; then the listener closes and requests in
 // flight finish; those still running after drain_timeout are cut.
-func (a *admin) drain(srv *fasthttp.Server) {
+func (a *admin) drain() {
 	s := a.settings()
 	a.ready.Store(false)
 	a.logger.Info("draining", zap.Duration("drain_delay", s.drainDelay), zap.Duration("drain_timeout", s.drainTimeout),
@@ -160,7 +157,7 @@ func (a *admin) drain(srv *fasthttp.Server) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.drainTimeout)
 	defer cancel()
-	if err := srv.ShutdownWithContext(ctx); err != nil {
+	if err := a.p.Shutdown(ctx); err != nil {
 		n := a.p.InFlight()
 		ok := a.p.Cut(5 * time.Second)
 		a.logger.Warn("drain timeout reached, requests in flight cut", zap.Int("cut", n), zap.Bool("all_recorded", ok))

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"io"
 	"net"
@@ -48,10 +49,10 @@ func TestRunEndToEnd(t *testing.T) {
 
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run([]string{"-upstream", "http://" + bln.Addr().String(), "-listen", listen, "-admin", admin, "-access-log", logPath}, stop)
+		done <- run(ctx, []string{"-upstream", "http://" + bln.Addr().String(), "-listen", listen, "-admin", admin, "-access-log", logPath})
 	}()
 	waitUp(t, "http://"+admin+"/healthz")
 	// Series live for the process (they survive reloads): other tests in
@@ -82,7 +83,7 @@ func TestRunEndToEnd(t *testing.T) {
 		}
 	}
 
-	close(stop)
+	stop()
 	select {
 	case err := <-done:
 		if err != nil {
@@ -130,13 +131,13 @@ func TestReload(t *testing.T) {
 		"tenants:\n  - name: t\n    keys: [k]\n    requests_per_second: 0.01\n    burst: 4\n"
 	write(base)
 	listen, admin := freeAddr(t), freeAddr(t)
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run([]string{"-config", cfgPath, "-listen", listen, "-admin", admin, "-access-log", ""}, stop)
+		done <- run(ctx, []string{"-config", cfgPath, "-listen", listen, "-admin", admin, "-access-log", ""})
 	}()
 	defer func() {
-		close(stop)
+		stop()
 		<-done
 	}()
 	waitUp(t, "http://"+admin+"/healthz")
