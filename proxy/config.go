@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -9,6 +8,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
+	"go.uber.org/zap"
 )
 
 // Timeouts bound the upstream side of an exchange. None of them limits the
@@ -99,10 +99,25 @@ type Config struct {
 	DefaultMaxOutput int
 }
 
-// Validate checks c and names the field at fault.
+// FieldError is a configuration error: the field at fault, as the path of
+// its key in tokentap's config file (routes[2].prefix), and what is wrong.
+// Admission errors are ratelimit.FieldError, alike.
+type FieldError struct{ Path, Msg string }
+
+func (e *FieldError) Error() string { return e.Path + ": " + e.Msg }
+
+// Field returns the path of the field at fault.
+func (e *FieldError) Field() string { return e.Path }
+
+func fieldErr(path, format string, args ...any) error {
+	return &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)}
+}
+
+// Validate checks every rule of c; its errors are *FieldError (or
+// *ratelimit.FieldError for admission).
 func (c *Config) Validate() error {
 	if len(c.Routes) == 0 {
-		return errors.New("routes: at least one route is required (or give -upstream)")
+		return fieldErr("routes", "at least one route is required (or give -upstream)")
 	}
 	names := map[string]bool{}
 	prefixes := map[string]bool{}
@@ -110,44 +125,47 @@ func (c *Config) Validate() error {
 		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
 		switch {
 		case r.Name == "":
-			return fmt.Errorf("%s: must not be empty", field("name"))
+			return fieldErr(field("name"), "must not be empty")
 		case r.Name == metrics.UnmatchedRoute:
-			return fmt.Errorf("%s: %q is reserved for requests that match no route", field("name"), r.Name)
+			return fieldErr(field("name"), "%q is reserved for requests that match no route", r.Name)
 		case names[r.Name]:
-			return fmt.Errorf("%s: duplicate route name %q", field("name"), r.Name)
+			return fieldErr(field("name"), "duplicate route name %q", r.Name)
 		case r.Prefix == "" || r.Prefix[0] != '/':
-			return fmt.Errorf("%s: must start with /, got %q", field("prefix"), r.Prefix)
+			return fieldErr(field("prefix"), "must start with /, got %q", r.Prefix)
 		case prefixes[r.Prefix]:
-			return fmt.Errorf("%s: duplicate prefix %q", field("prefix"), r.Prefix)
+			return fieldErr(field("prefix"), "duplicate prefix %q", r.Prefix)
 		}
 		// Requests are matched in normal form, so a prefix in any other
 		// form would never match.
 		if norm, err := normalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
-			return fmt.Errorf("%s: %q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", field("prefix"), r.Prefix)
+			return fieldErr(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
 		}
 		names[r.Name], prefixes[r.Prefix] = true, true
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
-			return fmt.Errorf("%s: unknown dialect %q (known: %s)", field("dialect"), r.Dialect, dialectNames())
+			return fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
 		}
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
-			return fmt.Errorf("%s: %q: %w", field("upstream"), r.Upstream, err)
+			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
 		}
+	}
+	if c.EnforceModels && len(c.Models) == 0 {
+		return fieldErr("models.enforce", "enforce needs a non-empty models.allow list")
 	}
 	seen := map[string]bool{}
 	for i, m := range c.Models {
 		if m == "" || m == metrics.OtherModel || seen[m] {
-			return fmt.Errorf("models.allow[%d]: %q must be a distinct model name other than %q", i, m, metrics.OtherModel)
+			return fieldErr(fmt.Sprintf("models.allow[%d]", i), "%q must be a distinct model name other than %q", m, metrics.OtherModel)
 		}
 		seen[m] = true
 	}
 	if c.MaxDecodedBytes < 0 {
-		return errors.New("limits.max_decoded_bytes: must not be negative")
+		return fieldErr("limits.max_decoded_bytes", "must not be negative")
 	}
 	if c.MaxEventBytes < 0 {
-		return errors.New("max_event_bytes: must not be negative")
+		return fieldErr("limits.max_event_bytes", "must not be negative")
 	}
 	if c.DefaultMaxOutput < 0 {
-		return errors.New("admission.default_max_output: must not be negative")
+		return fieldErr("admission.default_max_output", "must not be negative")
 	}
 	if c.Admission != nil {
 		if err := c.Admission.Validate(); err != nil {
@@ -156,7 +174,7 @@ func (c *Config) Validate() error {
 		for i, t := range c.Admission.Tenants {
 			for route := range t.Routes {
 				if !names[route] {
-					return fmt.Errorf("tenants[%d].routes.%s: no route has this name", i, route)
+					return fieldErr(fmt.Sprintf("tenants[%d].routes.%s", i, route), "no route has this name")
 				}
 			}
 		}
@@ -170,4 +188,52 @@ func dialectNames() string {
 		names[i] = d.Name()
 	}
 	return strings.Join(names, ", ")
+}
+
+// Defaults, in one place: what a zero field of Config or Options means.
+const (
+	defaultMaxEventBytes      = 1 << 20
+	defaultMaxDecodedBytes    = 64 << 20
+	defaultMaxOutput          = 1024
+	defaultMaxRequestBodySize = 32 << 20
+	defaultClientWriteTimeout = 60 * time.Second
+	defaultRequestReadTimeout = 2 * time.Minute
+	defaultIdleTimeout        = 2 * time.Minute
+)
+
+// withDefaults returns c with its zero fields set to their defaults.
+func (c Config) withDefaults() Config {
+	if c.MaxEventBytes == 0 {
+		c.MaxEventBytes = defaultMaxEventBytes
+	}
+	if c.MaxDecodedBytes == 0 {
+		c.MaxDecodedBytes = defaultMaxDecodedBytes
+	}
+	if c.DefaultMaxOutput == 0 {
+		c.DefaultMaxOutput = defaultMaxOutput
+	}
+	return c
+}
+
+// withDefaults returns o with its zero fields set to their defaults.
+func (o Options) withDefaults() Options {
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+	if o.MaxRequestBodySize <= 0 {
+		o.MaxRequestBodySize = defaultMaxRequestBodySize
+	}
+	if o.ClientWriteTimeout <= 0 {
+		o.ClientWriteTimeout = defaultClientWriteTimeout
+	}
+	if o.RequestReadTimeout <= 0 {
+		o.RequestReadTimeout = defaultRequestReadTimeout
+	}
+	if o.IdleTimeout <= 0 {
+		o.IdleTimeout = defaultIdleTimeout
+	}
+	return o
 }

@@ -107,24 +107,7 @@ type route struct {
 
 // New builds a Proxy for cfg.
 func New(cfg Config, opts Options) (*Proxy, error) {
-	if opts.Now == nil {
-		opts.Now = time.Now
-	}
-	if opts.Logger == nil {
-		opts.Logger = zap.NewNop()
-	}
-	if opts.MaxRequestBodySize <= 0 {
-		opts.MaxRequestBodySize = 32 << 20
-	}
-	if opts.ClientWriteTimeout <= 0 {
-		opts.ClientWriteTimeout = 60 * time.Second
-	}
-	if opts.RequestReadTimeout <= 0 {
-		opts.RequestReadTimeout = 2 * time.Minute
-	}
-	if opts.IdleTimeout <= 0 {
-		opts.IdleTimeout = 2 * time.Minute
-	}
+	opts = opts.withDefaults()
 	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy"),
 		caps: &connCaps{max: opts.MaxConns, maxPerIP: opts.MaxConnsPerIP, perIP: map[netip.Addr]int{}}}
 	_, _ = rand.Read(p.idPrefix[:])
@@ -142,15 +125,7 @@ func (p *Proxy) Apply(cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if cfg.MaxEventBytes == 0 {
-		cfg.MaxEventBytes = 1 << 20
-	}
-	if cfg.MaxDecodedBytes == 0 {
-		cfg.MaxDecodedBytes = 64 << 20
-	}
-	if cfg.DefaultMaxOutput == 0 {
-		cfg.DefaultMaxOutput = 1024
-	}
+	cfg = cfg.withDefaults()
 	s := &snapshot{cfg: cfg}
 	names := make([]string, len(cfg.Routes))
 	for i, r := range cfg.Routes {

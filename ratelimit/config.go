@@ -18,7 +18,6 @@
 package ratelimit
 
 import (
-	"errors"
 	"fmt"
 	"time"
 )
@@ -85,31 +84,44 @@ type Config struct {
 	IdleTTL time.Duration
 }
 
-// Validate checks c; errors name the field (tenants[i].field).
+// FieldError is a configuration error: the field at fault, as the path of
+// its key in tokentap's config file (tenants[2].burst), and what is wrong.
+type FieldError struct{ Path, Msg string }
+
+func (e *FieldError) Error() string { return e.Path + ": " + e.Msg }
+
+// Field returns the path of the field at fault.
+func (e *FieldError) Field() string { return e.Path }
+
+func fieldErr(path, format string, args ...any) error {
+	return &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)}
+}
+
+// Validate checks c; its errors are *FieldError.
 func (c *Config) Validate() error {
 	if len(c.Tenants) == 0 {
-		return errors.New("tenants: at least one tenant is required for admission control")
+		return fieldErr("tenants", "at least one tenant is required for admission control")
 	}
 	switch c.Mode {
 	case ModeReject, ModeQueue:
 	default:
-		return fmt.Errorf("admission.mode: %q must be reject or queue", c.Mode)
+		return fieldErr("admission.mode", "%q must be reject or queue", c.Mode)
 	}
 	if c.Mode == ModeQueue && (c.MaxQueue <= 0 || c.MaxWait <= 0) {
-		return errors.New("admission.max_queue and admission.max_wait: must be positive in queue mode")
+		return fieldErr("admission.max_queue and admission.max_wait", "must be positive in queue mode")
 	}
 	if c.MaxQueue < 0 || c.MaxWait < 0 || c.IdleTTL < 0 {
-		return errors.New("admission: max_queue, max_wait and idle_ttl must not be negative")
+		return fieldErr("admission", "max_queue, max_wait and idle_ttl must not be negative")
 	}
 	names := map[string]bool{}
 	keys := map[string]string{}
 	for i, t := range c.Tenants {
 		f := func(field string) string { return fmt.Sprintf("tenants[%d].%s", i, field) }
 		if t.Name == "" {
-			return fmt.Errorf("%s: must not be empty", f("name"))
+			return fieldErr(f("name"), "must not be empty")
 		}
 		if names[t.Name] {
-			return fmt.Errorf("%s: duplicate tenant %q", f("name"), t.Name)
+			return fieldErr(f("name"), "duplicate tenant %q", t.Name)
 		}
 		names[t.Name] = true
 		if err := t.Limits.validate(f); err != nil {
@@ -122,21 +134,21 @@ func (c *Config) Validate() error {
 		}
 		for j, k := range t.Keys {
 			if k == "" {
-				return fmt.Errorf("%s: must not be empty", f(fmt.Sprintf("keys[%d]", j)))
+				return fieldErr(f(fmt.Sprintf("keys[%d]", j)), "must not be empty")
 			}
 			if other, dup := keys[k]; dup {
-				return fmt.Errorf("%s: key also given to tenant %q", f(fmt.Sprintf("keys[%d]", j)), other)
+				return fieldErr(f(fmt.Sprintf("keys[%d]", j)), "key also given to tenant %q", other)
 			}
 			keys[k] = t.Name
 		}
 		for j, h := range t.KeySHA256 {
 			if !isHexDigest(h) {
-				return fmt.Errorf("%s: must be 64 hex digits", f(fmt.Sprintf("key_sha256[%d]", j)))
+				return fieldErr(f(fmt.Sprintf("key_sha256[%d]", j)), "must be 64 hex digits")
 			}
 		}
 	}
 	if c.UnknownKey != "" && c.UnknownKey != "reject" && !names[c.UnknownKey] {
-		return fmt.Errorf("admission.unknown_key: %q is neither reject nor a tenant", c.UnknownKey)
+		return fieldErr("admission.unknown_key", "%q is neither reject nor a tenant", c.UnknownKey)
 	}
 	return nil
 }
@@ -144,15 +156,15 @@ func (c *Config) Validate() error {
 func (l Limits) validate(f func(string) string) error {
 	switch {
 	case l.RequestsPerSecond < 0:
-		return fmt.Errorf("%s: must not be negative", f("requests_per_second"))
+		return fieldErr(f("requests_per_second"), "must not be negative")
 	case l.Burst < 0:
-		return fmt.Errorf("%s: must not be negative", f("burst"))
+		return fieldErr(f("burst"), "must not be negative")
 	case l.Burst > 0 && l.RequestsPerSecond == 0:
-		return fmt.Errorf("%s: needs requests_per_second", f("burst"))
+		return fieldErr(f("burst"), "needs requests_per_second")
 	case l.TokensPerMinute < 0:
-		return fmt.Errorf("%s: must not be negative", f("tokens_per_minute"))
+		return fieldErr(f("tokens_per_minute"), "must not be negative")
 	case l.MaxConcurrent < 0:
-		return fmt.Errorf("%s: must not be negative", f("max_concurrent"))
+		return fieldErr(f("max_concurrent"), "must not be negative")
 	}
 	return nil
 }

@@ -336,19 +336,6 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 	}
 	s.proxy.Models = fc.Models.Allow
 	s.proxy.EnforceModels = fc.Models.Enforce
-	if fc.Models.Enforce && len(fc.Models.Allow) == 0 {
-		return nil, fmt.Errorf("%s: enforce needs a non-empty models.allow list", where("models.enforce"))
-	}
-	seen := map[string]bool{}
-	for i, m := range fc.Models.Allow {
-		if m == "" || m == "other" || seen[m] {
-			return nil, fmt.Errorf("%s: %q must be a distinct model name other than \"other\"", where(fmt.Sprintf("models.allow[%d]", i)), m)
-		}
-		seen[m] = true
-	}
-	if fc.Limits.MaxEventBytes < 0 {
-		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_event_bytes"))
-	}
 	s.proxy.MaxEventBytes = fc.Limits.MaxEventBytes
 	if fc.Limits.MaxRequestBody < 0 || fc.Limits.MaxRequestBody > 1<<31-1 {
 		return nil, fmt.Errorf("%s: must be between 0 and 2147483647", where("limits.max_request_body"))
@@ -412,18 +399,21 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 	}
 
 	if err := s.proxy.Validate(); err != nil {
-		// Validate names routes[i].field; add the file line when known.
-		msg := err.Error()
-		if i := strings.Index(msg, ":"); i > 0 {
-			if line, ok := fc.lines[msg[:i]]; ok && f.config != "" {
-				return nil, fmt.Errorf("%s:%d: %s", f.config, line, msg)
-			}
+		// The error names the field as data: its path in the file gives
+		// the line.
+		var fe interface{ Field() string }
+		if !errors.As(err, &fe) {
+			return nil, err
 		}
-		if len(fc.Routes) == 0 && strings.HasPrefix(msg, "routes[0].upstream") {
+		field := fe.Field()
+		if len(fc.Routes) == 0 && strings.HasPrefix(field, "routes[0].upstream") {
 			// The route came from -upstream (or the file's upstream key).
-			msg = "upstream" + strings.TrimPrefix(msg, "routes[0].upstream")
+			return nil, errors.New("upstream" + strings.TrimPrefix(err.Error(), "routes[0].upstream"))
 		}
-		return nil, errors.New(msg)
+		if line, ok := fc.lines[field]; ok && f.config != "" {
+			return nil, fmt.Errorf("%s:%d: %w", f.config, line, err)
+		}
+		return nil, err
 	}
 	return s, nil
 }
