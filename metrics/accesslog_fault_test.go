@@ -8,6 +8,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -51,6 +52,10 @@ func (d *fullDisk) lines() []string {
 // from where they stopped, and once space is free every line is written,
 // whole and in order, without a restart.
 func TestAccessLogSurvivesFullDisk(t *testing.T) {
+	synctest.Test(t, testAccessLogSurvivesFullDisk) // the retry backoff on a fake clock
+}
+
+func testAccessLogSurvivesFullDisk(t *testing.T) {
 	d := &fullDisk{}
 	a := NewAccessLog(d, 0)
 	defer a.Close()

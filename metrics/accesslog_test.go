@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/zap/zapcore"
@@ -58,37 +59,51 @@ func testRecord(i int) *Record {
 }
 
 // Records come out one JSON line each, in order, none lost; a lone record
-// is written without waiting for a batch or a Flush; Close writes the rest.
+// is written at once, without waiting for a batch or a Flush; while records
+// keep coming they are written every batchEvery; Close writes the rest. On
+// synctest's fake clock, so every timing is exact.
 func TestAccessLogLines(t *testing.T) {
-	var buf syncBuffer
-	a := NewAccessLog(&buf, 0)
-	a.Observe(testRecord(0))
-	deadline := time.Now().Add(2 * time.Second)
-	for len(buf.lines(t)) == 0 && time.Now().Before(deadline) {
-		time.Sleep(time.Millisecond)
-	}
-	if n := len(buf.lines(t)); n != 1 {
-		t.Fatalf("a lone record: %d lines after 2s, want 1", n)
-	}
-	for i := 1; i < 5000; i++ {
-		a.Observe(testRecord(i))
-		if i == 2500 {
-			a.Flush()
-			if n := len(buf.lines(t)); n != 2501 {
-				t.Fatalf("after Flush: %d lines, want 2501", n)
+	synctest.Test(t, func(t *testing.T) {
+		var buf syncBuffer
+		a := NewAccessLog(&buf, 0)
+		a.Observe(testRecord(0))
+		synctest.Wait() // the writer is idle again
+		if n := len(buf.lines(t)); n != 1 {
+			t.Fatalf("a lone record: %d lines, want 1 at once", n)
+		}
+		// A burst: the first batch goes out batchEvery after the lone line.
+		for i := 1; i < 2500; i++ {
+			a.Observe(testRecord(i))
+		}
+		synctest.Wait()
+		if n := len(buf.lines(t)); n != 1 {
+			t.Fatalf("%d lines before the batch was due, want 1", n)
+		}
+		time.Sleep(batchEvery)
+		synctest.Wait()
+		if n := len(buf.lines(t)); n != 2500 {
+			t.Fatalf("%d lines after one batch period, want 2500", n)
+		}
+		for i := 2500; i < 5000; i++ {
+			a.Observe(testRecord(i))
+			if i == 2500 {
+				a.Flush()
+				if n := len(buf.lines(t)); n != 2501 {
+					t.Fatalf("after Flush: %d lines, want 2501", n)
+				}
 			}
 		}
-	}
-	a.Close()
-	lines := buf.lines(t)
-	if len(lines) != 5000 {
-		t.Fatalf("%d lines, want 5000", len(lines))
-	}
-	for i, m := range lines {
-		if m["request_id"] != fmt.Sprint("r", i) || m["ttft_ms"] != float64(i) || m["outcome"] != "ok" {
-			t.Fatalf("line %d: %v", i, m)
+		a.Close()
+		lines := buf.lines(t)
+		if len(lines) != 5000 {
+			t.Fatalf("%d lines, want 5000", len(lines))
 		}
-	}
+		for i, m := range lines {
+			if m["request_id"] != fmt.Sprint("r", i) || m["ttft_ms"] != float64(i) || m["outcome"] != "ok" {
+				t.Fatalf("line %d: %v", i, m)
+			}
+		}
+	})
 }
 
 // A writer that stalls never blocks Observe: records beyond the queue are

@@ -274,7 +274,10 @@ func TestQueueTimeMeasured(t *testing.T) {
 	if a.Queue > b.Queue {
 		a, b = b, a
 	}
-	if a.Queue > 10*time.Millisecond || b.Queue < 40*time.Millisecond || b.TTFT < b.Queue+50*time.Millisecond {
+	// The second waited for the first's 50 ms stream (lower bounds only:
+	// a loaded machine can delay anything; the queue's own timing is exact
+	// in ratelimit's synctest tests).
+	if a.Queue > b.Queue || b.Queue < 40*time.Millisecond || b.TTFT < b.Queue+50*time.Millisecond {
 		t.Fatalf("queue %v / %v, second ttft %v", a.Queue, b.Queue, b.TTFT)
 	}
 	if promValue(t, `tokentap_queue_seconds_count{route="default",model="other"}`)-countBefore != 2 {

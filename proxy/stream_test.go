@@ -110,16 +110,19 @@ func TestTimingsAgainstSchedule(t *testing.T) {
 	resp.Body.Close()
 	clientE2E := time.Since(start)
 	rec := tp.rec.next(t)
-	// Lower bounds are exact (the schedule cannot run faster); upper bounds
-	// leave room for a loaded 2-core machine.
-	if rec.TTFT < first || rec.TTFT > first+40*time.Millisecond {
+	// Lower bounds are exact (the schedule cannot run faster); above them
+	// only what the client's own clock bounds (a loaded machine can delay
+	// anything). The rules themselves are TestMeterRules, on exact times.
+	if rec.TTFT < first || rec.TTFT > clientE2E {
 		t.Errorf("ttft_ms = %.3f, want ≈ %v (the role-only chunk must not count)", ms(rec.TTFT), first)
 	}
 	wantE2E := first + (tokens-1)*gap
 	if rec.E2E < wantE2E || rec.E2E > clientE2E {
 		t.Errorf("e2e_ms = %.3f, want ≥ %v and ≤ client's %v", ms(rec.E2E), wantE2E, clientE2E)
 	}
-	if rec.ITLCount != tokens-1 || rec.ITLP50 < gap-2*time.Millisecond || rec.ITLP50 > gap+15*time.Millisecond ||
+	// The gaps add up to the time between the first and last token, which
+	// the schedule makes at least (tokens-1)·gap.
+	if rec.ITLCount != tokens-1 || rec.ITLMean*(tokens-1) < (tokens-1)*gap-time.Millisecond ||
 		rec.ITLMax < rec.ITLP99 || rec.ITLP99 < rec.ITLP50 {
 		t.Errorf("itl: count=%d p50=%v p99=%v max=%v", rec.ITLCount, rec.ITLP50, rec.ITLP99, rec.ITLMax)
 	}
@@ -130,7 +133,7 @@ func TestTimingsAgainstSchedule(t *testing.T) {
 	if rec.TPOT != wantTPOT {
 		t.Errorf("tpot = %v, want (e2e-ttft)/(n-1) = %v", rec.TPOT, wantTPOT)
 	}
-	if rec.Overhead < 0 || rec.Overhead > rec.TTFT || rec.UpstreamTTFB < 0 || rec.UpstreamTTFB > 40*time.Millisecond {
+	if rec.Overhead < 0 || rec.Overhead > rec.TTFT || rec.UpstreamTTFB < 0 || rec.UpstreamTTFB > rec.TTFT {
 		t.Errorf("overhead=%v ttfb=%v", rec.Overhead, rec.UpstreamTTFB)
 	}
 	if rec.ClientRTT < 0 {
