@@ -39,6 +39,26 @@ type Timeouts struct {
 	MaxConns int
 }
 
+// validate checks that every timeout is set (a zero one would mean
+// "never") and the pool bounds are not negative.
+func (t Timeouts) validate(path string) error {
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"connect", t.Connect}, {"write", t.Write}, {"first_byte", t.FirstByte}, {"idle", t.Idle}, {"idle_conn", t.IdleConn}} {
+		if d.v <= 0 {
+			return fieldErr(path+"."+d.name, "must be positive (leave it out for the default)")
+		}
+	}
+	switch {
+	case t.MaxIdleConns < 0:
+		return fieldErr(path+".max_idle_conns", "must not be negative")
+	case t.MaxConns < 0:
+		return fieldErr(path+".max_conns", "must not be negative")
+	}
+	return nil
+}
+
 // DefaultTimeouts are the timeouts used where the config says nothing.
 var DefaultTimeouts = Timeouts{
 	Connect:   5 * time.Second,
@@ -143,6 +163,9 @@ func (c *Config) Validate() error {
 		names[r.Name], prefixes[r.Prefix] = true, true
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
 			return fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
+		}
+		if err := r.Timeouts.validate(field("timeouts")); err != nil {
+			return err
 		}
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
