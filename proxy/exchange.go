@@ -158,22 +158,26 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
 	if i := bytes.IndexByte(rawPath, '?'); i >= 0 {
 		rawPath, x.query = rawPath[:i], rawPath[i:]
 	}
-	rec.Path = boundedString(rawPath, maxLoggedPath)
+	var refused *refusal
 	switch {
 	case ctx.IsConnect() || ctx.IsTrace():
 		// TRACE would echo the request, credentials included; CONNECT
 		// would open a tunnel. Neither is an inference call.
-		return refuseMethod
+		refused = refuseMethod
 	case !validHeaderNames(&ctx.Request.Header):
-		return refuseHeaderName
+		refused = refuseHeaderName
 	case ctx.Request.Header.ContentLength() == -1 && hasContentLength(ctx.Request.Header.RawHeaders()):
 		// Both framings (RFC 9112 §6.3): what an upstream or a proxy
 		// before tokentap made of the body is unknowable. A smuggling try.
-		return refuseFraming
+		refused = refuseFraming
 	}
 	path, err := normalizePath(x.path[:0], rawPath)
-	if err != nil {
-		return refusePath
+	if err != nil && refused == nil {
+		refused = refusePath
+	}
+	if refused != nil {
+		rec.Path = boundedString(rawPath, maxLoggedPath)
+		return refused
 	}
 	x.path = path
 	rec.Path = boundedString(path, maxLoggedPath)
@@ -339,7 +343,8 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
 // provably never received it: the connection was reused, no response byte
 // came, the failure is a close or reset (not a timeout), and the backend's
 // kernel acknowledged none of the request's bytes (TCP_INFO
-// tcpi_bytes_acked unchanged since before the write). A socket the backend
+// tcpi_bytes_acked unchanged since before the write, see ackedBefore). A
+// socket the backend
 // had already closed answers data with a reset and acknowledges nothing;
 // one whose backend read the request has acknowledged it, and sending it
 // again would run (and bill) the generation twice.
@@ -356,7 +361,7 @@ func (x *exchange) roundTrip(head bool) error {
 		}
 		acked := int64(-1)
 		if c.reused {
-			acked = c.bytesAcked()
+			acked = c.ackedBefore()
 		}
 		written, err := c.send(x.req, x.resp, head)
 		x.m.written = written

@@ -57,21 +57,6 @@ func rawConn(conn net.Conn) syscall.RawConn {
 	return raw
 }
 
-// peekConn checks once whether conn is still open and quiet.
-func peekConn(conn net.Conn) peerState {
-	raw := rawConn(conn)
-	if raw == nil {
-		return peerUnknown
-	}
-	state := peerUnknown
-	_ = raw.Control(func(fd uintptr) {
-		for again := true; again; {
-			state, again = peek(fd)
-		}
-	})
-	return state
-}
-
 // peerWatch detects a client that closed its connection while tokentap
 // still waits on the upstream, without consuming any byte of the client's.
 // fasthttp reports a gone client only on the second write after the close,

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/valyala/fasthttp"
@@ -115,6 +116,41 @@ type upConn struct {
 
 	rx     *rxConn   // the TCP connection, for receive timestamps
 	readAt time.Time // when the kernel received the bytes of the last read
+
+	// Made once per connection, so that the checks before each reuse do
+	// not allocate.
+	peekFn  func(fd uintptr)
+	peeked  peerState
+	ackFn   func(fd uintptr)
+	acked   int64
+	info    unix.TCPInfo
+	sent    int64 // bytes written to the socket (plain connections only)
+	ackBase int64 // the kernel's acknowledged count when the connection opened
+}
+
+// sentCounter counts the bytes written to a plain upstream connection.
+type sentCounter struct{ c *upConn }
+
+func (w sentCounter) Write(p []byte) (int, error) {
+	n, err := w.c.Conn.Write(p)
+	w.c.sent += int64(n)
+	return n, err
+}
+
+// ackedBefore returns how many bytes the backend's kernel had acknowledged
+// before the next request is written, or -1 when unknown. On a plain
+// connection that is every byte sent so far, without a syscall: the
+// backend answered every earlier request in full, and each segment it sent
+// acknowledged all it had received. Under TLS (records, handshakes) it is
+// read from TCP_INFO.
+func (c *upConn) ackedBefore() int64 {
+	if c.up.tls == nil {
+		if c.ackBase < 0 {
+			return -1
+		}
+		return c.ackBase + c.sent
+	}
+	return c.bytesAcked()
 }
 
 // maxRxAge bounds how long bytes can have waited in an upstream socket for
@@ -163,7 +199,7 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		up.idle = up.idle[:len(up.idle)-1]
 		state := peerUnknown
 		if c.usable(now) {
-			state = peekConn(c.socket())
+			state = c.peek()
 		}
 		if state == peerIdle {
 			up.mu.Unlock()
@@ -234,7 +270,14 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 	// Held by every open stream: kept small. Larger writes (long prompts)
 	// bypass the writer's buffer.
 	c.br = bufio.NewReaderSize(c, 8<<10)
-	c.bw = bufio.NewWriterSize(conn, 4<<10)
+	if up.tls == nil {
+		// Count what reaches the socket: see ackedBefore. The kernel's
+		// count starts with the SYN; read it once, as the connection opens.
+		c.bw = bufio.NewWriterSize(sentCounter{c}, 4<<10)
+		c.ackBase = c.bytesAcked()
+	} else {
+		c.bw = bufio.NewWriterSize(conn, 4<<10)
+	}
 	return c, nil
 }
 
@@ -421,17 +464,45 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 }
 
 // bytesAcked returns how many bytes the peer's kernel acknowledged on the
-// connection (TCP_INFO tcpi_bytes_acked), or -1 when it cannot be read.
+// connection (TCP_INFO tcpi_bytes_acked), or -1 when it cannot be read. It
+// does not allocate: the control function and the TCP_INFO buffer are the
+// connection's own.
 func (c *upConn) bytesAcked() int64 {
 	raw := rawConn(c.socket())
 	if raw == nil {
 		return -1
 	}
-	acked := int64(-1)
-	_ = raw.Control(func(fd uintptr) {
-		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			acked = int64(info.Bytes_acked)
+	if c.ackFn == nil {
+		c.ackFn = func(fd uintptr) {
+			c.acked = -1
+			size := uint32(unsafe.Sizeof(c.info))
+			_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.IPPROTO_TCP, unix.TCP_INFO,
+				uintptr(unsafe.Pointer(&c.info)), uintptr(unsafe.Pointer(&size)), 0)
+			if errno == 0 {
+				c.acked = int64(c.info.Bytes_acked)
+			}
 		}
-	})
-	return acked
+	}
+	c.acked = -1
+	_ = raw.Control(c.ackFn)
+	return c.acked
+}
+
+// peek checks once, without consuming a byte or allocating, whether the
+// connection is still open and quiet.
+func (c *upConn) peek() peerState {
+	raw := rawConn(c.socket())
+	if raw == nil {
+		return peerUnknown
+	}
+	if c.peekFn == nil {
+		c.peekFn = func(fd uintptr) {
+			for again := true; again; {
+				c.peeked, again = peek(fd)
+			}
+		}
+	}
+	c.peeked = peerUnknown
+	_ = raw.Control(c.peekFn)
+	return c.peeked
 }
