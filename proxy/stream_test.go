@@ -356,18 +356,21 @@ func TestTimeouts(t *testing.T) {
 		}
 	})
 	t.Run("a long healthy stream outlives every timeout", func(t *testing.T) {
+		// Each wait is a tenth of its timeout (room for a loaded machine);
+		// the stream as a whole lasts three times the timeout.
+		const events = 30
 		up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-			time.Sleep(100 * time.Millisecond)
+			time.Sleep(40 * time.Millisecond)
 			w.Header().Set("Content-Type", "text/event-stream")
-			for k := 0; k < 12; k++ { // 12 × 60 ms: 4× the idle timeout in all
-				time.Sleep(60 * time.Millisecond)
+			for k := 0; k < events; k++ {
+				time.Sleep(40 * time.Millisecond)
 				io.WriteString(w, chatChunk("a"))
 				flush(w)
 			}
 		})
 		tp := startProxy(t, up.URL, func(c *Config) {
-			c.Routes[0].Timeouts.Idle = 180 * time.Millisecond
-			c.Routes[0].Timeouts.FirstByte = 180 * time.Millisecond
+			c.Routes[0].Timeouts.Idle = 400 * time.Millisecond
+			c.Routes[0].Timeouts.FirstByte = 400 * time.Millisecond
 		})
 		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
 		if err != nil {
@@ -375,10 +378,10 @@ func TestTimeouts(t *testing.T) {
 		}
 		got, err := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if err != nil || string(got) != strings.Repeat(chatChunk("a"), 12) {
+		if err != nil || string(got) != strings.Repeat(chatChunk("a"), events) {
 			t.Fatalf("got %d bytes, err=%v", len(got), err)
 		}
-		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK || rec.Events != 12 {
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK || rec.Events != events {
 			t.Fatalf("record: %+v", rec)
 		}
 	})
