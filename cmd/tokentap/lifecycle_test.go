@@ -31,6 +31,43 @@ func startBackend(t *testing.T, gap time.Duration) string {
 	return "http://" + bln.Addr().String()
 }
 
+// runner is the program run as main runs it, in a goroutine.
+type runner struct {
+	t      *testing.T
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+}
+
+// startRun runs the program with args until stop (or cancel, then wait).
+func startRun(t *testing.T, args []string) *runner {
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &runner{t: t, cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- run(ctx, args) }()
+	return r
+}
+
+// stop ends the run (as SIGTERM does) and waits for it.
+func (r *runner) stop() {
+	r.cancel()
+	r.wait()
+}
+
+// wait waits for run to return and fails the test on its error.
+func (r *runner) wait() {
+	r.t.Helper()
+	r.once.Do(func() {
+		select {
+		case err := <-r.done:
+			if err != nil {
+				r.t.Fatal(err)
+			}
+		case <-time.After(15 * time.Second):
+			r.t.Fatal("run did not stop")
+		}
+	})
+}
+
 func logLines(t *testing.T, path string) []map[string]any {
 	t.Helper()
 	f, err := os.Open(path)
@@ -73,11 +110,7 @@ func TestDrainCutsLongStreamsAndRecordsThem(t *testing.T) {
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
 	cfg := writeFile(t, "upstream: "+up+"\ndrain_timeout: 600ms\ndrain_delay: 300ms\n")
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
-	}()
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
 	waitUp(t, "http://"+admin+"/healthz")
 	if got := status(t, "GET", "http://"+admin+"/readyz", ""); got != 200 {
 		t.Fatalf("/readyz before the drain: %d", got)
@@ -106,7 +139,7 @@ func TestDrainCutsLongStreamsAndRecordsThem(t *testing.T) {
 	}
 	time.Sleep(100 * time.Millisecond)
 	begin := time.Now()
-	stop()
+	prog.cancel()
 	time.Sleep(100 * time.Millisecond) // within drain_delay
 	if got := status(t, "GET", "http://"+admin+"/readyz", ""); got != 503 {
 		t.Errorf("/readyz while draining: %d, want 503", got)
@@ -119,14 +152,7 @@ func TestDrainCutsLongStreamsAndRecordsThem(t *testing.T) {
 		c.Close()
 		t.Error("a new connection was accepted after drain_delay")
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(15 * time.Second):
-		t.Fatal("run did not stop")
-	}
+	prog.wait()
 	took := time.Since(begin)
 	wg.Wait()
 	if took < 900*time.Millisecond {
@@ -148,11 +174,7 @@ func TestDrainLetsStreamsFinish(t *testing.T) {
 	up := startBackend(t, 10*time.Millisecond)
 	listen := freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"-upstream", up, "-listen", listen, "-admin", "", "-access-log", logPath})
-	}()
+	prog := startRun(t, []string{"-upstream", up, "-listen", listen, "-admin", "", "-access-log", logPath})
 	waitUp(t, "http://"+listen+"/v1/models")
 	var wg sync.WaitGroup
 	bodies := make(chan string, 4)
@@ -172,7 +194,7 @@ func TestDrainLetsStreamsFinish(t *testing.T) {
 		}()
 	}
 	time.Sleep(50 * time.Millisecond)
-	stop()
+	prog.cancel()
 	wg.Wait()
 	close(bodies)
 	for b := range bodies {
@@ -180,9 +202,7 @@ func TestDrainLetsStreamsFinish(t *testing.T) {
 			t.Errorf("a stream cut by a drain with time to spare: %q", b)
 		}
 	}
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	prog.wait()
 	n := 0
 	for _, l := range logLines(t, logPath) {
 		if l["path"] == "/v1/chat/completions" {
@@ -209,9 +229,7 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 	const token = "test-admin-token-0123456789"
 	os.WriteFile(tokPath, []byte(token+"\n"), 0o600)
 	cfg := writeFile(t, "upstream: "+up+"\nadmin:\n  listen: "+admin+"\n  token_file: "+tokPath+"\n")
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, []string{"-config", cfg, "-listen", listen, "-access-log", logPath}) }()
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-access-log", logPath})
 	waitUp(t, "http://"+admin+"/healthz")
 
 	for _, c := range []struct {
@@ -265,10 +283,7 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 		t.Fatalf("POST /-/reopen: %d", got)
 	}
 	send(2)
-	stop()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	prog.stop()
 	if a, b, c := len(logLines(t, logPath+".1")), len(logLines(t, logPath+".2")), len(logLines(t, logPath)); a != 5 || b != 3 || c != 2 {
 		t.Fatalf("lines per file: %d %d %d, want 5 3 2", a, b, c)
 	}
@@ -282,11 +297,7 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
 	cfg := writeFile(t, "routes:\n  - name: chat\n    prefix: /v1/\n    upstream: "+up+"\nmodels:\n  allow: [m]\n")
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
-	}()
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
 	waitUp(t, "http://"+admin+"/healthz")
 	// Series live for the process: other tests in it counted too.
 	before := requestsCounted(t, admin)
@@ -330,10 +341,7 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 		t.Fatalf("%d requests failed", failed)
 	}
 	counted := requestsCounted(t, admin) - before
-	stop()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	prog.stop()
 	if counted != total {
 		t.Errorf("tokentap_requests_total = %d after %d requests and %d reloads", counted, total, reloads)
 	}

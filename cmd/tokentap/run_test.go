@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"io"
 	"net"
@@ -49,11 +48,7 @@ func TestRunEndToEnd(t *testing.T) {
 
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"-upstream", "http://" + bln.Addr().String(), "-listen", listen, "-admin", admin, "-access-log", logPath})
-	}()
+	prog := startRun(t, []string{"-upstream", "http://" + bln.Addr().String(), "-listen", listen, "-admin", admin, "-access-log", logPath})
 	waitUp(t, "http://"+admin+"/healthz")
 	// Series live for the process (they survive reloads): other tests in
 	// it counted on the same ones.
@@ -83,15 +78,7 @@ func TestRunEndToEnd(t *testing.T) {
 		}
 	}
 
-	stop()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("run did not stop")
-	}
+	prog.stop()
 	f, err := os.Open(logPath)
 	if err != nil {
 		t.Fatal(err)
@@ -131,15 +118,8 @@ func TestReload(t *testing.T) {
 		"tenants:\n  - name: t\n    keys: [k]\n    requests_per_second: 0.01\n    burst: 4\n"
 	write(base)
 	listen, admin := freeAddr(t), freeAddr(t)
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"-config", cfgPath, "-listen", listen, "-admin", admin, "-access-log", ""})
-	}()
-	defer func() {
-		stop()
-		<-done
-	}()
+	prog := startRun(t, []string{"-config", cfgPath, "-listen", listen, "-admin", admin, "-access-log", ""})
+	defer prog.stop()
 	waitUp(t, "http://"+admin+"/healthz")
 
 	post := func(path string) int {
