@@ -39,9 +39,10 @@ type Timeouts struct {
 	MaxConns int
 }
 
-// validate checks that every timeout is set (a zero one would mean
-// "never") and the pool bounds are not negative.
-func (t Timeouts) validate(path string) error {
+// Validate checks that every timeout is set (a zero one would mean
+// "never") and the pool bounds are not negative; errors are *FieldError
+// under path (the key of these timeouts in the config file).
+func (t Timeouts) Validate(path string) error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
@@ -164,7 +165,7 @@ func (c *Config) Validate() error {
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
 			return fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
 		}
-		if err := r.Timeouts.validate(field("timeouts")); err != nil {
+		if err := r.Timeouts.Validate(field("timeouts")); err != nil {
 			return err
 		}
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {

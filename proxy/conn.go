@@ -97,7 +97,7 @@ func (cc *connCaps) track(c *clientConn) {
 }
 
 // closeAll closes every open client connection.
-func (cc *connCaps) closeAll() int {
+func (cc *connCaps) closeAll() {
 	cc.mu.Lock()
 	conns := make([]*clientConn, 0, len(cc.conns))
 	for c := range cc.conns {
@@ -107,7 +107,6 @@ func (cc *connCaps) closeAll() int {
 	for _, c := range conns {
 		_ = c.Close()
 	}
-	return len(conns)
 }
 
 // take counts a new connection from ip, or returns the cap it would break
@@ -128,15 +127,17 @@ func (cc *connCaps) take(ip netip.Addr) string {
 	return ""
 }
 
-func (cc *connCaps) release(ip netip.Addr) {
+// release frees the place of a closed connection and forgets it.
+func (cc *connCaps) release(c *clientConn) {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
+	delete(cc.conns, c)
 	cc.open--
 	if cc.maxPerIP > 0 {
-		if n := cc.perIP[ip] - 1; n > 0 {
-			cc.perIP[ip] = n
+		if n := cc.perIP[c.ip] - 1; n > 0 {
+			cc.perIP[c.ip] = n
 		} else {
-			delete(cc.perIP, ip)
+			delete(cc.perIP, c.ip)
 		}
 	}
 }
@@ -174,10 +175,7 @@ func (c *clientConn) Close() error {
 	}
 	err := c.rxConn.Close()
 	if c.caps != nil {
-		c.caps.release(c.ip)
-		c.caps.mu.Lock()
-		delete(c.caps.conns, c)
-		c.caps.mu.Unlock()
+		c.caps.release(c)
 	}
 	return err
 }

@@ -42,7 +42,6 @@ type sideDecoder struct {
 	decoded []decodedPart
 
 	// The relay's.
-	fed     int  // chunks fed
 	dropped bool // a chunk could not be queued: decoding stopped
 	closed  bool
 }
@@ -105,9 +104,9 @@ func (d *sideDecoder) Read(p []byte) (int, error) {
 func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 	defer close(d.done)
 	defer func() {
+		// Decoding ended early or at the end: what is still queued, or
+		// queued until the relay closes in, is let go at once.
 		d.stopped.Store(true)
-		// Unblock nothing: the relay never waits on in. Drain what is
-		// queued so its memory goes.
 		for range d.in {
 		}
 	}()
@@ -151,13 +150,10 @@ func (d *sideDecoder) keep(b []byte) {
 	d.mu.Unlock()
 }
 
-// feed queues a copy of one compressed chunk and returns its number. It
-// never blocks.
-func (d *sideDecoder) feed(b []byte) int {
-	seq := d.fed
-	d.fed++
-	if d.dropped || d.closed || d.stopped.Load() {
-		return seq
+// feed queues a copy of the next compressed chunk. It never blocks.
+func (d *sideDecoder) feed(b []byte) {
+	if d.closed || d.stopped.Load() {
+		return
 	}
 	select {
 	case d.in <- append([]byte(nil), b...):
@@ -167,7 +163,6 @@ func (d *sideDecoder) feed(b []byte) int {
 		d.closed = true
 		close(d.in)
 	}
-	return seq
 }
 
 // take returns what was decoded since the last take, in order.
@@ -180,15 +175,15 @@ func (d *sideDecoder) take() []decodedPart {
 }
 
 // close ends the input and waits for the decompressor to decode what is
-// queued; it reports whether the compressed stream was measured whole:
-// decoded cleanly to its end, within the limit, nothing dropped.
+// queued; it reports whether what it decoded decoded cleanly (over and
+// dropped say whether it stopped early).
 func (d *sideDecoder) close() bool {
 	if !d.closed {
 		d.closed = true
 		close(d.in)
 	}
 	<-d.done
-	return d.err == nil && !d.over && !d.dropped
+	return d.err == nil
 }
 
 // chunkTimes are when a compressed chunk was read and delivered.

@@ -158,26 +158,14 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
 	if i := bytes.IndexByte(rawPath, '?'); i >= 0 {
 		rawPath, x.query = rawPath[:i], rawPath[i:]
 	}
-	var refused *refusal
-	switch {
-	case ctx.IsConnect() || ctx.IsTrace():
-		// TRACE would echo the request, credentials included; CONNECT
-		// would open a tunnel. Neither is an inference call.
-		refused = refuseMethod
-	case !validHeaderNames(&ctx.Request.Header):
-		refused = refuseHeaderName
-	case ctx.Request.Header.ContentLength() == -1 && hasContentLength(ctx.Request.Header.RawHeaders()):
-		// Both framings (RFC 9112 §6.3): what an upstream or a proxy
-		// before tokentap made of the body is unknowable. A smuggling try.
-		refused = refuseFraming
+	if r := checkRequest(ctx); r != nil {
+		rec.Path = boundedString(rawPath, maxLoggedPath)
+		return r
 	}
 	path, err := normalizePath(x.path[:0], rawPath)
-	if err != nil && refused == nil {
-		refused = refusePath
-	}
-	if refused != nil {
+	if err != nil {
 		rec.Path = boundedString(rawPath, maxLoggedPath)
-		return refused
+		return refusePath
 	}
 	x.path = path
 	rec.Path = boundedString(path, maxLoggedPath)
@@ -301,15 +289,15 @@ func (x *exchange) admit() *refusal {
 	}
 	return &refusal{status: fasthttp.StatusTooManyRequests, outcome: metrics.OutcomeRejected, code: "rate_limit_exceeded",
 		msg:  "rate limit reached (" + string(refused.Reason) + "), retry later",
-		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, quota: true}
+		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, rateLimited: true}
 }
 
 // forward builds the upstream request and sends it, up to the response
 // headers.
 func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
 	r, body := x.rt, x.body0
+	// prepareRequest drops inbound X-Tokentap-* headers, the tenant's too.
 	x.scratch = prepareRequest(ctx, x.req, r, x.path, x.query, body, x.id, x.scratch)
-	x.req.Header.Del(tenantHeader)
 	if x.tenant != "" {
 		x.req.Header.Set(tenantHeader, x.tenant)
 	}
@@ -344,10 +332,10 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
 // came, the failure is a close or reset (not a timeout), and the backend's
 // kernel acknowledged none of the request's bytes (TCP_INFO
 // tcpi_bytes_acked unchanged since before the write, see ackedBefore). A
-// socket the backend
-// had already closed answers data with a reset and acknowledges nothing;
-// one whose backend read the request has acknowledged it, and sending it
-// again would run (and bill) the generation twice.
+// socket the backend had already closed answers data with a reset and
+// acknowledges nothing; one whose backend read the request has
+// acknowledged it, and sending it again would run (and bill) the
+// generation twice.
 func (x *exchange) roundTrip(head bool) error {
 	up := x.rt.up
 	for attempt := 0; ; attempt++ {
@@ -455,11 +443,9 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 		if r.allow != "" {
 			ctx.Response.Header.Set("Allow", r.allow)
 		}
-		if r.retryAfter > 0 || r.quota {
+		if r.rateLimited {
 			secs := int64((r.retryAfter + time.Second - 1) / time.Second)
 			ctx.Response.Header.Set("Retry-After", strconv.FormatInt(max(secs, 1), 10))
-		}
-		if r.quota {
 			setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
 		}
 	}
@@ -799,7 +785,7 @@ func (x *exchange) finish(writeErr error) {
 	if x.conn != nil {
 		x.cancel.detach()
 		_ = x.resp.CloseBodyStream()
-		if complete && !gone && writeErr == nil && rec.Outcome != metrics.OutcomeClientCancel && !x.resp.ConnectionClose() {
+		if complete && !gone && writeErr == nil && !x.resp.ConnectionClose() {
 			x.rt.up.put(x.conn)
 		} else {
 			x.rt.up.discard(x.conn)
@@ -823,9 +809,9 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	rec := &x.rec
 	// Everything the body says is known before the outcome is decided.
 	if x.dec != nil {
-		whole := x.dec.close()
+		clean := x.dec.close()
 		x.takeDecoded()
-		if !whole && complete || x.dec.over || x.dec.dropped {
+		if !clean && complete || x.dec.over || x.dec.dropped {
 			rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
 		}
 		x.dec = nil
@@ -840,7 +826,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	// tokentap's words: no address, no upstream bytes.
 	switch {
 	case rec.Outcome != metrics.OutcomeOK:
-		// Set by fail.
+		// Set by refuse.
 	case x.p.cutting.Load() && (gone || writeErr != nil || !complete):
 		rec.Outcome, rec.Error = metrics.OutcomeShutdown, "cut at shutdown: the drain timeout ran out"
 	case gone:

@@ -77,26 +77,39 @@ func (p *Proxy) requestID(dst, client []byte) []byte {
 	return append(dst, client...)
 }
 
+// checkRequest refuses what the request line and headers alone make
+// unsafe to relay.
+func checkRequest(ctx *fasthttp.RequestCtx) *refusal {
+	switch {
+	case ctx.IsConnect() || ctx.IsTrace():
+		// TRACE would echo the request, credentials included; CONNECT
+		// would open a tunnel. Neither is an inference call.
+		return refuseMethod
+	case !validHeaderNames(&ctx.Request.Header):
+		return refuseHeaderName
+	case ctx.Request.Header.ContentLength() == -1 && hasContentLength(ctx.Request.Header.RawHeaders()):
+		// Both framings (RFC 9112 §6.3): what an upstream or a proxy
+		// before tokentap made of the body is unknowable. A smuggling try.
+		return refuseFraming
+	}
+	return nil
+}
+
 // validHeaderNames reports whether every header name is an RFC 9110 token:
 // a name with a space or a colon in it could be read differently by the
 // upstream ("Transfer-Encoding x: chunked").
 func validHeaderNames(h *fasthttp.RequestHeader) bool {
-	ok := true
 	for k := range h.All() {
-		if !ok {
-			break
-		}
 		if len(k) == 0 {
-			ok = false
+			return false
 		}
 		for _, c := range k {
 			if !tchar[c] {
-				ok = false
-				break
+				return false
 			}
 		}
 	}
-	return ok
+	return true
 }
 
 // hasContentLength reports a Content-Length field among raw request

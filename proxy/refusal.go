@@ -4,7 +4,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"os"
 	"syscall"
 	"time"
 
@@ -24,10 +23,10 @@ type refusal struct {
 	msg     string
 	note    string // the record's error when it says more than msg
 
-	close      bool          // close the connection: the request body was not read
-	allow      string        // the Allow header of a 405
-	retryAfter time.Duration // Retry-After of a 429
-	quota      bool          // the x-ratelimit-* headers of a 429
+	close       bool          // close the connection: the request body was not read
+	allow       string        // the Allow header of a 405
+	rateLimited bool          // a 429: Retry-After and the x-ratelimit-* headers
+	retryAfter  time.Duration // when a retry can succeed
 }
 
 func (r *refusal) Error() string { return r.msg }
@@ -115,12 +114,10 @@ func describeUpstreamError(err error) string {
 			return "the upstream connection failed" + why
 		}
 		return "the upstream sent an invalid response"
-	case isTimeout(err):
+	case isTimeout(err): // os.ErrDeadlineExceeded included
 		return "the upstream timed out"
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
 		return "the upstream closed the connection"
-	case errors.Is(err, os.ErrDeadlineExceeded):
-		return "the upstream timed out"
 	case why != "":
 		return "upstream connection failed" + why
 	}

@@ -94,15 +94,14 @@ func (a *admin) reopen() error {
 // timeout: a CPU profile takes as long as it was asked for.
 func (a *admin) server() *fasthttp.Server {
 	return &fasthttp.Server{
-		Handler:          a.handle,
-		Name:             "tokentap-admin",
-		ReadTimeout:      10 * time.Second,
-		IdleTimeout:      30 * time.Second,
-		Concurrency:      64,
-		MaxConnsPerIP:    16,
-		ReadBufferSize:   8 << 10,
-		NoDefaultDate:    true,
-		DisableKeepalive: false,
+		Handler:        a.handle,
+		Name:           "tokentap-admin",
+		ReadTimeout:    10 * time.Second,
+		IdleTimeout:    30 * time.Second,
+		Concurrency:    64,
+		MaxConnsPerIP:  16,
+		ReadBufferSize: 8 << 10,
+		NoDefaultDate:  true,
 	}
 }
 

@@ -290,16 +290,26 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		*d.dst = d.v.d
 	}
 
+	// fileErr gives a *FieldError the file line of its field.
+	fileErr := func(err error) error {
+		var fe interface{ Field() string }
+		if errors.As(err, &fe) {
+			if line, ok := fc.lines[fe.Field()]; ok && f.config != "" {
+				return fmt.Errorf("%s:%d: %w", f.config, line, err)
+			}
+		}
+		return err
+	}
 	base := applyTimeouts(proxy.DefaultTimeouts, &fc.Timeouts)
-	if err := checkTimeouts(base, where, "timeouts"); err != nil {
-		return nil, err
+	if err := base.Validate("timeouts"); err != nil {
+		return nil, fileErr(err)
 	}
 	for i, r := range fc.Routes {
 		t := base
 		if r.Timeouts != nil {
 			t = applyTimeouts(base, r.Timeouts)
-			if err := checkTimeouts(t, where, fmt.Sprintf("routes[%d].timeouts", i)); err != nil {
-				return nil, err
+			if err := t.Validate(fmt.Sprintf("routes[%d].timeouts", i)); err != nil {
+				return nil, fileErr(err)
 			}
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
@@ -311,24 +321,18 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			return nil, errors.New("upstream: no routes configured: give -upstream URL or routes in -config")
 		}
 		s.proxy.Routes = []proxy.Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base}}
-	} else if f.set["upstream"] {
-		// -upstream with routes in the file retargets the catch-all route.
+	} else if upstream != "" {
+		// An upstream beside routes is the catch-all route: -upstream
+		// retargets a route with prefix /, the file's key stands back for
+		// one; without such a route either adds it.
 		found := false
 		for i := range s.proxy.Routes {
 			if s.proxy.Routes[i].Prefix == "/" {
-				s.proxy.Routes[i].Upstream, found = upstream, true
+				found = true
+				if f.set["upstream"] {
+					s.proxy.Routes[i].Upstream = upstream
+				}
 			}
-		}
-		if !found {
-			s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base})
-		}
-	}
-	if upstream != "" && len(fc.Routes) > 0 && !f.set["upstream"] {
-		// The file's upstream with routes: the catch-all route, unless a
-		// route already has prefix /.
-		found := false
-		for _, r := range s.proxy.Routes {
-			found = found || r.Prefix == "/"
 		}
 		if !found {
 			s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base})
@@ -362,9 +366,6 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_client_conns_per_ip"))
 	}
 	s.opts.MaxConns, s.opts.MaxConnsPerIP = fc.Limits.MaxClientConns, fc.Limits.MaxClientConnsPerIP
-	if fc.Limits.DecodedBytesPerReply < 0 {
-		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_decoded_bytes"))
-	}
 	s.proxy.MaxDecodedBytes = fc.Limits.DecodedBytesPerReply
 
 	if len(fc.Tenants) > 0 {
@@ -399,21 +400,11 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 	}
 
 	if err := s.proxy.Validate(); err != nil {
-		// The error names the field as data: its path in the file gives
-		// the line.
-		var fe interface{ Field() string }
-		if !errors.As(err, &fe) {
-			return nil, err
-		}
-		field := fe.Field()
-		if len(fc.Routes) == 0 && strings.HasPrefix(field, "routes[0].upstream") {
+		if msg := err.Error(); len(fc.Routes) == 0 && strings.HasPrefix(msg, "routes[0].upstream") {
 			// The route came from -upstream (or the file's upstream key).
-			return nil, errors.New("upstream" + strings.TrimPrefix(err.Error(), "routes[0].upstream"))
+			return nil, errors.New("upstream" + strings.TrimPrefix(msg, "routes[0].upstream"))
 		}
-		if line, ok := fc.lines[field]; ok && f.config != "" {
-			return nil, fmt.Errorf("%s:%d: %w", f.config, line, err)
-		}
-		return nil, err
+		return nil, fileErr(err)
 	}
 	return s, nil
 }
@@ -464,23 +455,4 @@ func applyTimeouts(t proxy.Timeouts, ft *fileTimeouts) proxy.Timeouts {
 		t.MaxConns = *ft.MaxConns
 	}
 	return t
-}
-
-func checkTimeouts(t proxy.Timeouts, where func(string) string, prefix string) error {
-	// A zero timeout would mean "never": leave the key out for the default.
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{{"connect", t.Connect}, {"write", t.Write}, {"first_byte", t.FirstByte}, {"idle", t.Idle}, {"idle_conn", t.IdleConn}} {
-		if d.v <= 0 {
-			return fmt.Errorf("%s: must be positive (leave it out for the default)", where(prefix+"."+d.name))
-		}
-	}
-	switch {
-	case t.MaxIdleConns < 0:
-		return fmt.Errorf("%s: must not be negative", where(prefix+".max_idle_conns"))
-	case t.MaxConns < 0:
-		return fmt.Errorf("%s: must not be negative", where(prefix+".max_conns"))
-	}
-	return nil
 }
