@@ -216,5 +216,5 @@ func (c *clientConn) Write(b []byte) (int, error) {
 		}
 		c.setAt = now
 	}
-	return c.TCPConn.Write(b)
+	return c.rxConn.Write(b)
 }

@@ -234,3 +234,69 @@ func FuzzRxTimestamp(f *testing.F) {
 		}
 	})
 }
+
+// TestRxConnWrite: the raw write delivers every byte in order through a
+// full socket buffer (the peer reads slowly), stops at a deadline with the
+// count written so far, and reports a peer's reset as a write error.
+func TestRxConnWrite(t *testing.T) {
+	client, c := tcpPair(t)
+	if c.raw == nil {
+		t.Fatal("the connection has no raw access: the raw write is not under test")
+	}
+	want := make([]byte, 8<<20)
+	for i := range want {
+		want[i] = byte(i * 7)
+	}
+	got := make(chan []byte)
+	go func() {
+		var b []byte
+		buf := make([]byte, 4096)
+		for len(b) < len(want) {
+			n, err := client.Read(buf)
+			b = append(b, buf[:n]...)
+			if err != nil {
+				break
+			}
+			if len(b) < 1<<20 {
+				time.Sleep(time.Millisecond) // slow at first: the writer meets a full buffer
+			}
+		}
+		got <- b
+	}()
+	n, err := c.Write(want)
+	if err != nil || n != len(want) {
+		t.Fatalf("Write = %d, %v; want %d, nil", n, err, len(want))
+	}
+	if b := <-got; string(b) != string(want) {
+		t.Fatalf("the peer received %d bytes, not the %d written in order", len(b), len(want))
+	}
+
+	// Nobody reads: the deadline ends the write, with what was written.
+	c.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
+	n, err = c.Write(want)
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() || n <= 0 || n >= len(want) {
+		t.Fatalf("Write past a deadline = %d, %v; want a timeout after some bytes", n, err)
+	}
+	if oe, ok := err.(*net.OpError); !ok || oe.Op != "write" {
+		t.Fatalf("error %#v is not a write OpError", err)
+	}
+
+	// The peer resets: the next writes fail with a syscall error.
+	c.SetWriteDeadline(time.Time{})
+	client.(*net.TCPConn).SetLinger(0)
+	client.Close()
+	for i := 0; ; i++ {
+		if _, err = c.Write([]byte("x")); err != nil {
+			break
+		}
+		if i > 100 {
+			t.Fatal("writes to a reset connection kept succeeding")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	var se *os.SyscallError
+	if !errors.As(err, &se) || se.Syscall != "write" {
+		t.Fatalf("write to a reset peer: %v, want a write syscall error", err)
+	}
+}

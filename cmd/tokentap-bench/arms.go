@@ -64,11 +64,11 @@ func startGoRelay(dir string, gomaxprocs int, upstream string) (*arm, error) {
 	return &arm{Name: "go-relay", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
 }
 
-func startNginx(dir, bin, upstream string) (*arm, error) {
+func startNginx(dir, bin, upstream string, workers int) (*arm, error) {
 	addr := freePort()
 	ndir, _ := filepath.Abs(filepath.Join(dir, "nginx"))
 	os.MkdirAll(filepath.Join(ndir, "logs"), 0o755)
-	conf := fmt.Sprintf(`worker_processes 1;
+	conf := fmt.Sprintf(`worker_processes %[4]d;
 worker_rlimit_nofile 20000;
 pid %[1]s/nginx.pid;
 error_log %[1]s/logs/error.log warn;
@@ -89,7 +89,7 @@ http {
     }
   }
 }
-`, ndir, upstream, addr)
+`, ndir, upstream, addr, workers)
 	cfg := filepath.Join(ndir, "nginx.conf")
 	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
 		return nil, err
@@ -101,10 +101,10 @@ http {
 	return &arm{Name: "nginx", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: withChildren(cmd)}, nil
 }
 
-func startHAProxy(dir, bin, upstream string) (*arm, error) {
+func startHAProxy(dir, bin, upstream string, threads int) (*arm, error) {
 	addr := freePort()
 	conf := fmt.Sprintf(`global
-  nbthread 1
+  nbthread %d
   maxconn 9900
 defaults
   mode http
@@ -118,7 +118,7 @@ frontend fe
   default_backend be
 backend be
   server s1 %s maxconn 9900
-`, addr, upstream)
+`, threads, addr, upstream)
 	cfg, _ := filepath.Abs(filepath.Join(dir, "haproxy.cfg"))
 	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
 		return nil, err

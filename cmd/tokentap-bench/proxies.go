@@ -42,11 +42,11 @@ type proxiesReport struct {
 
 // benchSettings are the proxies bench's flags.
 type benchSettings struct {
-	outDir, bin, nginxBin, haproxyBin string
-	burstN, rounds, idle, gmp, tokens int
-	burstGap, roundTime, gap          time.Duration
-	goRelay                           bool
-	levels                            []int
+	outDir, bin, beforeBin, nginxBin, haproxyBin string
+	burstN, rounds, idle, gmp, tokens            int
+	burstGap, roundTime, gap                     time.Duration
+	goRelay                                      bool
+	levels                                       []int
 }
 
 // runProxies runs the side-by-side bench: start the arms, then one phase
@@ -57,6 +57,7 @@ func runProxies(args []string, out io.Writer) error {
 	var b benchSettings
 	fs.StringVar(&b.outDir, "out", "bench-results", "directory for results.json, results.md, the plot and the processes' logs")
 	fs.StringVar(&b.bin, "bin", "", "directory holding the tokentap and mockllm binaries (built there when empty)")
+	fs.StringVar(&b.beforeBin, "before", "", "directory holding another tokentap binary, measured as the arm tokentap-before beside tokentap (a before/after comparison in one run)")
 	fs.StringVar(&b.nginxBin, "nginx", "/usr/sbin/nginx", "nginx binary (empty: skip nginx)")
 	fs.StringVar(&b.haproxyBin, "haproxy", "/usr/sbin/haproxy", "HAProxy binary (empty: skip HAProxy)")
 	fs.IntVar(&b.burstN, "burst", 100, "requests sent at once in the burst phase (0: skip it)")
@@ -67,7 +68,7 @@ func runProxies(args []string, out io.Writer) error {
 	fs.DurationVar(&b.roundTime, "round-time", 3*time.Second, "time per arm per round")
 	levelsSpec := fs.String("levels", "1,100,1000", "concurrent streams")
 	fs.IntVar(&b.idle, "idle", 9000, "idle streams held at once for the memory test (each costs a proxy two file descriptors; nginx keeps 1024 more upstream)")
-	fs.IntVar(&b.gmp, "gomaxprocs", 1, "GOMAXPROCS of tokentap (nginx and HAProxy run one worker thread)")
+	fs.IntVar(&b.gmp, "gomaxprocs", 1, "GOMAXPROCS of tokentap and the Go relay, and the worker processes of nginx and threads of HAProxy")
 	fs.IntVar(&b.tokens, "tokens", 16, "tokens per streamed response")
 	fs.DurationVar(&b.gap, "token-gap", 50*time.Millisecond, "backend time between tokens")
 	if err := fs.Parse(args); err != nil {
@@ -173,14 +174,24 @@ func (b *benchSettings) startArms() (arms []*arm, accessLog string, stopAll func
 	}
 	cmds = append(cmds, tt)
 	arms = append(arms, &arm{Name: "tokentap", URL: "http://" + ttAddr + "/v1/chat/completions", cmd: tt, pids: pidsOf(tt)})
+	if b.beforeBin != "" {
+		addr, admin := freePort(), freePort()
+		before, err := startProc(b.outDir, "tokentap-before", filepath.Join(b.beforeBin, "tokentap"), []string{fmt.Sprintf("GOMAXPROCS=%d", b.gmp)},
+			"-upstream", upstream, "-listen", addr, "-admin", admin, "-access-log", filepath.Join(b.outDir, "tokentap-before-access.log"))
+		if err != nil {
+			return nil, "", stopAll, err
+		}
+		cmds = append(cmds, before)
+		arms = append(arms, &arm{Name: "tokentap-before", URL: "http://" + addr + "/v1/chat/completions", cmd: before, pids: pidsOf(before)})
+	}
 
 	for _, start := range []struct {
 		on bool
 		fn func() (*arm, error)
 	}{
 		{b.goRelay, func() (*arm, error) { return startGoRelay(b.outDir, b.gmp, mockAddr) }},
-		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr) }},
-		{b.haproxyBin != "", func() (*arm, error) { return startHAProxy(b.outDir, b.haproxyBin, mockAddr) }},
+		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr, b.gmp) }},
+		{b.haproxyBin != "", func() (*arm, error) { return startHAProxy(b.outDir, b.haproxyBin, mockAddr, b.gmp) }},
 	} {
 		if !start.on {
 			continue
