@@ -76,6 +76,9 @@ type exchange struct {
 	bytesOut int64
 	readErr  error // an upstream read error, returned again on every Read
 	upDone   bool  // the upstream body was read to its end
+	pass     bool  // the body is relayed with the upstream's chunk framing (passChunks)
+	chunks   chunkScanner
+	stray    bool // bytes came after the end of the response
 	finished bool
 }
 
@@ -413,6 +416,12 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
 	}
 	x.contentLength = cl
+	if resp.Header.ContentLength() == -1 && cl < 0 && ctx.Request.Header.IsHTTP11() && !x.strip && x.client != nil {
+		// Chunked in, chunked out: the framing goes through as it came
+		// (passChunks), written to the connection after the header.
+		x.pass = true
+		ctx.Response.ImmediateHeaderFlush = true
+	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
 		x.serveHTTP10(ctx)
 		return
@@ -494,6 +503,9 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 	if x.buf == nil {
 		x.buf = make([]byte, 8<<10)
 	}
+	if x.pass {
+		return x.passChunks()
+	}
 	var written int64
 	for {
 		stripping := x.strip // parseStrip may give up during this read
@@ -528,6 +540,94 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 	}
 }
 
+// passChunks relays a chunked upstream body to a chunked client with its
+// framing as it came: each read of the upstream socket lands in the
+// exchange's buffer and goes to the client's socket in one write, its data
+// bytes handed to the parser on the way. (fasthttp's body stream would
+// decode each chunk and frame it again: a copy through its buffer, and a
+// read and a write per chunk where several came in one read.)
+//
+// The response header was flushed before the body (ImmediateHeaderFlush),
+// so the server's buffer is empty and writing to the connection keeps the
+// order. The upstream's last chunk and trailers are not written: the server
+// ends every chunked body itself once WriteTo returns (trailers were never
+// relayed). A size line cut by the end of a read is held, at the front of
+// the buffer, until it ends: only then can the last chunk be told apart.
+func (x *exchange) passChunks() (int64, error) {
+	var written int64
+	keep := 0 // bytes of a held size line at the front of the buffer
+	for {
+		var n int
+		var err error
+		if x.conn.br.Buffered() > 0 {
+			n, err = x.conn.br.Read(x.buf[keep:]) // what came with the header
+		} else {
+			n, err = x.conn.Read(x.buf[keep:])
+		}
+		end, data := keep+n, 0
+		// What is written: up to the start of the last chunk, or of a size
+		// line the read cut, or of a framing error; in the trailers,
+		// nothing.
+		out, start := end, keep-x.chunks.line
+		if x.chunks.lastChunk() {
+			out = 0
+		}
+		if n > 0 {
+			at := x.conn.readAt
+			if at.IsZero() {
+				at = x.p.now()
+			}
+			for off := keep; off < end; {
+				if in, l := x.chunks.inSizeLine(); in {
+					start = off - l
+				}
+				d, k, serr := x.chunks.next(x.buf[off:end])
+				off += k
+				if len(d) > 0 {
+					data += len(d)
+					x.observe(d, at)
+				}
+				if serr != nil {
+					err, out = serr, min(out, off)
+					break
+				}
+				if x.chunks.lastChunk() && out == end {
+					out = start
+				}
+				if x.chunks.done() {
+					x.upDone, x.stray = true, off < end
+					break
+				}
+			}
+		}
+		keep = 0
+		if in, l := x.chunks.inSizeLine(); in && out == end {
+			out, keep = end-l, l
+		}
+		if out > 0 {
+			if _, werr := x.client.Write(x.buf[:out]); werr != nil {
+				x.readErr = err
+				return written, werr
+			}
+			written += int64(data)
+			x.bytesOut += int64(data)
+			x.flushed(x.p.now())
+		}
+		if x.upDone {
+			x.readErr = io.EOF
+			return written, nil
+		}
+		if err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF // the body ended before its last chunk
+			}
+			x.readErr = err
+			return written, err
+		}
+		copy(x.buf, x.buf[end-keep:end])
+	}
+}
+
 // SupportsBodyWriteTo tells fasthttp that WriteTo does what Read does.
 func (x *exchange) SupportsBodyWriteTo() bool { return true }
 
@@ -549,9 +649,10 @@ func (x *exchange) Read(b []byte) (int, error) {
 // flushed stamps the delivery of the last chunk handed to the server.
 func (x *exchange) flushed(t time.Time) {
 	x.unflushed = false
-	if x.dec != nil && len(x.decTimes) > 0 && x.decTimes[len(x.decTimes)-1].flush.IsZero() {
-		// Its tokens are stamped once decoded (takeDecoded).
-		x.decTimes[len(x.decTimes)-1].flush = t
+	// Its tokens are stamped once decoded (takeDecoded); a read relayed
+	// whole can have fed the decoder several chunks.
+	for i := len(x.decTimes) - 1; x.dec != nil && i >= 0 && x.decTimes[i].flush.IsZero(); i-- {
+		x.decTimes[i].flush = t
 	}
 	x.m.flushed(t)
 }
@@ -785,9 +886,13 @@ func (x *exchange) finish(writeErr error) {
 	if x.conn != nil {
 		x.cancel.detach()
 		_ = x.resp.CloseBodyStream()
-		if complete && !gone && writeErr == nil && !x.resp.ConnectionClose() {
+		switch {
+		case x.stray:
+			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
+			x.rt.up.discard(x.conn)
+		case complete && !gone && writeErr == nil && !x.resp.ConnectionClose():
 			x.rt.up.put(x.conn)
-		} else {
+		default:
 			x.rt.up.discard(x.conn)
 		}
 		x.conn = nil

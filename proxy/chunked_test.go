@@ -1,0 +1,245 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// chunkedBody frames payload in chunks of random sizes, with the spellings
+// the grammar allows (upper and lower hex, leading zeros, whitespace and
+// extensions after the size, trailers), and returns the body and the offset
+// at which its last chunk begins.
+func chunkedBody(r *rand.Rand, payload []byte) (body []byte, last int) {
+	var b bytes.Buffer
+	for len(payload) > 0 {
+		n := min(len(payload), 1+r.IntN(300))
+		size := strconv.FormatInt(int64(n), 16)
+		switch r.IntN(4) {
+		case 0:
+			size = strings.ToUpper(size)
+		case 1:
+			size = "00" + size
+		}
+		b.WriteString(size)
+		switch r.IntN(4) {
+		case 0:
+			b.WriteString(" \t")
+		case 1:
+			b.WriteString(`;name="v a"`)
+		}
+		b.WriteString("\r\n")
+		b.Write(payload[:n])
+		b.WriteString("\r\n")
+		payload = payload[n:]
+	}
+	last = b.Len()
+	b.WriteString("0\r\n")
+	if r.IntN(3) == 0 {
+		b.WriteString("X-Trailer: 1\r\nServer-Timing: x;dur=2\r\n")
+	}
+	b.WriteString("\r\n")
+	return b.Bytes(), last
+}
+
+// scanAll runs the scanner over body cut at random points, and returns the
+// data it found and how many bytes it consumed.
+func scanAll(r *rand.Rand, body []byte) (data []byte, used int, err error) {
+	var s chunkScanner
+	for used < len(body) && !s.done() {
+		end := min(len(body), used+1+r.IntN(40))
+		p := body[used:end]
+		for len(p) > 0 && !s.done() {
+			d, n, err := s.next(p)
+			data = append(data, d...)
+			used += n
+			p = p[n:]
+			if err != nil {
+				return data, used, err
+			}
+		}
+	}
+	return data, used, nil
+}
+
+func TestChunkScannerAnySplit(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range 500 {
+		payload := make([]byte, r.IntN(3000))
+		for j := range payload {
+			payload[j] = byte(r.IntN(256)) // CR, LF and hex digits among them
+		}
+		body, _ := chunkedBody(r, payload)
+		stray := []byte("HTTP/1.1 200 OK\r\n")
+		data, used, err := scanAll(r, append(bytes.Clone(body), stray...))
+		if err != nil || !bytes.Equal(data, payload) || used != len(body) {
+			t.Fatalf("case %d: err %v, %d of %d data bytes equal, consumed %d of a %d-byte body",
+				i, err, len(data), len(payload), used, len(body))
+		}
+	}
+}
+
+func TestChunkScannerRejects(t *testing.T) {
+	for _, body := range []string{
+		"\r\n",                     // no size
+		"x\r\n",                    // not hex
+		"5\nhello\r\n0\r\n\r\n",    // bare LF after the size
+		"5\r\nhelloX\r\n0\r\n\r\n", // data longer than its size
+		"5\r\nhello\n0\r\n\r\n",    // bare LF after the data
+		"5 x\r\nhello\r\n",         // junk after the size
+		"5;a\nb\r\nhello\r\n",      // LF inside an extension
+		"1000000000000000\r\n",     // 16 hex digits
+		"0\r\nX: 1\n\r\n",          // bare LF in the trailers
+		"5;" + strings.Repeat("e", maxChunkLine) + "\r\n",
+		"0\r\n" + strings.Repeat("X: 1\r\n", maxTrailer/6+1) + "\r\n",
+	} {
+		_, _, err := scanAll(rand.New(rand.NewPCG(3, 4)), []byte(body))
+		if !errors.Is(err, errBadChunk) {
+			t.Errorf("%.40q: err %v, want errBadChunk", body, err)
+		}
+	}
+}
+
+// FuzzChunkScanner: whatever the bytes and however they are cut, a body the
+// scanner accepts decodes to the same data with net/http's chunked reader
+// (which is laxer: it also takes bare LF line ends).
+func FuzzChunkScanner(f *testing.F) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for range 8 {
+		body, _ := chunkedBody(r, []byte("data: {\"a\":1}\n\n"))
+		f.Add(body, uint64(r.Uint32()))
+	}
+	f.Add([]byte("5\r\nhello\r\n0\r\n\r\n"), uint64(1))
+	f.Fuzz(func(t *testing.T, body []byte, seed uint64) {
+		data, used, err := scanAll(rand.New(rand.NewPCG(seed, seed)), body)
+		if err != nil || used == 0 {
+			return
+		}
+		var s chunkScanner
+		for p := body[:used]; len(p) > 0; {
+			_, n, _ := s.next(p)
+			p = p[n:]
+		}
+		if !s.done() {
+			return // the body was cut short: nothing to compare
+		}
+		want, rerr := io.ReadAll(httputil.NewChunkedReader(bytes.NewReader(body[:used])))
+		if rerr != nil || !bytes.Equal(data, want) {
+			t.Fatalf("accepted %q as %q; net/http reads %q, %v", body[:used], data, want, rerr)
+		}
+	})
+}
+
+// TestRelayExactBytesUnderSplitsAndStalls: a chunked event stream, cut into
+// random writes with random pauses by the backend and read in random small
+// pieces with stalls by the client, reaches the client exactly as it left
+// the backend, framing included (up to the last chunk, which the proxy
+// writes itself), request after request on one kept-alive connection; its
+// events are all counted and its length recorded. One large response is
+// read only after the proxy's writes have met a full socket buffer.
+func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	type answer struct {
+		body    []byte
+		last    int
+		payload string
+		events  int
+	}
+	answers := make(chan answer, 1)
+	up := startRawUpstream(t, func(c net.Conn, _ *http.Request) bool {
+		a := <-answers
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		wr := rand.New(rand.NewPCG(uint64(len(a.body)), 9))
+		for b := a.body; len(b) > 0; {
+			n := min(len(b), 1+wr.IntN(700))
+			if _, err := c.Write(b[:n]); err != nil {
+				return false
+			}
+			b = b[n:]
+			if wr.IntN(4) == 0 {
+				time.Sleep(time.Duration(wr.IntN(1500)) * time.Microsecond)
+			}
+		}
+		return true
+	})
+	tp := startProxy(t, up.url, nil)
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReaderSize(c, 16)
+
+	for i := range 30 {
+		var payload strings.Builder
+		events := 1 + r.IntN(40)
+		if i == 7 {
+			events = 20000 // about 1.3 MB: more than the sockets hold
+		}
+		for k := range events {
+			payload.WriteString(chatChunk(fmt.Sprintf("tok%d-%d", i, k)))
+		}
+		body, last := chunkedBody(r, []byte(payload.String()))
+		answers <- answer{body, last, payload.String(), events}
+		if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
+			t.Fatal(err)
+		}
+		if i == 7 {
+			time.Sleep(300 * time.Millisecond) // the proxy's writes block on a full buffer
+		}
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("response %d: %v", i, err)
+		}
+		if len(resp.TransferEncoding) != 1 || resp.TransferEncoding[0] != "chunked" {
+			t.Fatalf("response %d: transfer encoding %v", i, resp.TransferEncoding)
+		}
+		// Read the framing raw: http.ReadResponse leaves the body unread
+		// in br, and the chunked reader is bypassed.
+		want := string(body[:last]) + "0\r\n\r\n"
+		got := make([]byte, 0, len(want))
+		rr := rand.New(rand.NewPCG(uint64(i), 10))
+		for len(got) < len(want) {
+			piece := make([]byte, min(len(want)-len(got), 1+rr.IntN(900)))
+			n, err := io.ReadFull(br, piece)
+			got = append(got, piece[:n]...)
+			if err != nil {
+				t.Fatalf("response %d: %v after %d of %d bytes", i, err, len(got), len(want))
+			}
+			if rr.IntN(20) == 0 {
+				time.Sleep(time.Duration(rr.IntN(2000)) * time.Microsecond)
+			}
+		}
+		if string(got) != want {
+			t.Fatalf("response %d: the client's bytes differ from the backend's at byte %d of %d",
+				i, firstDiff(got, []byte(want)), len(want))
+		}
+		rec := tp.rec.next(t)
+		if rec.Outcome != "ok" || rec.OutputTokens != events || rec.BytesOut != int64(len(payload.String())) {
+			t.Fatalf("response %d: record outcome %s, %d tokens (want %d), bytes_out %d (want %d)",
+				i, rec.Outcome, rec.OutputTokens, events, rec.BytesOut, len(payload.String()))
+		}
+	}
+	if n := up.conns.Load(); n != 1 {
+		t.Fatalf("the backend saw %d connections: the pooled one was not reused", n)
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return min(len(a), len(b))
+}
