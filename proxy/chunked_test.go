@@ -178,6 +178,7 @@ func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	c.SetDeadline(time.Now().Add(time.Minute)) // a framing fault fails, not hangs
 	br := bufio.NewReaderSize(c, 16)
 
 	for i := range 30 {
@@ -204,25 +205,40 @@ func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
 		if len(resp.TransferEncoding) != 1 || resp.TransferEncoding[0] != "chunked" {
 			t.Fatalf("response %d: transfer encoding %v", i, resp.TransferEncoding)
 		}
-		// Read the framing raw: http.ReadResponse leaves the body unread
-		// in br, and the chunked reader is bypassed.
-		want := string(body[:last]) + "0\r\n\r\n"
-		got := make([]byte, 0, len(want))
+		// Read the body through a chunked reader in random pieces with
+		// stalls, keeping the raw bytes: http.ReadResponse leaves the
+		// body unread in br.
+		var raw bytes.Buffer
+		cbr := bufio.NewReader(io.TeeReader(br, &raw))
+		cr := httputil.NewChunkedReader(cbr)
+		var got []byte
 		rr := rand.New(rand.NewPCG(uint64(i), 10))
-		for len(got) < len(want) {
-			piece := make([]byte, min(len(want)-len(got), 1+rr.IntN(900)))
-			n, err := io.ReadFull(br, piece)
+		for {
+			piece := make([]byte, 1+rr.IntN(900))
+			n, err := cr.Read(piece)
 			got = append(got, piece[:n]...)
+			if err == io.EOF {
+				break
+			}
 			if err != nil {
-				t.Fatalf("response %d: %v after %d of %d bytes", i, err, len(got), len(want))
+				t.Fatalf("response %d: %v after %d body bytes", i, err, len(got))
 			}
 			if rr.IntN(20) == 0 {
 				time.Sleep(time.Duration(rr.IntN(2000)) * time.Microsecond)
 			}
 		}
-		if string(got) != want {
-			t.Fatalf("response %d: the client's bytes differ from the backend's at byte %d of %d",
-				i, firstDiff(got, []byte(want)), len(want))
+		if crlf := make([]byte, 2); func() bool { _, err := io.ReadFull(cbr, crlf); return err != nil }() || string(crlf) != "\r\n" {
+			t.Fatalf("response %d: the body does not end with an empty trailer section", i)
+		}
+		if string(got) != payload.String() {
+			t.Fatalf("response %d: the client's body differs from the backend's at byte %d of %d",
+				i, firstDiff(got, []byte(payload.String())), payload.Len())
+		}
+		// The framing: the backend's as it came, from one of its chunk
+		// boundaries within the first read on (bytes that came with the
+		// header go out with it, framed by the server), then the end.
+		if k := framedFrom(body, last, raw.Bytes()); k < 0 || k > 8<<10+400 {
+			t.Fatalf("response %d: the client's framing is not the backend's (from byte %d)", i, k)
 		}
 		rec := tp.rec.next(t)
 		if rec.Outcome != "ok" || rec.OutputTokens != events || rec.BytesOut != int64(len(payload.String())) {
@@ -233,6 +249,31 @@ func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
 	if n := up.conns.Load(); n != 1 {
 		t.Fatalf("the backend saw %d connections: the pooled one was not reused", n)
 	}
+}
+
+// framedFrom returns the first offset k of the backend's body, at a chunk
+// boundary before its last chunk, such that the client's raw body ends with
+// the backend's framing from k and "0\r\n\r\n"; -1 when there is none.
+func framedFrom(body []byte, last int, raw []byte) int {
+	for k := 0; k <= last; {
+		if bytes.HasSuffix(raw, append(bytes.Clone(body[k:last]), "0\r\n\r\n"...)) {
+			return k
+		}
+		var s chunkScanner
+		n := k
+		for p := body[k:last]; len(p) > 0; {
+			_, used, _ := s.next(p)
+			p, n = p[used:], n+used
+			if s.state == chunkSize && s.line == 0 {
+				break
+			}
+		}
+		if n == k {
+			return -1
+		}
+		k = n
+	}
+	return -1
 }
 
 func firstDiff(a, b []byte) int {

@@ -74,9 +74,11 @@ type exchange struct {
 	responded bool  // the upstream answered with headers
 
 	bytesOut int64
-	readErr  error // an upstream read error, returned again on every Read
-	upDone   bool  // the upstream body was read to its end
-	pass     bool  // the body is relayed with the upstream's chunk framing (passChunks)
+	readErr  error  // an upstream read error, returned again on every Read
+	upDone   bool   // the upstream body was read to its end
+	pass     bool   // the body is relayed with the upstream's chunk framing (passChunks)
+	framed   bool   // passChunks: the server frames what is written, until a chunk boundary
+	gathered []byte // passChunks: the data bytes of a framed read
 	chunks   chunkScanner
 	stray    bool // bytes came after the end of the response
 	finished bool
@@ -115,7 +117,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	}
 	*x = exchange{
 		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
-		held: x.held[:0], stripped: x.stripped[:0], injected: x.injected[:0], scratch: x.scratch[:0],
+		held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
@@ -418,9 +420,10 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 	x.contentLength = cl
 	if resp.Header.ContentLength() == -1 && cl < 0 && ctx.Request.Header.IsHTTP11() && !x.strip && x.client != nil {
 		// Chunked in, chunked out: the framing goes through as it came
-		// (passChunks), written to the connection after the header.
-		x.pass = true
-		ctx.Response.ImmediateHeaderFlush = true
+		// (passChunks), written to the connection after the header. Body
+		// bytes that came with the header go out with it instead, framed
+		// by the server, in one write.
+		x.pass, x.framed = true, !ctx.Response.ImmediateHeaderFlush
 	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
 		x.serveHTTP10(ctx)
@@ -504,7 +507,7 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 		x.buf = make([]byte, 8<<10)
 	}
 	if x.pass {
-		return x.passChunks()
+		return x.passChunks(w)
 	}
 	var written int64
 	for {
@@ -553,7 +556,12 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 // ends every chunked body itself once WriteTo returns (trailers were never
 // relayed). A size line cut by the end of a read is held, at the front of
 // the buffer, until it ends: only then can the last chunk be told apart.
-func (x *exchange) passChunks() (int64, error) {
+//
+// When body bytes came with the response header, the header is still in
+// the server's buffer: the data of the reads up to the first chunk
+// boundary is written through w, which frames it and flushes it with the
+// header in one write; the framing goes through as it came from there on.
+func (x *exchange) passChunks(w io.Writer) (int64, error) {
 	var written int64
 	keep := 0 // bytes of a held size line at the front of the buffer
 	for {
@@ -565,6 +573,10 @@ func (x *exchange) passChunks() (int64, error) {
 			n, err = x.conn.Read(x.buf[keep:])
 		}
 		end, data := keep+n, 0
+		rawFrom := 0 // where the bytes written as they came begin
+		if x.framed {
+			rawFrom = end
+		}
 		// What is written: up to the start of the last chunk, or of a size
 		// line the read cut, or of a framing error; in the trailers,
 		// nothing.
@@ -586,10 +598,17 @@ func (x *exchange) passChunks() (int64, error) {
 				if len(d) > 0 {
 					data += len(d)
 					x.observe(d, at)
+					if x.framed {
+						x.gathered = append(x.gathered, d...)
+					}
 				}
 				if serr != nil {
 					err, out = serr, min(out, off)
 					break
+				}
+				if x.framed && x.chunks.state == chunkSize && x.chunks.line == 0 {
+					// A chunk boundary: from here on the bytes go as they came.
+					x.framed, rawFrom = false, off
 				}
 				if x.chunks.lastChunk() && out == end {
 					out = start
@@ -601,14 +620,25 @@ func (x *exchange) passChunks() (int64, error) {
 			}
 		}
 		keep = 0
-		if in, l := x.chunks.inSizeLine(); in && out == end {
-			out, keep = end-l, l
-		}
-		if out > 0 {
-			if _, werr := x.client.Write(x.buf[:out]); werr != nil {
+		if len(x.gathered) > 0 {
+			// Framed by the server, and flushed with the header.
+			_, werr := w.Write(x.gathered)
+			x.gathered = x.gathered[:0]
+			if werr != nil {
 				x.readErr = err
 				return written, werr
 			}
+		}
+		if in, l := x.chunks.inSizeLine(); in && out == end && !x.framed {
+			out, keep = end-l, l
+		}
+		if out > rawFrom {
+			if _, werr := x.client.Write(x.buf[rawFrom:out]); werr != nil {
+				x.readErr = err
+				return written, werr
+			}
+		}
+		if data > 0 || out > rawFrom {
 			written += int64(data)
 			x.bytesOut += int64(data)
 			x.flushed(x.p.now())
