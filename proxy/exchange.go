@@ -79,6 +79,7 @@ type exchange struct {
 	pass     bool   // the body is relayed with the upstream's chunk framing (passChunks)
 	framed   bool   // passChunks: the server frames what is written, until a chunk boundary
 	gathered []byte // passChunks: the data bytes of a framed read
+	keep     int    // passChunks: bytes of a held size line at the front of buf
 	chunks   chunkScanner
 	stray    bool // bytes came after the end of the response
 	finished bool
@@ -562,100 +563,127 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 // boundary is written through w, which frames it and flushes it with the
 // header in one write; the framing goes through as it came from there on.
 func (x *exchange) passChunks(w io.Writer) (int64, error) {
-	var written int64
-	keep := 0 // bytes of a held size line at the front of the buffer
+	up, cl := x.conn.rx, clientRx(x.client)
+	setDirect(up, true)
+	setDirect(cl, true)
 	for {
-		var n int
-		var err error
-		if x.conn.br.Buffered() > 0 {
-			n, err = x.conn.br.Read(x.buf[keep:]) // what came with the header
-		} else {
-			n, err = x.conn.Read(x.buf[keep:])
+		if end, err := x.passRead(w); end {
+			setDirect(up, false)
+			setDirect(cl, false)
+			return x.bytesOut, err
 		}
-		end, data := keep+n, 0
-		rawFrom := 0 // where the bytes written as they came begin
-		if x.framed {
-			rawFrom = end
-		}
-		// What is written: up to the start of the last chunk, or of a size
-		// line the read cut, or of a framing error; in the trailers,
-		// nothing.
-		out, start := end, keep-x.chunks.line
-		if x.chunks.lastChunk() {
-			out = 0
-		}
-		if n > 0 {
-			at := x.conn.readAt
-			if at.IsZero() {
-				at = x.p.now()
-			}
-			for off := keep; off < end; {
-				if in, l := x.chunks.inSizeLine(); in {
-					start = off - l
-				}
-				d, k, serr := x.chunks.next(x.buf[off:end])
-				off += k
-				if len(d) > 0 {
-					data += len(d)
-					x.observe(d, at)
-					if x.framed {
-						x.gathered = append(x.gathered, d...)
-					}
-				}
-				if serr != nil {
-					err, out = serr, min(out, off)
-					break
-				}
-				if x.framed && x.chunks.state == chunkSize && x.chunks.line == 0 {
-					// A chunk boundary: from here on the bytes go as they came.
-					x.framed, rawFrom = false, off
-				}
-				if x.chunks.lastChunk() && out == end {
-					out = start
-				}
-				if x.chunks.done() {
-					x.upDone, x.stray = true, off < end
-					break
-				}
-			}
-		}
-		keep = 0
-		if len(x.gathered) > 0 {
-			// Framed by the server, and flushed with the header.
-			_, werr := w.Write(x.gathered)
-			x.gathered = x.gathered[:0]
-			if werr != nil {
-				x.readErr = err
-				return written, werr
-			}
-		}
-		if in, l := x.chunks.inSizeLine(); in && out == end && !x.framed {
-			out, keep = end-l, l
-		}
-		if out > rawFrom {
-			if _, werr := x.client.Write(x.buf[rawFrom:out]); werr != nil {
-				x.readErr = err
-				return written, werr
-			}
-		}
-		if data > 0 || out > rawFrom {
-			written += int64(data)
-			x.bytesOut += int64(data)
-			x.flushed(x.p.now())
-		}
-		if x.upDone {
-			x.readErr = io.EOF
-			return written, nil
-		}
-		if err != nil {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF // the body ended before its last chunk
-			}
-			x.readErr = err
-			return written, err
-		}
-		copy(x.buf, x.buf[end-keep:end])
 	}
+}
+
+// clientRx returns the client connection's rxConn, or nil.
+func clientRx(c net.Conn) *rxConn {
+	if cc, ok := c.(*clientConn); ok {
+		return cc.rxConn
+	}
+	return nil
+}
+
+// setDirect turns the relay loop's direct socket calls on or off.
+func setDirect(c *rxConn, on bool) {
+	if c != nil {
+		c.direct = on
+	}
+}
+
+// passRead relays one read of passChunks; end is true when the body ended
+// or failed (err says which).
+func (x *exchange) passRead(w io.Writer) (end bool, err error) {
+	keep := x.keep
+	var n int
+	if x.conn.br.Buffered() > 0 {
+		n, err = x.conn.br.Read(x.buf[keep:]) // what came with the header
+	} else {
+		n, err = x.conn.Read(x.buf[keep:])
+	}
+	last, data := keep+n, 0
+	rawFrom := 0 // where the bytes written as they came begin
+	if x.framed {
+		rawFrom = last
+	}
+	// What is written: up to the start of the last chunk, or of a size
+	// line the read cut, or of a framing error; in the trailers,
+	// nothing.
+	out, start := last, keep-x.chunks.line
+	if x.chunks.lastChunk() {
+		out = 0
+	}
+	if n > 0 {
+		at := x.conn.readAt
+		if at.IsZero() {
+			at = x.p.now()
+		}
+		for off := keep; off < last; {
+			if in, l := x.chunks.inSizeLine(); in {
+				start = off - l
+			}
+			d, k, serr := x.chunks.next(x.buf[off:last])
+			off += k
+			if len(d) > 0 {
+				data += len(d)
+				x.observe(d, at)
+				if x.framed {
+					x.gathered = append(x.gathered, d...)
+				}
+			}
+			if serr != nil {
+				err, out = serr, min(out, off)
+				break
+			}
+			if x.framed && x.chunks.state == chunkSize && x.chunks.line == 0 {
+				// A chunk boundary: from here on the bytes go as they came.
+				x.framed, rawFrom = false, off
+			}
+			if x.chunks.lastChunk() && out == last {
+				out = start
+			}
+			if x.chunks.done() {
+				x.upDone, x.stray = true, off < last
+				break
+			}
+		}
+	}
+	keep = 0
+	if len(x.gathered) > 0 {
+		// Framed by the server, and flushed with the header.
+		_, werr := w.Write(x.gathered)
+		x.gathered = x.gathered[:0]
+		if werr != nil {
+			x.readErr = err
+			return true, werr
+		}
+	}
+	if in, l := x.chunks.inSizeLine(); in && out == last && !x.framed {
+		out, keep = last-l, l
+	}
+	if out > rawFrom {
+		if _, werr := x.client.Write(x.buf[rawFrom:out]); werr != nil {
+			x.readErr = err
+			return true, werr
+		}
+	}
+	if data > 0 || out > rawFrom {
+		x.bytesOut += int64(data)
+		x.flushed(x.p.now())
+	}
+	if x.upDone {
+		x.readErr = io.EOF
+		return true, nil
+	}
+	if err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF // the body ended before its last chunk
+		}
+		x.readErr = err
+		return true, err
+	}
+	copy(x.buf, x.buf[last-keep:last])
+	x.keep = keep
+	return false, nil
 }
 
 // SupportsBodyWriteTo tells fasthttp that WriteTo does what Read does.

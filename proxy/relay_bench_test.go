@@ -1,7 +1,10 @@
 package proxy
 
 import (
+	"bufio"
+	"fmt"
 	"io"
+	"net"
 	"testing"
 	"time"
 
@@ -115,5 +118,78 @@ func BenchmarkRelayWriteTo(b *testing.B) {
 	b.ResetTimer()
 	if _, err := x.WriteTo(io.Discard); err != nil {
 		b.Fatal(err)
+	}
+}
+
+// passPair returns an exchange relaying a chunked body with passChunks
+// from a loopback upstream socket to a loopback client socket whose peer
+// reads everything, and the upstream's writing end.
+func passPair(tb testing.TB) (*exchange, net.Conn) {
+	tb.Helper()
+	p := newProxyForBench(tb)
+	upWrite, upRead := loopbackPair(tb)
+	cl, clPeer := loopbackPair(tb)
+	go io.Copy(io.Discard, clPeer)
+	x := streamingExchange(p, nil)
+	x.conn = &upConn{Conn: upRead, up: x.rt.up}
+	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
+	x.client, x.pass = cl, true
+	x.buf = make([]byte, 8<<10)
+	x.m.gaps = make([]time.Duration, 0, maxGaps)
+	return x, upWrite
+}
+
+func loopbackPair(tb testing.TB) (net.Conn, net.Conn) {
+	tb.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer ln.Close()
+	a, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	b, err := ln.Accept()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
+}
+
+var benchFrame = []byte(fmt.Sprintf("%x\r\n%s\r\n", len(benchEvent), benchEvent))
+
+// The chunked relay (passChunks), one upstream read, parse and client
+// write per event, allocates nothing in steady state.
+func TestPassChunksNoAllocsPerEvent(t *testing.T) {
+	x, up := passPair(t)
+	step := func() {
+		if _, err := up.Write(benchFrame); err != nil {
+			t.Fatal(err)
+		}
+		if end, err := x.passRead(io.Discard); end {
+			t.Fatalf("the relay ended: %v", err)
+		}
+	}
+	step()
+	if a := testing.AllocsPerRun(500, step); a != 0 {
+		t.Fatalf("allocs per relayed event = %v, want 0", a)
+	}
+	if x.m.events < 500 || x.bytesOut < 500*int64(len(benchEvent)) {
+		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.m.events, x.bytesOut)
+	}
+}
+
+// BenchmarkPassChunks is the chunked relay per event over loopback
+// sockets: the upstream's write, tokentap's read, parse and client write,
+// the client's read.
+func BenchmarkPassChunks(b *testing.B) {
+	x, up := passPair(b)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(benchEvent)))
+	for b.Loop() {
+		up.Write(benchFrame)
+		x.passRead(io.Discard)
 	}
 }

@@ -28,9 +28,14 @@ type rxConn struct {
 	oob  [8]uint64 // control messages, 8-byte aligned
 	recv func(fd uintptr) bool
 	send func(fd uintptr) bool
-	wb   []byte // the bytes send has yet to write, and how many it wrote
-	wn   int
-	werr syscall.Errno
+
+	// direct: the socket calls are made without the runtime's syscall
+	// bookkeeping (see sendRaw); set by the relay loop for its reads and
+	// writes only.
+	direct bool
+	wb     []byte // the bytes send has yet to write, and how many it wrote
+	wn     int
+	werr   syscall.Errno
 
 	n     int
 	errno syscall.Errno
@@ -78,13 +83,17 @@ func (c *rxConn) rawConn() syscall.RawConn { return c.raw }
 
 // recvmsg is the read done when the socket is readable; false asks the
 // runtime to wait for readability and call it again. The call never waits
-// (the socket is non-blocking), so it is made without the runtime's
+// (the socket is non-blocking); direct makes it without the runtime's
 // syscall bookkeeping, as sendRaw explains.
 func (c *rxConn) recvmsg(fd uintptr) bool {
+	sys := unix.Syscall
+	if c.direct {
+		sys = unix.RawSyscall
+	}
 	for {
 		c.msg.Control = (*byte)(unsafe.Pointer(&c.oob[0]))
 		c.msg.SetControllen(len(c.oob) * 8)
-		n, _, e := unix.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&c.msg)), unix.MSG_CMSG_CLOEXEC)
+		n, _, e := sys(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&c.msg)), unix.MSG_CMSG_CLOEXEC)
 		switch e {
 		case unix.EINTR:
 			continue
@@ -167,13 +176,17 @@ func (c *rxConn) WriteTo(w io.Writer) (int64, error) {
 // wb is empty, and returns false (wait for writability, call again) when
 // the socket buffer is full.
 //
-// Like recvmsg it calls the kernel without telling the runtime (RawSyscall):
-// on a non-blocking socket the call never waits, and a write on loopback,
-// which also runs the receiver's side of TCP, often takes longer than the
-// 20 µs after which the runtime hands a thread in a syscall's processor to
-// another thread. That hand-off and the thread's return cost more than the
-// write (a futex wake-up and a sleep each time); measured at 100 streams,
-// CPU per token fell 26% without it.
+// It calls the kernel without telling the runtime (RawSyscall): on a
+// non-blocking socket the call never waits, and a write on loopback, which
+// also runs the receiver's side of TCP, often takes longer than the 20 µs
+// after which the runtime hands a thread in a syscall's processor to
+// another thread. In a stream that hand-off and the thread's return cost
+// more than the write (a futex wake-up and a sleep each time): measured at
+// 100 streams, CPU per token fell 13–26% without it. For the rest of a
+// request the hand-off is kept (direct off): when a burst of requests meets
+// sleeping clients, their slow wake-up writes overlap on a second thread,
+// and writing them one after another on one thread made the burst's E2E
+// p99 1.6× longer.
 func (c *rxConn) sendRaw(fd uintptr) bool {
 	for len(c.wb) > 0 {
 		n, _, e := unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&c.wb[0])), uintptr(len(c.wb)))
@@ -195,7 +208,7 @@ func (c *rxConn) sendRaw(fd uintptr) bool {
 // Write writes b whole, or stops at an error (a deadline, a closed or reset
 // connection) and reports how much was written, as net.Conn does.
 func (c *rxConn) Write(b []byte) (int, error) {
-	if c.raw == nil || len(b) == 0 {
+	if !c.direct || c.raw == nil || len(b) == 0 {
 		return c.TCPConn.Write(b)
 	}
 	c.wb, c.wn, c.werr = b, 0, 0

@@ -29,6 +29,15 @@ func raiseFileLimit() {
 	}
 }
 
+// fileLimit returns this process's descriptor limit.
+func fileLimit() int {
+	var l syscall.Rlimit
+	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &l) != nil {
+		return 1024
+	}
+	return int(min(l.Cur, 1<<30))
+}
+
 func pidsOf(cmd *exec.Cmd) func() []int {
 	return func() []int { return []int{cmd.Process.Pid} }
 }

@@ -218,7 +218,15 @@ func (b *benchSettings) streamingPhase(rep *proxiesReport, arms []*arm, clients 
 	for _, level := range b.levels {
 		key := strconv.Itoa(level)
 		rep.Streaming[key] = map[string][]roundStat{}
-		fmt.Fprintf(os.Stderr, "streams: %d concurrent, %d rounds × %v per arm\n", level, b.rounds, b.roundTime)
+		// This process holds each arm's client connections between
+		// rounds; where they would not all fit in its descriptors, each
+		// arm's are closed after its turn and its next round opens them
+		// anew (every arm alike).
+		reopen := level*len(arms) > fileLimit()*3/4
+		if reopen {
+			rep.Settings[fmt.Sprintf("reconnect_each_round_at_%d", level)] = true
+		}
+		fmt.Fprintf(os.Stderr, "streams: %d concurrent, %d rounds × %v per arm (connections kept between rounds: %v)\n", level, b.rounds, b.roundTime, !reopen)
 		for r := 0; r <= b.rounds; r++ {
 			for i := range arms {
 				a := arms[(i+r)%len(arms)] // rotate the order each round
@@ -227,6 +235,9 @@ func (b *benchSettings) streamingPhase(rep *proxiesReport, arms []*arm, clients 
 				p.URL, p.Client = a.URL, clients[a.Name]
 				p.IDPrefix = fmt.Sprintf("s%d-%s-%d-", level, a.Name, r)
 				st, res := measure(a, p)
+				if reopen {
+					clients[a.Name].closeIdle()
+				}
 				if r == 0 {
 					continue // warm-up
 				}
