@@ -127,8 +127,8 @@ func BenchmarkRelayWriteTo(b *testing.B) {
 func passPair(tb testing.TB) (*exchange, net.Conn) {
 	tb.Helper()
 	p := newProxyForBench(tb)
-	upWrite, upRead := loopbackPair(tb)
-	cl, clPeer := loopbackPair(tb)
+	upWrite, upRead := tcpPair(tb)
+	clPeer, cl := tcpPair(tb)
 	go io.Copy(io.Discard, clPeer)
 	x := streamingExchange(p, nil)
 	x.conn = &upConn{Conn: upRead, up: x.rt.up}
@@ -137,25 +137,6 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	x.buf = make([]byte, 8<<10)
 	x.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite
-}
-
-func loopbackPair(tb testing.TB) (net.Conn, net.Conn) {
-	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	defer ln.Close()
-	a, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		tb.Fatal(err)
-	}
-	b, err := ln.Accept()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { a.Close(); b.Close() })
-	return a, b
 }
 
 var benchFrame = []byte(fmt.Sprintf("%x\r\n%s\r\n", len(benchEvent), benchEvent))

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -47,6 +48,7 @@ type benchSettings struct {
 	burstGap, roundTime, gap                     time.Duration
 	goRelay                                      bool
 	levels                                       []int
+	only                                         map[string]bool // -arms: the arms to run; nil: all
 }
 
 // runProxies runs the side-by-side bench: start the arms, then one phase
@@ -67,6 +69,7 @@ func runProxies(args []string, out io.Writer) error {
 	fs.IntVar(&b.rounds, "rounds", 5, "measured rounds per condition, after a warm-up round")
 	fs.DurationVar(&b.roundTime, "round-time", 3*time.Second, "time per arm per round")
 	levelsSpec := fs.String("levels", "1,100,1000", "concurrent streams")
+	armsSpec := fs.String("arms", "", "only these arms, comma-separated (direct is always run: the others are measured against it); empty: all")
 	fs.IntVar(&b.idle, "idle", 9000, "idle streams held at once for the memory test (each costs a proxy two file descriptors; nginx keeps 1024 more upstream)")
 	fs.IntVar(&b.gmp, "gomaxprocs", 1, "GOMAXPROCS of tokentap and the Go relay, and the worker processes of nginx and threads of HAProxy")
 	fs.IntVar(&b.tokens, "tokens", 16, "tokens per streamed response")
@@ -84,6 +87,12 @@ func runProxies(args []string, out io.Writer) error {
 		}
 		b.levels = append(b.levels, n)
 	}
+	if *armsSpec != "" {
+		b.only = map[string]bool{"direct": true}
+		for _, a := range strings.Split(*armsSpec, ",") {
+			b.only[strings.TrimSpace(a)] = true
+		}
+	}
 	if err := os.MkdirAll(b.outDir, 0o755); err != nil {
 		return err
 	}
@@ -95,6 +104,9 @@ func runProxies(args []string, out io.Writer) error {
 	defer stopAll()
 	if err != nil {
 		return err
+	}
+	if b.only != nil {
+		arms = slices.DeleteFunc(arms, func(a *arm) bool { return !b.only[a.Name] })
 	}
 
 	rep := proxiesReport{

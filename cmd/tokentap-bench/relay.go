@@ -1,10 +1,13 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"io"
 	"log"
 	"net"
+	"syscall"
+	"time"
 )
 
 // runRelay is the bench's floor for a Go proxy: a TCP relay with a
@@ -26,6 +29,10 @@ func runRelay(args []string) error {
 	}
 	for {
 		c, err := ln.Accept()
+		if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+			time.Sleep(5 * time.Millisecond) // out of descriptors: wait for some to close
+			continue
+		}
 		if err != nil {
 			return err
 		}
