@@ -264,7 +264,7 @@ func framedFrom(body []byte, last int, raw []byte) int {
 		for p := body[k:last]; len(p) > 0; {
 			_, used, _ := s.next(p)
 			p, n = p[used:], n+used
-			if s.state == chunkSize && s.line == 0 {
+			if s.atBoundary() {
 				break
 			}
 		}

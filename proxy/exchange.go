@@ -419,7 +419,7 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
 	}
 	x.contentLength = cl
-	if resp.Header.ContentLength() == -1 && cl < 0 && ctx.Request.Header.IsHTTP11() && !x.strip && x.client != nil {
+	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.strip && x.client != nil {
 		// Chunked in, chunked out: the framing goes through as it came
 		// (passChunks), written to the connection after the header. Body
 		// bytes that came with the header go out with it instead, framed
@@ -476,16 +476,7 @@ func (x *exchange) pull(b []byte) (int, error) {
 	}
 	n, err := x.body.Read(b)
 	if n > 0 {
-		// Stamped with the kernel's receive time of the bytes: time they
-		// waited in the socket is time tokentap added.
-		var at time.Time
-		if x.conn != nil {
-			at = x.conn.readAt
-		}
-		if at.IsZero() {
-			at = x.p.now()
-		}
-		x.observe(b[:n], at)
+		x.observe(b[:n], x.readTime())
 	}
 	if err != nil {
 		if err == io.EOF {
@@ -497,6 +488,16 @@ func (x *exchange) pull(b []byte) (int, error) {
 		}
 	}
 	return n, err
+}
+
+// readTime is when the bytes of the last upstream read arrived: the
+// kernel's receive time where there is one (time they waited in the socket
+// is time tokentap added), else now.
+func (x *exchange) readTime() time.Time {
+	if x.conn != nil && !x.conn.readAt.IsZero() {
+		return x.conn.readAt
+	}
+	return x.p.now()
 }
 
 // WriteTo relays the body to the client, one write per upstream read. The
@@ -613,10 +614,7 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 		out = 0
 	}
 	if n > 0 {
-		at := x.conn.readAt
-		if at.IsZero() {
-			at = x.p.now()
-		}
+		at := x.readTime()
 		for off := keep; off < last; {
 			if in, l := x.chunks.inSizeLine(); in {
 				start = off - l
@@ -634,7 +632,7 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 				err, out = serr, min(out, off)
 				break
 			}
-			if x.framed && x.chunks.state == chunkSize && x.chunks.line == 0 {
+			if x.framed && x.chunks.atBoundary() {
 				// A chunk boundary: from here on the bytes go as they came.
 				x.framed, rawFrom = false, off
 			}
@@ -707,10 +705,12 @@ func (x *exchange) Read(b []byte) (int, error) {
 // flushed stamps the delivery of the last chunk handed to the server.
 func (x *exchange) flushed(t time.Time) {
 	x.unflushed = false
-	// Its tokens are stamped once decoded (takeDecoded); a read relayed
-	// whole can have fed the decoder several chunks.
-	for i := len(x.decTimes) - 1; x.dec != nil && i >= 0 && x.decTimes[i].flush.IsZero(); i-- {
-		x.decTimes[i].flush = t
+	if x.dec != nil {
+		// Its tokens are stamped once decoded (takeDecoded); a read relayed
+		// whole can have fed the decoder several chunks.
+		for i := len(x.decTimes) - 1; i >= 0 && x.decTimes[i].flush.IsZero(); i-- {
+			x.decTimes[i].flush = t
+		}
 	}
 	x.m.flushed(t)
 }

@@ -50,6 +50,19 @@ func measure(a *arm, p plan) (roundStat, []result) {
 	return st, res
 }
 
+// startTokentap runs the tokentap binary in dir as the arm name, with its
+// access log (written anew) at accessLog.
+func startTokentap(outDir, name, dir string, gomaxprocs int, upstream, accessLog string) (*arm, error) {
+	addr, admin := freePort(), freePort()
+	os.Remove(accessLog)
+	cmd, err := startProc(outDir, name, filepath.Join(dir, "tokentap"), []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)},
+		"-upstream", upstream, "-listen", addr, "-admin", admin, "-access-log", accessLog)
+	if err != nil {
+		return nil, err
+	}
+	return &arm{Name: name, URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
+}
+
 // startGoRelay runs this program's relay subcommand at tokentap's GOMAXPROCS.
 func startGoRelay(dir string, gomaxprocs int, upstream string) (*arm, error) {
 	self, err := os.Executable()

@@ -176,31 +176,21 @@ func (b *benchSettings) startArms() (arms []*arm, accessLog string, stopAll func
 	upstream := "http://" + mockAddr
 	arms = []*arm{{Name: "direct", URL: upstream + "/v1/chat/completions"}}
 
-	ttAddr, ttAdmin := freePort(), freePort()
 	accessLog = filepath.Join(b.outDir, "tokentap-access.log")
-	os.Remove(accessLog)
-	tt, err := startProc(b.outDir, "tokentap", filepath.Join(b.bin, "tokentap"), []string{fmt.Sprintf("GOMAXPROCS=%d", b.gmp)},
-		"-upstream", upstream, "-listen", ttAddr, "-admin", ttAdmin, "-access-log", accessLog)
+	tt, err := startTokentap(b.outDir, "tokentap", b.bin, b.gmp, upstream, accessLog)
 	if err != nil {
 		return nil, "", stopAll, err
 	}
-	cmds = append(cmds, tt)
-	arms = append(arms, &arm{Name: "tokentap", URL: "http://" + ttAddr + "/v1/chat/completions", cmd: tt, pids: pidsOf(tt)})
-	if b.beforeBin != "" {
-		addr, admin := freePort(), freePort()
-		before, err := startProc(b.outDir, "tokentap-before", filepath.Join(b.beforeBin, "tokentap"), []string{fmt.Sprintf("GOMAXPROCS=%d", b.gmp)},
-			"-upstream", upstream, "-listen", addr, "-admin", admin, "-access-log", filepath.Join(b.outDir, "tokentap-before-access.log"))
-		if err != nil {
-			return nil, "", stopAll, err
-		}
-		cmds = append(cmds, before)
-		arms = append(arms, &arm{Name: "tokentap-before", URL: "http://" + addr + "/v1/chat/completions", cmd: before, pids: pidsOf(before)})
-	}
+	cmds = append(cmds, tt.cmd)
+	arms = append(arms, tt)
 
 	for _, start := range []struct {
 		on bool
 		fn func() (*arm, error)
 	}{
+		{b.beforeBin != "", func() (*arm, error) {
+			return startTokentap(b.outDir, "tokentap-before", b.beforeBin, b.gmp, upstream, filepath.Join(b.outDir, "tokentap-before-access.log"))
+		}},
 		{b.goRelay, func() (*arm, error) { return startGoRelay(b.outDir, b.gmp, mockAddr) }},
 		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr, b.gmp) }},
 		{b.haproxyBin != "", func() (*arm, error) { return startHAProxy(b.outDir, b.haproxyBin, mockAddr, b.gmp) }},
