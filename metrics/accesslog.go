@@ -387,5 +387,20 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	if r.Error != "" {
 		f = append(f, zap.String("error", r.Error))
 	}
+	if r.SLOJudged {
+		f = append(f, zap.Bool("slo_ok", r.SLOMisses == 0), zap.Strings("slo_missed", r.sloMissedList()))
+	}
 	return f
+}
+
+// sloMissedList names the missed objectives (an empty list for a good
+// request).
+func (r *Record) sloMissedList() []string {
+	out := []string{}
+	for i, n := range SLONames {
+		if r.SLOMisses.Has(i) {
+			out = append(out, n)
+		}
+	}
+	return out
 }

@@ -6,7 +6,7 @@
 // The proxy fills one Record per request and hands it to every Sink exactly
 // once, when the request is over:
 //
-//	set := metrics.NewSet([]string{"default"}, []string{"llama-3"})
+//	set := metrics.NewSet([]string{"default"}, []string{"llama-3"}, metrics.SetOptions{})
 //	s := set.Series(0, modelIndex)     // at request start
 //	s.ITL(gap)                          // per inter-token gap, live
 //	set.Observe(&rec)                   // once, at the end
@@ -97,6 +97,13 @@ type Record struct {
 	BytesIn      int64  // request body bytes from the client
 	BytesOut     int64  // response body bytes to the client
 	Items        int    // results of a non-generating call (embeddings)
+
+	// SLOJudged says the request was judged against an SLO; SLOMisses is
+	// what it missed (none: a good request) and SLOTarget the goodput
+	// objective of that SLO (0: none).
+	SLOJudged bool
+	SLOMisses SLOMisses
+	SLOTarget float64
 
 	// Series and TenantSeries are the metric handles chosen for this
 	// request, if any.

@@ -2,28 +2,57 @@ package metrics
 
 import (
 	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
 )
 
-// Bucket upper bounds, in seconds. Doubling steps keep the relative error of
-// an interpolated quantile under 2× everywhere while covering both the
-// millisecond gaps of fast decoders and the multi-minute first tokens of
-// reasoning models (fixed buckets stopping at 10 s overflow there).
-var (
-	latencyBuckets  = doubling(0.001, 22)   // 1 ms … ~35 min: TTFT, E2E, TTFB, queue
-	tokenBuckets    = doubling(0.0005, 18)  // 0.5 ms … ~65 s: ITL, TPOT
-	overheadBuckets = doubling(0.00001, 18) // 10 µs … ~1.3 s: gateway overhead
-)
+// Measures lists the histogram measures whose bucket bounds a config can
+// set, by their short names (tokentap_<name>_seconds).
+var Measures = []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "server_queue", "server_prefill", "server_decode"}
 
-func doubling(start float64, n int) []float64 {
-	b := make([]float64, n)
-	for i := range b {
-		b[i] = start
-		start *= 2
+// DefaultBuckets are the bucket upper bounds, in seconds, of each measure
+// where the config sets none. They hold the thresholds SLOs are usually
+// written with (TTFT 0.5, 1, 2.5 s; TPOT 50 ms), so that the share of
+// requests under an objective is read exactly from the buckets, and stay
+// few: each bound is a series per route × model.
+var DefaultBuckets = map[string][]float64{
+	"ttft":           {0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120},
+	"ttfa":           {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300},
+	"itl":            {0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1},
+	"tpot":           {0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1},
+	"e2e":            {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
+	"queue":          {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10},
+	"overhead":       {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1},
+	"upstream_ttfb":  {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120},
+	"server_queue":   {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60},
+	"server_prefill": {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60},
+	"server_decode":  {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
+}
+
+func init() {
+	// HELP and TYPE lines on /metrics, as Prometheus expects.
+	vm.ExposeMetadata(true)
+}
+
+// CheckBuckets validates bucket bounds for a measure: a known measure, at
+// least one bound, positive and strictly increasing.
+func CheckBuckets(measure string, b []float64) error {
+	if _, ok := DefaultBuckets[measure]; !ok {
+		return fmt.Errorf("unknown measure %q (known: %s)", measure, strings.Join(Measures, ", "))
 	}
-	return b
+	if len(b) == 0 {
+		return fmt.Errorf("needs at least one bound")
+	}
+	for i, v := range b {
+		if !(v > 0) || (i > 0 && v <= b[i-1]) {
+			return fmt.Errorf("bounds must be positive and increasing, in seconds")
+		}
+	}
+	return nil
 }
 
 // OtherModel is the label value of every model not in the allowlist.
@@ -60,65 +89,97 @@ type Set struct {
 	tenants   map[string]*TenantSeries
 }
 
+// SetOptions are what a Set is built with besides its labels.
+type SetOptions struct {
+	// Buckets overrides DefaultBuckets per measure. A series keeps the
+	// bounds it was first created with for the life of the process.
+	Buckets map[string][]float64
+	// SLO adds the goodput counters to every series.
+	SLO bool
+}
+
 // UnmatchedRoute is the route label of requests that matched no route.
 const UnmatchedRoute = "unmatched"
 
-// Series is the handles for one (route, model) label pair.
+// Series is the handles for one (route, model) label pair. Series that
+// most pairs never see (server timings, most outcome × status class
+// pairs) are created at their first use, so an idle scrape stays short.
 type Series struct {
-	ttft, ttfa, itl, tpot, e2e, queue, overhead, ttfb *vm.PrometheusHistogram
-	serverQueue, serverPrefill, serverDecode          *vm.PrometheusHistogram
-	outTokens, inTokens, items                        *vm.Counter
-	requests                                          [numOutcomes][5]*vm.Counter // [outcome][status class]
+	route, model                      string
+	labels                            string
+	buckets                           func(string) []float64
+	ttft, ttfa, itl, tpot, e2e, queue *vm.PrometheusHistogram
+	overhead, ttfb                    *vm.PrometheusHistogram
+	serverOnce                        sync.Once
+	serverQueue, serverPrefill        *vm.PrometheusHistogram
+	serverDecode                      *vm.PrometheusHistogram
+	outTokens, inTokens, items        *vm.Counter
+	requests                          [numOutcomes][5]atomic.Pointer[vm.Counter] // [outcome][status class]
+	good                              *vm.Counter                                // nil without SLOs
+	missed                            [NumSLO]*vm.Counter
 }
 
 // NewSet builds every series for the given route names and model allowlist.
-func NewSet(routes, models []string) *Set {
+func NewSet(routes, models []string, o SetOptions) *Set {
 	s := &Set{set: vm.NewSet(), models: make(map[string]int, len(models))}
 	labels := append(append([]string(nil), models...), OtherModel)
 	for i, m := range models {
 		s.models[m] = i
 	}
+	buckets := func(m string) []float64 {
+		if b, ok := o.Buckets[m]; ok {
+			return b
+		}
+		return DefaultBuckets[m]
+	}
 	for _, route := range routes {
 		row := make([]*Series, len(labels))
 		for j, model := range labels {
-			row[j] = s.newSeries(route, model)
+			row[j] = newSeries(route, model, buckets, o.SLO)
 		}
 		s.series = append(s.series, row)
 	}
-	s.unmatched = s.newSeries(UnmatchedRoute, OtherModel)
+	s.unmatched = newSeries(UnmatchedRoute, OtherModel, buckets, false)
 	return s
 }
 
 // Unmatched returns the series of requests that matched no route.
 func (s *Set) Unmatched() *Series { return s.unmatched }
 
-func (s *Set) newSeries(route, model string) *Series {
+func newSeries(route, model string, buckets func(string) []float64, slo bool) *Series {
 	l := fmt.Sprintf(`route=%q,model=%q`, route, model)
-	h := func(name string, b []float64) *vm.PrometheusHistogram {
-		return durable.GetOrCreatePrometheusHistogramExt(name+"{"+l+"}", b)
-	}
-	x := &Series{
-		ttft:      h("tokentap_ttft_seconds", latencyBuckets),
-		ttfa:      h("tokentap_ttfa_seconds", latencyBuckets),
-		itl:       h("tokentap_itl_seconds", tokenBuckets),
-		tpot:      h("tokentap_tpot_seconds", tokenBuckets),
-		e2e:       h("tokentap_e2e_seconds", latencyBuckets),
-		queue:     h("tokentap_queue_seconds", latencyBuckets),
-		overhead:  h("tokentap_overhead_seconds", overheadBuckets),
-		ttfb:      h("tokentap_upstream_ttfb_seconds", latencyBuckets),
-		outTokens: durable.GetOrCreateCounter("tokentap_output_tokens_total{" + l + "}"),
-		inTokens:  durable.GetOrCreateCounter("tokentap_input_tokens_total{" + l + "}"),
-		items:     durable.GetOrCreateCounter("tokentap_items_total{" + l + "}"),
-	}
-	x.serverQueue = h("tokentap_server_queue_seconds", latencyBuckets)
-	x.serverPrefill = h("tokentap_server_prefill_seconds", latencyBuckets)
-	x.serverDecode = h("tokentap_server_decode_seconds", latencyBuckets)
-	for i, o := range Outcomes {
-		for j, c := range statusClasses {
-			x.requests[i][j] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_requests_total{%s,outcome=%q,status_class=%q}`, l, o, c))
+	x := &Series{route: route, model: model, labels: l, buckets: buckets}
+	h := x.histogram
+	x.ttft, x.ttfa, x.itl, x.tpot = h("ttft"), h("ttfa"), h("itl"), h("tpot")
+	x.e2e, x.queue, x.overhead, x.ttfb = h("e2e"), h("queue"), h("overhead"), h("upstream_ttfb")
+	x.outTokens = durable.GetOrCreateCounter("tokentap_output_tokens_total{" + l + "}")
+	x.inTokens = durable.GetOrCreateCounter("tokentap_input_tokens_total{" + l + "}")
+	x.items = durable.GetOrCreateCounter("tokentap_items_total{" + l + "}")
+	if slo {
+		x.good = durable.GetOrCreateCounter("tokentap_goodput_requests_total{" + l + "}")
+		for i, n := range SLONames {
+			x.missed[i] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_slo_missed_total{%s,slo=%q}`, l, n))
 		}
 	}
 	return x
+}
+
+func (x *Series) histogram(measure string) *vm.PrometheusHistogram {
+	return durable.GetOrCreatePrometheusHistogramExt("tokentap_"+measure+"_seconds{"+x.labels+"}", x.buckets(measure))
+}
+
+// Labels returns the route and model label values of x.
+func (x *Series) Labels() (route, model string) { return x.route, x.model }
+
+// requestCounter returns the counter of one outcome × status class,
+// creating it at its first use.
+func (x *Series) requestCounter(o, c int) *vm.Counter {
+	if p := x.requests[o][c].Load(); p != nil {
+		return p
+	}
+	name := fmt.Sprintf(`tokentap_requests_total{%s,outcome=%q,status_class=%q}`, x.labels, Outcomes[o], statusClasses[c])
+	x.requests[o][c].CompareAndSwap(nil, durable.GetOrCreateCounter(name))
+	return x.requests[o][c].Load()
 }
 
 // ModelIndex returns the allowlist index of model, or the index of "other".
@@ -171,9 +232,14 @@ func (s *Set) Observe(r *Record) {
 	}
 	update(x.ttft, r.TTFT)
 	update(x.ttfa, r.TTFA)
-	update(x.serverQueue, r.ServerQueue)
-	update(x.serverPrefill, r.ServerPrefill)
-	update(x.serverDecode, r.ServerDecode)
+	if r.ServerQueue >= 0 || r.ServerPrefill >= 0 || r.ServerDecode >= 0 {
+		x.serverOnce.Do(func() {
+			x.serverQueue, x.serverPrefill, x.serverDecode = x.histogram("server_queue"), x.histogram("server_prefill"), x.histogram("server_decode")
+		})
+		update(x.serverQueue, r.ServerQueue)
+		update(x.serverPrefill, r.ServerPrefill)
+		update(x.serverDecode, r.ServerDecode)
+	}
 	update(x.tpot, r.TPOT)
 	update(x.e2e, r.E2E)
 	update(x.queue, r.Queue)
@@ -188,7 +254,17 @@ func (s *Set) Observe(r *Record) {
 	if r.Items > 0 {
 		x.items.Add(r.Items)
 	}
-	x.requests[outcomeIndex(r.Outcome)][classIndex(r.Status)].Inc()
+	x.requestCounter(outcomeIndex(r.Outcome), classIndex(r.Status)).Inc()
+	if x.good != nil && r.SLOJudged {
+		if r.SLOMisses == 0 {
+			x.good.Inc()
+		}
+		for i := range NumSLO {
+			if r.SLOMisses.Has(i) {
+				x.missed[i].Inc()
+			}
+		}
+	}
 }
 
 func outcomeIndex(o Outcome) int {

@@ -137,7 +137,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		names[i] = r.Name
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
-	s.metrics = metrics.NewSet(names, cfg.Models)
+	s.metrics = metrics.NewSet(names, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO()})
 	old := p.snap.Load()
 	if cfg.Admission != nil {
 		var prev *ratelimit.Admitter

@@ -1,0 +1,263 @@
+// Package stats keeps tokentap's live percentiles: per route × model ×
+// tenant × upstream, the count, errors, throughput, goodput and the
+// distribution of every measure (TTFT, TTFA, ITL, TPOT, E2E, queue,
+// overhead, upstream TTFB) over sliding windows of one minute, five
+// minutes, one hour and since start, and the warnings they raise.
+//
+// Distributions are DDSketches (github.com/DataDog/sketches-go): a
+// quantile is within RelativeAccuracy of the exact value of the same rank,
+// heavy tails included; memory per group is constant; sketches of the same
+// measure merge, so groups (and, later, replicas) combine exactly as if
+// their samples had been one.
+//
+//	e := stats.New(stats.Options{})
+//	e.Observe(&rec, gaps)                        // once per finished request
+//	rep := e.Query(stats.Query{Window: "5m"})    // the /stats table
+//	tl := e.Timeline("")                         // the last hour, per route
+package stats
+
+import (
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// Options tune the engine.
+type Options struct {
+	// Now is the clock of the windows (default time.Now). Only which slot
+	// a request lands in depends on it; the measures come in the records.
+	Now func() time.Time
+	// Thresholds of the warnings.
+	Warn WarnOptions
+}
+
+// Key names one group.
+type Key struct {
+	Route, Model, Tenant, Upstream string
+}
+
+// group is one Key's windows and the SLO target its requests carried.
+type group struct {
+	key    Key
+	mu     sync.Mutex
+	w      *windows
+	target float64 // the goodput objective of the last judged request
+}
+
+// Engine is the live percentile table. It is safe for concurrent use.
+type Engine struct {
+	now   func() time.Time
+	start time.Time
+	warn  atomic.Pointer[WarnOptions]
+
+	slot   atomic.Int64 // the open slot
+	mu     sync.RWMutex // guards groups, routes and timeline; write-held to close slots
+	groups map[Key]*group
+	list   []*group             // in creation order
+	tl     map[string]*timeline // by route
+	routes []string             // timeline routes in creation order
+}
+
+// New returns an empty engine.
+func New(o Options) *Engine {
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	e := &Engine{now: o.Now, groups: map[Key]*group{}, tl: map[string]*timeline{}}
+	e.start = e.now()
+	e.slot.Store(slotOf(e.start))
+	e.SetWarn(o.Warn)
+	return e
+}
+
+// SetWarn replaces the warning thresholds (zero fields take defaults).
+func (e *Engine) SetWarn(w WarnOptions) {
+	w = w.withDefaults()
+	e.warn.Store(&w)
+}
+
+func slotOf(t time.Time) int64 { return t.UnixNano() / int64(slotLen) }
+
+func slotStart(k int64) time.Time { return time.Unix(0, k*int64(slotLen)) }
+
+// Observe adds one finished request, with its inter-token gaps (may be
+// nil). Records without a metric series (never routed) are skipped. It
+// allocates only for a group's first request.
+func (e *Engine) Observe(r *metrics.Record, gaps []time.Duration) {
+	if r.Series == nil {
+		return
+	}
+	route, model := r.Series.Labels()
+	k := Key{Route: route, Model: model, Tenant: r.Tenant}
+	s := slotOf(e.now())
+	if s > e.slot.Load() {
+		e.advance(s)
+	}
+	e.mu.RLock()
+	g := e.groups[k]
+	e.mu.RUnlock()
+	if g == nil {
+		g = e.create(k)
+	}
+	g.mu.Lock()
+	g.w.open.add(r, gaps)
+	if r.SLOJudged {
+		g.target = r.SLOTarget
+	}
+	g.mu.Unlock()
+}
+
+func (e *Engine) create(k Key) *group {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if g := e.groups[k]; g != nil {
+		return g
+	}
+	g := &group{key: k, w: newWindows(e.slot.Load())}
+	e.groups[k] = g
+	e.list = append(e.list, g)
+	if e.tl[k.Route] == nil {
+		e.tl[k.Route] = &timeline{}
+		e.routes = append(e.routes, k.Route)
+	}
+	return g
+}
+
+// advance closes slots until s is open, recording each closed slot's
+// point on its route's timeline.
+func (e *Engine) advance(s int64) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	cur := e.slot.Load()
+	if s <= cur {
+		return
+	}
+	// Points for at most the last hour of slots; older ones would fall
+	// off the timeline at once.
+	first := max(cur, s-timelineLen)
+	scratch := newAgg()
+	for k := cur; k < s; k++ {
+		for _, route := range e.routes {
+			scratch.clear()
+			for _, g := range e.list {
+				if g.key.Route != route {
+					continue
+				}
+				g.mu.Lock()
+				if k >= first {
+					scratch.merge(&g.w.open)
+				}
+				g.w.advance(k + 1)
+				g.mu.Unlock()
+			}
+			if k >= first {
+				e.tl[route].put(k, point(&scratch, slotLen))
+			}
+		}
+		if k < first {
+			// Catch every group up in one step (windows.advance jumps).
+			for _, g := range e.list {
+				g.mu.Lock()
+				g.w.advance(first)
+				g.mu.Unlock()
+			}
+			k = first - 1
+		}
+	}
+	e.slot.Store(s)
+}
+
+// sync closes the slots that ended before now and returns the open slot.
+func (e *Engine) sync(now time.Time) int64 {
+	s := slotOf(now)
+	if s > e.slot.Load() {
+		e.advance(s)
+	}
+	return e.slot.Load()
+}
+
+// Query says what to report.
+type Query struct {
+	// Window is 1m, 5m, 1h or all (default 5m).
+	Window string
+	// Filters: only groups with these label values ("" matches all).
+	Route, Model, Tenant, Upstream string
+}
+
+// ValidWindow reports whether w names a window ("" is the default).
+func ValidWindow(w string) bool {
+	_, ok := windowLens[w]
+	return ok || w == ""
+}
+
+// Query returns the table for q: one Group per route × model × tenant ×
+// upstream that saw a request in the window, in a stable order, and the
+// warnings.
+func (e *Engine) Query(q Query) Report {
+	if q.Window == "" {
+		q.Window = "5m"
+	}
+	now := e.now()
+	s := e.sync(now)
+	rep := Report{Window: q.Window, GeneratedAt: now.UTC(), Groups: []Group{}, Warnings: []Warning{}}
+	e.mu.RLock()
+	list := slices.Clone(e.list)
+	e.mu.RUnlock()
+	sum := newAgg()
+	var from int64
+	for _, g := range list {
+		if !q.matches(g.key) {
+			continue
+		}
+		sum.clear()
+		g.mu.Lock()
+		from = g.w.collect(&sum, q.Window, s)
+		target := g.target
+		g.mu.Unlock()
+		if sum.count == 0 {
+			continue
+		}
+		span := e.span(from, now)
+		gr := group_(g.key, &sum, span, target)
+		rep.Groups = append(rep.Groups, gr)
+	}
+	rep.WindowS = e.span(from, now).Seconds()
+	if len(list) == 0 || q.Window == "all" {
+		rep.WindowS = e.span(-1<<62, now).Seconds()
+	}
+	slices.SortFunc(rep.Groups, func(a, b Group) int { return compareKeys(a.key(), b.key()) })
+	rep.Warnings = e.warnings(q, rep.Groups, list, s, now)
+	return rep
+}
+
+// span is the time a window starting at slot from covers at now: never
+// before the engine started.
+func (e *Engine) span(from int64, now time.Time) time.Duration {
+	start := e.start
+	if from > -1<<62 {
+		if t := slotStart(from); t.After(start) {
+			start = t
+		}
+	}
+	return max(now.Sub(start), time.Millisecond)
+}
+
+func (q Query) matches(k Key) bool {
+	return (q.Route == "" || q.Route == k.Route) && (q.Model == "" || q.Model == k.Model) &&
+		(q.Tenant == "" || q.Tenant == k.Tenant) && (q.Upstream == "" || q.Upstream == k.Upstream)
+}
+
+func compareKeys(a, b Key) int {
+	for _, p := range [][2]string{{a.Route, b.Route}, {a.Model, b.Model}, {a.Tenant, b.Tenant}, {a.Upstream, b.Upstream}} {
+		if p[0] != p[1] {
+			if p[0] < p[1] {
+				return -1
+			}
+			return 1
+		}
+	}
+	return 0
+}

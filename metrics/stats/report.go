@@ -1,0 +1,117 @@
+package stats
+
+import (
+	"math"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// Report is the /stats answer. Its JSON form is a stable schema
+// (docs/STATS.md): fields are added, never renamed or removed.
+type Report struct {
+	// Window is the window asked for; WindowS the seconds it covers now
+	// (less than its length in the first minutes, and rounded to its
+	// steps: 10 s for 1m, a minute for 5m, five minutes for 1h).
+	Window      string    `json:"window"`
+	WindowS     float64   `json:"window_s"`
+	GeneratedAt time.Time `json:"generated_at"`
+	Groups      []Group   `json:"groups"`
+	Warnings    []Warning `json:"warnings"`
+}
+
+// Group is one route × model × tenant × upstream over the window.
+type Group struct {
+	Route    string `json:"route"`
+	Model    string `json:"model"`
+	Tenant   string `json:"tenant"`
+	Upstream string `json:"upstream"`
+	// Count is the requests that finished in the window; Errors those
+	// that failed (every outcome but ok and client_cancel).
+	Count            int64   `json:"count"`
+	Errors           int64   `json:"errors"`
+	RequestsPerS     float64 `json:"requests_per_s"`
+	OutputTokensPerS float64 `json:"output_tokens_per_s"`
+	Goodput          Goodput `json:"goodput"`
+	TTFT             Dist    `json:"ttft_ms"`
+	TTFA             Dist    `json:"ttfa_ms"`
+	ITL              Dist    `json:"itl_ms"`
+	TPOT             Dist    `json:"tpot_ms"`
+	E2E              Dist    `json:"e2e_ms"`
+	Queue            Dist    `json:"queue_ms"`
+	Overhead         Dist    `json:"overhead_ms"`
+	UpstreamTTFB     Dist    `json:"upstream_ttfb_ms"`
+}
+
+func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream} }
+
+// dists returns the group's measures in measureNames order.
+func (g *Group) dists() [numMeasures]*Dist {
+	return [numMeasures]*Dist{&g.TTFT, &g.TTFA, &g.ITL, &g.TPOT, &g.E2E, &g.Queue, &g.Overhead, &g.UpstreamTTFB}
+}
+
+// Goodput is the share of judged requests that met their SLO.
+type Goodput struct {
+	// Judged is the requests judged against an SLO; Good those that met
+	// it; Ratio is Good / Judged (null when none was judged).
+	Judged int64    `json:"judged"`
+	Good   int64    `json:"good"`
+	Ratio  *float64 `json:"ratio"`
+	// Target is the SLO's goodput objective (null: none).
+	Target *float64 `json:"target"`
+	// Missed counts the requests that missed each objective (a request
+	// can miss several): ttft, ttfa, tpot, e2e and failed.
+	Missed map[string]int64 `json:"missed"`
+}
+
+// Dist is one measure's distribution over the window, in milliseconds:
+// quantiles within RelativeAccuracy of exact, max and mean exact. With
+// Count 0 every value is 0.
+type Dist struct {
+	Count int64   `json:"count"`
+	P50   float64 `json:"p50"`
+	P90   float64 `json:"p90"`
+	P95   float64 `json:"p95"`
+	P99   float64 `json:"p99"`
+	Max   float64 `json:"max"`
+	Mean  float64 `json:"mean"`
+}
+
+func round3(v float64) float64 { return math.Round(v*1000) / 1000 }
+
+func makeDist(d *dist) Dist {
+	if d.n == 0 {
+		return Dist{}
+	}
+	return Dist{Count: d.n, P50: round3(d.quantile(0.50)), P90: round3(d.quantile(0.90)), P95: round3(d.quantile(0.95)),
+		P99: round3(d.quantile(0.99)), Max: round3(d.max), Mean: round3(d.mean())}
+}
+
+func makeGoodput(a *agg, target float64) Goodput {
+	g := Goodput{Judged: a.judged, Good: a.good, Missed: map[string]int64{}}
+	for i, n := range metrics.SLONames {
+		g.Missed[n] = a.missed[i]
+	}
+	if a.judged > 0 {
+		r := math.Round(float64(a.good)/float64(a.judged)*1e4) / 1e4
+		g.Ratio = &r
+	}
+	if target > 0 {
+		g.Target = &target
+	}
+	return g
+}
+
+// group_ renders a group's merged agg over span.
+func group_(k Key, a *agg, span time.Duration, target float64) Group {
+	g := Group{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream,
+		Count: a.count, Errors: a.errors,
+		RequestsPerS:     round3(float64(a.count) / span.Seconds()),
+		OutputTokensPerS: round3(float64(a.outTokens) / span.Seconds()),
+		Goodput:          makeGoodput(a, target),
+	}
+	for i, d := range g.dists() {
+		*d = makeDist(&a.d[i])
+	}
+	return g
+}

@@ -1,0 +1,265 @@
+package stats
+
+import (
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// The measures a group reports, in the order of measureNames.
+const (
+	mTTFT = iota
+	mTTFA
+	mITL
+	mTPOT
+	mE2E
+	mQueue
+	mOverhead
+	mTTFB
+	numMeasures
+)
+
+// measureNames are the JSON names of the measures, as in the access log.
+var measureNames = [numMeasures]string{"ttft_ms", "ttfa_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms", "overhead_ms", "upstream_ttfb_ms"}
+
+// agg is what a span of time holds for one group: counts and one
+// distribution per measure. Aggs of the same group merge.
+type agg struct {
+	id                                     int64 // the slot, minute or block it holds; -1: none
+	count, errors, outTokens, judged, good int64
+	missed                                 [metrics.NumSLO]int64
+	d                                      [numMeasures]dist
+}
+
+func newAgg() agg {
+	a := agg{id: -1}
+	for i := range a.d {
+		a.d[i] = newDist()
+	}
+	return a
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// isError says whether an outcome counts in a group's errors: every
+// failure but a client that went away.
+func isError(o metrics.Outcome) bool {
+	return o != metrics.OutcomeOK && o != metrics.OutcomeClientCancel
+}
+
+// add records one finished request and its inter-token gaps.
+func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
+	a.count++
+	if isError(r.Outcome) {
+		a.errors++
+	}
+	a.outTokens += int64(r.OutputTokens)
+	if r.SLOJudged {
+		a.judged++
+		if r.SLOMisses == 0 {
+			a.good++
+		}
+		for i := range metrics.NumSLO {
+			if r.SLOMisses.Has(i) {
+				a.missed[i]++
+			}
+		}
+	}
+	put := func(m int, d time.Duration) {
+		if d >= 0 {
+			a.d[m].add(ms(d))
+		}
+	}
+	put(mTTFT, r.TTFT)
+	put(mTTFA, r.TTFA)
+	put(mTPOT, r.TPOT)
+	put(mE2E, r.E2E)
+	put(mQueue, r.Queue)
+	put(mOverhead, r.Overhead)
+	put(mTTFB, r.UpstreamTTFB)
+	for _, g := range gaps {
+		a.d[mITL].add(ms(g))
+	}
+}
+
+func (a *agg) merge(o *agg) {
+	if o.count == 0 {
+		return
+	}
+	a.count += o.count
+	a.errors += o.errors
+	a.outTokens += o.outTokens
+	a.judged += o.judged
+	a.good += o.good
+	for i := range a.missed {
+		a.missed[i] += o.missed[i]
+	}
+	for i := range a.d {
+		a.d[i].merge(&o.d[i])
+	}
+}
+
+func (a *agg) clear() {
+	a.id = -1
+	a.count, a.errors, a.outTokens, a.judged, a.good = 0, 0, 0, 0, 0
+	a.missed = [metrics.NumSLO]int64{}
+	for i := range a.d {
+		a.d[i].clear()
+	}
+}
+
+// Slots: the open slot takes every request; when it closes it goes to a
+// ring of six (the last minute), and is merged into the minute being
+// built, which goes to a ring of five minutes when it closes and is merged
+// into the five-minute block being built, which goes to a ring of twelve
+// (the last hour). A window is the open slot plus the closed aggs that
+// cover it, so every sample is added once and merged at most three times,
+// and a group's memory is 27 aggs whatever the traffic.
+const (
+	slotLen       = 10 * time.Second
+	slotsPerMin   = 6
+	minsPerBlock  = 5
+	slotsPerBlock = slotsPerMin * minsPerBlock
+	ringA         = 6  // 10 s slots: the last minute
+	ringB         = 5  // minutes: the last five
+	ringC         = 12 // five-minute blocks: the last hour
+)
+
+// windows is one group's aggs over time.
+type windows struct {
+	open       agg // the open slot
+	a          [ringA]agg
+	bCur, cCur agg // the minute and the block being built (closed slots only)
+	b          [ringB]agg
+	c          [ringC]agg
+	all        agg // every closed slot since start
+}
+
+func newWindows(slot int64) *windows {
+	w := &windows{open: newAgg(), bCur: newAgg(), cCur: newAgg(), all: newAgg()}
+	for i := range w.a {
+		w.a[i] = newAgg()
+	}
+	for i := range w.b {
+		w.b[i] = newAgg()
+	}
+	for i := range w.c {
+		w.c[i] = newAgg()
+	}
+	w.open.id = slot
+	return w
+}
+
+// close ends the open slot k and opens k+1.
+func (w *windows) close(k int64) {
+	w.all.merge(&w.open)
+	w.bCur.merge(&w.open)
+	i := k % ringA
+	w.a[i], w.open = w.open, w.a[i]
+	w.a[i].id = k
+	w.open.clear()
+	w.open.id = k + 1
+	if (k+1)%slotsPerMin == 0 {
+		m := k / slotsPerMin
+		j := m % ringB
+		w.b[j], w.bCur = w.bCur, w.b[j]
+		w.b[j].id = m
+		w.bCur.clear()
+		w.cCur.merge(&w.b[j])
+	}
+	if (k+1)%slotsPerBlock == 0 {
+		blk := k / slotsPerBlock
+		j := blk % ringC
+		w.c[j], w.cCur = w.cCur, w.c[j]
+		w.c[j].id = blk
+		w.cCur.clear()
+	}
+}
+
+// advance closes slots until slot s is open. A long silence closes the
+// empty slots at once.
+func (w *windows) advance(s int64) {
+	k := w.open.id
+	if s <= k {
+		return
+	}
+	w.close(k)
+	k++
+	if s-k > ringC*slotsPerBlock {
+		// Everything in the rings is older than an hour: only all (which
+		// every closed slot went into) keeps it.
+		for _, ring := range [][]agg{w.a[:], w.b[:], w.c[:]} {
+			for i := range ring {
+				ring[i].clear()
+			}
+		}
+		w.bCur.clear()
+		w.cCur.clear()
+		w.open.id = s
+		return
+	}
+	for ; k < s; k++ {
+		w.close(k)
+	}
+}
+
+// Window names accepted by Query, with their nominal length.
+var windowLens = map[string]time.Duration{"1m": time.Minute, "5m": 5 * time.Minute, "1h": time.Hour, "all": 0}
+
+// collect merges into dst what window covers with slot s open, and
+// returns the start of the earliest slot it includes (zero for all).
+func (w *windows) collect(dst *agg, window string, s int64) (from int64) {
+	dst.merge(&w.open)
+	switch window {
+	case "1m":
+		for k := s - (ringA - 1); k < s; k++ {
+			if a := &w.a[mod(k, ringA)]; a.id == k {
+				dst.merge(a)
+			}
+		}
+		return s - (ringA - 1)
+	case "5m":
+		dst.merge(&w.bCur)
+		m := s / slotsPerMin
+		for x := m - (ringB - 1); x < m; x++ {
+			if b := &w.b[mod(x, ringB)]; b.id == x {
+				dst.merge(b)
+			}
+		}
+		return (m - (ringB - 1)) * slotsPerMin
+	case "1h":
+		dst.merge(&w.bCur)
+		dst.merge(&w.cCur)
+		blk := s / slotsPerBlock
+		for x := blk - (ringC - 1); x < blk; x++ {
+			if c := &w.c[mod(x, ringC)]; c.id == x {
+				dst.merge(c)
+			}
+		}
+		return (blk - (ringC - 1)) * slotsPerBlock
+	default: // all
+		dst.merge(&w.all)
+		return -1 << 62
+	}
+}
+
+// recentAndBefore merges the last one to two minutes (the open slot, the
+// minute being built and the last closed minute) into recent, and the
+// three minutes before those into before, for trends. It returns the
+// first slot of each.
+func (w *windows) recentAndBefore(recent, before *agg, s int64) (recentFrom, beforeFrom int64) {
+	recent.merge(&w.open)
+	recent.merge(&w.bCur)
+	m := s / slotsPerMin
+	if b := &w.b[mod(m-1, ringB)]; b.id == m-1 {
+		recent.merge(b)
+	}
+	for x := m - (ringB - 1); x < m-1; x++ {
+		if b := &w.b[mod(x, ringB)]; b.id == x {
+			before.merge(b)
+		}
+	}
+	return (m - 1) * slotsPerMin, (m - (ringB - 1)) * slotsPerMin
+}
+
+func mod(a, n int64) int64 { return ((a % n) + n) % n }
