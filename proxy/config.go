@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"go.uber.org/zap"
@@ -95,6 +96,8 @@ type Route struct {
 	InjectUsage bool
 	// Timeouts for this route's upstream.
 	Timeouts Timeouts
+	// SLO is the route's objectives, over Config.SLO key by key.
+	SLO metrics.SLO
 }
 
 // Config is one generation of the proxy's configuration.
@@ -118,6 +121,45 @@ type Config struct {
 	// DefaultMaxOutput is the output a request reserves of its token budget
 	// when it declares no limit (default 1024).
 	DefaultMaxOutput int
+	// SLO is the default objectives of every route; a route's SLO and then
+	// the tenant's (TenantSLOs) override it key by key. Every finished
+	// request of a route with objectives is judged (metrics.SLO.Judge).
+	SLO metrics.SLO
+	// TenantSLOs are per-tenant overrides, by admission tenant name.
+	TenantSLOs map[string]metrics.SLO
+	// Buckets overrides metrics.DefaultBuckets per measure.
+	Buckets map[string][]float64
+	// Warn sets the thresholds of the /stats warnings.
+	Warn stats.WarnOptions
+}
+
+// hasSLO reports whether any route can be judged.
+func (c *Config) hasSLO() bool {
+	if !c.SLO.IsZero() || len(c.TenantSLOs) > 0 {
+		return true
+	}
+	for _, r := range c.Routes {
+		if !r.SLO.IsZero() {
+			return true
+		}
+	}
+	return false
+}
+
+// validSLO checks one SLO under path.
+func validSLO(path string, s metrics.SLO) error {
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"ttft", s.TTFT}, {"ttfa", s.TTFA}, {"tpot", s.TPOT}, {"e2e", s.E2E}} {
+		if d.v < 0 {
+			return fieldErr(path+"."+d.name, "must be positive")
+		}
+	}
+	if s.Target < 0 || s.Target > 1 {
+		return fieldErr(path+".target", "must be a share between 0 and 1 (or a percentage such as 99%%)")
+	}
+	return nil
 }
 
 // FieldError is a configuration error: the field at fault, as the path of
@@ -168,6 +210,9 @@ func (c *Config) Validate() error {
 		if err := r.Timeouts.Validate(field("timeouts")); err != nil {
 			return err
 		}
+		if err := validSLO(field("slo"), r.SLO); err != nil {
+			return err
+		}
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
 		}
@@ -181,6 +226,28 @@ func (c *Config) Validate() error {
 			return fieldErr(fmt.Sprintf("models.allow[%d]", i), "%q must be a distinct model name other than %q", m, metrics.OtherModel)
 		}
 		seen[m] = true
+	}
+	if err := validSLO("slo", c.SLO); err != nil {
+		return err
+	}
+	for m, b := range c.Buckets {
+		if err := metrics.CheckBuckets(m, b); err != nil {
+			return fieldErr("metrics.buckets."+m, "%v", err)
+		}
+	}
+	for name, s := range c.TenantSLOs {
+		known := false
+		if c.Admission != nil {
+			for _, t := range c.Admission.Tenants {
+				known = known || t.Name == name
+			}
+		}
+		if !known {
+			return fieldErr("tenants."+name+".slo", "no tenant has this name")
+		}
+		if err := validSLO("tenants."+name+".slo", s); err != nil {
+			return err
+		}
 	}
 	if c.MaxDecodedBytes < 0 {
 		return fieldErr("limits.max_decoded_bytes", "must not be negative")

@@ -1016,8 +1016,10 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	}
 
 	x.fillRecord(now)
+	x.judge()
 	x.releaseTicket()
 	x.snap.metrics.Observe(rec)
+	x.p.stats.Observe(rec, x.m.gaps)
 	for _, s := range x.p.opts.Sinks {
 		s.Observe(rec)
 	}
@@ -1029,6 +1031,19 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.bytesOut
 	x.m.fill(&x.rec, now, x.streamed)
+}
+
+// judge judges the finished record against its route's SLO, under the
+// tenant's overrides.
+func (x *exchange) judge() {
+	if x.rt == nil {
+		return
+	}
+	slo := x.rt.slo
+	if t, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok {
+		slo = slo.Over(t)
+	}
+	slo.Judge(&x.rec)
 }
 
 // releaseTicket returns the request's admission ticket with the tokens it

@@ -38,6 +38,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -63,6 +64,8 @@ type Options struct {
 	// new connection is answered 503 and closed. MaxConnsPerIP caps them
 	// per client address (0: no cap).
 	MaxConns, MaxConnsPerIP int
+	// StatsNow is the clock of the live percentile windows (nil: Now).
+	StatsNow func() time.Time
 	// RequestReadTimeout bounds reading a request's headers and body, and
 	// IdleTimeout the wait for the next request on a keep-alive connection
 	// (default 2 min each).
@@ -87,6 +90,7 @@ type Proxy struct {
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
+	stats    *stats.Engine
 }
 
 // snapshot is one immutable configuration generation with everything
@@ -100,6 +104,7 @@ type snapshot struct {
 
 type route struct {
 	Route
+	slo     metrics.SLO // Config.SLO under the route's own
 	index   int
 	up      *upstream
 	dialect dialect.Dialect // nil: chosen per request from the path
@@ -111,6 +116,11 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy"),
 		caps: &connCaps{max: opts.MaxConns, maxPerIP: opts.MaxConnsPerIP, perIP: map[netip.Addr]int{}}}
 	_, _ = rand.Read(p.idPrefix[:])
+	statsNow := opts.StatsNow
+	if statsNow == nil {
+		statsNow = opts.Now
+	}
+	p.stats = stats.New(stats.Options{Now: statsNow})
 	if err := p.Apply(cfg); err != nil {
 		return nil, err
 	}
@@ -133,7 +143,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		if err != nil {
 			return fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}
-		s.routes = append(s.routes, &route{Route: r, index: i, up: up, dialect: dialect.ByName(r.Dialect)})
+		s.routes = append(s.routes, &route{Route: r, slo: cfg.SLO.Over(r.SLO), index: i, up: up, dialect: dialect.ByName(r.Dialect)})
 		names[i] = r.Name
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
@@ -158,6 +168,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		old.admit.Close()
 	}
 	s.metrics.Register()
+	p.stats.SetWarn(cfg.Warn)
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
 		for _, r := range old.routes {
@@ -166,6 +177,10 @@ func (p *Proxy) Apply(cfg Config) error {
 	}
 	return nil
 }
+
+// Stats returns the live percentile table of every request the proxy
+// finished, across reloads.
+func (p *Proxy) Stats() *stats.Engine { return p.stats }
 
 // ClientConns returns the number of open client connections accepted
 // through Listen.

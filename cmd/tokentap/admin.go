@@ -2,12 +2,15 @@ package main
 
 import (
 	"crypto/subtle"
+	"encoding/json"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/pprofhandler"
@@ -117,6 +120,11 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 		ctx.SetContentType("text/plain")
 		ctx.SetBodyString("ok\n")
 		return
+	case "/", "/dashboard", "/dashboard/":
+		// The page and its assets hold no data: they load without the
+		// token and send it (asked for on a 401) with each data request.
+		serveAsset(ctx, "index.html")
+		return
 	case "/readyz":
 		ctx.SetContentType("text/plain")
 		if !a.ready.Load() {
@@ -127,6 +135,10 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString("ready\n")
 		return
 	}
+	if name, ok := strings.CutPrefix(path, "/dashboard/"); ok {
+		serveAsset(ctx, name)
+		return
+	}
 	if !a.authorized(ctx) {
 		ctx.Response.Header.Set("WWW-Authenticate", `Bearer realm="tokentap-admin"`)
 		ctx.SetStatusCode(fasthttp.StatusUnauthorized)
@@ -134,6 +146,11 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	switch path {
+	case "/stats":
+		a.serveStats(ctx)
+	case "/stats/timeline":
+		ctx.SetContentType("application/json")
+		writeJSON(ctx, a.p.Stats().Timeline(string(ctx.QueryArgs().Peek("route"))))
 	case "/metrics":
 		ctx.SetContentType("text/plain; version=0.0.4")
 		vm.WritePrometheus(ctx, true)
@@ -164,6 +181,39 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 	default:
 		ctx.SetStatusCode(fasthttp.StatusNotFound)
 		ctx.SetBodyString("not found\n")
+	}
+}
+
+// serveStats answers GET /stats: the live percentile table as JSON
+// (docs/STATS.md), for window (1m, 5m, 1h, all; default 5m), filtered by
+// route, model, tenant and upstream, grouped by group_by (a comma list
+// of those labels; default all four).
+func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
+	args := ctx.QueryArgs()
+	q := stats.Query{Window: string(args.Peek("window")), Route: string(args.Peek("route")), Model: string(args.Peek("model")),
+		Tenant: string(args.Peek("tenant")), Upstream: string(args.Peek("upstream"))}
+	if g := string(args.Peek("group_by")); g != "" {
+		q.GroupBy = strings.Split(g, ",")
+	}
+	ctx.SetContentType("application/json")
+	switch {
+	case !stats.ValidWindow(q.Window):
+		ctx.SetStatusCode(fasthttp.StatusBadRequest)
+		ctx.SetBodyString(`{"error":"window must be 1m, 5m, 1h or all"}` + "\n")
+		return
+	case !stats.ValidGroupBy(q.GroupBy):
+		ctx.SetStatusCode(fasthttp.StatusBadRequest)
+		ctx.SetBodyString(`{"error":"group_by takes route, model, tenant and upstream, comma separated"}` + "\n")
+		return
+	}
+	writeJSON(ctx, a.p.Stats().Query(q))
+}
+
+func writeJSON(ctx *fasthttp.RequestCtx, v any) {
+	enc := json.NewEncoder(ctx)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(v); err != nil {
+		ctx.SetStatusCode(fasthttp.StatusInternalServerError)
 	}
 }
 

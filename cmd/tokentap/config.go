@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/tokentap/tokentap/ratelimit"
 	"go.yaml.in/yaml/v3"
@@ -29,6 +31,9 @@ type fileConfig struct {
 	Limits    fileLimits    `yaml:"limits"`
 	Tenants   []fileTenant  `yaml:"tenants"`
 	Admission fileAdmission `yaml:"admission"`
+	SLO       *fileSLO      `yaml:"slo"`
+	Metrics   fileMetrics   `yaml:"metrics"`
+	Warnings  fileWarnings  `yaml:"warnings"`
 	// DrainTimeout bounds the drain at shutdown; DrainDelay is how long
 	// /readyz says 503 before the listener closes.
 	DrainTimeout duration       `yaml:"drain_timeout"`
@@ -61,6 +66,54 @@ type fileRoute struct {
 	Dialect     string        `yaml:"dialect"`
 	InjectUsage bool          `yaml:"inject_usage"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
+	SLO         *fileSLO      `yaml:"slo"`
+}
+
+// fileSLO is a set of objectives; each key is optional.
+type fileSLO struct {
+	TTFT   duration `yaml:"ttft"`
+	TTFA   duration `yaml:"ttfa"`
+	TPOT   duration `yaml:"tpot"`
+	E2E    duration `yaml:"e2e"`
+	Target share    `yaml:"target"`
+}
+
+func (f *fileSLO) slo() metrics.SLO {
+	if f == nil {
+		return metrics.SLO{}
+	}
+	return metrics.SLO{TTFT: f.TTFT.d, TTFA: f.TTFA.d, TPOT: f.TPOT.d, E2E: f.E2E.d, Target: float64(f.Target)}
+}
+
+// share is a fraction: 0.99 or "99%".
+type share float64
+
+func (s *share) UnmarshalYAML(n *yaml.Node) error {
+	v := strings.TrimSpace(n.Value)
+	div := 1.0
+	if strings.HasSuffix(v, "%") {
+		v, div = strings.TrimSuffix(v, "%"), 100
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f/div <= 0 || f/div > 1 {
+		return fmt.Errorf("line %d: %q is not a share (use 0.99 or 99%%)", n.Line, n.Value)
+	}
+	*s = share(f / div)
+	return nil
+}
+
+// fileMetrics holds the bucket bounds per measure, in seconds.
+type fileMetrics struct {
+	Buckets map[string][]float64 `yaml:"buckets"`
+}
+
+// fileWarnings are the thresholds of /stats warnings.
+type fileWarnings struct {
+	MinRequests     int64    `yaml:"min_requests"`
+	OverheadP95     duration `yaml:"overhead_p95"`
+	QueueShare      share    `yaml:"queue_share"`
+	TrendThroughput float64  `yaml:"trend_throughput"`
+	TrendTTFT       float64  `yaml:"trend_ttft"`
 }
 
 type fileTenant struct {
@@ -69,6 +122,7 @@ type fileTenant struct {
 	KeySHA256    []string `yaml:"key_sha256"`
 	fileLimitSet `yaml:",inline"`
 	Routes       map[string]fileLimitSet `yaml:"routes"`
+	SLO          *fileSLO                `yaml:"slo"`
 }
 
 type fileLimitSet struct {
@@ -314,6 +368,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
+			SLO: r.SLO.slo(),
 		})
 	}
 	if len(s.proxy.Routes) == 0 {
@@ -338,6 +393,14 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: base})
 		}
 	}
+	s.proxy.SLO = fc.SLO.slo()
+	s.proxy.Buckets = fc.Metrics.Buckets
+	w := fc.Warnings
+	if w.MinRequests < 0 || w.TrendThroughput < 0 || w.TrendTTFT < 0 {
+		return nil, fmt.Errorf("%s: thresholds must not be negative", where("warnings"))
+	}
+	s.proxy.Warn = stats.WarnOptions{MinRequests: w.MinRequests, OverheadP95: w.OverheadP95.d, QueueShare: float64(w.QueueShare),
+		TrendThroughput: w.TrendThroughput, TrendTTFT: w.TrendTTFT}
 	s.proxy.Models = fc.Models.Allow
 	s.proxy.EnforceModels = fc.Models.Enforce
 	s.proxy.MaxEventBytes = fc.Limits.MaxEventBytes
@@ -392,6 +455,12 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 				}
 			}
 			ad.Tenants = append(ad.Tenants, rt)
+			if t.SLO != nil {
+				if s.proxy.TenantSLOs == nil {
+					s.proxy.TenantSLOs = map[string]metrics.SLO{}
+				}
+				s.proxy.TenantSLOs[t.Name] = t.SLO.slo()
+			}
 		}
 		s.proxy.Admission = ad
 		s.proxy.DefaultMaxOutput = fc.Admission.DefaultMaxOutput

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -141,7 +142,7 @@ func TestAdminSection(t *testing.T) {
 
 func TestDemoRuns(t *testing.T) {
 	var out strings.Builder
-	if err := runDemo([]string{"-requests", "20", "-concurrency", "4"}, &out); err != nil {
+	if err := runDemo(context.Background(), []string{"-requests", "20", "-concurrency", "4"}, &out); err != nil {
 		t.Fatal(err)
 	}
 	s := out.String()

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,36 +15,51 @@ import (
 
 	"github.com/tokentap/tokentap/examples/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
+	"go.uber.org/zap"
 )
 
 // runDemo starts the simulated backend and tokentap in front of it on
-// loopback, sends a short burst of mixed traffic through tokentap, and
-// prints what tokentap measured per route.
-func runDemo(args []string, out io.Writer) error {
+// loopback, with SLOs, sends a burst of mixed traffic through tokentap, and
+// prints what tokentap measured per route, the goodput and the warnings.
+// With -serve it then keeps the traffic going and serves the admin
+// listener (the dashboard at /) until ctx ends.
+func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap demo", flag.ContinueOnError)
 	n := fs.Int("requests", 120, "requests to send")
 	conc := fs.Int("concurrency", 12, "requests in flight at once")
 	logPath := fs.String("access-log", "", "also write the access log here (- for stdout)")
+	serve := fs.String("serve", "", "then keep sending traffic and serve the dashboard and /stats on this admin address (e.g. 127.0.0.1:9090) until interrupted")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if *n <= 0 || *conc <= 0 {
 		return fmt.Errorf("-requests and -concurrency must be positive")
 	}
+	var adminLn net.Listener
+	if *serve != "" {
+		var err error
+		if adminLn, err = net.Listen("tcp", *serve); err != nil {
+			return fmt.Errorf("-serve: %w", err)
+		}
+		defer adminLn.Close()
+	}
 
 	backendLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
 	}
+	// Continuous batching: more streams at once raise throughput and
+	// every stream's latency, as on a real server.
 	backend := &http.Server{Handler: mockllm.New(mockllm.Options{
-		PrefillBase: 30 * time.Millisecond, PrefillPerToken: 50 * time.Microsecond, TokenGap: 8 * time.Millisecond,
+		PrefillBase: 30 * time.Millisecond, PrefillPerToken: 50 * time.Microsecond, TokenGap: 8 * time.Millisecond, BatchSlowdown: 0.03,
 	})}
 	go func() { _ = backend.Serve(backendLn) }()
 	defer backend.Close()
 	upstream := "http://" + backendLn.Addr().String()
 
-	col := &collector{byRoute: map[string][]metrics.Record{}}
+	col := &counter{}
 	sinks := []metrics.Sink{col}
 	if *logPath != "" {
 		alog, err := metrics.OpenAccessLog(*logPath, 0)
@@ -58,12 +72,14 @@ func runDemo(args []string, out io.Writer) error {
 	t := proxy.DefaultTimeouts
 	p, err := proxy.New(proxy.Config{
 		Routes: []proxy.Route{
-			{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: t, InjectUsage: true},
+			// Chat users expect the first word fast.
+			{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: t, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond}},
 			{Name: "completions", Prefix: "/v1/completions", Upstream: upstream, Timeouts: t},
 			{Name: "anthropic", Prefix: "/v1/messages", Upstream: upstream, Timeouts: t},
 			{Name: "ollama", Prefix: "/api/", Upstream: upstream, Timeouts: t},
 		},
 		Models: []string{"demo-small", "demo-large"},
+		SLO:    metrics.SLO{TTFT: 300 * time.Millisecond, TPOT: 25 * time.Millisecond, E2E: 5 * time.Second, Target: 0.95},
 	}, proxy.Options{Sinks: sinks})
 	if err != nil {
 		return err
@@ -76,7 +92,9 @@ func runDemo(args []string, out io.Writer) error {
 	go func() { _ = p.Serve(ln) }()
 	defer func() { _ = p.Shutdown(context.Background()) }()
 	base := "http://" + ln.Addr().String()
-	fmt.Fprintf(out, "simulated backend on %s, tokentap on %s\nsending %d requests, %d at a time...\n\n", upstream, base, *n, *conc)
+	fmt.Fprintf(out, "simulated backend on %s, tokentap on %s\n"+
+		"SLOs: TTFT 300 ms (chat: 150 ms), TPOT 25 ms, E2E 5 s; goodput target 95%%\n"+
+		"sending %d requests, %d at a time...\n\n", upstream, base, *n, *conc)
 
 	// The mix: short chats, long prompts with short answers, long outputs,
 	// a reasoning model, non-streamed chats, streamed completions, and the
@@ -93,6 +111,16 @@ func runDemo(args []string, out io.Writer) error {
 		{"/api/chat", `{"model":"demo-small","options":{"num_predict":24},"messages":[{"role":"user","content":"hi"}]}`},
 	}
 	client := &http.Client{Timeout: time.Minute, Transport: &http.Transport{MaxIdleConnsPerHost: *conc}}
+	send := func(i int64) bool {
+		m := mix[i%int64(len(mix))]
+		resp, err := client.Post(base+m.path, "application/json", strings.NewReader(m.body))
+		if err != nil {
+			return false
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		return true
+	}
 	var next atomic.Int64
 	var failed atomic.Int64
 	var wg sync.WaitGroup
@@ -106,102 +134,107 @@ func runDemo(args []string, out io.Writer) error {
 				if i >= int64(*n) {
 					return
 				}
-				m := mix[i%int64(len(mix))]
-				resp, err := client.Post(base+m.path, "application/json", strings.NewReader(m.body))
-				if err != nil {
+				if !send(i) {
 					failed.Add(1)
-					continue
 				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				_ = resp.Body.Close()
 			}
 		}()
 	}
 	wg.Wait()
 	wall := time.Since(start)
 	col.wait(*n - int(failed.Load()))
-	col.print(out, wall)
-	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). TTFT, TTFA, ITL and E2E are what tokentap measured on its\n"+
-		"client side. TTFT is the first token of any kind, TTFA the first answer token: reasoning models wait\n"+
-		"between the two. ITL percentiles are over each request's mean gap, weighted by its number of gaps.\n"+
-		"Per-request records: add -access-log -. Histograms: /metrics on the admin listener when run as a proxy.\n",
+	rep := p.Stats().Query(stats.Query{Window: "all", GroupBy: []string{"route"}})
+	printStats(out, rep)
+	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). Times in ms at tokentap's client side; TTFT is the first\n"+
+		"token of any kind, TTFA the first answer token (reasoning models wait between the two); ITL is every\n"+
+		"gap between tokens. Goodput: the share of requests that met every SLO of their route.\n",
 		*n, wall.Round(time.Millisecond), failed.Load())
+	if adminLn == nil {
+		fmt.Fprintln(out, "Per-request records: add -access-log -. A live dashboard: add -serve 127.0.0.1:9090.")
+		return nil
+	}
+
+	// Serve: the dashboard, /stats and /metrics, with traffic going on.
+	logger := zap.NewNop()
+	a := &admin{logger: logger, p: p, running: &settings{}}
+	a.ready.Store(true)
+	srv := a.server()
+	go func() { _ = srv.Serve(adminLn) }()
+	defer func() { _ = srv.Shutdown() }()
+	fmt.Fprintf(out, "\ndashboard: http://%s/   stats: http://%s/stats   metrics: http://%s/metrics\n"+
+		"traffic keeps flowing (%d at a time, rising and falling); Ctrl-C stops.\n", adminLn.Addr(), adminLn.Addr(), adminLn.Addr(), *conc)
+	var live sync.WaitGroup
+	for w := range *conc {
+		live.Add(1)
+		go func() {
+			defer live.Done()
+			for ctx.Err() == nil {
+				// Load rises and falls over two minutes: half the workers
+				// pause in the quiet half, so throughput and TTFT move together.
+				if w%2 == 1 && time.Now().Unix()/60%2 == 0 {
+					select {
+					case <-ctx.Done():
+					case <-time.After(time.Second):
+					}
+					continue
+				}
+				send(next.Add(1))
+			}
+		}()
+	}
+	<-ctx.Done()
+	client.CloseIdleConnections()
+	live.Wait()
 	return nil
 }
 
-// collector keeps the demo's records by route.
-type collector struct {
-	mu      sync.Mutex
-	count   int
-	byRoute map[string][]metrics.Record
-}
+// counter counts the demo's records, to wait for the last.
+type counter struct{ n atomic.Int64 }
 
-func (c *collector) Observe(r *metrics.Record) {
-	c.mu.Lock()
-	c.byRoute[r.Route] = append(c.byRoute[r.Route], *r)
-	c.count++
-	c.mu.Unlock()
-}
+func (c *counter) Observe(*metrics.Record) { c.n.Add(1) }
 
-func (c *collector) wait(n int) {
+func (c *counter) wait(n int) {
 	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		c.mu.Lock()
-		done := c.count >= n
-		c.mu.Unlock()
-		if done {
-			return
-		}
+	for time.Now().Before(deadline) && c.n.Load() < int64(n) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
 
-func (c *collector) print(out io.Writer, wall time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
+// printStats prints a /stats report as a table, then its warnings.
+func printStats(out io.Writer, rep stats.Report) {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "route\tcount\tok\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\ttokens/s\t")
-	routes := make([]string, 0, len(c.byRoute))
-	for r := range c.byRoute {
-		routes = append(routes, r)
-	}
-	slices.Sort(routes)
-	for _, route := range routes {
-		recs := c.byRoute[route]
-		var ttft, ttfa, itl, e2e []time.Duration
-		ok, tokens := 0, 0
-		for _, r := range recs {
-			if r.Outcome == metrics.OutcomeOK {
-				ok++
-			}
-			if r.TTFT >= 0 {
-				ttft = append(ttft, r.TTFT)
-			}
-			if r.TTFA >= 0 {
-				ttfa = append(ttfa, r.TTFA)
-			}
-			if r.ITLCount > 0 {
-				// Per-request mean gap, weighted by its gap count.
-				for range r.ITLCount {
-					itl = append(itl, r.ITLMean)
-				}
-			}
-			e2e = append(e2e, r.E2E)
-			tokens += r.OutputTokens
+	fmt.Fprintln(tw, "route\tmodel\ttenant\tcount\terrors\tgoodput\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\tqueue p95\toverhead p95\ttokens/s\t")
+	for _, g := range rep.Groups {
+		good := "-"
+		if g.Goodput.Ratio != nil {
+			good = fmt.Sprintf("%.1f%%", 100**g.Goodput.Ratio)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n", route, len(recs), ok,
-			pct(ttft, 50), pct(ttft, 95), pct(ttft, 99), pct(ttfa, 50), pct(ttfa, 99), pct(itl, 50), pct(itl, 95), pct(itl, 99),
-			pct(e2e, 50), pct(e2e, 95), pct(e2e, 99), float64(tokens)/wall.Seconds())
+		f := func(d stats.Dist, v float64) string {
+			if d.Count == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%.1f", v)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n",
+			dash(g.Route), dash(g.Model), dash(g.Tenant), g.Count, g.Errors, good,
+			f(g.TTFT, g.TTFT.P50), f(g.TTFT, g.TTFT.P95), f(g.TTFT, g.TTFT.P99), f(g.TTFA, g.TTFA.P50), f(g.TTFA, g.TTFA.P99),
+			f(g.ITL, g.ITL.P50), f(g.ITL, g.ITL.P95), f(g.ITL, g.ITL.P99), f(g.E2E, g.E2E.P50), f(g.E2E, g.E2E.P95), f(g.E2E, g.E2E.P99),
+			f(g.Queue, g.Queue.P95), f(g.Overhead, g.Overhead.P95), g.OutputTokensPerS)
 	}
 	_ = tw.Flush()
+	if len(rep.Warnings) == 0 {
+		fmt.Fprintln(out, "\nwarnings: none")
+		return
+	}
+	fmt.Fprintln(out, "\nwarnings:")
+	for _, w := range rep.Warnings {
+		fmt.Fprintf(out, "  [%s] %s\n", w.Kind, w.Message)
+	}
 }
 
-// pct is the nearest-rank percentile, formatted in milliseconds.
-func pct(d []time.Duration, p int) string {
-	if len(d) == 0 {
+func dash(s string) string {
+	if s == "" {
 		return "-"
 	}
-	slices.Sort(d)
-	i := (len(d)*p + 99) / 100
-	return fmt.Sprintf("%.1fms", float64(d[max(i-1, 0)].Microseconds())/1000)
+	return s
 }

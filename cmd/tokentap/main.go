@@ -3,13 +3,15 @@
 //
 //	tokentap -upstream http://127.0.0.1:8000          # proxy :8080 → backend
 //	tokentap -config configs/tokentap.yaml            # routes, models, timeouts
-//	tokentap demo                                     # simulated backend + traffic
+//	tokentap demo [-serve 127.0.0.1:9090]             # simulated backend + traffic (+ dashboard)
+//	tokentap stats -admin http://127.0.0.1:9090       # the live percentile table
 package main
 
 import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/signal"
@@ -23,15 +25,18 @@ import (
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == "demo" {
-		if err := runDemo(os.Args[2:], os.Stdout); err != nil {
-			fmt.Fprintln(os.Stderr, "tokentap demo:", err)
-			os.Exit(1)
-		}
-		return
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	if len(os.Args) > 1 {
+		sub := map[string]func(context.Context, []string, io.Writer) error{"demo": runDemo, "stats": runStats}
+		if f, ok := sub[os.Args[1]]; ok {
+			if err := f(ctx, os.Args[2:], os.Stdout); err != nil {
+				fmt.Fprintf(os.Stderr, "tokentap %s: %v\n", os.Args[1], err)
+				os.Exit(1)
+			}
+			return
+		}
+	}
 	if err := run(ctx, os.Args[1:]); err != nil {
 		fmt.Fprintln(os.Stderr, "tokentap:", err)
 		os.Exit(2)

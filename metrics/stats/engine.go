@@ -185,6 +185,43 @@ type Query struct {
 	Window string
 	// Filters: only groups with these label values ("" matches all).
 	Route, Model, Tenant, Upstream string
+	// GroupBy lists the labels groups keep (route, model, tenant,
+	// upstream); the others are merged away and reported as "". Empty:
+	// all four.
+	GroupBy []string
+}
+
+// ValidGroupBy reports whether every name is a label.
+func ValidGroupBy(names []string) bool {
+	for _, n := range names {
+		switch n {
+		case "route", "model", "tenant", "upstream":
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// project keeps of k the labels q groups by.
+func (q Query) project(k Key) Key {
+	if len(q.GroupBy) == 0 {
+		return k
+	}
+	var out Key
+	for _, n := range q.GroupBy {
+		switch n {
+		case "route":
+			out.Route = k.Route
+		case "model":
+			out.Model = k.Model
+		case "tenant":
+			out.Tenant = k.Tenant
+		case "upstream":
+			out.Upstream = k.Upstream
+		}
+	}
+	return out
 }
 
 // ValidWindow reports whether w names a window ("" is the default).
@@ -206,23 +243,35 @@ func (e *Engine) Query(q Query) Report {
 	e.mu.RLock()
 	list := slices.Clone(e.list)
 	e.mu.RUnlock()
-	sum := newAgg()
+	type merged struct {
+		a      agg
+		target float64
+	}
+	sums := map[Key]*merged{}
+	var order []Key
 	var from int64
 	for _, g := range list {
 		if !q.matches(g.key) {
 			continue
 		}
-		sum.clear()
-		g.mu.Lock()
-		from = g.w.collect(&sum, q.Window, s)
-		target := g.target
-		g.mu.Unlock()
-		if sum.count == 0 {
-			continue
+		k := q.project(g.key)
+		m := sums[k]
+		if m == nil {
+			m = &merged{a: newAgg()}
+			sums[k] = m
+			order = append(order, k)
 		}
-		span := e.span(from, now)
-		gr := group_(g.key, &sum, span, target)
-		rep.Groups = append(rep.Groups, gr)
+		g.mu.Lock()
+		from = g.w.collect(&m.a, q.Window, s)
+		if g.target > m.target {
+			m.target = g.target
+		}
+		g.mu.Unlock()
+	}
+	for _, k := range order {
+		if m := sums[k]; m.a.count > 0 {
+			rep.Groups = append(rep.Groups, group_(k, &m.a, e.span(from, now), m.target))
+		}
 	}
 	rep.WindowS = e.span(from, now).Seconds()
 	if len(list) == 0 || q.Window == "all" {

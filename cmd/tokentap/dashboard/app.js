@@ -1,0 +1,160 @@
+// tokentap dashboard: /stats (the numbers) and /stats/timeline (the
+// charts), refreshed every 5 s. Every number on the page is a field of
+// /stats, shown as it came (rounded for display only where noted).
+"use strict";
+
+const state = { window: "5m", charts: {}, token: sessionStorage.getItem("tokentap-token") || "" };
+window.tokentap = state; // for tests and the curious: the last answers and the charts
+
+async function get(url) {
+  const headers = state.token ? { Authorization: "Bearer " + state.token } : {};
+  const r = await fetch(url, { headers, cache: "no-store" });
+  if (r.status === 401) {
+    document.getElementById("auth").hidden = false;
+    throw new Error("unauthorized");
+  }
+  if (!r.ok) throw new Error(url + ": " + r.status);
+  return r.json();
+}
+
+function fmt(v, digits) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  if (digits === undefined) digits = v >= 100 ? 0 : v >= 10 ? 1 : 2;
+  return v.toFixed(digits);
+}
+
+function pct(v) { return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%"; }
+
+function el(tag, attrs, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  for (const k of kids) e.append(k);
+  return e;
+}
+
+function tile(field, name, text) {
+  return el("div", { class: "tile" }, el("div", { class: "name" }, name), el("div", { class: "val", "data-field": field }, text));
+}
+
+function routeBox(route) {
+  let box = document.querySelector(`.route[data-route="${CSS.escape(route)}"]`);
+  if (box) return box;
+  box = el("div", { class: "route", "data-route": route },
+    el("h2", {}, "route " + route),
+    el("div", { class: "tiles" }),
+    el("div", { class: "charts" },
+      el("div", { class: "chart" }, el("h3", {}, "TTFT and E2E (ms)"), el("div", { "data-chart": "latency" })),
+      el("div", { class: "chart" }, el("h3", {}, "trade-off: output tokens/s against TTFT p95"), el("div", { "data-chart": "tradeoff" })),
+      el("div", { class: "chart" }, el("h3", {}, "ITL (ms) and goodput"), el("div", { "data-chart": "itl" }))));
+  document.getElementById("routes").append(box);
+  return box;
+}
+
+function renderTiles(g) {
+  const box = routeBox(g.route);
+  const tiles = box.querySelector(".tiles");
+  const q = (d) => `${fmt(d.p50)} / ${fmt(d.p95)} / ${fmt(d.p99)}`;
+  tiles.replaceChildren(
+    tile("ttft", "TTFT p50/p95/p99 ms", q(g.ttft_ms)),
+    tile("itl", "ITL p50/p95/p99 ms", q(g.itl_ms)),
+    tile("e2e", "E2E p50/p95/p99 ms", q(g.e2e_ms)),
+    tile("output_tokens_per_s", "output tokens/s", fmt(g.output_tokens_per_s)),
+    tile("requests_per_s", "requests/s", fmt(g.requests_per_s)),
+    tile("goodput", "goodput", pct(g.goodput.ratio) + (g.goodput.target ? " (target " + pct(g.goodput.target) + ")" : "")),
+    tile("queue", "queue p50/p95 ms", `${fmt(g.queue_ms.p50)} / ${fmt(g.queue_ms.p95)}`),
+    tile("overhead", "overhead p50/p95 ms", `${fmt(g.overhead_ms.p50)} / ${fmt(g.overhead_ms.p95)}`),
+    tile("count", "requests (errors)", `${g.count} (${g.errors})`));
+}
+
+function renderWarnings(ws) {
+  const box = document.getElementById("warnings");
+  if (!ws.length) {
+    box.replaceChildren(el("div", { class: "ok" }, "No warnings."));
+    return;
+  }
+  box.replaceChildren(...ws.map((w) => el("div", { class: "warning", "data-kind": w.kind }, el("b", {}, w.kind), w.message)));
+}
+
+function renderTable(groups) {
+  const body = document.querySelector("#groups tbody");
+  body.replaceChildren(...groups.map((g) => el("tr", {},
+    ...[g.route, g.model, g.tenant, g.upstream || "–", g.count, g.errors, fmt(g.requests_per_s), fmt(g.output_tokens_per_s), pct(g.goodput.ratio),
+      fmt(g.ttft_ms.p50), fmt(g.ttft_ms.p95), fmt(g.ttft_ms.p99), fmt(g.itl_ms.p50), fmt(g.itl_ms.p95), fmt(g.e2e_ms.p50), fmt(g.e2e_ms.p95),
+      fmt(g.queue_ms.p95), fmt(g.overhead_ms.p95)].map((v) => el("td", {}, String(v))))));
+}
+
+const nz = (v, c) => (c > 0 ? v : null); // no requests in a slot: a gap, not a zero
+
+function chartData(points) {
+  const t = points.map((p) => p.t);
+  const col = (f) => points.map((p) => nz(p[f], p.count));
+  return {
+    latency: [t, col("ttft_p50_ms"), col("ttft_p95_ms"), col("e2e_p95_ms")],
+    tradeoff: [t, points.map((p) => p.output_tokens_per_s), col("ttft_p95_ms")],
+    itl: [t, col("itl_p50_ms"), col("itl_p95_ms"), points.map((p) => (p.goodput_ratio === null ? null : 100 * p.goodput_ratio))],
+  };
+}
+
+const chartOpts = {
+  latency: { series: [{}, { label: "TTFT p50", stroke: "#3b6fd1" }, { label: "TTFT p95", stroke: "#d13b3b" }, { label: "E2E p95", stroke: "#888", dash: [4, 4] }], axes: [{}, { label: "ms" }] },
+  tradeoff: {
+    series: [{}, { label: "output tokens/s", stroke: "#2a9a4b", scale: "tps" }, { label: "TTFT p95 ms", stroke: "#d13b3b", scale: "ms" }],
+    axes: [{}, { scale: "tps", label: "tokens/s" }, { scale: "ms", side: 1, label: "ms", grid: { show: false } }],
+  },
+  itl: {
+    series: [{}, { label: "ITL p50", stroke: "#3b6fd1" }, { label: "ITL p95", stroke: "#d13b3b" }, { label: "goodput %", stroke: "#2a9a4b", scale: "%" }],
+    axes: [{}, { label: "ms" }, { scale: "%", side: 1, label: "%", grid: { show: false } }],
+  },
+};
+
+function renderCharts(timeline) {
+  for (const rt of timeline.routes) {
+    const box = routeBox(rt.route);
+    const data = chartData(rt.points);
+    for (const kind of Object.keys(data)) {
+      const id = rt.route + "/" + kind;
+      const c = state.charts[id];
+      if (c) {
+        c.setData(data[kind]);
+      } else {
+        const opts = Object.assign({ width: 420, height: 200, scales: { x: { time: true } } }, chartOpts[kind]);
+        state.charts[id] = new uPlot(opts, data[kind], box.querySelector(`[data-chart="${kind}"]`));
+      }
+    }
+  }
+}
+
+async function refresh() {
+  try {
+    const w = encodeURIComponent(state.window);
+    const [byRoute, all, timeline] = await Promise.all([
+      get(`/stats?window=${w}&group_by=route`),
+      get(`/stats?window=${w}`),
+      get("/stats/timeline"),
+    ]);
+    state.byRoute = byRoute;
+    state.all = all;
+    state.timeline = timeline;
+    byRoute.groups.forEach(renderTiles);
+    renderWarnings(all.warnings);
+    renderTable(all.groups);
+    renderCharts(timeline);
+    document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    state.renders = (state.renders || 0) + 1;
+  } catch (e) {
+    if (e.message !== "unauthorized") console.warn(e);
+  }
+}
+
+document.getElementById("window").addEventListener("change", (e) => {
+  state.window = e.target.value;
+  refresh();
+});
+document.getElementById("token-go").addEventListener("click", () => {
+  state.token = document.getElementById("token").value;
+  sessionStorage.setItem("tokentap-token", state.token);
+  document.getElementById("auth").hidden = true;
+  refresh();
+});
+refresh();
+setInterval(refresh, 5000);

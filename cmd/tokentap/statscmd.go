@@ -1,0 +1,75 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics/stats"
+)
+
+// runStats is `tokentap stats`: it reads /stats from a running tokentap's
+// admin listener and prints it as a table, warnings below.
+func runStats(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("tokentap stats", flag.ContinueOnError)
+	adminURL := fs.String("admin", "http://127.0.0.1:9090", "the admin listener's base URL")
+	window := fs.String("window", "5m", "1m, 5m, 1h or all")
+	groupBy := fs.String("group-by", "", "labels to keep, comma separated (route,model,tenant,upstream; default all)")
+	route := fs.String("route", "", "only this route")
+	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
+	asJSON := fs.Bool("json", false, "print the JSON as it came")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if !stats.ValidWindow(*window) {
+		return fmt.Errorf("-window must be 1m, 5m, 1h or all")
+	}
+	q := url.Values{"window": {*window}}
+	if *groupBy != "" {
+		q.Set("group_by", *groupBy)
+	}
+	if *route != "" {
+		q.Set("route", *route)
+	}
+	u := strings.TrimRight(*adminURL, "/") + "/stats?" + q.Encode()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return fmt.Errorf("-admin: %w", err)
+	}
+	if *tokenFile != "" {
+		tok, err := readToken(*tokenFile)
+		if err != nil {
+			return fmt.Errorf("-token-file: %w", err)
+		}
+		req.Header.Set("Authorization", "Bearer "+tok)
+	}
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+	if err != nil {
+		return fmt.Errorf("cannot read /stats: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return fmt.Errorf("cannot read /stats: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("/stats answered %s: %s", resp.Status, strings.TrimSpace(string(body)))
+	}
+	if *asJSON {
+		_, err := out.Write(body)
+		return err
+	}
+	var rep stats.Report
+	if err := json.Unmarshal(body, &rep); err != nil {
+		return fmt.Errorf("/stats: %w", err)
+	}
+	fmt.Fprintf(out, "window %s (%.0f s covered), at %s\n", rep.Window, rep.WindowS, rep.GeneratedAt.Format(time.RFC3339))
+	printStats(out, rep)
+	return nil
+}
