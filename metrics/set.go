@@ -115,7 +115,7 @@ type Series struct {
 	serverDecode                      *vm.PrometheusHistogram
 	outTokens, inTokens, items        *vm.Counter
 	requests                          [numOutcomes][5]atomic.Pointer[vm.Counter] // [outcome][status class]
-	good                              *vm.Counter                                // nil without SLOs
+	judged, good                      *vm.Counter                                // nil without SLOs
 	missed                            [NumSLO]*vm.Counter
 }
 
@@ -156,6 +156,7 @@ func newSeries(route, model string, buckets func(string) []float64, slo bool) *S
 	x.inTokens = durable.GetOrCreateCounter("tokentap_input_tokens_total{" + l + "}")
 	x.items = durable.GetOrCreateCounter("tokentap_items_total{" + l + "}")
 	if slo {
+		x.judged = durable.GetOrCreateCounter("tokentap_slo_judged_requests_total{" + l + "}")
 		x.good = durable.GetOrCreateCounter("tokentap_goodput_requests_total{" + l + "}")
 		for i, n := range SLONames {
 			x.missed[i] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_slo_missed_total{%s,slo=%q}`, l, n))
@@ -256,6 +257,7 @@ func (s *Set) Observe(r *Record) {
 	}
 	x.requestCounter(outcomeIndex(r.Outcome), classIndex(r.Status)).Inc()
 	if x.good != nil && r.SLOJudged {
+		x.judged.Inc()
 		if r.SLOMisses == 0 {
 			x.good.Inc()
 		}

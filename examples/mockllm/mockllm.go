@@ -64,6 +64,10 @@ type Options struct {
 	// chunk, so a client on the same machine can measure each token's
 	// delivery delay.
 	Stamp bool
+	// FlushEvery > 1 flushes a stream only every FlushEvery writes (and at
+	// its end): a buffering hop between the server and its clients, whose
+	// tokens then arrive in bursts.
+	FlushEvery int
 }
 
 // Server is the simulated backend, an http.Handler.
@@ -119,6 +123,7 @@ type call struct {
 	start     time.Time
 	prefill   time.Duration
 	decode    time.Duration
+	writes    int
 }
 
 var words = strings.Fields("the quick brown fox jumps over a lazy dog while tokens stream out one by one to every user")
@@ -271,6 +276,9 @@ func (c *call) send(s string) bool {
 	}
 	if _, err := io.WriteString(c.w, s); err != nil {
 		return false
+	}
+	if c.writes++; c.s.o.FlushEvery > 1 && c.writes%c.s.o.FlushEvery != 0 {
+		return true // held back; net/http flushes what is left when the handler returns
 	}
 	if f, ok := c.w.(http.Flusher); ok {
 		f.Flush()

@@ -1,0 +1,288 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+const statsConfig = `
+routes:
+  - name: statsroute
+    prefix: /
+    upstream: %UPSTREAM%
+    slo: {ttft: 1ms}
+slo: {e2e: 60s, target: 99%}
+models: {allow: [m]}
+metrics:
+  buckets:
+    queue: [0.001, 0.5, 5]
+warnings: {min_requests: 5}
+tenants:
+  - name: guests
+    keys: [key-guests-0123456789]
+admission: {unknown_key: guests}
+`
+
+func getJSON(t *testing.T, url string, v any) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if err := json.Unmarshal(b, v); err != nil {
+		t.Fatalf("%s: %v: %s", url, err, b)
+	}
+	return resp.StatusCode
+}
+
+func getText(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+// TestStatsEndToEnd runs the program with SLOs, sends traffic, and reads
+// what a user reads: /stats (its schema, filters and errors),
+// /stats/timeline, the access log's SLO fields, /metrics (HELP/TYPE,
+// configured buckets, goodput counters), `tokentap stats`, and checks the
+// example Grafana dashboard and Prometheus rules against it.
+func TestStatsEndToEnd(t *testing.T) {
+	upstream := startBackend(t, time.Millisecond)
+	cfg := filepath.Join(t.TempDir(), "tokentap.yaml")
+	if err := os.WriteFile(cfg, []byte(strings.ReplaceAll(statsConfig, "%UPSTREAM%", upstream)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	listen, admin := freeAddr(t), freeAddr(t)
+	logPath := filepath.Join(t.TempDir(), "access.log")
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", logPath})
+	defer prog.stop()
+	waitUp(t, "http://"+admin+"/healthz")
+	const n = 12
+	for range n {
+		resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	base := "http://" + admin
+	var rep map[string]any
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		getJSON(t, base+"/stats?route=statsroute", &rep)
+		if gs := rep["groups"].([]any); len(gs) == 1 && gs[0].(map[string]any)["count"].(float64) == n || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The schema, field by field.
+	for _, k := range []string{"window", "window_s", "generated_at", "groups", "warnings"} {
+		if _, ok := rep[k]; !ok {
+			t.Errorf("/stats lacks %q", k)
+		}
+	}
+	if rep["window"] != "5m" {
+		t.Errorf("default window %v", rep["window"])
+	}
+	g := rep["groups"].([]any)[0].(map[string]any)
+	for _, k := range []string{"route", "model", "tenant", "upstream", "count", "errors", "requests_per_s", "output_tokens_per_s", "goodput"} {
+		if _, ok := g[k]; !ok {
+			t.Errorf("group lacks %q", k)
+		}
+	}
+	if g["route"] != "statsroute" || g["model"] != "m" || g["tenant"] != "guests" || g["count"] != float64(n) {
+		t.Errorf("group %v", g)
+	}
+	for _, m := range []string{"ttft_ms", "ttfa_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms", "overhead_ms", "upstream_ttfb_ms"} {
+		d, ok := g[m].(map[string]any)
+		if !ok {
+			t.Errorf("group lacks %q", m)
+			continue
+		}
+		for _, k := range []string{"p50", "p90", "p95", "p99", "max", "mean", "count"} {
+			if _, ok := d[k].(float64); !ok {
+				t.Errorf("%s lacks %q", m, k)
+			}
+		}
+	}
+	gp := g["goodput"].(map[string]any)
+	// A 1 ms TTFT objective: no request is good, every one missed ttft.
+	if gp["judged"] != float64(n) || gp["good"] != 0.0 || gp["ratio"] != 0.0 || gp["target"] != 0.99 ||
+		gp["missed"].(map[string]any)["ttft"] != float64(n) || gp["missed"].(map[string]any)["e2e"] != 0.0 {
+		t.Errorf("goodput %v", gp)
+	}
+	var warned bool
+	for _, w := range rep["warnings"].([]any) {
+		warned = warned || w.(map[string]any)["kind"] == "goodput"
+	}
+	if !warned {
+		t.Errorf("no goodput warning: %v", rep["warnings"])
+	}
+
+	// Filters and refusals.
+	var other map[string]any
+	getJSON(t, base+"/stats?route=statsroute&model=nope&window=1h", &other)
+	if len(other["groups"].([]any)) != 0 || other["window"] != "1h" {
+		t.Errorf("model filter: %v", other)
+	}
+	for _, q := range []string{"window=2m", "group_by=path"} {
+		var e map[string]any
+		if code := getJSON(t, base+"/stats?"+q, &e); code != 400 || e["error"] == nil {
+			t.Errorf("%s: %d %v", q, code, e)
+		}
+	}
+	var tl map[string]any
+	getJSON(t, base+"/stats/timeline?route=statsroute", &tl)
+	routes := tl["routes"].([]any)
+	pts := routes[0].(map[string]any)["points"].([]any)
+	var counted float64
+	for _, p := range pts {
+		counted += p.(map[string]any)["count"].(float64)
+	}
+	if len(routes) != 1 || counted != n {
+		t.Errorf("timeline: %d routes, %v requests", len(routes), counted)
+	}
+
+	// The terminal table.
+	var out strings.Builder
+	if err := runStats(context.Background(), []string{"-admin", base, "-window", "5m", "-route", "statsroute"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if s := out.String(); !strings.Contains(s, "statsroute") || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") {
+		t.Errorf("tokentap stats printed:\n%s", s)
+	}
+
+	// /metrics: HELP and TYPE, the configured queue buckets, goodput.
+	metricsText := getText(t, base+"/metrics")
+	for _, want := range []string{
+		"# HELP tokentap_ttft_seconds", "# TYPE tokentap_ttft_seconds histogram",
+		`tokentap_ttft_seconds_bucket{route="statsroute",model="m",le="0.5"}`,
+		`tokentap_queue_seconds_bucket{route="statsroute",model="m",le="0.5"}`,
+		`tokentap_slo_judged_requests_total{route="statsroute",model="m"} 12`,
+		`tokentap_goodput_requests_total{route="statsroute",model="m"} 0`,
+		`tokentap_slo_missed_total{route="statsroute",model="m",slo="ttft"} 12`,
+	} {
+		if !strings.Contains(metricsText, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	if strings.Contains(metricsText, `tokentap_queue_seconds_bucket{route="statsroute",model="m",le="0.1"}`) {
+		t.Errorf("queue buckets are not the configured ones")
+	}
+
+	// The access log's SLO fields.
+	prog.stop()
+	lines := logLines(t, logPath)
+	if len(lines) != n {
+		t.Fatalf("%d log lines", len(lines))
+	}
+	if l := lines[0]; l["slo_ok"] != false || len(l["slo_missed"].([]any)) != 1 || l["slo_missed"].([]any)[0] != "ttft" {
+		t.Errorf("access log SLO fields: %v %v", l["slo_ok"], l["slo_missed"])
+	}
+
+	// Every metric the Grafana dashboard and the Prometheus rules query
+	// is one tokentap exposes.
+	checkQueriedMetrics(t, metricsText)
+}
+
+var (
+	metricName = regexp.MustCompile(`tokentap_[a-z0-9_]+`)
+	// A name in a query; one with a colon is a recording rule's.
+	queriedName = regexp.MustCompile(`[a-zA-Z0-9_:]*tokentap_[a-zA-Z0-9_:]*`)
+)
+
+func checkQueriedMetrics(t *testing.T, metricsText string) {
+	t.Helper()
+	exposed := map[string]bool{}
+	for _, line := range strings.Split(metricsText, "\n") {
+		if name := metricName.FindString(line); name != "" && strings.HasPrefix(line, name) {
+			exposed[name] = true
+		}
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+		Templating struct {
+			List []struct {
+				Query any `json:"query"`
+			} `json:"list"`
+		} `json:"templating"`
+	}
+	b, err := os.ReadFile("../../examples/grafana/tokentap-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &dash); err != nil {
+		t.Fatalf("dashboard JSON: %v", err)
+	}
+	var queries []string
+	for _, p := range dash.Panels {
+		if len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, tg := range p.Targets {
+			queries = append(queries, tg.Expr)
+		}
+	}
+	for _, v := range dash.Templating.List {
+		if s, ok := v.Query.(string); ok {
+			queries = append(queries, s)
+		}
+	}
+	rules, err := os.ReadFile("../../examples/prometheus/tokentap-rules.yml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	queries = append(queries, string(rules))
+	for _, q := range queries {
+		for _, name := range queriedName.FindAllString(q, -1) {
+			if !strings.Contains(name, ":") && !exposed[name] {
+				t.Errorf("%s is queried but not on /metrics", name)
+			}
+		}
+	}
+	if len(dash.Panels) < 8 {
+		t.Errorf("%d panels", len(dash.Panels))
+	}
+}
+
+// TestPrometheusRules checks the example rules with promtool, and runs
+// their unit tests (tokentap-rules.test.yml).
+func TestPrometheusRules(t *testing.T) {
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("promtool is missing: .ci/run installs Debian's prometheus package")
+		}
+		t.Skip("promtool not installed (Debian: apt-get install prometheus)")
+	}
+	for _, args := range [][]string{{"check", "rules", "tokentap-rules.yml"}, {"test", "rules", "tokentap-rules.test.yml"}} {
+		cmd := exec.Command(promtool, args...)
+		cmd.Dir = "../../examples/prometheus"
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("promtool %v: %v\n%s", args, err, out)
+		}
+	}
+}
