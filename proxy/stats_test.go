@@ -179,7 +179,7 @@ func TestGoodputWarning(t *testing.T) {
 // windows see minutes pass between two phases of real traffic.
 type offsetClock struct{ off atomic.Int64 }
 
-func (c *offsetClock) now() time.Time        { return time.Now().Add(time.Duration(c.off.Load())) }
+func (c *offsetClock) now() time.Time       { return time.Now().Add(time.Duration(c.off.Load())) }
 func (c *offsetClock) jump(d time.Duration) { c.off.Add(int64(d)) }
 
 // TestBatchingWarning: a backend that batches (each stream slows the
