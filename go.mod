@@ -3,8 +3,11 @@ module github.com/tokentap/tokentap
 go 1.26.8
 
 require (
+	github.com/DataDog/sketches-go v1.4.8
 	github.com/VictoriaMetrics/metrics v1.45.0
 	github.com/andybalholm/brotli v1.3.0
+	github.com/chromedp/cdproto v0.159.0
+	github.com/chromedp/chromedp v0.23.0
 	github.com/klauspost/compress v1.20.3
 	github.com/tidwall/gjson v1.20.2
 	github.com/valyala/fasthttp v1.78.0
@@ -15,7 +18,7 @@ require (
 )
 
 require (
-	github.com/DataDog/sketches-go v1.4.8 // indirect
+	github.com/go-json-experiment/json v0.0.0-20260213210345-44df1a37e875 // indirect
 	github.com/molecule-man/go-brrr v1.3.1 // indirect
 	github.com/tidwall/match v1.1.1 // indirect
 	github.com/tidwall/pretty v1.3.0 // indirect

@@ -31,8 +31,12 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	conc := fs.Int("concurrency", 12, "requests in flight at once")
 	logPath := fs.String("access-log", "", "also write the access log here (- for stdout)")
 	serve := fs.String("serve", "", "then keep sending traffic and serve the dashboard and /stats on this admin address (e.g. 127.0.0.1:9090) until interrupted")
+	liveConc := fs.Int("live", -1, "with -serve: requests in flight while serving (default: -concurrency; 0: none)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *liveConc < 0 {
+		*liveConc = *conc
 	}
 	if *n <= 0 || *conc <= 0 {
 		return fmt.Errorf("-requests and -concurrency must be positive")
@@ -162,9 +166,9 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	go func() { _ = srv.Serve(adminLn) }()
 	defer func() { _ = srv.Shutdown() }()
 	fmt.Fprintf(out, "\ndashboard: http://%s/   stats: http://%s/stats   metrics: http://%s/metrics\n"+
-		"traffic keeps flowing (%d at a time, rising and falling); Ctrl-C stops.\n", adminLn.Addr(), adminLn.Addr(), adminLn.Addr(), *conc)
+		"traffic keeps flowing (up to %d at a time, rising and falling); Ctrl-C stops.\n", adminLn.Addr(), adminLn.Addr(), adminLn.Addr(), *liveConc)
 	var live sync.WaitGroup
-	for w := range *conc {
+	for w := range *liveConc {
 		live.Add(1)
 		go func() {
 			defer live.Done()

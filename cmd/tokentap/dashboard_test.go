@@ -1,0 +1,208 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/runtime"
+	"github.com/chromedp/chromedp"
+	"github.com/tokentap/tokentap/metrics/stats"
+)
+
+// browser starts Debian's headless chromium with the flags this closed
+// network needs, or skips (fails under CI, which installs it).
+func browser(t *testing.T) (context.Context, context.CancelFunc) {
+	t.Helper()
+	path, err := exec.LookPath("chromium")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("chromium is missing: .ci/run installs Debian's chromium package")
+		}
+		t.Skip("chromium not installed (Debian: apt-get install chromium)")
+	}
+	opts := append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(path), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.UserDataDir(t.TempDir()),
+		chromedp.Flag("disable-quic", true), chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true), chromedp.Flag("disable-sync", true),
+		chromedp.WindowSize(1500, 1900))
+	actx, cancelAlloc := chromedp.NewExecAllocator(context.Background(), opts...)
+	ctx, cancel := chromedp.NewContext(actx)
+	ctx, cancelTimeout := context.WithTimeout(ctx, 2*time.Minute)
+	return ctx, func() { cancelTimeout(); cancel(); cancelAlloc() }
+}
+
+// fmtJS formats a number as the dashboard's fmt does.
+func fmtJS(v float64) string {
+	switch {
+	case v >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10:
+		return fmt.Sprintf("%.1f", v)
+	}
+	return fmt.Sprintf("%.2f", v)
+}
+
+// TestDashboardInBrowser serves the demo's dashboard, opens it in headless
+// chromium and checks it: no console error or exception, every chart
+// holds data, and the tiles, the warnings and the table show what /stats
+// says. With TOKENTAP_SCREENSHOT=FILE it keeps the demo's traffic
+// running for TOKENTAP_SCREENSHOT_AFTER (default 0) first and saves a
+// screenshot of the page (the README's).
+func TestDashboardInBrowser(t *testing.T) {
+	ctx, cancel := browser(t)
+	defer cancel()
+	shot := os.Getenv("TOKENTAP_SCREENSHOT")
+	after, _ := time.ParseDuration(os.Getenv("TOKENTAP_SCREENSHOT_AFTER"))
+	admin := freeAddr(t)
+	live := "0" // numbers that do not move under the test's feet
+	if shot != "" {
+		live = "6"
+	}
+	demoCtx, stopDemo := context.WithCancel(context.Background())
+	var demoOut strings.Builder
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := runDemo(demoCtx, []string{"-requests", "96", "-concurrency", "8", "-serve", admin, "-live", live}, &demoOut); err != nil {
+			t.Error(err)
+		}
+	}()
+	defer func() { stopDemo(); wg.Wait() }()
+	waitUpFor(t, "http://"+admin+"/healthz", 30*time.Second)
+	if after > 0 {
+		time.Sleep(after)
+	}
+
+	var mu sync.Mutex
+	var problems []string
+	err := chromedp.Listen(ctx, func(ev any) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch e := ev.(type) {
+		case *runtime.EventConsoleAPICalled:
+			if e.Type == runtime.ConsoleAPICalledTypeError || e.Type == runtime.ConsoleAPICalledTypeWarning {
+				var args []string
+				for _, a := range e.Args {
+					args = append(args, string(a.Value))
+				}
+				problems = append(problems, fmt.Sprintf("console.%s: %s", e.Type, strings.Join(args, " ")))
+			}
+		case *runtime.EventExceptionThrown:
+			problems = append(problems, fmt.Sprintf("exception: %s %v", e.ExceptionDetails.Text, e.ExceptionDetails.Exception))
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type tiles struct {
+		Route, TTFT, ITL, E2E, Goodput, Queue, Overhead, Count string
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Navigate("http://"+admin+"/")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`window.tokentap && window.tokentap.renders >= 1`, chromedp.WithPollingTimeout(30*time.Second))); err != nil {
+		t.Fatal(err)
+	}
+	if shot != "" {
+		png, err := chromedp.Run(ctx, chromedp.FullScreenshot(90))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(shot, png, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("screenshot: %s (%d bytes)", shot, len(png))
+		return // the numbers moved on with the traffic
+	}
+	chartPoints, err := chromedp.Run(ctx, chromedp.Evaluate[[]int](`Object.values(window.tokentap.charts).map(c => c.data[1].filter(v => v !== null).length)`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	shown, err := chromedp.Run(ctx, chromedp.Evaluate[[]tiles](`Array.from(document.querySelectorAll('.route')).map(r => {
+		const f = (n) => r.querySelector('[data-field="' + n + '"]').textContent;
+		return {Route: r.dataset.route, TTFT: f('ttft'), ITL: f('itl'), E2E: f('e2e'), Goodput: f('goodput'), Queue: f('queue'), Overhead: f('overhead'), Count: f('count')};
+	})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	warnings, err := chromedp.Run(ctx, chromedp.Evaluate[int](`document.querySelectorAll('#warnings .warning').length`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err := chromedp.Run(ctx, chromedp.Evaluate[int](`document.querySelectorAll('#groups tbody tr').length`))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	mu.Lock()
+	if len(problems) > 0 {
+		t.Errorf("browser console: %v", problems)
+	}
+	mu.Unlock()
+	// 4 routes × 3 charts, each with its route's data.
+	if len(chartPoints) != 12 {
+		t.Errorf("%d charts, want 12", len(chartPoints))
+	}
+	for i, n := range chartPoints {
+		if n == 0 {
+			t.Errorf("chart %d holds no data", i)
+		}
+	}
+	var byRoute, all stats.Report
+	getJSON(t, "http://"+admin+"/stats?window=5m&group_by=route", &byRoute)
+	getJSON(t, "http://"+admin+"/stats?window=5m", &all)
+	if len(shown) != len(byRoute.Groups) || len(shown) != 4 {
+		t.Fatalf("page shows %d routes, /stats has %d", len(shown), len(byRoute.Groups))
+	}
+	q := func(d stats.Dist) string { return fmtJS(d.P50) + " / " + fmtJS(d.P95) + " / " + fmtJS(d.P99) }
+	pct := func(v *float64) string {
+		if v == nil {
+			return "–"
+		}
+		return fmt.Sprintf("%.1f%%", 100**v)
+	}
+	for _, g := range byRoute.Groups {
+		var got *tiles
+		for i := range shown {
+			if shown[i].Route == g.Route {
+				got = &shown[i]
+			}
+		}
+		if got == nil {
+			t.Errorf("route %s not shown", g.Route)
+			continue
+		}
+		good := pct(g.Goodput.Ratio)
+		if g.Goodput.Target != nil {
+			good += " (target " + pct(g.Goodput.Target) + ")"
+		}
+		want := tiles{Route: g.Route, TTFT: q(g.TTFT), ITL: q(g.ITL), E2E: q(g.E2E), Goodput: good,
+			Queue: fmtJS(g.Queue.P50) + " / " + fmtJS(g.Queue.P95), Overhead: fmtJS(g.Overhead.P50) + " / " + fmtJS(g.Overhead.P95),
+			Count: fmt.Sprintf("%d (%d)", g.Count, g.Errors)}
+		if *got != want {
+			t.Errorf("route %s shows\n  %+v\n/stats says\n  %+v", g.Route, *got, want)
+		}
+	}
+	if warnings != len(all.Warnings) || rows != len(all.Groups) {
+		t.Errorf("page: %d warnings, %d table rows; /stats: %d, %d", warnings, rows, len(all.Warnings), len(all.Groups))
+	}
+}
+
+func waitUpFor(t *testing.T, url string, d time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		if status(t, "GET", url, "") == 200 {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("%s not up", url)
+}
