@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/metrics"
 )
 
 func TestExampleConfigLoads(t *testing.T) {
@@ -20,6 +22,12 @@ func TestExampleConfigLoads(t *testing.T) {
 	}
 	if len(s.proxy.Models) != 2 || s.listen != ":8080" || s.admin != "127.0.0.1:9090" || s.accessLog != "-" {
 		t.Fatalf("settings: %+v", s)
+	}
+	want := metrics.SLO{TTFT: 2 * time.Second, TTFA: 10 * time.Second, TPOT: 100 * time.Millisecond, E2E: 5 * time.Minute, Target: 0.99}
+	if s.proxy.SLO != want || s.proxy.Routes[0].SLO != (metrics.SLO{TTFT: 500 * time.Millisecond}) ||
+		s.proxy.SLO.Over(s.proxy.Routes[0].SLO).TTFT != 500*time.Millisecond || len(s.proxy.Buckets["ttft"]) != 12 ||
+		s.proxy.Warn.MinRequests != 20 || s.proxy.Warn.QueueShare != 0.5 || s.proxy.Warn.OverheadP95 != 10*time.Millisecond {
+		t.Fatalf("slo %+v, route slo %+v, buckets %v, warn %+v", s.proxy.SLO, s.proxy.Routes[0].SLO, s.proxy.Buckets, s.proxy.Warn)
 	}
 }
 
@@ -101,6 +109,12 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\nlimits:\n  client_write_timeout: 0s\n", nil, ":3:", "limits.client_write_timeout", "positive")
 	f("upstream: http://x\nlimits:\n  max_client_conns: -1\n", nil, ":3:", "limits.max_client_conns")
 	f("upstream: http://x\ndrain_timeout: 0s\n", nil, ":2:", "drain_timeout", "positive")
+	f("upstream: http://x\nslo:\n  target: 150%\n", nil, ":3:", "slo.target", "share")
+	f("upstream: http://x\nslo:\n  ttft: fast\n", nil, ":3:", "slo.ttft", "fast")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {p99: 1s}\n", nil, ":5:", "routes[0].slo", "unknown field p99")
+	f("upstream: http://x\nmetrics:\n  buckets:\n    ttft: [1, 0.5]\n", nil, ":4:", "metrics.buckets.ttft", "increasing")
+	f("upstream: http://x\nmetrics:\n  buckets:\n    latency: [1]\n", nil, ":4:", "metrics.buckets.latency", "unknown measure")
+	f("upstream: http://x\nwarnings:\n  overhead_p95: soon\n", nil, ":3:", "warnings.overhead_p95")
 	f("upstream: http://x\nadmin:\n  listen: 127.0.0.1:0\n  token_file: /nonexistent/token\n", nil, ":4:", "admin.token_file")
 	f("routes:\n  - name: a\n    prefix: //v1/\n    upstream: http://x\n", nil, ":3:", "routes[0].prefix", "normalised")
 }
@@ -161,6 +175,9 @@ func TestTenantsConfigLoads(t *testing.T) {
 	ad := s.proxy.Admission
 	if ad == nil || len(ad.Tenants) != 3 || ad.Mode != "queue" || ad.MaxQueue != 100 || ad.MaxWait != 2*time.Second || ad.UnknownKey != "guests" {
 		t.Fatalf("admission: %+v", ad)
+	}
+	if slo := s.proxy.TenantSLOs["beta"]; slo != (metrics.SLO{TTFT: 10 * time.Second, Target: 0.9}) || len(s.proxy.TenantSLOs) != 1 {
+		t.Fatalf("tenant SLOs %+v", s.proxy.TenantSLOs)
 	}
 	a := ad.Tenants[0]
 	if a.Limits.RequestsPerSecond != 5 || a.Limits.Burst != 5 || a.Limits.TokensPerMinute != 20000 || a.Limits.MaxConcurrent != 4 ||

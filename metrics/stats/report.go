@@ -45,7 +45,7 @@ type Group struct {
 
 func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream} }
 
-// dists returns the group's measures in measureNames order.
+// dists returns the group's measures in the order of the m* constants.
 func (g *Group) dists() [numMeasures]*Dist {
 	return [numMeasures]*Dist{&g.TTFT, &g.TTFA, &g.ITL, &g.TPOT, &g.E2E, &g.Queue, &g.Overhead, &g.UpstreamTTFB}
 }

@@ -6,7 +6,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 )
 
-// The measures a group reports, in the order of measureNames.
+// The measures a group reports (Group.dists gives their JSON names).
 const (
 	mTTFT = iota
 	mTTFA
@@ -18,9 +18,6 @@ const (
 	mTTFB
 	numMeasures
 )
-
-// measureNames are the JSON names of the measures, as in the access log.
-var measureNames = [numMeasures]string{"ttft_ms", "ttfa_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms", "overhead_ms", "upstream_ttfb_ms"}
 
 // agg is what a span of time holds for one group: counts and one
 // distribution per measure. Aggs of the same group merge.
