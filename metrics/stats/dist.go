@@ -1,6 +1,8 @@
 package stats
 
 import (
+	"time"
+
 	"github.com/DataDog/sketches-go/ddsketch"
 	"github.com/DataDog/sketches-go/ddsketch/mapping"
 	"github.com/DataDog/sketches-go/ddsketch/store"
@@ -53,6 +55,13 @@ func (d *dist) add(v float64) {
 	d.sum += v
 	if v > d.max {
 		d.max = v
+	}
+}
+
+// addAll records every duration of ds.
+func (d *dist) addAll(ds []time.Duration) {
+	for _, v := range ds {
+		d.add(ms(v))
 	}
 }
 

@@ -50,13 +50,22 @@ func TestQuantilesWithinOnePercent(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			c := newClock()
 			e := New(Options{Now: c.now})
-			var ttft []float64
+			var ttft, itl []float64
 			for i := range 20000 {
 				v := gen()
 				ttft = append(ttft, v)
 				r := record(x, time.Duration(v*float64(time.Millisecond)), time.Duration(2*v*float64(time.Millisecond)), 10)
 				r.Tenant = []string{"a", "b", "c"}[i%3] // three groups, merged below by a filter-free route query
-				e.Observe(r, nil)
+				// Gaps: sorted as the proxy gives them, or not.
+				gaps := make([]time.Duration, 1+rng.IntN(8))
+				for j := range gaps {
+					gaps[j] = time.Duration(gen() / 10 * float64(time.Millisecond))
+					itl = append(itl, ms(gaps[j]))
+				}
+				if i%2 == 0 {
+					slices.Sort(gaps)
+				}
+				e.Observe(r, gaps)
 				if i%1000 == 999 {
 					c.add(7 * time.Second) // samples spread over closed slots and minutes
 				}
@@ -72,30 +81,37 @@ func TestQuantilesWithinOnePercent(t *testing.T) {
 				g.w.collect(&merged, "all", e.slot.Load())
 			}
 			e.mu.RUnlock()
-			d := makeDist(&merged.d[mTTFT])
-			if d.Count != int64(len(ttft)) {
-				t.Fatalf("count %d, want %d", d.Count, len(ttft))
-			}
-			for _, c := range []struct {
-				q   float64
-				got float64
-			}{{0.5, d.P50}, {0.9, d.P90}, {0.95, d.P95}, {0.99, d.P99}} {
-				want := exact(ttft, c.q)
-				if rel := math.Abs(c.got-want) / want; rel > 0.01 {
-					t.Errorf("p%v = %v, exact %v: relative error %.4f > 1%%", c.q*100, c.got, want, rel)
-				}
-			}
-			if want := ttft[len(ttft)-1]; math.Abs(d.Max-want) > 0.001 {
-				t.Errorf("max %v, want %v", d.Max, want)
-			}
-			var sum float64
-			for _, v := range ttft {
-				sum += v
-			}
-			if want := sum / float64(len(ttft)); math.Abs(d.Mean-want) > 0.0005 { // rounded to µs
-				t.Errorf("mean %v, want %v", d.Mean, want)
-			}
+			slices.Sort(itl)
+			checkDist(t, "ttft", makeDist(&merged.d[mTTFT]), ttft)
+			checkDist(t, "itl", makeDist(&merged.d[mITL]), itl)
 		})
+	}
+}
+
+func checkDist(t *testing.T, name string, d Dist, sorted []float64) {
+	t.Helper()
+	ttft := sorted
+	if d.Count != int64(len(ttft)) {
+		t.Fatalf("%s: count %d, want %d", name, d.Count, len(ttft))
+	}
+	for _, c := range []struct {
+		q   float64
+		got float64
+	}{{0.5, d.P50}, {0.9, d.P90}, {0.95, d.P95}, {0.99, d.P99}} {
+		want := exact(ttft, c.q)
+		if rel := math.Abs(c.got-want) / want; rel > 0.01 {
+			t.Errorf("%s: p%v = %v, exact %v: relative error %.4f > 1%%", name, c.q*100, c.got, want, rel)
+		}
+	}
+	if want := ttft[len(ttft)-1]; math.Abs(d.Max-want) > 0.001 {
+		t.Errorf("%s: max %v, want %v", name, d.Max, want)
+	}
+	var sum float64
+	for _, v := range ttft {
+		sum += v
+	}
+	if want := sum / float64(len(ttft)); math.Abs(d.Mean-want) > 0.0005 { // rounded to µs
+		t.Errorf("%s: mean %v, want %v", name, d.Mean, want)
 	}
 }
 

@@ -74,9 +74,7 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 	put(mQueue, r.Queue)
 	put(mOverhead, r.Overhead)
 	put(mTTFB, r.UpstreamTTFB)
-	for _, g := range gaps {
-		a.d[mITL].add(ms(g))
-	}
+	a.d[mITL].addAll(gaps)
 }
 
 func (a *agg) merge(o *agg) {
