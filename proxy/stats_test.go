@@ -188,7 +188,7 @@ func (c *offsetClock) jump(d time.Duration) { c.off.Add(int64(d)) }
 func TestBatchingWarning(t *testing.T) {
 	for _, busier := range []bool{true, false} {
 		o := healthyMock
-		o.BatchSlowdown = 0.5
+		o.BatchSlowdown = 1
 		clk := &offsetClock{}
 		// Start just after a minute boundary of the windows' clock, so
 		// that the first phase falls in one minute, three before the next.
