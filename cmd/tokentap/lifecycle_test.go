@@ -246,6 +246,18 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 		{"POST", "/-/reload", "", 401},
 		{"POST", "/-/reopen", "", 401},
 		{"POST", "/-/reload", token, 200},
+		// The dashboard's page and assets hold no data and load without
+		// the token; its data does not.
+		{"GET", "/", "", 200},
+		{"GET", "/dashboard/app.js", "", 200},
+		{"GET", "/dashboard/vendor/uPlot.iife.min.js", "", 200},
+		{"GET", "/dashboard/../../go.mod", "", 401}, // normalised to /go.mod: not an asset
+		{"GET", "/dashboard/..%2f..%2fgo.mod", "", 401},
+		{"GET", "/dashboard/nope.js", "", 404},
+		{"GET", "/stats", "", 401},
+		{"GET", "/stats/timeline", "", 401},
+		{"GET", "/stats", token, 200},
+		{"GET", "/stats/timeline", token, 200},
 	} {
 		if got := status(t, c.method, "http://"+admin+c.path, c.token); got != c.want {
 			t.Errorf("%s %s with token %q: %d, want %d", c.method, c.path, c.token, got, c.want)
