@@ -2,12 +2,16 @@ package metrics
 
 import (
 	"bytes"
+	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
 )
+
+var idleRuns atomic.Int64
 
 func scrape(t *testing.T, label string) (lines []string, text string) {
 	t.Helper()
@@ -26,10 +30,12 @@ func scrape(t *testing.T, label string) (lines []string, text string) {
 // counters, and with SLOs 7 goodput counters. Request counters and the
 // server-timing histograms appear at their first use.
 func TestIdleSeriesPerRouteAndModel(t *testing.T) {
-	s := NewSet([]string{"idle-count"}, []string{"m"}, SetOptions{SLO: true})
+	// Series live for the process: a route of its own per run (-count).
+	route := fmt.Sprintf("idle-count-%d", idleRuns.Add(1))
+	s := NewSet([]string{route}, []string{"m"}, SetOptions{SLO: true})
 	s.Register()
 	defer s.Unregister()
-	lines, text := scrape(t, `route="idle-count",model="m"`)
+	lines, text := scrape(t, `route="`+route+`",model="m"`)
 	want := 0
 	for _, m := range []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb"} {
 		want += len(DefaultBuckets[m]) + 3 // buckets, +Inf, _sum, _count
@@ -46,7 +52,7 @@ func TestIdleSeriesPerRouteAndModel(t *testing.T) {
 			t.Errorf("no %q line", h)
 		}
 	}
-	if !strings.Contains(text, `tokentap_ttft_seconds_bucket{route="idle-count",model="m",le="0.5"}`) {
+	if !strings.Contains(text, `tokentap_ttft_seconds_bucket{route="`+route+`",model="m",le="0.5"}`) {
 		t.Errorf("no 0.5 s TTFT bucket")
 	}
 
@@ -56,14 +62,14 @@ func TestIdleSeriesPerRouteAndModel(t *testing.T) {
 	r.Series, r.Outcome, r.Status, r.ServerPrefill, r.E2E = s.Series(0, 0), OutcomeOK, 200, 40*time.Millisecond, time.Second
 	SLO{E2E: 2 * time.Second}.Judge(&r)
 	s.Observe(&r)
-	_, text = scrape(t, `route="idle-count"`)
+	_, text = scrape(t, `route="`+route+`"`)
 	for _, w := range []string{
 		`tokentap_requests_total{route="idle-count",model="m",outcome="ok",status_class="2xx"} 1`,
 		`tokentap_server_prefill_seconds_count{route="idle-count",model="m"} 1`,
 		`tokentap_goodput_requests_total{route="idle-count",model="m"} 1`,
 		`tokentap_slo_judged_requests_total{route="idle-count",model="m"} 1`,
 	} {
-		if !strings.Contains(text, w) {
+		if w = strings.ReplaceAll(w, "idle-count", route); !strings.Contains(text, w) {
 			t.Errorf("after one request, no %s", w)
 		}
 	}

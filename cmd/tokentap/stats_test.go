@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -32,29 +34,33 @@ tenants:
 admission: {unknown_key: guests}
 `
 
+// getJSON decodes url's answer into v and returns its status.
+var statsRuns atomic.Int64
+
 func getJSON(t *testing.T, url string, v any) int {
 	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if err := json.Unmarshal(b, v); err != nil {
+	code, b := get(t, url)
+	if err := json.Unmarshal([]byte(b), v); err != nil {
 		t.Fatalf("%s: %v: %s", url, err, b)
 	}
-	return resp.StatusCode
+	return code
 }
 
 func getText(t *testing.T, url string) string {
 	t.Helper()
+	_, b := get(t, url)
+	return b
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
 	resp, err := http.Get(url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	return string(b)
+	return resp.StatusCode, string(b)
 }
 
 // TestStatsEndToEnd runs the program with SLOs, sends traffic, and reads
@@ -65,7 +71,10 @@ func getText(t *testing.T, url string) string {
 func TestStatsEndToEnd(t *testing.T) {
 	upstream := startBackend(t, time.Millisecond)
 	cfg := filepath.Join(t.TempDir(), "tokentap.yaml")
-	if err := os.WriteFile(cfg, []byte(strings.ReplaceAll(statsConfig, "%UPSTREAM%", upstream)), 0o644); err != nil {
+	// Series live for the process: a route of its own per run (-count).
+	route := fmt.Sprintf("statsroute%d", statsRuns.Add(1))
+	conf := strings.NewReplacer("%UPSTREAM%", upstream, "statsroute", route).Replace(statsConfig)
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	listen, admin := freeAddr(t), freeAddr(t)
@@ -87,7 +96,7 @@ func TestStatsEndToEnd(t *testing.T) {
 	var rep map[string]any
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		getJSON(t, base+"/stats?route=statsroute", &rep)
+		getJSON(t, base+"/stats?route="+route, &rep)
 		if gs := rep["groups"].([]any); len(gs) == 1 && gs[0].(map[string]any)["count"].(float64) == n || time.Now().After(deadline) {
 			break
 		}
@@ -108,7 +117,7 @@ func TestStatsEndToEnd(t *testing.T) {
 			t.Errorf("group lacks %q", k)
 		}
 	}
-	if g["route"] != "statsroute" || g["model"] != "m" || g["tenant"] != "guests" || g["count"] != float64(n) {
+	if g["route"] != route || g["model"] != "m" || g["tenant"] != "guests" || g["count"] != float64(n) {
 		t.Errorf("group %v", g)
 	}
 	for _, m := range []string{"ttft_ms", "ttfa_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms", "overhead_ms", "upstream_ttfb_ms"} {
@@ -139,7 +148,7 @@ func TestStatsEndToEnd(t *testing.T) {
 
 	// Filters and refusals.
 	var other map[string]any
-	getJSON(t, base+"/stats?route=statsroute&model=nope&window=1h", &other)
+	getJSON(t, base+"/stats?route="+route+"&model=nope&window=1h", &other)
 	if len(other["groups"].([]any)) != 0 || other["window"] != "1h" {
 		t.Errorf("model filter: %v", other)
 	}
@@ -150,7 +159,7 @@ func TestStatsEndToEnd(t *testing.T) {
 		}
 	}
 	var tl map[string]any
-	getJSON(t, base+"/stats/timeline?route=statsroute", &tl)
+	getJSON(t, base+"/stats/timeline?route="+route, &tl)
 	routes := tl["routes"].([]any)
 	pts := routes[0].(map[string]any)["points"].([]any)
 	var counted float64
@@ -163,10 +172,10 @@ func TestStatsEndToEnd(t *testing.T) {
 
 	// The terminal table.
 	var out strings.Builder
-	if err := runStats(context.Background(), []string{"-admin", base, "-window", "5m", "-route", "statsroute"}, &out); err != nil {
+	if err := runStats(context.Background(), []string{"-admin", base, "-window", "5m", "-route", route}, &out); err != nil {
 		t.Fatal(err)
 	}
-	if s := out.String(); !strings.Contains(s, "statsroute") || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") {
+	if s := out.String(); !strings.Contains(s, route) || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") {
 		t.Errorf("tokentap stats printed:\n%s", s)
 	}
 
@@ -180,11 +189,11 @@ func TestStatsEndToEnd(t *testing.T) {
 		`tokentap_goodput_requests_total{route="statsroute",model="m"} 0`,
 		`tokentap_slo_missed_total{route="statsroute",model="m",slo="ttft"} 12`,
 	} {
-		if !strings.Contains(metricsText, want) {
+		if want = strings.ReplaceAll(want, "statsroute", route); !strings.Contains(metricsText, want) {
 			t.Errorf("/metrics lacks %s", want)
 		}
 	}
-	if strings.Contains(metricsText, `tokentap_queue_seconds_bucket{route="statsroute",model="m",le="0.1"}`) {
+	if strings.Contains(metricsText, `tokentap_queue_seconds_bucket{route="`+route+`",model="m",le="0.1"}`) {
 		t.Errorf("queue buckets are not the configured ones")
 	}
 

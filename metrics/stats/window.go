@@ -132,43 +132,39 @@ type windows struct {
 
 func newWindows(slot int64) *windows {
 	w := &windows{open: newAgg(), bCur: newAgg(), cCur: newAgg(), all: newAgg()}
-	for i := range w.a {
-		w.a[i] = newAgg()
-	}
-	for i := range w.b {
-		w.b[i] = newAgg()
-	}
-	for i := range w.c {
-		w.c[i] = newAgg()
+	for _, ring := range w.rings() {
+		for i := range ring {
+			ring[i] = newAgg()
+		}
 	}
 	w.open.id = slot
 	return w
 }
 
+func (w *windows) rings() [3][]agg { return [3][]agg{w.a[:], w.b[:], w.c[:]} }
+
 // close ends the open slot k and opens k+1.
 func (w *windows) close(k int64) {
 	w.all.merge(&w.open)
 	w.bCur.merge(&w.open)
-	i := k % ringA
-	w.a[i], w.open = w.open, w.a[i]
-	w.a[i].id = k
-	w.open.clear()
+	push(w.a[:], &w.open, k)
 	w.open.id = k + 1
 	if (k+1)%slotsPerMin == 0 {
-		m := k / slotsPerMin
-		j := m % ringB
-		w.b[j], w.bCur = w.bCur, w.b[j]
-		w.b[j].id = m
-		w.bCur.clear()
-		w.cCur.merge(&w.b[j])
+		w.cCur.merge(push(w.b[:], &w.bCur, k/slotsPerMin))
 	}
 	if (k+1)%slotsPerBlock == 0 {
-		blk := k / slotsPerBlock
-		j := blk % ringC
-		w.c[j], w.cCur = w.cCur, w.c[j]
-		w.c[j].id = blk
-		w.cCur.clear()
+		push(w.c[:], &w.cCur, k/slotsPerBlock)
 	}
+}
+
+// push moves the finished cur into ring at id's place, leaves cur empty
+// (reusing the displaced agg's memory) and returns the ring's entry.
+func push(ring []agg, cur *agg, id int64) *agg {
+	e := &ring[mod(id, int64(len(ring)))]
+	*e, *cur = *cur, *e
+	e.id = id
+	cur.clear()
+	return e
 }
 
 // advance closes slots until slot s is open. A long silence closes the
@@ -183,7 +179,7 @@ func (w *windows) advance(s int64) {
 	if s-k > ringC*slotsPerBlock {
 		// Everything in the rings is older than an hour: only all (which
 		// every closed slot went into) keeps it.
-		for _, ring := range [][]agg{w.a[:], w.b[:], w.c[:]} {
+		for _, ring := range w.rings() {
 			for i := range ring {
 				ring[i].clear()
 			}
@@ -207,34 +203,34 @@ func (w *windows) collect(dst *agg, window string, s int64) (from int64) {
 	dst.merge(&w.open)
 	switch window {
 	case "1m":
-		for k := s - (ringA - 1); k < s; k++ {
-			if a := &w.a[mod(k, ringA)]; a.id == k {
-				dst.merge(a)
-			}
-		}
-		return s - (ringA - 1)
+		from = s - (ringA - 1)
+		mergeRing(dst, w.a[:], from, s)
+		return from
 	case "5m":
 		dst.merge(&w.bCur)
 		m := s / slotsPerMin
-		for x := m - (ringB - 1); x < m; x++ {
-			if b := &w.b[mod(x, ringB)]; b.id == x {
-				dst.merge(b)
-			}
-		}
+		mergeRing(dst, w.b[:], m-(ringB-1), m)
 		return (m - (ringB - 1)) * slotsPerMin
 	case "1h":
 		dst.merge(&w.bCur)
 		dst.merge(&w.cCur)
 		blk := s / slotsPerBlock
-		for x := blk - (ringC - 1); x < blk; x++ {
-			if c := &w.c[mod(x, ringC)]; c.id == x {
-				dst.merge(c)
-			}
-		}
+		mergeRing(dst, w.c[:], blk-(ringC-1), blk)
 		return (blk - (ringC - 1)) * slotsPerBlock
 	default: // all
 		dst.merge(&w.all)
 		return -1 << 62
+	}
+}
+
+// mergeRing merges into dst the aggs of ring that hold ids from from to
+// to (excluded); an entry holding an older id is skipped.
+func mergeRing(dst *agg, ring []agg, from, to int64) {
+	n := int64(len(ring))
+	for id := from; id < to; id++ {
+		if a := &ring[mod(id, n)]; a.id == id {
+			dst.merge(a)
+		}
 	}
 }
 
@@ -246,14 +242,8 @@ func (w *windows) recentAndBefore(recent, before *agg, s int64) (recentFrom, bef
 	recent.merge(&w.open)
 	recent.merge(&w.bCur)
 	m := s / slotsPerMin
-	if b := &w.b[mod(m-1, ringB)]; b.id == m-1 {
-		recent.merge(b)
-	}
-	for x := m - (ringB - 1); x < m-1; x++ {
-		if b := &w.b[mod(x, ringB)]; b.id == x {
-			before.merge(b)
-		}
-	}
+	mergeRing(recent, w.b[:], m-1, m)
+	mergeRing(before, w.b[:], m-(ringB-1), m-1)
 	return (m - 1) * slotsPerMin, (m - (ringB - 1)) * slotsPerMin
 }
 
