@@ -36,7 +36,7 @@ func readOllama(s string) Obs {
 	case nonEmptyString(gjson.Get(s, "message.thinking")), nonEmptyString(gjson.Get(s, "thinking")):
 		o.Token = true
 	}
-	if gjson.Get(s, "done").Bool() {
+	if gjson.Get(s, "done").Type == gjson.True { // the JSON true only: gjson reads 1 and "true" as true too
 		if v := gjson.Get(s, "prompt_eval_count"); v.Exists() {
 			o.HasIn, o.In = true, int(v.Int())
 		}
