@@ -72,7 +72,7 @@ func readGemini(s string, o *Obs) {
 			gjson.Get(c.Raw, "content.parts").ForEach(func(_, p gjson.Result) bool {
 				if nonEmptyString(gjson.Get(p.Raw, "text")) || gjson.Get(p.Raw, "functionCall").IsObject() {
 					o.Token = true
-					if !gjson.Get(p.Raw, "thought").Bool() {
+					if gjson.Get(p.Raw, "thought").Type != gjson.True {
 						o.Answer = true
 					}
 				}
