@@ -360,6 +360,10 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("e2e_ms", r.E2E)
 	ms("overhead_ms", r.Overhead)
 	ms("client_rtt_ms", r.ClientRTT)
+	ms("client_srtt_ms", r.ClientSRTT)
+	ms("client_ttft_ms", r.ClientTTFT)
+	ms("client_ttfa_ms", r.ClientTTFA)
+	ms("client_e2e_ms", r.ClientE2E)
 	ms("server_queue_ms", r.ServerQueue)
 	ms("server_load_ms", r.ServerLoad)
 	ms("server_prefill_ms", r.ServerPrefill)
@@ -372,6 +376,18 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 		zap.Int64("bytes_in", r.BytesIn),
 		zap.Int64("bytes_out", r.BytesOut),
 	)
+	if r.BytesWire > 0 {
+		f = append(f, zap.Int64("bytes_wire", r.BytesWire))
+	}
+	if r.BytesAcked >= 0 {
+		f = append(f, zap.Int64("bytes_acked", r.BytesAcked))
+	}
+	if r.Unacked {
+		f = append(f, zap.Bool("unacked", true))
+	}
+	if r.ClientRetrans > 0 {
+		f = append(f, zap.Int("client_retrans", r.ClientRetrans))
+	}
 	if r.Items > 0 {
 		f = append(f, zap.Int("items", r.Items))
 		if r.E2E > 0 {

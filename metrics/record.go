@@ -82,7 +82,15 @@ type Record struct {
 	TPOT         time.Duration // (E2E − TTFT) / (OutputTokens − 1)
 	E2E          time.Duration // arrival → last byte flushed to the client
 	Overhead     time.Duration // time tokentap added before the first token
-	ClientRTT    time.Duration // kernel smoothed RTT of the client connection
+	// The client's side, network included (estimates: README, "What the
+	// client lived"). ClientRTT is the path's round trip, the kernel's
+	// minimum RTT of the client connection (tcpi_min_rtt: delayed ACKs do
+	// not inflate it); ClientSRTT the smoothed one (they do).
+	ClientRTT  time.Duration
+	ClientSRTT time.Duration
+	ClientTTFT time.Duration // client sent its request → first token reached it
+	ClientTTFA time.Duration // → first answer token reached it
+	ClientE2E  time.Duration // → last byte reached it
 
 	// Server-side timings, when the backend reports them.
 	ServerQueue   time.Duration
@@ -97,6 +105,18 @@ type Record struct {
 	BytesIn      int64  // request body bytes from the client
 	BytesOut     int64  // response body bytes to the client
 	Items        int    // results of a non-generating call (embeddings)
+	// BytesWire is what tokentap wrote to the client connection for this
+	// response (status line, headers, framing and body); BytesAcked how
+	// much of it the client's kernel acknowledged (TCP_INFO
+	// tcpi_bytes_acked), -1 when unknown. Unacked: bytes stayed
+	// unacknowledged while tokentap watched (up to about two round trips
+	// after the last write): the client did not provably receive it all.
+	BytesWire  int64
+	BytesAcked int64
+	Unacked    bool
+	// ClientRetrans is the segments the kernel sent again on the client
+	// connection since its previous request (loss on the path).
+	ClientRetrans int
 
 	// SLOJudged says the request was judged against an SLO; SLOMisses is
 	// what it missed (none: a good request) and SLOTarget the goodput
@@ -118,6 +138,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
+		ClientSRTT: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1,
 	}
 }
 

@@ -12,7 +12,7 @@ import (
 
 // Measures lists the histogram measures whose bucket bounds a config can
 // set, by their short names (tokentap_<name>_seconds).
-var Measures = []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "server_queue", "server_prefill", "server_decode"}
+var Measures = []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "server_queue", "server_prefill", "server_decode", "client_ttft", "client_e2e"}
 
 // DefaultBuckets are the bucket upper bounds, in seconds, of each measure
 // where the config sets none. They hold the thresholds SLOs are usually
@@ -31,6 +31,8 @@ var DefaultBuckets = map[string][]float64{
 	"server_queue":   {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60},
 	"server_prefill": {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60},
 	"server_decode":  {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
+	"client_ttft":    {0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120},
+	"client_e2e":     {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
 }
 
 func init() {
@@ -110,6 +112,7 @@ type Series struct {
 	buckets                           func(string) []float64
 	ttft, ttfa, itl, tpot, e2e, queue *vm.PrometheusHistogram
 	overhead, ttfb                    *vm.PrometheusHistogram
+	clientTTFT, clientE2E             *vm.PrometheusHistogram
 	serverOnce                        sync.Once
 	serverQueue, serverPrefill        *vm.PrometheusHistogram
 	serverDecode                      *vm.PrometheusHistogram
@@ -152,6 +155,7 @@ func newSeries(route, model string, buckets func(string) []float64, slo bool) *S
 	h := x.histogram
 	x.ttft, x.ttfa, x.itl, x.tpot = h("ttft"), h("ttfa"), h("itl"), h("tpot")
 	x.e2e, x.queue, x.overhead, x.ttfb = h("e2e"), h("queue"), h("overhead"), h("upstream_ttfb")
+	x.clientTTFT, x.clientE2E = h("client_ttft"), h("client_e2e")
 	x.outTokens = durable.GetOrCreateCounter("tokentap_output_tokens_total{" + l + "}")
 	x.inTokens = durable.GetOrCreateCounter("tokentap_input_tokens_total{" + l + "}")
 	x.items = durable.GetOrCreateCounter("tokentap_items_total{" + l + "}")
@@ -246,6 +250,8 @@ func (s *Set) Observe(r *Record) {
 	update(x.queue, r.Queue)
 	update(x.overhead, r.Overhead)
 	update(x.ttfb, r.UpstreamTTFB)
+	update(x.clientTTFT, r.ClientTTFT)
+	update(x.clientE2E, r.ClientE2E)
 	if r.OutputTokens > 0 {
 		x.outTokens.Add(r.OutputTokens)
 	}

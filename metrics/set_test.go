@@ -26,7 +26,7 @@ func scrape(t *testing.T, label string) (lines []string, text string) {
 }
 
 // TestIdleSeriesPerRouteAndModel counts what an idle scrape exposes per
-// route × model: 8 histograms with the default buckets, 3 token
+// route × model: 10 histograms with the default buckets, 3 token
 // counters, and with SLOs 7 goodput counters. Request counters and the
 // server-timing histograms appear at their first use.
 func TestIdleSeriesPerRouteAndModel(t *testing.T) {
@@ -37,15 +37,15 @@ func TestIdleSeriesPerRouteAndModel(t *testing.T) {
 	defer s.Unregister()
 	lines, text := scrape(t, `route="`+route+`",model="m"`)
 	want := 0
-	for _, m := range []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb"} {
+	for _, m := range []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "client_ttft", "client_e2e"} {
 		want += len(DefaultBuckets[m]) + 3 // buckets, +Inf, _sum, _count
 	}
 	want += 3 + 2 + NumSLO
 	if len(lines) != want {
 		t.Errorf("%d series per route × model, want %d:\n%s", len(lines), want, strings.Join(lines, "\n"))
 	}
-	if want > 130 {
-		t.Errorf("%d series per route × model: more than 130", want)
+	if want > 150 {
+		t.Errorf("%d series per route × model: more than 150", want)
 	}
 	for _, h := range []string{"# HELP tokentap_ttft_seconds", "# TYPE tokentap_ttft_seconds histogram", "# TYPE tokentap_goodput_requests_total counter"} {
 		if !strings.Contains(text, h) {

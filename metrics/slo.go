@@ -15,10 +15,20 @@ type SLO struct {
 	// Target is the share of requests that should be good (0.99 for 99%);
 	// 0: none. Goodput under it raises a warning in /stats.
 	Target float64
+	// Measure says whose times TTFT, TTFA and E2E are judged on: "client"
+	// (the default: the client's, network included, where the record has
+	// them) or "proxy" (tokentap's own marks).
+	Measure string
 }
 
-// IsZero reports whether s sets nothing.
-func (s SLO) IsZero() bool { return s == SLO{} }
+// Measures of an SLO.
+const (
+	MeasureClient = "client"
+	MeasureProxy  = "proxy"
+)
+
+// IsZero reports whether s sets no objective.
+func (s SLO) IsZero() bool { s.Measure = ""; return s == SLO{} }
 
 // Over returns s with every field that o sets taken from o: a route's SLO
 // over the default, a tenant's over the route's.
@@ -34,6 +44,9 @@ func (s SLO) Over(o SLO) SLO {
 	pick(&s.E2E, o.E2E)
 	if o.Target > 0 {
 		s.Target = o.Target
+	}
+	if o.Measure != "" {
+		s.Measure = o.Measure
 	}
 	return s
 }
@@ -91,12 +104,24 @@ func (s SLO) Judge(r *Record) {
 			m |= bit
 		}
 	}
-	over(SLOTTFT, s.TTFT, r.TTFT)
-	over(SLOTTFA, s.TTFA, r.TTFA)
+	ttft, ttfa, e2e := r.TTFT, r.TTFA, r.E2E
+	if s.Measure != MeasureProxy {
+		ttft, ttfa, e2e = either(r.ClientTTFT, ttft), either(r.ClientTTFA, ttfa), either(r.ClientE2E, e2e)
+	}
+	over(SLOTTFT, s.TTFT, ttft)
+	over(SLOTTFA, s.TTFA, ttfa)
 	over(SLOTPOT, s.TPOT, r.TPOT)
-	over(SLOE2E, s.E2E, r.E2E)
+	over(SLOE2E, s.E2E, e2e)
 	r.SLOMisses = m
 }
 
 // Good reports whether r was judged and met everything.
 func (r *Record) Good() bool { return r.SLOJudged && r.SLOMisses == 0 }
+
+// either returns a unless it is Absent, else b.
+func either(a, b time.Duration) time.Duration {
+	if a >= 0 {
+		return a
+	}
+	return b
+}

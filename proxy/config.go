@@ -156,6 +156,9 @@ func validSLO(path string, s metrics.SLO) error {
 			return fieldErr(path+"."+d.name, "must be positive")
 		}
 	}
+	if s.Measure != "" && s.Measure != metrics.MeasureClient && s.Measure != metrics.MeasureProxy {
+		return fieldErr(path+".measure", "must be client or proxy, got %q", s.Measure)
+	}
 	if s.Target < 0 || s.Target > 1 {
 		return fieldErr(path+".target", "must be a share between 0 and 1 (or a percentage such as 99%%)")
 	}

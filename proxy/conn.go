@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -56,7 +57,13 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuse(tc)
 			continue
 		}
-		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip}
+		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip, ackBase: -1}
+		cc.sys, _ = tc.SyscallConn()
+		var ti tcpInfo
+		if ti.read(cc.sys) {
+			cc.ackBase, cc.retrans = int64(ti.info.Bytes_acked), ti.info.Total_retrans
+			cc.synRTT = time.Duration(ti.info.Min_rtt) * time.Microsecond
+		}
 		l.caps.track(cc)
 		return cc, nil
 	}
@@ -160,8 +167,14 @@ type clientConn struct {
 
 	reqRx int64 // kernel receive time of the first read of the next request
 
-	rtt   time.Duration // the last TCP_INFO reading, and when it was taken
-	rttAt time.Time
+	sys     syscall.RawConn // for TCP_INFO (nil: not available)
+	sent    int64           // bytes written to the connection
+	ackBase int64           // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
+	retrans uint32          // tcpi_total_retrans at the last reading
+	synRTT  time.Duration   // the handshake's RTT sample (tcpi_min_rtt when accepted)
+	// closedAcked is tcpi_bytes_acked read just before the close (0: not
+	// read), for a record still waiting for the client's acknowledgement.
+	closedAcked atomic.Int64
 
 	caps   *connCaps
 	ip     netip.Addr
@@ -172,6 +185,10 @@ type clientConn struct {
 func (c *clientConn) Close() error {
 	if c.closed.Swap(true) {
 		return nil
+	}
+	var ti tcpInfo
+	if ti.read(c.sys) {
+		c.closedAcked.Store(int64(ti.info.Bytes_acked))
 	}
 	err := c.rxConn.Close()
 	if c.caps != nil {
@@ -197,15 +214,6 @@ func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
 	return received(rx, now, maxAge)
 }
 
-// RTT returns the kernel's smoothed RTT of the connection, read again at
-// most once a second (it changes slowly; the read is a syscall).
-func (c *clientConn) RTT(now time.Time) time.Duration {
-	if c.rttAt.IsZero() || now.Sub(c.rttAt) > time.Second {
-		c.rtt, c.rttAt = tcpRTT(c.TCPConn), now
-	}
-	return c.rtt
-}
-
 // Write moves the deadline to d from now, unless it was moved less than
 // 1% of d ago (a burst of writes then shares one deadline, which is at most
 // 1% shorter than d).
@@ -216,5 +224,7 @@ func (c *clientConn) Write(b []byte) (int, error) {
 		}
 		c.setAt = now
 	}
-	return c.rxConn.Write(b)
+	n, err := c.rxConn.Write(b)
+	c.sent += int64(n)
+	return n, err
 }

@@ -83,6 +83,12 @@ type exchange struct {
 	chunks   chunkScanner
 	stray    bool // bytes came after the end of the response
 	finished bool
+
+	// The client connection's delivery (clientside.go).
+	cc       *clientConn
+	sentFrom int64
+	ti       tcpInfo
+	deliv    delivery
 }
 
 type parseMode uint8
@@ -120,7 +126,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
 		held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
-		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
+		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, ti: x.ti,
 	}
 	p.pool.Put(x)
 }
@@ -144,6 +150,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	// From here on a client that goes away cancels the request, queued or
 	// upstream.
 	x.client = ctx.Conn()
+	x.startDelivery()
 	x.watch.start(x.client, x.fire)
 	if r := x.admit(); r != nil {
 		return r
@@ -921,14 +928,15 @@ func (x *exchange) CloseWithError(err error) error {
 // connection and stops the peer watch at once, then completes the record
 // and hands it to the sinks. For a compressed response the record is
 // completed on a goroutine of its own once the side decoder has decoded
-// what it was given, so the end of the response never waits for it.
+// what it was given, and once the client acknowledged the response's last
+// bytes (or about two round trips passed), so the end of the response
+// never waits for either.
 func (x *exchange) finish(writeErr error) {
 	if x.finished {
 		return
 	}
 	x.finished = true
 	now := x.p.now()
-	rec := &x.rec
 
 	complete := x.upDone || (x.contentLength >= 0 && x.bytesOut == int64(x.contentLength))
 	if x.unflushed && writeErr == nil {
@@ -955,13 +963,23 @@ func (x *exchange) finish(writeErr error) {
 		}
 		x.conn = nil
 	}
+	wait := false
 	if x.client != nil {
-		rec.ClientRTT = clientRTT(x.client, now)
+		wait = x.readDelivery(writeErr == nil && !gone, now)
 		x.client = nil
 	}
-	if x.dec != nil {
-		go x.record(now, writeErr, gone, complete)
+	if x.dec != nil || wait {
+		go x.recordLater(now, writeErr, gone, complete, wait)
 		return
+	}
+	x.record(now, writeErr, gone, complete)
+}
+
+// recordLater records once the side decoder is done and, with wait, the
+// client acknowledged the response (or the wait ran out).
+func (x *exchange) recordLater(now time.Time, writeErr error, gone, complete, wait bool) {
+	if wait {
+		x.awaitAcked()
 	}
 	x.record(now, writeErr, gone, complete)
 }
@@ -1016,6 +1034,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	}
 
 	x.fillRecord(now)
+	x.fillClient()
 	x.judge()
 	x.releaseTicket()
 	x.snap.metrics.Observe(rec)

@@ -160,27 +160,3 @@ func (w *peerWatch) stop() {
 func (w *peerWatch) release() { w.conn, w.raw, w.gone = nil, nil, nil }
 
 var aLongTimeAgo = time.Unix(1, 0)
-
-// clientRTT returns the kernel's smoothed round-trip time of a client
-// connection, or -1 when it is not a TCP socket.
-func clientRTT(conn net.Conn, now time.Time) time.Duration {
-	if c, ok := conn.(*clientConn); ok {
-		return c.RTT(now)
-	}
-	return tcpRTT(conn)
-}
-
-// tcpRTT reads TCP_INFO tcpi_rtt, or -1.
-func tcpRTT(conn net.Conn) time.Duration {
-	raw := rawConn(conn)
-	if raw == nil {
-		return -1
-	}
-	rtt := time.Duration(-1)
-	_ = raw.Control(func(fd uintptr) {
-		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			rtt = time.Duration(info.Rtt) * time.Microsecond
-		}
-	})
-	return rtt
-}

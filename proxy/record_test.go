@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -156,8 +157,18 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 			t.Errorf("%s %s: status %d, want %d", c.method, c.path, got, c.status)
 		}
 	}
-	alog.Flush()
-	lines := strings.Split(strings.TrimSpace(logBuf.String()), "\n")
+	// A record waits for the client's acknowledgement of its response's
+	// last bytes, so lines can come in another order: wait for all, and
+	// order them by request id (a counter).
+	var lines []string
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		alog.Flush()
+		lines = strings.Split(strings.TrimSpace(logBuf.String()), "\n")
+		if len(lines) >= len(cases) || time.Now().After(deadline) {
+			break
+		}
+	}
+	slices.SortFunc(lines, func(a, b string) int { return strings.Compare(jsonField(a, "request_id"), jsonField(b, "request_id")) })
 	if len(lines) != len(cases) {
 		t.Fatalf("%d log lines for %d requests:\n%s", len(lines), len(cases), logBuf.String())
 	}
@@ -255,4 +266,12 @@ func TestNDJSONStreamCounted(t *testing.T) {
 	if !rec.Stream || rec.Events != 3 || rec.TokensSource != "counted" || rec.Dialect != "generic" || rec.TTFT < 0 {
 		t.Fatalf("record: %+v", rec)
 	}
+}
+
+// jsonField returns a string field of a JSON line, or "".
+func jsonField(line, name string) string {
+	var m map[string]any
+	_ = json.Unmarshal([]byte(line), &m)
+	s, _ := m[name].(string)
+	return s
 }

@@ -14,11 +14,9 @@ import (
 	"sync"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/valyala/fasthttp"
-	"golang.org/x/sys/unix"
 )
 
 // upstream is one backend address with its own small pool of keep-alive
@@ -121,9 +119,7 @@ type upConn struct {
 	// not allocate.
 	peekFn  func(fd uintptr)
 	peeked  peerState
-	ackFn   func(fd uintptr)
-	acked   int64
-	info    unix.TCPInfo
+	ti      tcpInfo
 	sent    int64 // bytes written to the socket (plain connections only)
 	ackBase int64 // the kernel's acknowledged count when the connection opened
 }
@@ -468,24 +464,10 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 // does not allocate: the control function and the TCP_INFO buffer are the
 // connection's own.
 func (c *upConn) bytesAcked() int64 {
-	raw := rawConn(c.socket())
-	if raw == nil {
+	if !c.ti.read(rawConn(c.socket())) {
 		return -1
 	}
-	if c.ackFn == nil {
-		c.ackFn = func(fd uintptr) {
-			c.acked = -1
-			size := uint32(unsafe.Sizeof(c.info))
-			_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.IPPROTO_TCP, unix.TCP_INFO,
-				uintptr(unsafe.Pointer(&c.info)), uintptr(unsafe.Pointer(&size)), 0)
-			if errno == 0 {
-				c.acked = int64(c.info.Bytes_acked)
-			}
-		}
-	}
-	c.acked = -1
-	_ = raw.Control(c.ackFn)
-	return c.acked
+	return int64(c.ti.info.Bytes_acked)
 }
 
 // peek checks once, without consuming a byte or allocating, whether the

@@ -76,13 +76,16 @@ type fileSLO struct {
 	TPOT   duration `yaml:"tpot"`
 	E2E    duration `yaml:"e2e"`
 	Target share    `yaml:"target"`
+	// Measure: client (default: the client's times, network included,
+	// where the record has them) or proxy (tokentap's own marks).
+	Measure string `yaml:"measure"`
 }
 
 func (f *fileSLO) slo() metrics.SLO {
 	if f == nil {
 		return metrics.SLO{}
 	}
-	return metrics.SLO{TTFT: f.TTFT.d, TTFA: f.TTFA.d, TPOT: f.TPOT.d, E2E: f.E2E.d, Target: float64(f.Target)}
+	return metrics.SLO{TTFT: f.TTFT.d, TTFA: f.TTFA.d, TPOT: f.TPOT.d, E2E: f.E2E.d, Target: float64(f.Target), Measure: f.Measure}
 }
 
 // share is a fraction: 0.99 or "99%".

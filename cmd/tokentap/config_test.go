@@ -23,7 +23,7 @@ func TestExampleConfigLoads(t *testing.T) {
 	if len(s.proxy.Models) != 2 || s.listen != ":8080" || s.admin != "127.0.0.1:9090" || s.accessLog != "-" {
 		t.Fatalf("settings: %+v", s)
 	}
-	want := metrics.SLO{TTFT: 2 * time.Second, TTFA: 10 * time.Second, TPOT: 100 * time.Millisecond, E2E: 5 * time.Minute, Target: 0.99}
+	want := metrics.SLO{TTFT: 2 * time.Second, TTFA: 10 * time.Second, TPOT: 100 * time.Millisecond, E2E: 5 * time.Minute, Target: 0.99, Measure: metrics.MeasureClient}
 	if s.proxy.SLO != want || s.proxy.Routes[0].SLO != (metrics.SLO{TTFT: 500 * time.Millisecond}) ||
 		s.proxy.SLO.Over(s.proxy.Routes[0].SLO).TTFT != 500*time.Millisecond || len(s.proxy.Buckets["ttft"]) != 12 ||
 		s.proxy.Warn.MinRequests != 20 || s.proxy.Warn.QueueShare != 0.5 || s.proxy.Warn.OverheadP95 != 10*time.Millisecond {
@@ -111,6 +111,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\ndrain_timeout: 0s\n", nil, ":2:", "drain_timeout", "positive")
 	f("upstream: http://x\nslo:\n  target: 150%\n", nil, ":3:", "slo.target", "share")
 	f("upstream: http://x\nslo:\n  ttft: fast\n", nil, ":3:", "slo.ttft", "fast")
+	f("upstream: http://x\nslo:\n  measure: user\n", nil, ":3:", "slo.measure", "client or proxy")
 	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {p99: 1s}\n", nil, ":5:", "routes[0].slo", "unknown field p99")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    ttft: [1, 0.5]\n", nil, ":4:", "metrics.buckets.ttft", "increasing")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    latency: [1]\n", nil, ":4:", "metrics.buckets.latency", "unknown measure")

@@ -102,7 +102,7 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 	type tiles struct {
-		Route, TTFT, ITL, E2E, Goodput, Queue, Overhead, Count string
+		Route, TTFT, ITL, E2E, Goodput, Queue, Overhead, Count, ClientTTFT, Split string
 	}
 	if _, err := chromedp.Run(ctx, chromedp.Navigate("http://"+admin+"/")); err != nil {
 		t.Fatal(err)
@@ -127,7 +127,7 @@ func TestDashboardInBrowser(t *testing.T) {
 	}
 	shown, err := chromedp.Run(ctx, chromedp.Evaluate[[]tiles](`Array.from(document.querySelectorAll('.route')).map(r => {
 		const f = (n) => r.querySelector('[data-field="' + n + '"]').textContent;
-		return {Route: r.dataset.route, TTFT: f('ttft'), ITL: f('itl'), E2E: f('e2e'), Goodput: f('goodput'), Queue: f('queue'), Overhead: f('overhead'), Count: f('count')};
+		return {Route: r.dataset.route, TTFT: f('ttft'), ITL: f('itl'), E2E: f('e2e'), Goodput: f('goodput'), Queue: f('queue'), Overhead: f('overhead'), Count: f('count'), ClientTTFT: f('client_ttft'), Split: f('split')};
 	})`))
 	if err != nil {
 		t.Fatal(err)
@@ -185,7 +185,9 @@ func TestDashboardInBrowser(t *testing.T) {
 		}
 		want := tiles{Route: g.Route, TTFT: q(g.TTFT), ITL: q(g.ITL), E2E: q(g.E2E), Goodput: good,
 			Queue: fmtJS(g.Queue.P50) + " / " + fmtJS(g.Queue.P95), Overhead: fmtJS(g.Overhead.P50) + " / " + fmtJS(g.Overhead.P95),
-			Count: fmt.Sprintf("%d (%d)", g.Count, g.Errors)}
+			Count: fmt.Sprintf("%d (%d)", g.Count, g.Errors), ClientTTFT: q(g.ClientTTFT),
+			Split: fmt.Sprintf("Users waited %s ms for the first token (p50): %s in the network, %s in tokentap, the rest in the queue (%s) and the backend.",
+				fmtJS(g.ClientTTFT.P50), fmtJS(max(g.ClientTTFT.P50-g.TTFT.P50, 0)), fmtJS(g.Overhead.P50), fmtJS(g.Queue.P50))}
 		if *got != want {
 			t.Errorf("route %s shows\n  %+v\n/stats says\n  %+v", g.Route, *got, want)
 		}

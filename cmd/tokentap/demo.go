@@ -226,6 +226,11 @@ func printStats(out io.Writer, rep stats.Report) {
 			f(g.Queue, g.Queue.P95), f(g.Overhead, g.Overhead.P95), g.OutputTokensPerS)
 	}
 	_ = tw.Flush()
+	for _, g := range rep.Groups {
+		if line := waitSplit(g); line != "" {
+			fmt.Fprintln(out, line)
+		}
+	}
 	if len(rep.Warnings) == 0 {
 		fmt.Fprintln(out, "\nwarnings: none")
 		return
@@ -241,4 +246,22 @@ func dash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+// waitSplit says where a group's users waited for their first token
+// (medians): in all, in the network, and in tokentap; "" without the
+// client's side.
+func waitSplit(g stats.Group) string {
+	if g.ClientTTFT.Count == 0 || g.TTFT.Count == 0 {
+		return ""
+	}
+	who := "route " + g.Route
+	if g.Model != "" {
+		who += ", model " + g.Model
+	}
+	if g.Tenant != "" {
+		who += ", tenant " + g.Tenant
+	}
+	return fmt.Sprintf("%s: users waited %.1f ms for the first token (p50), %.1f of them in the network, %.2f in tokentap",
+		who, g.ClientTTFT.P50, max(g.ClientTTFT.P50-g.TTFT.P50, 0), g.Overhead.P50)
 }

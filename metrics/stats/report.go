@@ -41,13 +41,17 @@ type Group struct {
 	Queue            Dist    `json:"queue_ms"`
 	Overhead         Dist    `json:"overhead_ms"`
 	UpstreamTTFB     Dist    `json:"upstream_ttfb_ms"`
+	// The client's side, network included (the access log's client_*).
+	ClientTTFT Dist `json:"client_ttft_ms"`
+	ClientTTFA Dist `json:"client_ttfa_ms"`
+	ClientE2E  Dist `json:"client_e2e_ms"`
 }
 
 func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream} }
 
 // dists returns the group's measures in the order of the m* constants.
 func (g *Group) dists() [numMeasures]*Dist {
-	return [numMeasures]*Dist{&g.TTFT, &g.TTFA, &g.ITL, &g.TPOT, &g.E2E, &g.Queue, &g.Overhead, &g.UpstreamTTFB}
+	return [numMeasures]*Dist{&g.TTFT, &g.TTFA, &g.ITL, &g.TPOT, &g.E2E, &g.Queue, &g.Overhead, &g.UpstreamTTFB, &g.ClientTTFT, &g.ClientTTFA, &g.ClientE2E}
 }
 
 // Goodput is the share of judged requests that met their SLO.

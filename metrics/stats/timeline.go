@@ -26,6 +26,8 @@ type Point struct {
 	E2EP95       float64  `json:"e2e_p95_ms"`
 	QueueP95     float64  `json:"queue_p95_ms"`
 	OverheadP95  float64  `json:"overhead_p95_ms"`
+	// ClientTTFTP50 is the client's TTFT p50, network included.
+	ClientTTFTP50 float64 `json:"client_ttft_p50_ms"`
 }
 
 func point(a *agg, span time.Duration) Point {
@@ -41,6 +43,7 @@ func point(a *agg, span time.Duration) Point {
 		E2EP95:           round3(a.d[mE2E].quantile(0.95)),
 		QueueP95:         round3(a.d[mQueue].quantile(0.95)),
 		OverheadP95:      round3(a.d[mOverhead].quantile(0.95)),
+		ClientTTFTP50:    round3(a.d[mClientTTFT].quantile(0.5)),
 	}
 	if a.judged > 0 {
 		r := round3(float64(a.good) / float64(a.judged))

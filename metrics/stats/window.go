@@ -16,6 +16,9 @@ const (
 	mQueue
 	mOverhead
 	mTTFB
+	mClientTTFT
+	mClientTTFA
+	mClientE2E
 	numMeasures
 )
 
@@ -74,6 +77,9 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 	put(mQueue, r.Queue)
 	put(mOverhead, r.Overhead)
 	put(mTTFB, r.UpstreamTTFB)
+	put(mClientTTFT, r.ClientTTFT)
+	put(mClientTTFA, r.ClientTTFA)
+	put(mClientE2E, r.ClientE2E)
 	a.d[mITL].addAll(gaps)
 }
 

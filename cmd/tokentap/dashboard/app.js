@@ -63,7 +63,18 @@ function renderTiles(g) {
     tile("goodput", "goodput", pct(g.goodput.ratio) + (g.goodput.target ? " (target " + pct(g.goodput.target) + ")" : "")),
     tile("queue", "queue p50/p95 ms", `${fmt(g.queue_ms.p50)} / ${fmt(g.queue_ms.p95)}`),
     tile("overhead", "overhead p50/p95 ms", `${fmt(g.overhead_ms.p50)} / ${fmt(g.overhead_ms.p95)}`),
-    tile("count", "requests (errors)", `${g.count} (${g.errors})`));
+    tile("count", "requests (errors)", `${g.count} (${g.errors})`),
+    tile("client_ttft", "client TTFT p50/p95/p99 ms", g.client_ttft_ms.count ? q(g.client_ttft_ms) : "–"));
+  let split = box.querySelector(".split");
+  if (!split) {
+    split = el("p", { class: "split", "data-field": "split" });
+    tiles.after(split);
+  }
+  // The median wait for the first token, split: network (client TTFT −
+  // tokentap's TTFT, the round trip) and tokentap's own time.
+  split.textContent = g.client_ttft_ms.count && g.ttft_ms.count
+    ? `Users waited ${fmt(g.client_ttft_ms.p50)} ms for the first token (p50): ${fmt(Math.max(g.client_ttft_ms.p50 - g.ttft_ms.p50, 0))} in the network, ${fmt(g.overhead_ms.p50)} in tokentap, the rest in the queue (${fmt(g.queue_ms.p50)}) and the backend.`
+    : "";
 }
 
 function renderWarnings(ws) {

@@ -1,0 +1,177 @@
+package proxy
+
+import (
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// The client's side of a request, network included. tokentap's own marks
+// start when the request's first byte reached its kernel and end when a
+// write was accepted by its kernel; the client lived each of them later
+// by the path's delays: its request left one way-delay before it arrived,
+// and each byte tokentap wrote reached it one way-delay after it left. The
+// two one-way delays sum to the round trip, whatever their split, so
+//
+//	client TTFT = TTFT + RTT,   client TTFA = TTFA + RTT,
+//	client E2E  = E2E + RTT + the time the kernel still held the last
+//	              bytes unsent after tokentap wrote them (a congestion or
+//	              receive window that was full: a fresh connection's first
+//	              window, a slow client).
+//
+// The RTT is the handshake's: TCP_INFO's tcpi_min_rtt read when the
+// connection is accepted, which is the SYN-ACK → ACK sample (a client
+// answers a SYN-ACK at once, so no delayed ACK is in it). Later it is the
+// larger of that and tcpi_min_rtt, the kernel's windowed minimum (net.ipv4.
+// tcp_min_rtt_wlen, 300 s): a path that got slower shows within five
+// minutes on a long-lived keep-alive connection. The smoothed RTT
+// (tcpi_rtt, kept as client_srtt_ms) is inflated by the client's delayed
+// ACKs, up to 40 ms a sample; a later minimum below the handshake's is
+// mostly a sample taken from TCP timestamps, whose clock ticks in
+// milliseconds (measured over the netsim link: 0.7–1 ms low at 100 ms one
+// way). What the estimate cannot
+// see: a segment lost and sent again (the client waited one retransmission
+// more; counted in client_retrans) and time in the client's own stack.
+
+// delivery is what TCP_INFO said of the client connection at the end of a
+// response, and the acknowledgement of its last bytes.
+type delivery struct {
+	ok             bool
+	minRTT, srtt   time.Duration
+	notsent        int64     // bytes written and not yet sent, at the last reading
+	departed       time.Time // when the last byte left (notsent seen at 0)
+	wire           int64     // this response's bytes written
+	retrans        int
+	watched        bool // acked was read until all was acknowledged or the wait ran out
+	unknown        bool // the connection closed before its count could be read
+	waitUntil      time.Time
+	ackedAt, total int64 // the kernel's count, and what it must reach
+}
+
+// startDelivery notes where the response begins on the client connection.
+func (x *exchange) startDelivery() {
+	if cc, ok := x.client.(*clientConn); ok {
+		x.cc, x.sentFrom = cc, cc.sent
+	}
+}
+
+// readDelivery reads TCP_INFO at the end of the response, on the
+// handler's goroutine. It reports whether the record should wait for the
+// client's acknowledgement of the last bytes (watch: the connection is
+// healthy, so the wait can tell).
+func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
+	cc := x.cc
+	d := &x.deliv
+	*d = delivery{}
+	if cc == nil || cc.ackBase < 0 || !x.ti.read(cc.sys) {
+		return false
+	}
+	in := &x.ti.info
+	d.ok = true
+	d.minRTT, d.srtt = time.Duration(in.Min_rtt)*time.Microsecond, time.Duration(in.Rtt)*time.Microsecond
+	// The handshake's sample stands unless the windowed minimum rose past
+	// it (a path that got slower): a later minimum below it is mostly a
+	// sample taken from TCP timestamps, whose clock ticks in milliseconds.
+	d.minRTT = max(d.minRTT, cc.synRTT)
+	d.notsent = int64(in.Notsent_bytes)
+	if d.notsent == 0 {
+		d.departed = now
+	}
+	d.retrans = int(in.Total_retrans - cc.retrans)
+	cc.retrans = in.Total_retrans
+	d.wire = cc.sent - x.sentFrom
+	d.total = cc.sent
+	d.ackedAt = int64(in.Bytes_acked) - cc.ackBase
+	if d.ackedAt >= d.total || d.wire == 0 || !watch {
+		d.watched = d.ackedAt >= d.total
+		return false
+	}
+	// The last bytes are on their way, or wait for a window to open: the
+	// client's ACK comes a round trip after they leave, or its delayed ACK
+	// up to 40 ms (200 ms on some stacks) later. Watch for about that long.
+	d.waitUntil = now.Add(min(3*max(d.srtt, d.minRTT)+250*time.Millisecond, 2*time.Second))
+	return true
+}
+
+// awaitAcked polls TCP_INFO until the client acknowledged the response or
+// the wait ran out: every half millisecond while bytes wait unsent (their
+// departure ends the client's E2E), then each time twice as long after the
+// last (from half a millisecond). It runs on a goroutine of its own: the
+// connection may serve its next request meanwhile. A connection closed
+// meanwhile left its last count in closedAcked.
+func (x *exchange) awaitAcked() {
+	d := &x.deliv
+	pause := 500 * time.Microsecond
+	for {
+		now := x.p.now()
+		left := d.waitUntil.Sub(now)
+		if left <= 0 {
+			d.watched = true
+			return
+		}
+		if d.notsent > 0 {
+			time.Sleep(min(500*time.Microsecond, left))
+		} else {
+			time.Sleep(min(pause, left))
+			pause *= 2
+		}
+		if !x.ti.read(x.cc.sys) {
+			if acked := x.cc.closedAcked.Load(); acked > 0 {
+				d.ackedAt, d.watched = acked-x.cc.ackBase, true
+				if d.departed.IsZero() && d.ackedAt >= d.total {
+					d.departed = x.p.now() // a bound: it left before the close
+				}
+			} else {
+				d.unknown = true
+			}
+			return
+		}
+		now = x.p.now()
+		// The server writes the end of a chunked body (its last chunk)
+		// after the exchange ended: unsent bytes seen now delay the end.
+		if d.notsent = int64(x.ti.info.Notsent_bytes); d.notsent > 0 {
+			d.departed = time.Time{}
+		} else if d.departed.IsZero() {
+			d.departed = now
+		}
+		d.ackedAt = int64(x.ti.info.Bytes_acked) - x.cc.ackBase
+		if d.ackedAt >= d.total {
+			d.watched = true
+			return
+		}
+	}
+}
+
+// fillClient derives the client's side of the record from its timings
+// and the delivery.
+func (x *exchange) fillClient() {
+	d, rec := &x.deliv, &x.rec
+	if !d.ok {
+		return
+	}
+	rec.ClientRTT, rec.ClientSRTT, rec.ClientRetrans = d.minRTT, d.srtt, d.retrans
+	if d.wire > 0 && !d.unknown {
+		// Only for bodies relayed as they came: a body fasthttp writes
+		// after the exchange ends (a fixed-length or tokentap's own
+		// answer) is not on the wire yet at the end.
+		rec.BytesWire = d.wire
+		rec.BytesAcked = min(max(d.wire-(d.total-d.ackedAt), 0), d.wire)
+		rec.Unacked = d.watched && rec.BytesAcked < d.wire
+	}
+	plus := func(t time.Duration) time.Duration {
+		if t < 0 {
+			return metrics.Absent
+		}
+		return t + d.minRTT
+	}
+	rec.ClientTTFT, rec.ClientTTFA = plus(rec.TTFT), plus(rec.TTFA)
+	if rec.E2E >= 0 {
+		// The last write was accepted E2E after arrival; its bytes left
+		// then, or when the kernel was seen to have sent them.
+		var held time.Duration
+		if !d.departed.IsZero() {
+			held = max(d.departed.Sub(x.m.arrival)-rec.E2E, 0)
+		}
+		rec.ClientE2E = plus(rec.E2E) + held
+	}
+}

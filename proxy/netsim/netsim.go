@@ -1,0 +1,371 @@
+//go:build linux
+
+// Package netsim makes a slow network link on one machine, for tests: two
+// network namespaces joined by a pair of TUN devices and a forwarder that
+// holds each IP packet for a one-way delay, with optional jitter and loss
+// (this kernel has no netem). Root is needed (Available says why not).
+//
+//	l, err := netsim.New(netsim.Options{Delay: 20 * time.Millisecond})
+//	defer l.Close()
+//	ln, err := l.A.Listen("tcp", l.A.Addr.String()+":0")   // a server in A
+//	c, err := l.B.Dial(ctx, "tcp", ln.Addr().String())      // a client in B
+//
+// Sockets belong to the namespace they were made in; Listen, Dial and Do
+// make them on an OS thread that entered the namespace. Everything else
+// (the process's own dials, for instance) stays in the process's
+// namespace.
+package netsim
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Options shape the link. Each direction gets the same.
+type Options struct {
+	// Delay is the one-way delay: a round trip takes twice as long.
+	Delay time.Duration
+	// Jitter spreads each packet's delay uniformly over Delay ± Jitter;
+	// packets keep their order.
+	Jitter time.Duration
+	// Loss is the share of packets dropped (0 … 1).
+	Loss float64
+	// Seed seeds jitter and loss (0: a fixed seed).
+	Seed uint64
+}
+
+// NS is one end of the link: a network namespace with its TUN device.
+type NS struct {
+	Name string
+	Addr netip.Addr // the address of this end's TUN device
+	fd   int        // the namespace, for setns
+	tun  *os.File
+}
+
+// Link is two namespaces, A (10.77.0.1) and B (10.77.0.2), and the
+// forwarder between them.
+type Link struct {
+	A, B *NS
+	o    Options
+	fwd  *exec.Cmd
+	stop io.WriteCloser // closing it stops the forwarder
+	out  bytes.Buffer   // the forwarder's counts, written as it stops
+	once sync.Once
+	err  error
+	// Dropped counts the packets lost on purpose (or to a full queue),
+	// Forwarded the others; both are set by Close.
+	Dropped, Forwarded int64
+}
+
+var seq atomic.Int64
+
+// Available reports why a link cannot be made here, or nil.
+func Available() error {
+	if os.Geteuid() != 0 {
+		return errors.New("netsim needs root (network namespaces and TUN devices)")
+	}
+	if _, err := os.Stat("/dev/net/tun"); err != nil {
+		return fmt.Errorf("netsim needs /dev/net/tun: %w", err)
+	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		return errors.New("netsim needs ip (Debian: iproute2)")
+	}
+	return nil
+}
+
+// New makes the link. Close removes it.
+func New(o Options) (*Link, error) {
+	if err := Available(); err != nil {
+		return nil, err
+	}
+	n := seq.Add(1)
+	l := &Link{o: o}
+	var err error
+	if l.A, err = newNS(fmt.Sprintf("tt%d-%d-a", os.Getpid(), n), netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2")); err != nil {
+		return nil, err
+	}
+	if l.B, err = newNS(fmt.Sprintf("tt%d-%d-b", os.Getpid(), n), netip.MustParseAddr("10.77.0.2"), netip.MustParseAddr("10.77.0.1")); err != nil {
+		l.A.remove()
+		return nil, err
+	}
+	if err := l.startForwarder(); err != nil {
+		l.A.remove()
+		l.B.remove()
+		return nil, err
+	}
+	return l, nil
+}
+
+// The forwarder runs in a process of its own (this program again, see
+// ServeForwarder): inside the test's process its threads would wait for
+// the Go scheduler behind the test's own goroutines, up to 10 ms on a busy
+// machine, and the link would add that to its delay as jitter. Its own
+// threads run at a real-time priority where the system allows it.
+const envForwarder = "TOKENTAP_NETSIM_FORWARDER"
+
+func (l *Link) startForwarder() error {
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%d,%d,%g,%d", envForwarder, l.o.Delay, l.o.Jitter, l.o.Loss, l.o.Seed), "GOMAXPROCS=4")
+	cmd.ExtraFiles = []*os.File{l.A.tun, l.B.tun}
+	cmd.Stdout = &l.out
+	cmd.Stderr = os.Stderr
+	stop, err := cmd.StdinPipe()
+	if err != nil {
+		return err
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("netsim forwarder: %w", err)
+	}
+	l.fwd, l.stop = cmd, stop
+	// The forwarder holds the devices now.
+	l.A.tun.Close()
+	l.B.tun.Close()
+	l.A.tun, l.B.tun = nil, nil
+	return nil
+}
+
+// ServeForwarder makes this process a link's forwarder when it was started
+// as one, and exits when the link closes; otherwise it returns at once.
+// Call it first in TestMain of every package whose tests make links:
+//
+//	func TestMain(m *testing.M) { netsim.ServeForwarder(); os.Exit(m.Run()) }
+func ServeForwarder() {
+	spec := os.Getenv(envForwarder)
+	if spec == "" {
+		return
+	}
+	var o Options
+	var delay, jitter int64
+	if _, err := fmt.Sscanf(strings.ReplaceAll(spec, ",", " "), "%d %d %g %d", &delay, &jitter, &o.Loss, &o.Seed); err != nil {
+		fmt.Fprintln(os.Stderr, "netsim forwarder:", err)
+		os.Exit(2)
+	}
+	o.Delay, o.Jitter = time.Duration(delay), time.Duration(jitter)
+	seed := o.Seed
+	if seed == 0 {
+		seed = 1
+	}
+	var dropped, forwarded atomic.Int64
+	for i, dir := range [][2]int{{3, 4}, {4, 3}} {
+		for _, fd := range dir {
+			_ = unix.SetNonblock(fd, false)
+		}
+		go forward(o, dir[0], dir[1], rand.New(rand.NewPCG(seed, uint64(i+1))), &dropped, &forwarded)
+	}
+	_, _ = io.Copy(io.Discard, os.Stdin) // until the link closes
+	fmt.Printf("%d %d\n", dropped.Load(), forwarded.Load())
+	os.Exit(0)
+}
+
+// Realtime moves the calling thread (lock it first) to a real-time
+// priority, so that it runs the moment its sleep or read ends. Without the
+// right to, it stays as it is.
+func Realtime() {
+	_ = unix.SchedSetAttr(0, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_FIFO, Priority: 10}, 0)
+}
+
+func ip(args ...string) error {
+	if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+		return fmt.Errorf("ip %v: %v: %s", args, err, out)
+	}
+	return nil
+}
+
+func newNS(name string, addr, peer netip.Addr) (*NS, error) {
+	if err := ip("netns", "add", name); err != nil {
+		return nil, err
+	}
+	n := &NS{Name: name, Addr: addr, fd: -1}
+	fail := func(err error) (*NS, error) {
+		n.remove()
+		return nil, err
+	}
+	fd, err := unix.Open("/var/run/netns/"+name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fail(err)
+	}
+	n.fd = fd
+	var tunFD int
+	err = n.Do(func() error {
+		var err error
+		tunFD, err = openTUN("tt0")
+		return err
+	})
+	if err != nil {
+		return fail(fmt.Errorf("tun in %s: %w", name, err))
+	}
+	n.tun = os.NewFile(uintptr(tunFD), "tun-"+name)
+	for _, args := range [][]string{
+		{"-n", name, "link", "set", "lo", "up"},
+		{"-n", name, "addr", "add", addr.String(), "peer", peer.String(), "dev", "tt0"},
+		{"-n", name, "link", "set", "tt0", "up"},
+	} {
+		if err := ip(args...); err != nil {
+			return fail(err)
+		}
+	}
+	return n, nil
+}
+
+// openTUN makes a TUN device (IP packets, no header) in the calling
+// thread's namespace, non-blocking so that Go's poller serves it.
+func openTUN(name string) (int, error) {
+	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return -1, err
+	}
+	var req [unix.IFNAMSIZ + 64]byte
+	copy(req[:], name)
+	*(*uint16)(unsafe.Pointer(&req[unix.IFNAMSIZ])) = unix.IFF_TUN | unix.IFF_NO_PI
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.TUNSETIFF, uintptr(unsafe.Pointer(&req[0]))); errno != 0 {
+		unix.Close(fd)
+		return -1, errno
+	}
+	return fd, nil
+}
+
+func (n *NS) remove() {
+	if n.tun != nil {
+		n.tun.Close()
+	}
+	if n.fd >= 0 {
+		unix.Close(n.fd)
+	}
+	_ = ip("netns", "del", n.Name)
+}
+
+// Do runs f on an OS thread inside the namespace: sockets f makes belong
+// to it. The thread ends with f (it never returns to the pool).
+func (n *NS) Do(f func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // not unlocked: the thread dies with the goroutine
+		if err := unix.Setns(n.fd, unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("setns %s: %w", n.Name, err)
+			return
+		}
+		errc <- f()
+	}()
+	return <-errc
+}
+
+// Start starts cmd inside the namespace: the child is forked from a
+// thread that entered it, and stays there.
+func (n *NS) Start(cmd *exec.Cmd) error {
+	return n.Do(cmd.Start)
+}
+
+// Listen opens a listener inside the namespace.
+func (n *NS) Listen(network, addr string) (net.Listener, error) {
+	var ln net.Listener
+	err := n.Do(func() (err error) {
+		ln, err = net.Listen(network, addr)
+		return err
+	})
+	return ln, err
+}
+
+// Dial connects from inside the namespace.
+func (n *NS) Dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	var c net.Conn
+	err := n.Do(func() (err error) {
+		var d net.Dialer
+		c, err = d.DialContext(ctx, network, addr)
+		return err
+	})
+	return c, err
+}
+
+// spin is how long before a packet's due time its writer stops sleeping
+// and spins.
+const spin = 300 * time.Microsecond
+
+type packet struct {
+	b   []byte
+	due time.Time
+}
+
+// forward moves packets from one TUN device to the other, each held until
+// its due time. A thread reads, another writes, each locked and sleeping in
+// the kernel, so reading never waits for a held packet.
+func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic.Int64) {
+	q := make(chan packet, 8192)
+	go func() {
+		runtime.LockOSThread()
+		Realtime()
+		for p := range q {
+			// Sleep to just before the due time, then spin to it: a
+			// sleep ends 0.15 ms late on average on a virtual machine.
+			if d := time.Until(p.due) - spin; d > 0 {
+				ts := unix.NsecToTimespec(d.Nanoseconds())
+				for unix.Nanosleep(&ts, &ts) == unix.EINTR {
+				}
+			}
+			for time.Now().Before(p.due) {
+			}
+			_, _ = unix.Write(to, p.b)
+		}
+	}()
+	runtime.LockOSThread()
+	Realtime()
+	var last time.Time
+	buf := make([]byte, 65536)
+	for {
+		n, err := unix.Read(from, buf)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil || n <= 0 {
+			close(q)
+			return
+		}
+		if o.Loss > 0 && rng.Float64() < o.Loss {
+			dropped.Add(1)
+			continue
+		}
+		delay := o.Delay
+		if o.Jitter > 0 {
+			delay += time.Duration((2*rng.Float64() - 1) * float64(o.Jitter))
+		}
+		due := time.Now().Add(max(delay, 0))
+		if due.Before(last) {
+			due = last // keep the order
+		}
+		last = due
+		select {
+		case q <- packet{b: append([]byte(nil), buf[:n]...), due: due}:
+			forwarded.Add(1)
+		default:
+			dropped.Add(1) // a full queue drops, as a router's does
+		}
+	}
+}
+
+// Close stops the forwarder, reads its counts and removes both
+// namespaces.
+func (l *Link) Close() error {
+	l.once.Do(func() {
+		l.stop.Close()
+		l.err = l.fwd.Wait()
+		fmt.Sscan(l.out.String(), &l.Dropped, &l.Forwarded)
+		l.A.remove()
+		l.B.remove()
+	})
+	return l.err
+}

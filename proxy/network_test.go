@@ -1,0 +1,302 @@
+//go:build linux
+
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"maps"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/netsim"
+)
+
+// clientTimes is what a client on the far side of the link measured.
+type clientTimes struct{ ttft, e2e time.Duration }
+
+// streamOver sends one streamed chat on c and measures, from just before
+// the request is written: the first token's arrival and the response's
+// last byte.
+func streamOver(c net.Conn, id string) (clientTimes, error) {
+	body := `{"model":"m","stream":true,"max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`
+	req := "POST /v1/chat/completions HTTP/1.1\r\nHost: tokentap\r\nContent-Type: application/json\r\nX-Request-Id: " + id +
+		"\r\nContent-Length: " + itoa(len(body)) + "\r\n\r\n" + body
+	var ct clientTimes
+	start := time.Now()
+	if _, err := c.Write([]byte(req)); err != nil {
+		return ct, err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	var got []byte
+	buf := make([]byte, 16<<10)
+	for {
+		n, err := c.Read(buf)
+		at := time.Since(start)
+		got = append(got, buf[:n]...)
+		// The first token: mockllm's first chunk has an empty content, its
+		// tokens a word after a space.
+		if ct.ttft == 0 && bytes.Contains(got, []byte(`"content":" `)) {
+			ct.ttft = at
+		}
+		if bytes.HasSuffix(got, []byte("\r\n0\r\n\r\n")) {
+			ct.e2e = at
+			return ct, nil
+		}
+		if err != nil {
+			return ct, fmt.Errorf("after %d bytes: %w", len(got), err)
+		}
+	}
+}
+
+// The clients run in a process of their own inside the link's far
+// namespace: inside the test's process their reads would wait for the Go
+// scheduler behind tokentap's goroutines (milliseconds on a busy
+// machine), and their own clocks would be the least accurate part of the
+// comparison. Each worker's thread runs at a real-time priority where
+// the system allows it.
+const envNetClients = "TOKENTAP_NETCLIENTS"
+
+// serveNetClients runs the clients when this process was started as
+// them (addr,workers,per-worker,fresh), prints "id ttft_ns e2e_ns" per
+// request and exits; otherwise it returns.
+func serveNetClients() {
+	spec := os.Getenv(envNetClients)
+	if spec == "" {
+		return
+	}
+	var addr string
+	var workers, per int
+	var fresh bool
+	if _, err := fmt.Sscanf(strings.ReplaceAll(spec, ",", " "), "%s %d %d %t", &addr, &workers, &per, &fresh); err != nil {
+		fmt.Fprintln(os.Stderr, "netclients:", err)
+		os.Exit(2)
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	failed := false
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			runtime.LockOSThread()
+			netsim.Realtime()
+			var c net.Conn
+			for i := range per {
+				if c == nil {
+					var err error
+					if c, err = net.Dial("tcp", addr); err != nil {
+						fmt.Fprintln(os.Stderr, "netclients:", err)
+						failed = true
+						return
+					}
+				}
+				id := fmt.Sprintf("%s-w%d-%d", map[bool]string{true: "fresh", false: "kept"}[fresh], w, i)
+				ct, err := streamOver(c, id)
+				if err != nil {
+					fmt.Fprintln(os.Stderr, "netclients:", id, err)
+					failed = true
+					return
+				}
+				mu.Lock()
+				fmt.Printf("%s %d %d\n", id, ct.ttft, ct.e2e)
+				mu.Unlock()
+				if fresh {
+					c.Close()
+					c = nil
+				}
+			}
+			if c != nil {
+				c.Close()
+			}
+		}()
+	}
+	wg.Wait()
+	if failed {
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// runNetClients runs workers × per requests from inside ns against addr,
+// on fresh connections or one kept-alive connection per worker, and
+// returns what each client measured, by request id. It may run on any
+// goroutine (it reports with t.Error).
+func runNetClients(t *testing.T, ns *netsim.NS, addr string, workers, per int, fresh bool) map[string]clientTimes {
+	t.Helper()
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s,%d,%d,%t", envNetClients, addr, workers, per, fresh), "GOMAXPROCS=4")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, os.Stderr
+	got := map[string]clientTimes{}
+	if err := ns.Start(cmd); err != nil {
+		t.Error(err)
+		return got
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Errorf("clients: %v", err)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var id string
+		var ttft, e2e int64
+		if _, err := fmt.Sscan(line, &id, &ttft, &e2e); err != nil {
+			t.Errorf("clients printed %q: %v", line, err)
+			continue
+		}
+		got[id] = clientTimes{time.Duration(ttft), time.Duration(e2e)}
+	}
+	return got
+}
+
+// TestClientSideTimesOverADelayLink runs tokentap in one network namespace
+// and real clients in another, joined by a link that delays each packet
+// (netsim), and compares the record's client_ttft_ms and client_e2e_ms
+// with what the clients measured, over fresh and kept-alive connections,
+// at 5, 20 and 100 ms one way, with and without 1% loss. Without loss the
+// p50 error must be under 3 ms (the network alone is 10 ms and more);
+// with TOKENTAP_NETWORK_STRICT=1 (on an otherwise idle machine; 100
+// requests per row instead of 20) the p99 must be under 2 ms. With loss it is reported. TOKENTAP_NETWORK_REPORT=
+// FILE writes the table (README's). The backend
+// runs on the process's own loopback (tokentap's dials come from the
+// process's namespace): no delay between the two, as in a deployment
+// beside the backend.
+func TestClientSideTimesOverADelayLink(t *testing.T) {
+	if err := netsim.Available(); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	up := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: 4 * time.Millisecond})
+	strict := os.Getenv("TOKENTAP_NETWORK_STRICT") != ""
+	type row struct {
+		delay                  time.Duration
+		loss                   float64
+		conn                   string
+		n                      int
+		ttft50, ttft99, e2e50  float64
+		e2e99, clientTTFT50    float64
+		retransmitted, unacked int
+	}
+	var rows []row
+	for _, delay := range []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 100 * time.Millisecond} {
+		for _, loss := range []float64{0, 0.01} {
+			link, err := netsim.New(netsim.Options{Delay: delay, Loss: loss, Seed: uint64(delay) + 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec := newRecorder()
+			p, err := New(Config{Routes: []Route{{Name: "chat", Prefix: "/", Upstream: up, Timeouts: DefaultTimeouts}}}, Options{Sinks: []metrics.Sink{rec}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ln net.Listener
+			if err := link.A.Do(func() (err error) { ln, err = p.Listen("10.77.0.1:0"); return err }); err != nil {
+				t.Fatal(err)
+			}
+			go func() { _ = p.Serve(ln) }()
+
+			const workers = 2
+			perWorker := 10
+			if strict {
+				perWorker = 50 // p99 of 100, not the largest of 20
+			}
+			// Fresh and kept-alive clients at once, each in its process.
+			measured := map[string]clientTimes{}
+			var mu sync.Mutex
+			var wg sync.WaitGroup
+			for _, fresh := range []bool{true, false} {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					got := runNetClients(t, link.B, ln.Addr().String(), workers, perWorker, fresh)
+					mu.Lock()
+					maps.Copy(measured, got)
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			kindOf := func(id string) string {
+				if strings.HasPrefix(id, "fresh") {
+					return "fresh"
+				}
+				return "kept-alive"
+			}
+			errs := map[string]*[2][]float64{"fresh": {}, "kept-alive": {}}
+			ttftSeen := map[string][]float64{}
+			retrans, unacked := map[string]int{}, map[string]int{}
+			for range len(measured) {
+				r := rec.next(t)
+				ct, ok := measured[r.RequestID]
+				if !ok {
+					t.Fatalf("record of an unknown request %q", r.RequestID)
+				}
+				k := kindOf(r.RequestID)
+				if r.ClientTTFT < 0 || r.ClientE2E < 0 || r.ClientRTT < 2*delay {
+					t.Fatalf("%s: client_ttft %v client_e2e %v client_rtt %v over a %v link", r.RequestID, r.ClientTTFT, r.ClientE2E, r.ClientRTT, 2*delay)
+				}
+				e := errs[k]
+				e[0] = append(e[0], math.Abs(ms(r.ClientTTFT)-ms(ct.ttft)))
+				if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
+					t.Logf("%v loss%v %s %s: ttft est-client %+.2f ms, e2e %+.2f ms, rtt %v srtt %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT)
+				}
+				e[1] = append(e[1], math.Abs(ms(r.ClientE2E)-ms(ct.e2e)))
+				ttftSeen[k] = append(ttftSeen[k], ms(ct.ttft))
+				if r.ClientRetrans > 0 {
+					retrans[k]++
+				}
+				if r.Unacked {
+					unacked[k]++
+				}
+				if r.BytesAcked != r.BytesWire || r.BytesWire == 0 {
+					t.Errorf("%s: bytes_acked %d of %d written", r.RequestID, r.BytesAcked, r.BytesWire)
+				}
+			}
+			_ = p.Shutdown(context.Background())
+			p.Close()
+			link.Close()
+			for _, k := range []string{"fresh", "kept-alive"} {
+				e := errs[k]
+				slices.Sort(e[0])
+				slices.Sort(e[1])
+				slices.Sort(ttftSeen[k])
+				q := func(v []float64, p float64) float64 { return v[int(math.Ceil(p*float64(len(v))))-1] }
+				rows = append(rows, row{delay, loss, k, len(e[0]), q(e[0], .5), q(e[0], .99), q(e[1], .5), q(e[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k]})
+			}
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "| one-way delay | loss | connections | requests | client TTFT p50 | \\|Δ TTFT\\| p50 | p99 | \\|Δ E2E\\| p50 | p99 | with retransmissions |\n|---|---|---|---|---|---|---|---|---|---|\n")
+	for _, r := range rows {
+		fmt.Fprintf(&b, "| %v | %.0f%% | %s | %d | %.1f ms | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %d |\n",
+			r.delay, 100*r.loss, r.conn, r.n, r.clientTTFT50, r.ttft50, r.ttft99, r.e2e50, r.e2e99, r.retransmitted)
+		// Without the network the estimate would be off by the round trip
+		// (10 ms and more here). The p99 target (2 ms) is checked when
+		// asked: a busy machine's scheduling shows in the clients' own
+		// clocks and in the link, not only in the estimate.
+		if r.loss == 0 && (r.ttft50 >= 3 || r.e2e50 >= 3) {
+			t.Errorf("%v one way, %s connections: |Δ| p50 TTFT %.2f ms, E2E %.2f ms: not under 3 ms", r.delay, r.conn, r.ttft50, r.e2e50)
+		}
+		if strict && r.loss == 0 && (r.ttft99 >= 2 || r.e2e99 >= 2) {
+			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms: not under 2 ms", r.delay, r.conn, r.ttft99, r.e2e99)
+		}
+		if r.unacked > 0 {
+			t.Errorf("%v %s: %d records marked unacked although every client read its whole response", r.delay, r.conn, r.unacked)
+		}
+	}
+	t.Logf("client-side estimates against the clients' own clocks:\n%s", b.String())
+	if path := os.Getenv("TOKENTAP_NETWORK_REPORT"); path != "" {
+		_ = os.WriteFile(path, []byte(b.String()), 0o644)
+	}
+}
