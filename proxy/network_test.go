@@ -249,7 +249,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 				e := errs[k]
 				e[0] = append(e[0], math.Abs(ms(r.ClientTTFT)-ms(ct.ttft)))
 				if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
-					t.Logf("%v loss%v %s %s: ttft est-client %+.2f ms, e2e %+.2f ms, rtt %v srtt %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT)
+					t.Logf("%v loss%v %s %s: ttft est-client %+.2f ms, e2e %+.2f ms, rtt %v srtt %v held %v ttft %v e2e %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT, r.ClientE2E-r.E2E-r.ClientRTT, r.TTFT, r.E2E)
 				}
 				e[1] = append(e[1], math.Abs(ms(r.ClientE2E)-ms(ct.e2e)))
 				ttftSeen[k] = append(ttftSeen[k], ms(ct.ttft))
