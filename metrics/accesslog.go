@@ -338,6 +338,11 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	f = append(f,
 		zap.String("request_id", r.RequestID),
 		zap.String("route", r.Route),
+	)
+	if r.Upstream != "" {
+		f = append(f, zap.String("upstream", r.Upstream))
+	}
+	f = append(f,
 		zap.String("model", r.Model),
 		zap.String("tenant", r.Tenant),
 		zap.String("method", r.Method),

@@ -6,7 +6,7 @@
 // The proxy fills one Record per request and hands it to every Sink exactly
 // once, when the request is over:
 //
-//	set := metrics.NewSet([]string{"default"}, []string{"llama-3"}, metrics.SetOptions{})
+//	set := metrics.NewSet([]metrics.RouteRow{{Route: "default"}}, []string{"llama-3"}, metrics.SetOptions{})
 //	s := set.Series(0, modelIndex)     // at request start
 //	s.ITL(gap)                          // per inter-token gap, live
 //	set.Observe(&rec)                   // once, at the end
@@ -55,6 +55,7 @@ const Absent time.Duration = -1
 type Record struct {
 	RequestID string
 	Route     string
+	Upstream  string // the route's upstream it went to, by name ("" for a route with one)
 	Model     string // the model named in the request, as sent ("" if none)
 	Tenant    string
 	Method    string

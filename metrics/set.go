@@ -107,7 +107,7 @@ const UnmatchedRoute = "unmatched"
 // most pairs never see (server timings, most outcome × status class
 // pairs) are created at their first use, so an idle scrape stays short.
 type Series struct {
-	route, model                      string
+	route, upstream, model            string
 	labels                            string
 	buckets                           func(string) []float64
 	ttft, ttfa, itl, tpot, e2e, queue *vm.PrometheusHistogram
@@ -122,8 +122,12 @@ type Series struct {
 	missed                            [NumSLO]*vm.Counter
 }
 
-// NewSet builds every series for the given route names and model allowlist.
-func NewSet(routes, models []string, o SetOptions) *Set {
+// RouteRow is one row of a Set's series: a route, or one upstream of a
+// route with several (Upstream "" otherwise: no upstream label).
+type RouteRow struct{ Route, Upstream string }
+
+// NewSet builds every series for the given rows and model allowlist.
+func NewSet(routes []RouteRow, models []string, o SetOptions) *Set {
 	s := &Set{set: vm.NewSet(), models: make(map[string]int, len(models))}
 	labels := append(append([]string(nil), models...), OtherModel)
 	for i, m := range models {
@@ -138,20 +142,23 @@ func NewSet(routes, models []string, o SetOptions) *Set {
 	for _, route := range routes {
 		row := make([]*Series, len(labels))
 		for j, model := range labels {
-			row[j] = newSeries(route, model, buckets, o.SLO)
+			row[j] = newSeries(route.Route, route.Upstream, model, buckets, o.SLO)
 		}
 		s.series = append(s.series, row)
 	}
-	s.unmatched = newSeries(UnmatchedRoute, OtherModel, buckets, false)
+	s.unmatched = newSeries(UnmatchedRoute, "", OtherModel, buckets, false)
 	return s
 }
 
 // Unmatched returns the series of requests that matched no route.
 func (s *Set) Unmatched() *Series { return s.unmatched }
 
-func newSeries(route, model string, buckets func(string) []float64, slo bool) *Series {
+func newSeries(route, upstream, model string, buckets func(string) []float64, slo bool) *Series {
 	l := fmt.Sprintf(`route=%q,model=%q`, route, model)
-	x := &Series{route: route, model: model, labels: l, buckets: buckets}
+	if upstream != "" {
+		l = fmt.Sprintf(`route=%q,upstream=%q,model=%q`, route, upstream, model)
+	}
+	x := &Series{route: route, upstream: upstream, model: model, labels: l, buckets: buckets}
 	h := x.histogram
 	x.ttft, x.ttfa, x.itl, x.tpot = h("ttft"), h("ttfa"), h("itl"), h("tpot")
 	x.e2e, x.queue, x.overhead, x.ttfb = h("e2e"), h("queue"), h("overhead"), h("upstream_ttfb")
@@ -173,8 +180,9 @@ func (x *Series) histogram(measure string) *vm.PrometheusHistogram {
 	return durable.GetOrCreatePrometheusHistogramExt("tokentap_"+measure+"_seconds{"+x.labels+"}", x.buckets(measure))
 }
 
-// Labels returns the route and model label values of x.
-func (x *Series) Labels() (route, model string) { return x.route, x.model }
+// Labels returns the route, upstream ("" when the route has one) and
+// model label values of x.
+func (x *Series) Labels() (route, upstream, model string) { return x.route, x.upstream, x.model }
 
 // requestCounter returns the counter of one outcome × status class,
 // creating it at its first use.
@@ -206,7 +214,7 @@ func (s *Set) Allowed(model []byte) bool {
 	return ok
 }
 
-// Series returns the handles for a route index (as given to NewSet) and a
+// Series returns the handles for a row index (as given to NewSet) and a
 // model index from ModelIndex.
 func (s *Set) Series(route, model int) *Series { return s.series[route][model] }
 

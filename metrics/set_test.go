@@ -32,7 +32,7 @@ func scrape(t *testing.T, label string) (lines []string, text string) {
 func TestIdleSeriesPerRouteAndModel(t *testing.T) {
 	// Series live for the process: a route of its own per run (-count).
 	route := fmt.Sprintf("idle-count-%d", idleRuns.Add(1))
-	s := NewSet([]string{route}, []string{"m"}, SetOptions{SLO: true})
+	s := NewSet([]RouteRow{{Route: route}}, []string{"m"}, SetOptions{SLO: true})
 	s.Register()
 	defer s.Unregister()
 	lines, text := scrape(t, `route="`+route+`",model="m"`)

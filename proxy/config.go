@@ -84,6 +84,15 @@ type Route struct {
 	// Upstream is the backend's base URL (http or https); a path in it is
 	// put in front of the request path.
 	Upstream string
+	// Upstreams are several backends instead of Upstream: each request
+	// goes to one, chosen by Balance and Sticky, and each is measured
+	// apart (records, /stats and metrics carry its name as upstream).
+	Upstreams []Upstream
+	// Balance is BalanceWeighted (default) or BalanceLeastInflight.
+	Balance string
+	// Sticky keeps a user on one upstream: "tenant", or "header:NAME"
+	// (the value of that request header); empty: none.
+	Sticky string
 	// StripPrefix removes Prefix from the path before forwarding.
 	StripPrefix bool
 	// Dialect names the API the route speaks (see dialect.All); empty means
@@ -216,8 +225,8 @@ func (c *Config) Validate() error {
 		if err := validSLO(field("slo"), r.SLO); err != nil {
 			return err
 		}
-		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
-			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
+		if err := r.validUpstreams(field); err != nil {
+			return err
 		}
 	}
 	if c.EnforceModels && len(c.Models) == 0 {
@@ -274,6 +283,65 @@ func (c *Config) Validate() error {
 		}
 	}
 	return nil
+}
+
+// validUpstreams checks the route's one upstream, or its several with
+// their balance and stickiness.
+func (r *Route) validUpstreams(field func(string) string) error {
+	if len(r.Upstreams) == 0 {
+		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
+			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
+		}
+		if r.Balance != "" || r.Sticky != "" {
+			return fieldErr(field("balance"), "balance and sticky need upstreams")
+		}
+		return nil
+	}
+	if r.Upstream != "" {
+		return fieldErr(field("upstreams"), "give upstream or upstreams, not both")
+	}
+	names := map[string]bool{}
+	total := 0
+	for i, u := range r.Upstreams {
+		f := func(k string) string { return field(fmt.Sprintf("upstreams[%d].%s", i, k)) }
+		switch {
+		case u.Name == "" || names[u.Name]:
+			return fieldErr(f("name"), "must be a distinct, non-empty name")
+		case u.Weight < 0:
+			return fieldErr(f("weight"), "must not be negative")
+		}
+		if _, err := newUpstream(u.URL, r.Timeouts, nil); err != nil {
+			return fieldErr(f("url"), "%q: %v", u.URL, err)
+		}
+		names[u.Name] = true
+		total += u.Weight
+	}
+	if total == 0 {
+		return fieldErr(field("upstreams"), "at least one upstream needs a weight above 0")
+	}
+	switch r.Balance {
+	case "", BalanceWeighted, BalanceLeastInflight:
+	default:
+		return fieldErr(field("balance"), "must be %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, r.Balance)
+	}
+	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && (!ok || !validToken(h)) {
+		return fieldErr(field("sticky"), "must be tenant or header:NAME, got %q", r.Sticky)
+	}
+	return nil
+}
+
+// validToken reports whether s is a non-empty HTTP token (a header name).
+func validToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func dialectNames() string {

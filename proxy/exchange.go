@@ -29,6 +29,8 @@ type exchange struct {
 	id   []byte
 
 	rt      *route
+	mem     *member   // the upstream chosen, once routed
+	up      *upstream // mem.up
 	dialect dialect.Dialect
 	req     *fasthttp.Request
 	resp    *fasthttp.Response
@@ -189,7 +191,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	x.rt = r
 	rec.Route = r.Name
-	rec.Series = snap.metrics.Series(r.index, snap.metrics.OtherIndex())
+	rec.Series = snap.metrics.Series(r.members[0].row, snap.metrics.OtherIndex())
 	x.dialect = r.dialect
 	if x.dialect == nil {
 		x.dialect = dialect.ForPath(path)
@@ -205,6 +207,10 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
 		x.tenant, rec.Tenant = tenant, tenant
 		rec.TenantSeries = snap.metrics.Tenant(tenant)
 	}
+	x.mem = r.pick(x.tenant, &ctx.Request.Header)
+	x.mem.inflight.Add(1)
+	x.up, rec.Upstream = x.mem.up, x.mem.name
+	rec.Series = snap.metrics.Series(x.mem.row, snap.metrics.OtherIndex())
 	return nil
 }
 
@@ -224,7 +230,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	rec.Stream = req.Stream
 	x.stream = req.Stream
 	x.m.items = req.Items
-	rec.Series = snap.metrics.Series(x.rt.index, snap.metrics.ModelIndex(model))
+	rec.Series = snap.metrics.Series(x.mem.row, snap.metrics.ModelIndex(model))
 	x.m.live = rec.Series
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		return refuseModel
@@ -310,7 +316,7 @@ func (x *exchange) admit() *refusal {
 func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
 	r, body := x.rt, x.body0
 	// prepareRequest drops inbound X-Tokentap-* headers, the tenant's too.
-	x.scratch = prepareRequest(ctx, x.req, r, x.path, x.query, body, x.id, x.scratch)
+	x.scratch = prepareRequest(ctx, x.req, r, x.up, x.path, x.query, body, x.id, x.scratch)
 	if x.tenant != "" {
 		x.req.Header.Set(tenantHeader, x.tenant)
 	}
@@ -350,7 +356,7 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
 // acknowledged it, and sending it again would run (and bill) the
 // generation twice.
 func (x *exchange) roundTrip(head bool) error {
-	up := x.rt.up
+	up := x.up
 	for attempt := 0; ; attempt++ {
 		c, err := up.get(context.Background(), attempt > 0)
 		if err != nil {
@@ -937,6 +943,9 @@ func (x *exchange) finish(writeErr error) {
 	}
 	x.finished = true
 	now := x.p.now()
+	if x.mem != nil {
+		x.mem.inflight.Add(-1)
+	}
 
 	complete := x.upDone || (x.contentLength >= 0 && x.bytesOut == int64(x.contentLength))
 	if x.unflushed && writeErr == nil {
@@ -955,11 +964,11 @@ func (x *exchange) finish(writeErr error) {
 		switch {
 		case x.stray:
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
-			x.rt.up.discard(x.conn)
+			x.up.discard(x.conn)
 		case complete && !gone && writeErr == nil && !x.resp.ConnectionClose():
-			x.rt.up.put(x.conn)
+			x.up.put(x.conn)
 		default:
-			x.rt.up.discard(x.conn)
+			x.up.discard(x.conn)
 		}
 		x.conn = nil
 	}

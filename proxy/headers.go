@@ -44,13 +44,13 @@ func dropHop(h hopHeader, connection [][]byte) {
 // prepareRequest turns the client's request into the upstream request:
 // the same method, headers and body, minus hop-by-hop headers and
 // tokentap's own, with the normalised path (under the route's upstream
-// base, its prefix stripped when the route says so) and the client's raw
+// base of the chosen upstream, its prefix stripped when the route says so) and the client's raw
 // query, Host set for the upstream and X-Forwarded-* and X-Request-Id
 // added.
 //
 // scratch is a buffer the caller lends for building header values; the
 // grown buffer is returned.
-func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, path, query, body, requestID, scratch []byte) []byte {
+func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, up *upstream, path, query, body, requestID, scratch []byte) []byte {
 	in := &ctx.Request
 	in.Header.CopyTo(&req.Header)
 	dropHop(&req.Header, in.Header.PeekAll("Connection"))
@@ -67,13 +67,13 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, p
 		// Keep the slash that ends the prefix: /ollama/api/chat → /api/chat.
 		path = path[len(strings.TrimSuffix(r.Prefix, "/")):]
 	}
-	uri := append(scratch[:0], r.up.basePath...)
+	uri := append(scratch[:0], up.basePath...)
 	if len(path) == 0 || path[0] != '/' {
 		uri = append(uri, '/')
 	}
 	uri = append(append(uri, path...), query...)
 	req.Header.SetRequestURIBytes(uri)
-	req.Header.SetHost(r.up.host)
+	req.Header.SetHost(up.host)
 	if host := in.Header.Host(); len(host) > 0 {
 		req.Header.SetBytesV("X-Forwarded-Host", host)
 	}

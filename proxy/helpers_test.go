@@ -90,7 +90,7 @@ func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Opti
 
 // upstreamConns returns the open and idle connections of the default route.
 func (tp *testProxy) upstreamConns() (open, idle int) {
-	return tp.p.snap.Load().routes[0].up.counts()
+	return tp.p.snap.Load().routes[0].members[0].up.counts()
 }
 
 // startUpstream runs a scripted net/http upstream on loopback.

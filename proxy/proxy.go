@@ -106,8 +106,16 @@ type route struct {
 	Route
 	slo     metrics.SLO // Config.SLO under the route's own
 	index   int
-	up      *upstream
+	members []*member       // its upstreams: one, or Route.Upstreams
+	weights int             // the members' weights summed
 	dialect dialect.Dialect // nil: chosen per request from the path
+}
+
+// closeIdle closes the idle connections of every upstream of r.
+func (r *route) closeIdle() {
+	for _, m := range r.members {
+		m.up.closeIdle()
+	}
 }
 
 // New builds a Proxy for cfg.
@@ -137,17 +145,26 @@ func (p *Proxy) Apply(cfg Config) error {
 	}
 	cfg = cfg.withDefaults()
 	s := &snapshot{cfg: cfg}
-	names := make([]string, len(cfg.Routes))
+	var rows []metrics.RouteRow
 	for i, r := range cfg.Routes {
-		up, err := newUpstream(r.Upstream, r.Timeouts, p.now)
-		if err != nil {
-			return fmt.Errorf("routes[%d].upstream: %w", i, err)
+		rt := &route{Route: r, slo: cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect)}
+		specs := r.Upstreams
+		if len(specs) == 0 {
+			specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label
 		}
-		s.routes = append(s.routes, &route{Route: r, slo: cfg.SLO.Over(r.SLO), index: i, up: up, dialect: dialect.ByName(r.Dialect)})
-		names[i] = r.Name
+		for _, u := range specs {
+			up, err := newUpstream(u.URL, r.Timeouts, p.now)
+			if err != nil {
+				return fmt.Errorf("routes[%d].upstream: %w", i, err)
+			}
+			rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(rows)})
+			rt.weights += u.Weight
+			rows = append(rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
+		}
+		s.routes = append(s.routes, rt)
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
-	s.metrics = metrics.NewSet(names, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO()})
+	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO()})
 	old := p.snap.Load()
 	if cfg.Admission != nil {
 		var prev *ratelimit.Admitter
@@ -172,7 +189,7 @@ func (p *Proxy) Apply(cfg Config) error {
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
 		for _, r := range old.routes {
-			r.up.closeIdle()
+			r.closeIdle()
 		}
 	}
 	return nil
@@ -215,7 +232,7 @@ func (p *Proxy) Close() {
 		}
 		s.metrics.Unregister()
 		for _, r := range s.routes {
-			r.up.closeIdle()
+			r.closeIdle()
 		}
 	}
 }

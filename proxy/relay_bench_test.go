@@ -131,7 +131,8 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	clPeer, cl := tcpPair(tb)
 	go io.Copy(io.Discard, clPeer)
 	x := streamingExchange(p, nil)
-	x.conn = &upConn{Conn: upRead, up: x.rt.up}
+	x.up = x.rt.members[0].up
+	x.conn = &upConn{Conn: upRead, up: x.up}
 	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
 	x.client, x.pass = cl, true
 	x.buf = make([]byte, 8<<10)

@@ -67,6 +67,18 @@ type fileRoute struct {
 	InjectUsage bool          `yaml:"inject_usage"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
 	SLO         *fileSLO      `yaml:"slo"`
+	// Upstreams are several backends instead of upstream, split by
+	// balance and sticky.
+	Upstreams []fileUpstream `yaml:"upstreams"`
+	Balance   string         `yaml:"balance"`
+	Sticky    string         `yaml:"sticky"`
+}
+
+// fileUpstream is one of a route's upstreams; weight defaults to 1.
+type fileUpstream struct {
+	Name   string `yaml:"name"`
+	URL    string `yaml:"url"`
+	Weight *int   `yaml:"weight"`
 }
 
 // fileSLO is a set of objectives; each key is optional.
@@ -371,8 +383,16 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
-			SLO: r.SLO.slo(),
+			SLO: r.SLO.slo(), Balance: r.Balance, Sticky: r.Sticky,
 		})
+		for _, u := range r.Upstreams {
+			w := 1
+			if u.Weight != nil {
+				w = *u.Weight
+			}
+			last := &s.proxy.Routes[len(s.proxy.Routes)-1]
+			last.Upstreams = append(last.Upstreams, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w})
+		}
 	}
 	if len(s.proxy.Routes) == 0 {
 		if upstream == "" {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy"
 )
 
 func TestExampleConfigLoads(t *testing.T) {
@@ -112,6 +113,15 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\nslo:\n  target: 150%\n", nil, ":3:", "slo.target", "share")
 	f("upstream: http://x\nslo:\n  ttft: fast\n", nil, ":3:", "slo.ttft", "fast")
 	f("upstream: http://x\nslo:\n  measure: user\n", nil, ":3:", "slo.measure", "client or proxy")
+	ups := "routes:\n  - name: a\n    prefix: /\n"
+	f(ups+"    upstream: http://x\n    upstreams: [{name: s, url: http://y}]\n", nil, ":5:", "routes[0].upstreams", "not both")
+	f(ups+"    upstreams: [{name: s, url: http://y}, {name: s, url: http://z}]\n", nil, "routes[0].upstreams[1].name", "distinct")
+	f(ups+"    upstreams: [{name: s, url: http://y, weight: -1}]\n", nil, "routes[0].upstreams[0].weight", "negative")
+	f(ups+"    upstreams: [{name: s, url: ftp://y}]\n", nil, "routes[0].upstreams[0].url", "http or https")
+	f(ups+"    upstreams: [{name: s, url: http://y, weight: 0}]\n", nil, ":4:", "routes[0].upstreams", "weight above 0")
+	f(ups+"    upstreams: [{name: s, url: http://y}]\n    balance: fastest\n", nil, ":5:", "routes[0].balance", "least_inflight")
+	f(ups+"    upstreams: [{name: s, url: http://y}]\n    sticky: \"header:\"\n", nil, ":5:", "routes[0].sticky", "header:NAME")
+	f(ups+"    upstream: http://x\n    sticky: tenant\n", nil, "routes[0].balance", "need upstreams")
 	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {p99: 1s}\n", nil, ":5:", "routes[0].slo", "unknown field p99")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    ttft: [1, 0.5]\n", nil, ":4:", "metrics.buckets.ttft", "increasing")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    latency: [1]\n", nil, ":4:", "metrics.buckets.latency", "unknown measure")
@@ -122,6 +132,27 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 
 // The file's upstream with routes makes the catch-all route (as
 // configs/tenants.yaml says), unless a route already has prefix /.
+func TestRouteWithSeveralUpstreams(t *testing.T) {
+	s, err := parseFlags([]string{"-config", writeFile(t, `routes:
+  - name: chat
+    prefix: /
+    upstreams:
+      - {name: stable, url: "http://10.0.0.1:8000", weight: 90}
+      - {name: canary, url: "http://10.0.0.2:8000", weight: 10}
+      - {name: spare, url: "http://10.0.0.3:8000"}
+    balance: least_inflight
+    sticky: "header:X-User"
+`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := s.proxy.Routes[0]
+	if len(r.Upstreams) != 3 || r.Upstreams[0] != (proxy.Upstream{Name: "stable", URL: "http://10.0.0.1:8000", Weight: 90}) ||
+		r.Upstreams[1].Weight != 10 || r.Upstreams[2].Weight != 1 || r.Balance != "least_inflight" || r.Sticky != "header:X-User" {
+		t.Fatalf("route %+v", r)
+	}
+}
+
 func TestFileUpstreamWithRoutesIsTheCatchAll(t *testing.T) {
 	s, err := parseFlags([]string{"-config", "../../configs/tenants.yaml"})
 	if err != nil {

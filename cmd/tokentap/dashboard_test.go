@@ -76,6 +76,26 @@ func TestDashboardInBrowser(t *testing.T) {
 	}()
 	defer func() { stopDemo(); wg.Wait() }()
 	waitUpFor(t, "http://"+admin+"/healthz", 30*time.Second)
+	if shot == "" {
+		// Every request's record is in before the page loads (a record
+		// waits for its client's last ACK; a busy machine can hold the
+		// last ones past the demo's wait), so the page and the test read
+		// the same numbers.
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			var all stats.Report
+			getJSON(t, "http://"+admin+"/stats?window=all&group_by=route", &all)
+			var n int64
+			for _, g := range all.Groups {
+				n += g.Count
+			}
+			if n == 96 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d of 96 records after 30 s", n)
+			}
+		}
+	}
 	if after > 0 {
 		time.Sleep(after)
 	}

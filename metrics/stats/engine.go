@@ -90,8 +90,8 @@ func (e *Engine) Observe(r *metrics.Record, gaps []time.Duration) {
 	if r.Series == nil {
 		return
 	}
-	route, model := r.Series.Labels()
-	k := Key{Route: route, Model: model, Tenant: r.Tenant}
+	route, upstream, model := r.Series.Labels()
+	k := Key{Route: route, Model: model, Tenant: r.Tenant, Upstream: upstream}
 	s := slotOf(e.now())
 	if s > e.slot.Load() {
 		e.advance(s)

@@ -17,7 +17,7 @@ func (c *clock) now() time.Time      { return c.t }
 func (c *clock) add(d time.Duration) { c.t = c.t.Add(d) }
 func newClock() *clock               { return &clock{t: time.Unix(1_700_000_000, 0)} } // on a slot and minute boundary
 func series(t *testing.T) *metrics.Series {
-	return metrics.NewSet([]string{"chat"}, []string{"m"}, metrics.SetOptions{}).Series(0, 0)
+	return metrics.NewSet([]metrics.RouteRow{{Route: "chat"}}, []string{"m"}, metrics.SetOptions{}).Series(0, 0)
 }
 
 func record(x *metrics.Series, ttft, e2e time.Duration, tokens int) *metrics.Record {
@@ -258,7 +258,7 @@ func BenchmarkObserve(b *testing.B) {
 	for _, n := range []int{0, 29} {
 		b.Run(map[int]string{0: "record", 29: "record+29gaps"}[n], func(b *testing.B) {
 			e := New(Options{})
-			x := metrics.NewSet([]string{"chat"}, []string{"m"}, metrics.SetOptions{}).Series(0, 0)
+			x := metrics.NewSet([]metrics.RouteRow{{Route: "chat"}}, []string{"m"}, metrics.SetOptions{}).Series(0, 0)
 			r := record(x, 120*time.Millisecond, time.Second, 30)
 			r.Queue, r.Overhead, r.UpstreamTTFB, r.TPOT, r.TTFA = 0, 300*time.Microsecond, 100*time.Millisecond, 30*time.Millisecond, 120*time.Millisecond
 			gaps := make([]time.Duration, n)

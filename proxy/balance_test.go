@@ -1,0 +1,219 @@
+package proxy
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	vm "github.com/VictoriaMetrics/metrics"
+	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/ratelimit"
+)
+
+// twoBackends runs a fast and a slow simulated backend (the slow one
+// prefills 40 ms longer) and a proxy whose route "split" sends to both.
+func twoBackends(t *testing.T, edit func(*Route)) *testProxy {
+	t.Helper()
+	fast := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
+	slow := startMock(t, mockllm.Options{PrefillBase: 45 * time.Millisecond, TokenGap: time.Millisecond})
+	return startProxy(t, "", func(c *Config) {
+		r := Route{Name: "split", Prefix: "/", Timeouts: DefaultTimeouts, Upstreams: []Upstream{
+			{Name: "stable", URL: fast, Weight: 3}, {Name: "canary", URL: slow, Weight: 1}}}
+		if edit != nil {
+			edit(&r)
+		}
+		c.Routes = []Route{r}
+		c.Models = []string{"m"}
+	})
+}
+
+func chat(t *testing.T, url string, header ...string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url+"/v1/chat/completions", strings.NewReader(streamChat))
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+}
+
+// TestWeightedSplit: 400 requests split 3:1 within four standard
+// deviations of the binomial, each upstream measured apart (its own
+// /stats group with its backend's first-token time, the access log's
+// upstream, metrics labelled upstream).
+func TestWeightedSplit(t *testing.T) {
+	tp := twoBackends(t, nil)
+	const n = 400
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range n / 8 {
+				chat(t, tp.url)
+			}
+		}()
+	}
+	wg.Wait()
+	count := map[string]int{}
+	for range n {
+		r := tp.rec.next(t)
+		count[r.Upstream]++
+	}
+	// Binomial(400, 0.25): mean 100, standard deviation 8.7.
+	if c := count["canary"]; c < 65 || c > 135 || count["stable"] != n-c {
+		t.Errorf("split %v, want about 300/100", count)
+	}
+	rep := tp.p.Stats().Query(stats.Query{Window: "all", GroupBy: []string{"route", "upstream"}})
+	if len(rep.Groups) != 2 {
+		t.Fatalf("groups %+v", rep.Groups)
+	}
+	for _, g := range rep.Groups {
+		if int(g.Count) != count[g.Upstream] {
+			t.Errorf("%s: /stats count %d, records %d", g.Upstream, g.Count, count[g.Upstream])
+		}
+		// The canary prefills 40 ms longer: its TTFT is that much more.
+		if lo := map[string]float64{"stable": 5, "canary": 45}[g.Upstream]; g.TTFT.P50 < lo || g.TTFT.P50 > lo+30 {
+			t.Errorf("%s: TTFT p50 %.1f ms, want its backend's %.0f ms and a little", g.Upstream, g.TTFT.P50, lo)
+		}
+	}
+	var b bytes.Buffer
+	vm.WritePrometheus(&b, false)
+	for _, u := range []string{"stable", "canary"} {
+		if !strings.Contains(b.String(), fmt.Sprintf(`tokentap_ttft_seconds_count{route="split",upstream=%q,model="other"}`, u)) {
+			t.Errorf("no TTFT series labelled upstream %q", u)
+		}
+	}
+}
+
+// TestStickyTenantAndHeader: a sticky key always lands on one upstream,
+// and different keys spread over both.
+func TestStickyTenantAndHeader(t *testing.T) {
+	for _, sticky := range []string{"tenant", "header:X-User"} {
+		t.Run(sticky, func(t *testing.T) {
+			tp := twoBackends(t, func(r *Route) { r.Sticky = sticky; r.Upstreams[1].Weight = 3 })
+			if sticky == "tenant" {
+				var tenants []ratelimit.Tenant
+				for i := range 12 {
+					tenants = append(tenants, ratelimit.Tenant{Name: fmt.Sprintf("t%d", i), Keys: []string{fmt.Sprintf("key-%02d-0123456789abcdef", i)}})
+				}
+				cfg := tp.p.snap.Load().cfg
+				cfg.Admission = &ratelimit.Config{Mode: ratelimit.ModeReject, Tenants: tenants}
+				if err := tp.p.Apply(cfg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			seen := map[string]map[string]bool{} // key → upstreams
+			for i := range 12 {
+				for range 4 {
+					if sticky == "tenant" {
+						chat(t, tp.url, "Authorization", fmt.Sprintf("Bearer key-%02d-0123456789abcdef", i))
+					} else {
+						chat(t, tp.url, "X-User", fmt.Sprintf("user-%d", i))
+					}
+					r := tp.rec.next(t)
+					k := fmt.Sprint(i)
+					if seen[k] == nil {
+						seen[k] = map[string]bool{}
+					}
+					seen[k][r.Upstream] = true
+				}
+			}
+			used := map[string]bool{}
+			for k, ups := range seen {
+				if len(ups) != 1 {
+					t.Errorf("key %s went to %v", k, ups)
+				}
+				for u := range ups {
+					used[u] = true
+				}
+			}
+			if len(used) != 2 {
+				t.Errorf("12 keys all on %v", used)
+			}
+		})
+	}
+}
+
+// TestLeastInflight: with the slow upstream holding streams, new requests
+// go to the one with fewer in flight.
+func TestLeastInflight(t *testing.T) {
+	tp := twoBackends(t, func(r *Route) { r.Balance = BalanceLeastInflight; r.Upstreams[1].Weight = 1 })
+	// Hold one stream open on whichever upstream the first request gets.
+	hold := make(chan struct{})
+	go func() {
+		body := `{"model":"m","stream":true,"max_tokens":3,"mock_hold_ms":400,"messages":[{"role":"user","content":"hi"}]}`
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		close(hold)
+	}()
+	first := ""
+	for deadline := time.Now().Add(2 * time.Second); first == "" && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		for _, m := range tp.p.snap.Load().routes[0].members {
+			if m.inflight.Load() == 1 {
+				first = m.name
+			}
+		}
+	}
+	if first == "" {
+		t.Fatal("the held stream is not in flight")
+	}
+	for range 5 {
+		chat(t, tp.url)
+	}
+	for range 5 {
+		if r := tp.rec.next(t); r.Upstream == first {
+			t.Errorf("a request went to %s, which holds a stream, while the other was idle", first)
+		}
+	}
+	<-hold
+	tp.rec.next(t)
+}
+
+// TestWeightsChangeOnReload: a reload that moves all weight to the other
+// upstream sends new requests there, while a stream that started before
+// it finishes on its upstream.
+func TestWeightsChangeOnReload(t *testing.T) {
+	tp := twoBackends(t, func(r *Route) { r.Upstreams[0].Weight, r.Upstreams[1].Weight = 1, 0 })
+	go func() {
+		body := `{"model":"m","stream":true,"max_tokens":3,"mock_hold_ms":300,"messages":[{"role":"user","content":"hi"}]}`
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}()
+	time.Sleep(100 * time.Millisecond)
+	cfg := tp.p.snap.Load().cfg
+	cfg.Routes[0].Upstreams = []Upstream{{Name: "stable", URL: cfg.Routes[0].Upstreams[0].URL, Weight: 0}, {Name: "canary", URL: cfg.Routes[0].Upstreams[1].URL, Weight: 1}}
+	if err := tp.p.Apply(cfg); err != nil {
+		t.Fatal(err)
+	}
+	chat(t, tp.url)
+	got := map[string]metrics.Record{}
+	for range 2 {
+		r := tp.rec.next(t)
+		got[r.Upstream] = r
+	}
+	if r, ok := got["stable"]; !ok || r.Outcome != metrics.OutcomeOK || r.Events != 3 {
+		t.Errorf("the stream that began before the reload: %+v", r)
+	}
+	if _, ok := got["canary"]; !ok {
+		t.Errorf("the request after the reload did not go to canary: %v", got)
+	}
+}
