@@ -187,7 +187,8 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 // serveStats answers GET /stats: the live percentile table as JSON
 // (docs/STATS.md), for window (1m, 5m, 1h, all; default 5m), filtered by
 // route, model, tenant and upstream, grouped by group_by (a comma list
-// of those labels; default all four).
+// of those labels; default all four); with route=R&compare=A,B, the
+// verdict on two upstreams of R instead.
 func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 	args := ctx.QueryArgs()
 	q := stats.Query{Window: string(args.Peek("window")), Route: string(args.Peek("route")), Model: string(args.Peek("model")),
@@ -196,6 +197,27 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 		q.GroupBy = strings.Split(g, ",")
 	}
 	ctx.SetContentType("application/json")
+	if cmp := string(args.Peek("compare")); cmp != "" {
+		ua, ub, ok := strings.Cut(cmp, ",")
+		switch {
+		case !ok || ua == "" || ub == "" || q.Route == "":
+			ctx.SetStatusCode(fasthttp.StatusBadRequest)
+			ctx.SetBodyString(`{"error":"compare takes two upstreams, compare=A,B, with route=R"}` + "\n")
+			return
+		case !stats.ValidWindow(q.Window):
+			ctx.SetStatusCode(fasthttp.StatusBadRequest)
+			ctx.SetBodyString(`{"error":"window must be 1m, 5m, 1h or all"}` + "\n")
+			return
+		}
+		c, err := a.p.Stats().Compare(q.Route, ua, ub, q.Window, 0)
+		if err != nil {
+			ctx.SetStatusCode(fasthttp.StatusNotFound)
+			writeJSON(ctx, map[string]any{"error": err.Error(), "count_a": c.CountA, "count_b": c.CountB})
+			return
+		}
+		writeJSON(ctx, c)
+		return
+	}
 	switch {
 	case !stats.ValidWindow(q.Window):
 		ctx.SetStatusCode(fasthttp.StatusBadRequest)

@@ -32,6 +32,7 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	logPath := fs.String("access-log", "", "also write the access log here (- for stdout)")
 	serve := fs.String("serve", "", "then keep sending traffic and serve the dashboard and /stats on this admin address (e.g. 127.0.0.1:9090) until interrupted")
 	liveConc := fs.Int("live", -1, "with -serve: requests in flight while serving (default: -concurrency; 0: none)")
+	canary := fs.Bool("canary", false, "split the chat route 90/10 between the backend and a canary that batches harder (longer prefill, faster decode) and print the verdict")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -62,6 +63,22 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	go func() { _ = backend.Serve(backendLn) }()
 	defer backend.Close()
 	upstream := "http://" + backendLn.Addr().String()
+	chat := proxy.Route{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: proxy.DefaultTimeouts, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond}}
+	if *canary {
+		// Batching harder: prefill waits for a fuller batch, decode runs
+		// more tokens per step.
+		canaryLn, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return err
+		}
+		cb := &http.Server{Handler: mockllm.New(mockllm.Options{
+			PrefillBase: 45 * time.Millisecond, PrefillPerToken: 50 * time.Microsecond, TokenGap: 7 * time.Millisecond, BatchSlowdown: 0.03,
+		})}
+		go func() { _ = cb.Serve(canaryLn) }()
+		defer cb.Close()
+		chat.Upstream = ""
+		chat.Upstreams = []proxy.Upstream{{Name: "stable", URL: upstream, Weight: 90}, {Name: "canary", URL: "http://" + canaryLn.Addr().String(), Weight: 10}}
+	}
 
 	col := &counter{}
 	sinks := []metrics.Sink{col}
@@ -77,7 +94,7 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	p, err := proxy.New(proxy.Config{
 		Routes: []proxy.Route{
 			// Chat users expect the first word fast.
-			{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: t, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond}},
+			chat,
 			{Name: "completions", Prefix: "/v1/completions", Upstream: upstream, Timeouts: t},
 			{Name: "anthropic", Prefix: "/v1/messages", Upstream: upstream, Timeouts: t},
 			{Name: "ollama", Prefix: "/api/", Upstream: upstream, Timeouts: t},
@@ -147,8 +164,20 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	wg.Wait()
 	wall := time.Since(start)
 	col.wait(*n - int(failed.Load()))
-	rep := p.Stats().Query(stats.Query{Window: "all", GroupBy: []string{"route"}})
-	printStats(out, rep)
+	groupBy := []string{"route"}
+	if *canary {
+		groupBy = append(groupBy, "upstream")
+	}
+	printStats(out, p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy}))
+	if *canary {
+		fmt.Fprintln(out)
+		c, err := p.Stats().Compare("chat", "stable", "canary", "all", 0)
+		if err != nil {
+			fmt.Fprintln(out, "no verdict:", err)
+		} else {
+			printComparison(out, c)
+		}
+	}
 	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). Times in ms at tokentap's client side; TTFT is the first\n"+
 		"token of any kind, TTFA the first answer token (reasoning models wait between the two); ITL is every\n"+
 		"gap between tokens. Goodput: the share of requests that met every SLO of their route.\n",

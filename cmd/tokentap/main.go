@@ -5,6 +5,7 @@
 //	tokentap -config configs/tokentap.yaml            # routes, models, timeouts
 //	tokentap demo [-serve 127.0.0.1:9090]             # simulated backend + traffic (+ dashboard)
 //	tokentap stats -admin http://127.0.0.1:9090       # the live percentile table
+//	tokentap compare -route chat [stable canary]      # the verdict on two upstreams
 package main
 
 import (
@@ -28,7 +29,7 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if len(os.Args) > 1 {
-		sub := map[string]func(context.Context, []string, io.Writer) error{"demo": runDemo, "stats": runStats}
+		sub := map[string]func(context.Context, []string, io.Writer) error{"demo": runDemo, "stats": runStats, "compare": runCompare}
 		if f, ok := sub[os.Args[1]]; ok {
 			if err := f(ctx, os.Args[2:], os.Stdout); err != nil {
 				fmt.Fprintf(os.Stderr, "tokentap %s: %v\n", os.Args[1], err)

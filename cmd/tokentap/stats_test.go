@@ -5,15 +5,20 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/metrics/stats"
 )
 
 const statsConfig = `
@@ -292,6 +297,80 @@ func TestPrometheusRules(t *testing.T) {
 		cmd.Dir = "../../examples/prometheus"
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Errorf("promtool %v: %v\n%s", args, err, out)
+		}
+	}
+}
+
+// TestCompareEndToEnd: a route split 50/50 between two simulated backends
+// whose prefill differs by 10%: /stats?compare and `tokentap compare`
+// find the TTFT difference outside the noise, with its interval.
+func TestCompareEndToEnd(t *testing.T) {
+	start := func(prefill time.Duration) string {
+		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond, Jitter: 0.05})}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		return "http://" + ln.Addr().String()
+	}
+	a, b := start(40*time.Millisecond), start(44*time.Millisecond)
+	route := fmt.Sprintf("cmp%d", statsRuns.Add(1))
+	cfg := writeFile(t, fmt.Sprintf("routes:\n  - name: %s\n    prefix: /\n    upstreams:\n      - {name: stable, url: %q}\n      - {name: canary, url: %q}\n", route, a, b))
+	listen, admin := freeAddr(t), freeAddr(t)
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", ""})
+	defer prog.stop()
+	waitUp(t, "http://"+admin+"/healthz")
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 60 {
+				resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
+					strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		}()
+	}
+	wg.Wait()
+	base := "http://" + admin
+	var c stats.Comparison
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		getJSON(t, base+"/stats?route="+route+"&compare=stable,canary&window=all", &c)
+		if c.CountA+c.CountB == 240 || time.Now().After(deadline) {
+			break
+		}
+	}
+	if c.CountA+c.CountB != 240 || c.CountA < 80 || c.CountB < 80 {
+		t.Fatalf("counts %d + %d", c.CountA, c.CountB)
+	}
+	var p50 stats.Diff
+	for _, d := range c.Measures {
+		if d.Name == "ttft_ms" && d.Quantile == "p50" {
+			p50 = d
+		}
+	}
+	if !p50.Significant || p50.RelativeDiff < 0.04 || p50.RelativeDiff > 0.2 || p50.CILow <= 0 {
+		t.Errorf("TTFT p50: %+v, want about +10%% outside the noise", p50)
+	}
+	var out strings.Builder
+	if err := runCompare(context.Background(), []string{"-admin", base, "-route", route, "-window", "all", "stable", "canary"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if s := out.String(); !strings.Contains(s, "ttft p50 (ms)") || !strings.Contains(s, "outside the noise") || !strings.Contains(s, "canary") {
+		t.Errorf("tokentap compare printed:\n%s", s)
+	}
+	for _, q := range []string{"compare=stable", "compare=stable,nope", "compare=a,b&route="} {
+		var e map[string]any
+		if code := getJSON(t, base+"/stats?route="+route+"&"+q, &e); code < 400 || e["error"] == nil {
+			t.Errorf("%s: %d %v", q, code, e)
 		}
 	}
 }

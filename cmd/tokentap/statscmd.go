@@ -37,29 +37,9 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 	if *route != "" {
 		q.Set("route", *route)
 	}
-	u := strings.TrimRight(*adminURL, "/") + "/stats?" + q.Encode()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+q.Encode())
 	if err != nil {
-		return fmt.Errorf("-admin: %w", err)
-	}
-	if *tokenFile != "" {
-		tok, err := readToken(*tokenFile)
-		if err != nil {
-			return fmt.Errorf("-token-file: %w", err)
-		}
-		req.Header.Set("Authorization", "Bearer "+tok)
-	}
-	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
-	if err != nil {
-		return fmt.Errorf("cannot read /stats: %w", err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	if err != nil {
-		return fmt.Errorf("cannot read /stats: %w", err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("/stats answered %s: %s", resp.Status, strings.TrimSpace(string(body)))
+		return err
 	}
 	if *asJSON {
 		_, err := out.Write(body)
@@ -72,4 +52,33 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 	fmt.Fprintf(out, "window %s (%.0f s covered), at %s\n", rep.Window, rep.WindowS, rep.GeneratedAt.Format(time.RFC3339))
 	printStats(out, rep)
 	return nil
+}
+
+// adminGet reads path from the admin listener at base, with the bearer
+// token of tokenFile when one is given.
+func adminGet(ctx context.Context, base, tokenFile, path string) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(base, "/")+path, nil)
+	if err != nil {
+		return nil, fmt.Errorf("-admin: %w", err)
+	}
+	if tokenFile != "" {
+		tok, err := readToken(tokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("-token-file: %w", err)
+		}
+		req.Header.Set("Authorization", "Bearer "+tok)
+	}
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("cannot read %s: %w", path, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("cannot read %s: %w", path, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s answered %s: %s", path, resp.Status, strings.TrimSpace(string(body)))
+	}
+	return body, nil
 }

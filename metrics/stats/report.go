@@ -50,8 +50,8 @@ type Group struct {
 func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream} }
 
 // dists returns the group's measures in the order of the m* constants.
-func (g *Group) dists() [numMeasures]*Dist {
-	return [numMeasures]*Dist{&g.TTFT, &g.TTFA, &g.ITL, &g.TPOT, &g.E2E, &g.Queue, &g.Overhead, &g.UpstreamTTFB, &g.ClientTTFT, &g.ClientTTFA, &g.ClientE2E}
+func (g *Group) dists() [numPublic]*Dist {
+	return [numPublic]*Dist{&g.TTFT, &g.TTFA, &g.ITL, &g.TPOT, &g.E2E, &g.Queue, &g.Overhead, &g.UpstreamTTFB, &g.ClientTTFT, &g.ClientTTFA, &g.ClientE2E}
 }
 
 // Goodput is the share of judged requests that met their SLO.

@@ -19,7 +19,11 @@ const (
 	mClientTTFT
 	mClientTTFA
 	mClientE2E
-	numMeasures
+	numPublic // the measures above are /stats fields; those below are not
+	// mTokensPerS is each request's output tokens per second of its E2E,
+	// for comparing throughput per request in flight.
+	mTokensPerS = numPublic
+	numMeasures = numPublic + 1
 )
 
 // agg is what a span of time holds for one group: counts and one
@@ -80,6 +84,9 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 	put(mClientTTFT, r.ClientTTFT)
 	put(mClientTTFA, r.ClientTTFA)
 	put(mClientE2E, r.ClientE2E)
+	if r.OutputTokens > 0 && r.E2E > 0 {
+		a.d[mTokensPerS].add(float64(r.OutputTokens) / r.E2E.Seconds())
+	}
 	a.d[mITL].addAll(gaps)
 }
 

@@ -1,0 +1,104 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net/url"
+	"slices"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/tokentap/tokentap/metrics/stats"
+)
+
+// runCompare is `tokentap compare`: the verdict on two upstreams of a
+// route, from a running tokentap's /stats. Without A and B it compares
+// the route's two busiest upstreams, the busier as A (the baseline).
+func runCompare(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("tokentap compare", flag.ContinueOnError)
+	adminURL := fs.String("admin", "http://127.0.0.1:9090", "the admin listener's base URL")
+	route := fs.String("route", "", "the route (required)")
+	window := fs.String("window", "5m", "1m, 5m, 1h or all")
+	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
+	asJSON := fs.Bool("json", false, "print the JSON as it came")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *route == "" {
+		return fmt.Errorf("-route is required")
+	}
+	if !stats.ValidWindow(*window) {
+		return fmt.Errorf("-window must be 1m, 5m, 1h or all")
+	}
+	a, b := fs.Arg(0), fs.Arg(1)
+	if fs.NArg() != 0 && fs.NArg() != 2 {
+		return fmt.Errorf("give two upstreams, or none")
+	}
+	if a == "" {
+		body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "group_by": {"upstream"}}.Encode())
+		if err != nil {
+			return err
+		}
+		var rep stats.Report
+		if err := json.Unmarshal(body, &rep); err != nil {
+			return fmt.Errorf("/stats: %w", err)
+		}
+		slices.SortFunc(rep.Groups, func(x, y stats.Group) int { return int(y.Count - x.Count) })
+		if len(rep.Groups) < 2 || rep.Groups[1].Upstream == "" {
+			return fmt.Errorf("route %s has no two upstreams with requests in the window", *route)
+		}
+		a, b = rep.Groups[0].Upstream, rep.Groups[1].Upstream
+	}
+	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "compare": {a + "," + b}}.Encode())
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		_, err := out.Write(body)
+		return err
+	}
+	var c stats.Comparison
+	if err := json.Unmarshal(body, &c); err != nil {
+		return fmt.Errorf("/stats: %w", err)
+	}
+	printComparison(out, c)
+	return nil
+}
+
+// printComparison prints a verdict as a table: per figure, both sides, the
+// difference with its 95% interval, and whether it is outside the noise.
+func printComparison(out io.Writer, c stats.Comparison) {
+	fmt.Fprintf(out, "route %s, window %s: %s (%d requests) against %s (%d requests)\n", c.Route, c.Window, c.B, c.CountB, c.A, c.CountA)
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "measure\t%s\t%s\tdifference (95%% interval)\t\n", c.A, c.B)
+	row := func(name string, d stats.Diff) {
+		verdict := "within noise"
+		if d.Significant {
+			verdict = "outside the noise"
+		}
+		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t%s\n", name, d.A, d.B, diffText(d), verdict)
+	}
+	if c.Through.Name != "" {
+		row("tokens/s per request", c.Through)
+	}
+	for _, d := range c.Measures {
+		row(strings.TrimSuffix(d.Name, "_ms")+" "+d.Quantile+" (ms)", d)
+	}
+	_ = tw.Flush()
+	pct := func(v *float64) string {
+		if v == nil {
+			return "-"
+		}
+		return fmt.Sprintf("%.1f%%", 100**v)
+	}
+	fmt.Fprintf(out, "goodput %s → %s; error rate %s → %s\n", pct(c.Goodput.A), pct(c.Goodput.B), pct(c.Errors.A), pct(c.Errors.B))
+	fmt.Fprintf(out, "intervals: %s\n", c.Method)
+}
+
+// diffText reads "+9% (+6% … +12%)".
+func diffText(d stats.Diff) string {
+	return fmt.Sprintf("%+.1f%% (%+.1f%% … %+.1f%%)", 100*d.RelativeDiff, 100*d.CILow, 100*d.CIHigh)
+}
