@@ -218,6 +218,10 @@ func (s *Set) Allowed(model []byte) bool {
 // model index from ModelIndex.
 func (s *Set) Series(route, model int) *Series { return s.series[route][model] }
 
+// AddGauge adds a gauge of this generation, read at scrape time. name
+// carries its labels, from the config only.
+func (s *Set) AddGauge(name string, f func() float64) { s.set.NewGauge(name, f) }
+
 // Register makes the set part of what /metrics exposes.
 func (s *Set) Register() { vm.RegisterSet(s.set) }
 

@@ -53,14 +53,21 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) *member {
 	case strings.HasPrefix(r.Sticky, "header:"):
 		key = h.Peek(r.Sticky[len("header:"):])
 	}
+	total := r.weights
+	if r.guard != nil && r.guard.tripped.Load() != nil {
+		total -= r.guard.candidate.weight
+		if total <= 0 {
+			total = r.weights // nothing else takes requests: keep them flowing
+		}
+	}
 	if len(key) > 0 {
-		return r.byWeight(int(maphash.Bytes(stickySeed, key) % uint64(r.weights)))
+		return r.byWeight(int(maphash.Bytes(stickySeed, key)%uint64(total)), total != r.weights)
 	}
 	if r.Balance == BalanceLeastInflight {
 		var best *member
 		var bestN int64
 		for _, m := range r.members {
-			if m.weight == 0 {
+			if m.weight == 0 || total != r.weights && r.excluded(m) {
 				continue
 			}
 			if n := m.inflight.Load(); best == nil || n < bestN || n == bestN && m.weight > best.weight {
@@ -69,12 +76,16 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) *member {
 		}
 		return best
 	}
-	return r.byWeight(rand.IntN(r.weights))
+	return r.byWeight(rand.IntN(total), total != r.weights)
 }
 
-// byWeight returns the member whose share of [0, weights) holds at.
-func (r *route) byWeight(at int) *member {
+// byWeight returns the member whose share of [0, total) holds at; with
+// skip, the tripped guard's candidate has no share.
+func (r *route) byWeight(at int, skip bool) *member {
 	for _, m := range r.members {
+		if skip && r.excluded(m) {
+			continue
+		}
 		if at < m.weight {
 			return m
 		}

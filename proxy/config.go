@@ -93,6 +93,8 @@ type Route struct {
 	// Sticky keeps a user on one upstream: "tenant", or "header:NAME"
 	// (the value of that request header); empty: none.
 	Sticky string
+	// Guard stops a canary upstream that is worse than its baseline.
+	Guard *Guard
 	// StripPrefix removes Prefix from the path before forwarding.
 	StripPrefix bool
 	// Dialect names the API the route speaks (see dialect.All); empty means
@@ -292,8 +294,8 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
 		}
-		if r.Balance != "" || r.Sticky != "" {
-			return fieldErr(field("balance"), "balance and sticky need upstreams")
+		if r.Balance != "" || r.Sticky != "" || r.Guard != nil {
+			return fieldErr(field("balance"), "balance, sticky and guard need upstreams")
 		}
 		return nil
 	}
@@ -326,6 +328,20 @@ func (r *Route) validUpstreams(field func(string) string) error {
 	}
 	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && (!ok || !validToken(h)) {
 		return fieldErr(field("sticky"), "must be tenant or header:NAME, got %q", r.Sticky)
+	}
+	if g := r.Guard; g != nil {
+		switch {
+		case !names[g.Candidate]:
+			return fieldErr(field("guard.candidate"), "%q is not one of the route's upstreams", g.Candidate)
+		case !names[g.Baseline] || g.Baseline == g.Candidate:
+			return fieldErr(field("guard.baseline"), "%q is not another of the route's upstreams", g.Baseline)
+		case g.Window != "" && g.Window != "1m" && g.Window != "5m" && g.Window != "1h":
+			return fieldErr(field("guard.window"), "must be 1m, 5m or 1h, got %q", g.Window)
+		case g.MinRequests < 0:
+			return fieldErr(field("guard.min_requests"), "must not be negative")
+		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
+			return fieldErr(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
+		}
 	}
 	return nil
 }

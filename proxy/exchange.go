@@ -1048,6 +1048,9 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.releaseTicket()
 	x.snap.metrics.Observe(rec)
 	x.p.stats.Observe(rec, x.m.gaps)
+	if x.rt != nil && x.rt.guard != nil {
+		x.p.checkGuard(x.rt, x.p.statsNow())
+	}
 	for _, s := range x.p.opts.Sinks {
 		s.Observe(rec)
 	}

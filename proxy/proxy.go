@@ -91,6 +91,7 @@ type Proxy struct {
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
 	stats    *stats.Engine
+	statsNow func() time.Time
 }
 
 // snapshot is one immutable configuration generation with everything
@@ -108,6 +109,7 @@ type route struct {
 	index   int
 	members []*member       // its upstreams: one, or Route.Upstreams
 	weights int             // the members' weights summed
+	guard   *guardState     // nil: none
 	dialect dialect.Dialect // nil: chosen per request from the path
 }
 
@@ -128,7 +130,7 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 	if statsNow == nil {
 		statsNow = opts.Now
 	}
-	p.stats = stats.New(stats.Options{Now: statsNow})
+	p.stats, p.statsNow = stats.New(stats.Options{Now: statsNow}), statsNow
 	if err := p.Apply(cfg); err != nil {
 		return nil, err
 	}
@@ -161,10 +163,33 @@ func (p *Proxy) Apply(cfg Config) error {
 			rt.weights += u.Weight
 			rows = append(rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
 		}
+		if r.Guard != nil {
+			g := &guardState{Guard: *r.Guard}
+			if g.MinRequests == 0 {
+				g.MinRequests = 200
+			}
+			for _, m := range rt.members {
+				if m.name == g.Candidate {
+					g.candidate = m
+				}
+			}
+			g.armedAt.Store(p.statsNow().UnixNano())
+			rt.guard = g
+		}
 		s.routes = append(s.routes, rt)
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
 	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO()})
+	for _, rt := range s.routes {
+		if g := rt.guard; g != nil {
+			s.metrics.AddGauge(fmt.Sprintf(`tokentap_guard_tripped{route=%q,upstream=%q}`, rt.Name, g.Candidate), func() float64 {
+				if g.tripped.Load() != nil {
+					return 1
+				}
+				return 0
+			})
+		}
+	}
 	old := p.snap.Load()
 	if cfg.Admission != nil {
 		var prev *ratelimit.Admitter

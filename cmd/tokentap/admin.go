@@ -157,6 +157,17 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 	case "/debug/pprof/", "/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/allocs", "/debug/pprof/goroutine", "/debug/pprof/trace",
 		"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/block", "/debug/pprof/mutex", "/debug/pprof/threadcreate":
 		pprofhandler.PprofHandler(ctx)
+	case "/-/guard/reset":
+		if !ctx.IsPost() {
+			ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
+			ctx.SetBodyString("use POST\n")
+			return
+		}
+		if !a.p.ResetGuard(string(ctx.QueryArgs().Peek("route"))) {
+			ctx.SetBodyString("no tripped guard\n")
+			return
+		}
+		ctx.SetBodyString("reset\n")
 	case "/-/reload", "/-/reopen":
 		if !ctx.IsPost() {
 			ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
@@ -228,7 +239,14 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString(`{"error":"group_by takes route, model, tenant and upstream, comma separated"}` + "\n")
 		return
 	}
-	writeJSON(ctx, a.p.Stats().Query(q))
+	rep := a.p.Stats().Query(q)
+	for _, g := range a.p.Guards() {
+		if q.Route == "" || q.Route == g.Route {
+			rep.Guards = append(rep.Guards, g)
+			rep.Warnings = append(rep.Warnings, stats.GuardWarning(g))
+		}
+	}
+	writeJSON(ctx, rep)
 }
 
 func writeJSON(ctx *fasthttp.RequestCtx, v any) {

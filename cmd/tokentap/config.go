@@ -72,6 +72,18 @@ type fileRoute struct {
 	Upstreams []fileUpstream `yaml:"upstreams"`
 	Balance   string         `yaml:"balance"`
 	Sticky    string         `yaml:"sticky"`
+	Guard     *fileGuard     `yaml:"guard"`
+}
+
+// fileGuard is a route's canary guard.
+type fileGuard struct {
+	Candidate            string `yaml:"candidate"`
+	Baseline             string `yaml:"baseline"`
+	Window               string `yaml:"window"`
+	MinRequests          int64  `yaml:"min_requests"`
+	MaxTTFTP95Increase   share  `yaml:"max_ttft_p95_increase"`
+	MaxE2EP95Increase    share  `yaml:"max_e2e_p95_increase"`
+	MaxErrorRateIncrease share  `yaml:"max_error_rate_increase"`
 }
 
 // fileUpstream is one of a route's upstreams; weight defaults to 1.
@@ -385,6 +397,11 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
 			SLO: r.SLO.slo(), Balance: r.Balance, Sticky: r.Sticky,
 		})
+		if g := r.Guard; g != nil {
+			s.proxy.Routes[len(s.proxy.Routes)-1].Guard = &proxy.Guard{Candidate: g.Candidate, Baseline: g.Baseline, Window: g.Window,
+				MinRequests: g.MinRequests, MaxTTFTP95Increase: float64(g.MaxTTFTP95Increase), MaxE2EP95Increase: float64(g.MaxE2EP95Increase),
+				MaxErrorRateIncrease: float64(g.MaxErrorRateIncrease)}
+		}
 		for _, u := range r.Upstreams {
 			w := 1
 			if u.Weight != nil {

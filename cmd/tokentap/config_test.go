@@ -122,6 +122,12 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f(ups+"    upstreams: [{name: s, url: http://y}]\n    balance: fastest\n", nil, ":5:", "routes[0].balance", "least_inflight")
 	f(ups+"    upstreams: [{name: s, url: http://y}]\n    sticky: \"header:\"\n", nil, ":5:", "routes[0].sticky", "header:NAME")
 	f(ups+"    upstream: http://x\n    sticky: tenant\n", nil, "routes[0].balance", "need upstreams")
+	two := ups + "    upstreams: [{name: s, url: http://y}, {name: c, url: http://z}]\n"
+	f(two+"    guard: {candidate: x, baseline: s, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.candidate", "not one of")
+	f(two+"    guard: {candidate: c, baseline: c, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.baseline")
+	f(two+"    guard: {candidate: c, baseline: s, window: 2m, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.window", "1m, 5m or 1h")
+	f(two+"    guard: {candidate: c, baseline: s}\n", nil, "routes[0].guard", "at least one limit")
+	f(two+"    guard: {candidate: c, baseline: s, max_e2e_p95_increase: lots}\n", nil, ":5:", "routes[0].guard.max_e2e_p95_increase", "share")
 	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {p99: 1s}\n", nil, ":5:", "routes[0].slo", "unknown field p99")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    ttft: [1, 0.5]\n", nil, ":4:", "metrics.buckets.ttft", "increasing")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    latency: [1]\n", nil, ":4:", "metrics.buckets.latency", "unknown measure")
@@ -142,13 +148,15 @@ func TestRouteWithSeveralUpstreams(t *testing.T) {
       - {name: spare, url: "http://10.0.0.3:8000"}
     balance: least_inflight
     sticky: "header:X-User"
+    guard: {candidate: canary, baseline: stable, window: 1m, min_requests: 50, max_ttft_p95_increase: 10%, max_error_rate_increase: 1%}
 `)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := s.proxy.Routes[0]
 	if len(r.Upstreams) != 3 || r.Upstreams[0] != (proxy.Upstream{Name: "stable", URL: "http://10.0.0.1:8000", Weight: 90}) ||
-		r.Upstreams[1].Weight != 10 || r.Upstreams[2].Weight != 1 || r.Balance != "least_inflight" || r.Sticky != "header:X-User" {
+		r.Upstreams[1].Weight != 10 || r.Upstreams[2].Weight != 1 || r.Balance != "least_inflight" || r.Sticky != "header:X-User" ||
+		r.Guard == nil || *r.Guard != (proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 50, MaxTTFTP95Increase: 0.1, MaxErrorRateIncrease: 0.01}) {
 		t.Fatalf("route %+v", r)
 	}
 }

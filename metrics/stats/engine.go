@@ -239,7 +239,7 @@ func (e *Engine) Query(q Query) Report {
 	}
 	now := e.now()
 	s := e.sync(now)
-	rep := Report{Window: q.Window, GeneratedAt: now.UTC(), Groups: []Group{}, Warnings: []Warning{}}
+	rep := Report{Window: q.Window, GeneratedAt: now.UTC(), Groups: []Group{}, Warnings: []Warning{}, Guards: []TrippedGuard{}}
 	e.mu.RLock()
 	list := slices.Clone(e.list)
 	e.mu.RUnlock()

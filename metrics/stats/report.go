@@ -18,6 +18,9 @@ type Report struct {
 	GeneratedAt time.Time `json:"generated_at"`
 	Groups      []Group   `json:"groups"`
 	Warnings    []Warning `json:"warnings"`
+	// Guards are the canary guards tripped now (set by the admin
+	// listener, which knows the routes).
+	Guards []TrippedGuard `json:"guards"`
 }
 
 // Group is one route × model × tenant × upstream over the window.

@@ -49,6 +49,7 @@ const (
 	WarnQueue     = "queue_dominates" // admission queue time dominates TTFT
 	WarnOverhead  = "overhead"        // tokentap's own time above the threshold
 	WarnGoodput   = "goodput"         // goodput under its SLO target
+	WarnGuard     = "guard_tripped"   // a canary guard stopped its candidate
 )
 
 // Warning says what looks wrong, where, and the numbers that say so.
@@ -181,4 +182,11 @@ func maxTime(a, b time.Time) time.Time {
 		return a
 	}
 	return b
+}
+
+// GuardWarning is the warning that shows a tripped guard.
+func GuardWarning(g TrippedGuard) Warning {
+	return Warning{Kind: WarnGuard, Route: g.Route, Upstream: g.Candidate, Values: g.Values,
+		Message: fmt.Sprintf("route %s: the canary guard stopped upstream %s (no new requests) at %s: %s, against %s",
+			g.Route, g.Candidate, g.At.Format(time.RFC3339), g.Reason, g.Baseline)}
 }
