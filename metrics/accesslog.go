@@ -390,6 +390,10 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	if r.Unacked {
 		f = append(f, zap.Bool("unacked", true))
 	}
+	if r.Attempts > 1 {
+		f = append(f, zap.Int("attempts", r.Attempts))
+	}
+	ms("failover_ms", r.FailoverWait)
 	if r.ClientRetrans > 0 {
 		f = append(f, zap.Int("client_retrans", r.ClientRetrans))
 	}

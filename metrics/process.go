@@ -47,3 +47,9 @@ func ConnRefused(reason string) { connsRefused[reason].Inc() }
 func ClientConnsGauge(f func() float64) {
 	vm.GetOrCreateGauge("tokentap_client_conns", f)
 }
+
+// Failover counts a request sent on from upstream from of route for
+// reason (label values from the config and a fixed list).
+func Failover(route, from, reason string) {
+	vm.GetOrCreateCounter(`tokentap_failovers_total{route="` + route + `",from="` + from + `",reason="` + reason + `"}`).Inc()
+}

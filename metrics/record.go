@@ -89,9 +89,13 @@ type Record struct {
 	// not inflate it); ClientSRTT the smoothed one (they do).
 	ClientRTT  time.Duration
 	ClientSRTT time.Duration
-	ClientTTFT time.Duration // client sent its request → first token reached it
-	ClientTTFA time.Duration // → first answer token reached it
-	ClientE2E  time.Duration // → last byte reached it
+	// Attempts is the upstreams the request was sent to (more than one
+	// after a failover); FailoverWait the time spent on those that failed.
+	Attempts     int
+	FailoverWait time.Duration
+	ClientTTFT   time.Duration // client sent its request → first token reached it
+	ClientTTFA   time.Duration // → first answer token reached it
+	ClientE2E    time.Duration // → last byte reached it
 
 	// Server-side timings, when the backend reports them.
 	ServerQueue   time.Duration
@@ -139,7 +143,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
-		ClientSRTT: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1,
+		ClientSRTT: Absent, FailoverWait: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1,
 	}
 }
 

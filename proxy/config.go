@@ -95,6 +95,8 @@ type Route struct {
 	Sticky string
 	// Guard stops a canary upstream that is worse than its baseline.
 	Guard *Guard
+	// Failover sends a failed request to the route's next upstream.
+	Failover *Failover
 	// StripPrefix removes Prefix from the path before forwarding.
 	StripPrefix bool
 	// Dialect names the API the route speaks (see dialect.All); empty means
@@ -294,8 +296,8 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
 		}
-		if r.Balance != "" || r.Sticky != "" || r.Guard != nil {
-			return fieldErr(field("balance"), "balance, sticky and guard need upstreams")
+		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil {
+			return fieldErr(field("balance"), "balance, sticky, guard and failover need upstreams")
 		}
 		return nil
 	}
@@ -328,6 +330,19 @@ func (r *Route) validUpstreams(field func(string) string) error {
 	}
 	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && (!ok || !validToken(h)) {
 		return fieldErr(field("sticky"), "must be tenant or header:NAME, got %q", r.Sticky)
+	}
+	if fo := r.Failover; fo != nil {
+		for i, on := range fo.On {
+			if on != FailoverConnect && on != FailoverStatus5xx && on != FailoverFirstToken {
+				return fieldErr(field(fmt.Sprintf("failover.on[%d]", i)), "must be %s, %s or %s, got %q", FailoverConnect, FailoverStatus5xx, FailoverFirstToken, on)
+			}
+		}
+		switch {
+		case len(fo.On) == 0:
+			return fieldErr(field("failover.on"), "name at least one failure")
+		case fo.on(FailoverFirstToken) && fo.FirstTokenTimeout <= 0:
+			return fieldErr(field("failover.first_token_timeout"), "must be positive with first_token_timeout in on")
+		}
 	}
 	if g := r.Guard; g != nil {
 		switch {

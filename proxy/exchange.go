@@ -86,6 +86,13 @@ type exchange struct {
 	stray    bool // bytes came after the end of the response
 	finished bool
 
+	// Failover (failover.go).
+	connectFailed  bool          // the last attempt could not connect
+	tried          []*member     // upstreams tried before the current one
+	attemptAt      time.Time     // when the current attempt began
+	modelIdx       int           // the model's metric index
+	firstByteLimit time.Duration // bounds the wait for the response header (failover)
+
 	// The client connection's delivery (clientside.go).
 	cc       *clientConn
 	sentFrom int64
@@ -125,7 +132,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 		body = nil // a large body's buffer goes with its request
 	}
 	*x = exchange{
-		p: p, id: x.id[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
+		p: p, id: x.id[:0], tried: x.tried[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
 		held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, ti: x.ti,
@@ -230,7 +237,8 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	rec.Stream = req.Stream
 	x.stream = req.Stream
 	x.m.items = req.Items
-	rec.Series = snap.metrics.Series(x.mem.row, snap.metrics.ModelIndex(model))
+	x.modelIdx = snap.metrics.ModelIndex(model)
+	rec.Series = snap.metrics.Series(x.mem.row, x.modelIdx)
 	x.m.live = rec.Series
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		return refuseModel
@@ -314,6 +322,23 @@ func (x *exchange) admit() *refusal {
 // forward builds the upstream request and sends it, up to the response
 // headers.
 func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
+	x.attemptAt = x.p.now()
+	x.rec.Attempts = 1
+	if fo := x.rt.Failover; fo != nil && fo.FirstTokenTimeout > 0 && fo.on(FailoverFirstToken) {
+		x.firstByteLimit = fo.FirstTokenTimeout
+	}
+	for {
+		err := x.attempt(ctx)
+		reason := x.failoverReason(ctx, err)
+		if reason == "" || x.cancel.isGone() || !x.failover(reason) {
+			return x.forwardResult(err)
+		}
+	}
+}
+
+// attempt builds the upstream request for the chosen upstream and sends
+// it, up to the response headers.
+func (x *exchange) attempt(ctx *fasthttp.RequestCtx) error {
 	r, body := x.rt, x.body0
 	// prepareRequest drops inbound X-Tokentap-* headers, the tenant's too.
 	x.scratch = prepareRequest(ctx, x.req, r, x.up, x.path, x.query, body, x.id, x.scratch)
@@ -331,7 +356,12 @@ func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
 			x.strip = true
 		}
 	}
-	err := x.roundTrip(ctx.IsHead())
+	return x.roundTrip(ctx.IsHead())
+}
+
+// forwardResult turns the last attempt's error into the request's
+// refusal, or nil.
+func (x *exchange) forwardResult(err error) *refusal {
 	switch {
 	case err == nil:
 		return nil
@@ -360,6 +390,7 @@ func (x *exchange) roundTrip(head bool) error {
 	for attempt := 0; ; attempt++ {
 		c, err := up.get(context.Background(), attempt > 0)
 		if err != nil {
+			x.connectFailed = true
 			return err
 		}
 		if !x.cancel.attach(c.Conn) {
@@ -370,6 +401,7 @@ func (x *exchange) roundTrip(head bool) error {
 		if c.reused {
 			acked = c.ackedBefore()
 		}
+		c.headerLimit = x.firstByteLimit
 		written, err := c.send(x.req, x.resp, head)
 		x.m.written = written
 		if err == nil {

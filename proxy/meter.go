@@ -20,6 +20,7 @@ import (
 // at the end.
 type meter struct {
 	arrival, written                time.Time
+	lost                            time.Duration // on attempts that failed over
 	firstByteRead, firstByteFlush   time.Time
 	firstTokenRead, firstTokenFlush time.Time
 	firstAnswerFlush                time.Time
@@ -187,7 +188,12 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 		rec.ITLMax = m.gaps[n-1]
 	}
 	if !m.written.IsZero() {
-		o := m.written.Sub(m.arrival) - max(rec.Queue, 0)
+		// Attempts that failed over are the backends' time, not
+		// tokentap's: they are reported apart (failover_ms).
+		o := m.written.Sub(m.arrival) - max(rec.Queue, 0) - m.lost
+		if m.lost > 0 {
+			rec.FailoverWait = m.lost
+		}
 		switch {
 		case !m.firstTokenFlush.IsZero():
 			o += m.firstTokenFlush.Sub(m.firstTokenRead)

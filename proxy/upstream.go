@@ -93,16 +93,19 @@ func trimSlash(s string) string {
 // length of a healthy stream, and it stamps the first byte of a response.
 type upConn struct {
 	net.Conn
-	up       *upstream
-	br       *bufio.Reader
-	bw       *bufio.Writer
-	timeout  time.Duration
-	setAt    time.Time     // when the read deadline was last moved
-	setFor   time.Duration // the timeout it was moved for
-	armed    bool          // waiting for the first response byte
-	first    time.Time     // when it came
-	lastUsed time.Time
-	reused   bool
+	up *upstream
+	br *bufio.Reader
+	// headerLimit, when set, shortens the wait for the response header
+	// below the upstream's first-byte timeout (a route's failover).
+	headerLimit time.Duration
+	bw          *bufio.Writer
+	timeout     time.Duration
+	setAt       time.Time     // when the read deadline was last moved
+	setFor      time.Duration // the timeout it was moved for
+	armed       bool          // waiting for the first response byte
+	first       time.Time     // when it came
+	lastUsed    time.Time
+	reused      bool
 
 	// What the backend allows of this connection, from its Keep-Alive
 	// response header: requests left (-1: no limit) and the time it may
@@ -446,6 +449,9 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 		return written, fmt.Errorf("%w: %w", errWriteUpstream, err)
 	}
 	c.timeout = c.up.t.FirstByte
+	if c.headerLimit > 0 {
+		c.timeout = min(c.timeout, c.headerLimit)
+	}
 	c.armed = true
 	resp.StreamBody = true
 	resp.SkipBody = head

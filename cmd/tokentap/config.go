@@ -73,6 +73,13 @@ type fileRoute struct {
 	Balance   string         `yaml:"balance"`
 	Sticky    string         `yaml:"sticky"`
 	Guard     *fileGuard     `yaml:"guard"`
+	Failover  *fileFailover  `yaml:"failover"`
+}
+
+// fileFailover is a route's failover.
+type fileFailover struct {
+	On                []string `yaml:"on"`
+	FirstTokenTimeout duration `yaml:"first_token_timeout"`
 }
 
 // fileGuard is a route's canary guard.
@@ -397,6 +404,9 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
 			SLO: r.SLO.slo(), Balance: r.Balance, Sticky: r.Sticky,
 		})
+		if fo := r.Failover; fo != nil {
+			s.proxy.Routes[len(s.proxy.Routes)-1].Failover = &proxy.Failover{On: fo.On, FirstTokenTimeout: fo.FirstTokenTimeout.d}
+		}
 		if g := r.Guard; g != nil {
 			s.proxy.Routes[len(s.proxy.Routes)-1].Guard = &proxy.Guard{Candidate: g.Candidate, Baseline: g.Baseline, Window: g.Window,
 				MinRequests: g.MinRequests, MaxTTFTP95Increase: float64(g.MaxTTFTP95Increase), MaxE2EP95Increase: float64(g.MaxE2EP95Increase),

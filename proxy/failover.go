@@ -1,0 +1,124 @@
+package proxy
+
+import (
+	"slices"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/valyala/fasthttp"
+)
+
+// Failover sends a request whose upstream failed before any response byte
+// reached the client to the route's next upstream: at most once to each,
+// never after a byte went to the client, never for a client that left.
+type Failover struct {
+	// On lists the failures that fail over: FailoverConnect (the upstream
+	// could not be reached), FailoverStatus5xx (it answered 5xx),
+	// FailoverFirstToken (no body byte within FirstTokenTimeout of the
+	// request written).
+	On []string
+	// FirstTokenTimeout bounds the wait for the first byte of the body: a
+	// backend queueing too long is cut (closing its connection cancels the
+	// work) and the next one tried. The response headers are held back
+	// until then, so a failover is never seen by the client.
+	FirstTokenTimeout time.Duration
+}
+
+// The failures a route can fail over on.
+const (
+	FailoverConnect    = "connect"
+	FailoverStatus5xx  = "status_5xx"
+	FailoverFirstToken = "first_token_timeout"
+)
+
+func (f *Failover) on(reason string) bool { return f != nil && slices.Contains(f.On, reason) }
+
+// failoverReason says why the attempt that ended with err should fail
+// over, or "". On success it may wait for the first body byte
+// (first_token_timeout).
+func (x *exchange) failoverReason(ctx *fasthttp.RequestCtx, err error) string {
+	fo := x.rt.Failover
+	if fo == nil || len(x.rt.members) < 2 {
+		return ""
+	}
+	switch {
+	case err != nil && x.connectFailed:
+		if fo.on(FailoverConnect) {
+			return FailoverConnect
+		}
+	case err != nil && isTimeout(err) && x.conn == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0:
+		return FailoverFirstToken // no response header within the timeout
+	case err == nil && x.resp.StatusCode() >= 500:
+		if fo.on(FailoverStatus5xx) {
+			return FailoverStatus5xx
+		}
+	case err == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0 && !x.firstByteWithin(ctx, fo.FirstTokenTimeout):
+		return FailoverFirstToken
+	}
+	return ""
+}
+
+// firstByteWithin waits until the response body's first byte is in, at
+// most until timeout after the request was written. A response without a
+// body passes at once.
+func (x *exchange) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Duration) bool {
+	c, resp := x.conn, x.resp
+	if ctx.IsHead() || resp.StatusCode() < 200 || resp.StatusCode() == 204 || resp.StatusCode() == 304 ||
+		resp.Header.ContentLength() == 0 || c.br.Buffered() > 0 {
+		return true
+	}
+	left := timeout - x.p.now().Sub(x.m.written)
+	if left <= 0 {
+		return false
+	}
+	idle := c.timeout
+	c.timeout = left
+	_, err := c.br.Peek(1)
+	c.timeout = idle
+	return err == nil
+}
+
+// failover moves the request to the route's next upstream not tried yet
+// (in the route's order, among those taking requests). It reports false
+// when there is none.
+func (x *exchange) failover(reason string) bool {
+	next := x.nextMember()
+	if next == nil {
+		return false
+	}
+	now := x.p.now()
+	metrics.Failover(x.rt.Name, x.mem.name, reason)
+	if x.conn != nil {
+		x.up.discard(x.conn) // closing it cancels the backend's work
+		x.conn = nil
+	}
+	x.cancel.detach()
+	x.req.Reset()
+	x.resp.Reset()
+	x.m.lost += now.Sub(x.attemptAt)
+	x.attemptAt = now
+	x.tried = append(x.tried, x.mem)
+	x.mem.inflight.Add(-1)
+	x.mem = next
+	next.inflight.Add(1)
+	x.up = next.up
+	x.rec.Upstream = next.name
+	x.rec.Series = x.snap.metrics.Series(next.row, x.modelIdx)
+	x.rec.Attempts++
+	x.connectFailed, x.strip = false, false
+	return true
+}
+
+// nextMember returns the upstream after the current one in the route's
+// order that was not tried and takes requests, or nil.
+func (x *exchange) nextMember() *member {
+	ms := x.rt.members
+	at := slices.Index(ms, x.mem)
+	for i := 1; i < len(ms); i++ {
+		m := ms[(at+i)%len(ms)]
+		if m.weight > 0 && !x.rt.excluded(m) && !slices.Contains(x.tried, m) {
+			return m
+		}
+	}
+	return nil
+}
