@@ -342,6 +342,9 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	if r.Upstream != "" {
 		f = append(f, zap.String("upstream", r.Upstream))
 	}
+	if r.Shadow {
+		f = append(f, zap.Bool("shadow", true))
+	}
 	f = append(f,
 		zap.String("model", r.Model),
 		zap.String("tenant", r.Tenant),

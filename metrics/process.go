@@ -53,3 +53,9 @@ func ClientConnsGauge(f func() float64) {
 func Failover(route, from, reason string) {
 	vm.GetOrCreateCounter(`tokentap_failovers_total{route="` + route + `",from="` + from + `",reason="` + reason + `"}`).Inc()
 }
+
+// ShadowSkipped counts a shadow copy of route not sent: max_inflight
+// copies were in flight.
+func ShadowSkipped(route string) {
+	vm.GetOrCreateCounter(`tokentap_shadow_skipped_total{route="` + route + `"}`).Inc()
+}

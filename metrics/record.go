@@ -56,6 +56,7 @@ type Record struct {
 	RequestID string
 	Route     string
 	Upstream  string // the route's upstream it went to, by name ("" for a route with one)
+	Shadow    bool   // a copy sent to the route's shadow upstream, measured and discarded
 	Model     string // the model named in the request, as sent ("" if none)
 	Tenant    string
 	Method    string

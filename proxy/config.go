@@ -97,6 +97,9 @@ type Route struct {
 	Guard *Guard
 	// Failover sends a failed request to the route's next upstream.
 	Failover *Failover
+	// Shadow copies a share of requests to another upstream, measured
+	// and discarded.
+	Shadow *Shadow
 	// StripPrefix removes Prefix from the path before forwarding.
 	StripPrefix bool
 	// Dialect names the API the route speaks (see dialect.All); empty means
@@ -296,8 +299,8 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
 		}
-		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil {
-			return fieldErr(field("balance"), "balance, sticky, guard and failover need upstreams")
+		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil || r.Shadow != nil {
+			return fieldErr(field("balance"), "balance, sticky, guard, failover and shadow need upstreams")
 		}
 		return nil
 	}
@@ -330,6 +333,16 @@ func (r *Route) validUpstreams(field func(string) string) error {
 	}
 	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && (!ok || !validToken(h)) {
 		return fieldErr(field("sticky"), "must be tenant or header:NAME, got %q", r.Sticky)
+	}
+	if sh := r.Shadow; sh != nil {
+		switch {
+		case !names[sh.Upstream]:
+			return fieldErr(field("shadow.upstream"), "%q is not one of the route's upstreams", sh.Upstream)
+		case sh.Sample <= 0 || sh.Sample > 1:
+			return fieldErr(field("shadow.sample"), "must be a share above 0 and at most 1")
+		case sh.MaxInflight < 0:
+			return fieldErr(field("shadow.max_inflight"), "must not be negative")
+		}
 	}
 	if fo := r.Failover; fo != nil {
 		for i, on := range fo.On {

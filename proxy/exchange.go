@@ -93,6 +93,8 @@ type exchange struct {
 	modelIdx       int           // the model's metric index
 	firstByteLimit time.Duration // bounds the wait for the response header (failover)
 
+	shadow bool // a copy sent to the route's shadow upstream (shadow.go)
+
 	// The client connection's delivery (clientside.go).
 	cc       *clientConn
 	sentFrom int64
@@ -322,6 +324,7 @@ func (x *exchange) admit() *refusal {
 // forward builds the upstream request and sends it, up to the response
 // headers.
 func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
+	x.startShadow(ctx)
 	x.attemptAt = x.p.now()
 	x.rec.Attempts = 1
 	if fo := x.rt.Failover; fo != nil && fo.FirstTokenTimeout > 0 && fo.on(FailoverFirstToken) {
@@ -1076,17 +1079,23 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 
 	x.fillRecord(now)
 	x.fillClient()
-	x.judge()
-	x.releaseTicket()
-	x.snap.metrics.Observe(rec)
+	if !x.shadow {
+		// A copy counts in its upstream's /stats group and the access
+		// log only: never in goodput, the route's series or its guard.
+		x.judge()
+		x.releaseTicket()
+		x.snap.metrics.Observe(rec)
+	}
 	x.p.stats.Observe(rec, x.m.gaps)
-	if x.rt != nil && x.rt.guard != nil {
+	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		x.p.checkGuard(x.rt, x.p.statsNow())
 	}
 	for _, s := range x.p.opts.Sinks {
 		s.Observe(rec)
 	}
-	x.p.inflight.Add(-1)
+	if !x.shadow {
+		x.p.inflight.Add(-1)
+	}
 	x.p.releaseExchange(x)
 }
 

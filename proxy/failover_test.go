@@ -16,9 +16,13 @@ import (
 )
 
 func failoverCount(route, from, reason string) int {
+	return failoverCountName(fmt.Sprintf(`tokentap_failovers_total{route=%q,from=%q,reason=%q} `, route, from, reason))
+}
+
+// failoverCountName reads a process-wide counter by its name and labels.
+func failoverCountName(name string) int {
 	var b bytes.Buffer
 	vm.WritePrometheus(&b, false)
-	name := fmt.Sprintf(`tokentap_failovers_total{route=%q,from=%q,reason=%q} `, route, from, reason)
 	for _, line := range strings.Split(b.String(), "\n") {
 		if v, ok := strings.CutPrefix(line, name); ok {
 			var n int

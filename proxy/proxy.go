@@ -110,6 +110,7 @@ type route struct {
 	members []*member       // its upstreams: one, or Route.Upstreams
 	weights int             // the members' weights summed
 	guard   *guardState     // nil: none
+	shadow  *shadowState    // nil: none
 	dialect dialect.Dialect // nil: chosen per request from the path
 }
 
@@ -162,6 +163,18 @@ func (p *Proxy) Apply(cfg Config) error {
 			rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(rows)})
 			rt.weights += u.Weight
 			rows = append(rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
+		}
+		if r.Shadow != nil {
+			sh := &shadowState{Shadow: *r.Shadow}
+			if sh.MaxInflight == 0 {
+				sh.MaxInflight = 16
+			}
+			for _, m := range rt.members {
+				if m.name == sh.Upstream {
+					sh.member = m
+				}
+			}
+			rt.shadow = sh
 		}
 		if r.Guard != nil {
 			g := &guardState{Guard: *r.Guard}

@@ -74,6 +74,14 @@ type fileRoute struct {
 	Sticky    string         `yaml:"sticky"`
 	Guard     *fileGuard     `yaml:"guard"`
 	Failover  *fileFailover  `yaml:"failover"`
+	Shadow    *fileShadow    `yaml:"shadow"`
+}
+
+// fileShadow is a route's shadow traffic.
+type fileShadow struct {
+	Upstream    string `yaml:"upstream"`
+	Sample      share  `yaml:"sample"`
+	MaxInflight int    `yaml:"max_inflight"`
 }
 
 // fileFailover is a route's failover.
@@ -404,6 +412,9 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
 			SLO: r.SLO.slo(), Balance: r.Balance, Sticky: r.Sticky,
 		})
+		if sh := r.Shadow; sh != nil {
+			s.proxy.Routes[len(s.proxy.Routes)-1].Shadow = &proxy.Shadow{Upstream: sh.Upstream, Sample: float64(sh.Sample), MaxInflight: sh.MaxInflight}
+		}
 		if fo := r.Failover; fo != nil {
 			s.proxy.Routes[len(s.proxy.Routes)-1].Failover = &proxy.Failover{On: fo.On, FirstTokenTimeout: fo.FirstTokenTimeout.d}
 		}

@@ -127,6 +127,8 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f(two+"    guard: {candidate: c, baseline: c, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.baseline")
 	f(two+"    guard: {candidate: c, baseline: s, window: 2m, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.window", "1m, 5m or 1h")
 	f(two+"    guard: {candidate: c, baseline: s}\n", nil, "routes[0].guard", "at least one limit")
+	f(two+"    shadow: {upstream: x, sample: 5%}\n", nil, "routes[0].shadow.upstream", "not one of")
+	f(two+"    shadow: {upstream: c}\n", nil, "routes[0].shadow.sample", "above 0")
 	f(two+"    failover: {on: [timeout]}\n", nil, "routes[0].failover.on[0]", "connect, status_5xx or first_token_timeout")
 	f(two+"    failover: {on: [first_token_timeout]}\n", nil, "routes[0].failover.first_token_timeout", "positive")
 	f(two+"    guard: {candidate: c, baseline: s, max_e2e_p95_increase: lots}\n", nil, ":5:", "routes[0].guard.max_e2e_p95_increase", "share")
@@ -152,6 +154,7 @@ func TestRouteWithSeveralUpstreams(t *testing.T) {
     sticky: "header:X-User"
     guard: {candidate: canary, baseline: stable, window: 1m, min_requests: 50, max_ttft_p95_increase: 10%, max_error_rate_increase: 1%}
     failover: {on: [connect, status_5xx, first_token_timeout], first_token_timeout: 2s}
+    shadow: {upstream: spare, sample: 5%, max_inflight: 4}
 `)})
 	if err != nil {
 		t.Fatal(err)
@@ -160,7 +163,8 @@ func TestRouteWithSeveralUpstreams(t *testing.T) {
 	if len(r.Upstreams) != 3 || r.Upstreams[0] != (proxy.Upstream{Name: "stable", URL: "http://10.0.0.1:8000", Weight: 90}) ||
 		r.Upstreams[1].Weight != 10 || r.Upstreams[2].Weight != 1 || r.Balance != "least_inflight" || r.Sticky != "header:X-User" ||
 		r.Guard == nil || *r.Guard != (proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 50, MaxTTFTP95Increase: 0.1, MaxErrorRateIncrease: 0.01}) ||
-		r.Failover == nil || len(r.Failover.On) != 3 || r.Failover.FirstTokenTimeout != 2*time.Second {
+		r.Failover == nil || len(r.Failover.On) != 3 || r.Failover.FirstTokenTimeout != 2*time.Second ||
+		r.Shadow == nil || *r.Shadow != (proxy.Shadow{Upstream: "spare", Sample: 0.05, MaxInflight: 4}) {
 		t.Fatalf("route %+v", r)
 	}
 }

@@ -1,0 +1,98 @@
+package proxy
+
+import (
+	"math/rand/v2"
+	"sync/atomic"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/valyala/fasthttp"
+)
+
+// Shadow sends a copy of a sampled share of a route's requests to another
+// of its upstreams, reads and measures the copy's response fully, and
+// discards it. The client's request never waits for its shadow: the copy
+// is sent from a goroutine of its own once the request is admitted.
+type Shadow struct {
+	// Upstream names one of the route's upstreams (usually of weight 0).
+	Upstream string
+	// Sample is the share of requests copied (0 … 1).
+	Sample float64
+	// MaxInflight bounds the copies in flight; beyond it a copy is
+	// skipped and counted (tokentap_shadow_skipped_total).
+	MaxInflight int
+}
+
+// shadowState is a route's shadow at run time.
+type shadowState struct {
+	Shadow
+	member   *member
+	inflight atomic.Int64
+}
+
+// startShadow copies the request to the route's shadow upstream, when it
+// is sampled and a place is free. Everything the copy needs is taken from
+// ctx now; the rest runs on its own goroutine.
+func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
+	sh := x.rt.shadow
+	if sh == nil || rand.Float64() >= sh.Sample {
+		return
+	}
+	if sh.inflight.Add(1) > int64(sh.MaxInflight) {
+		sh.inflight.Add(-1)
+		metrics.ShadowSkipped(x.rt.Name)
+		return
+	}
+	s := x.p.acquireExchange(x.snap, x.p.now())
+	x.p.inflight.Add(-1) // a copy never holds up a drain
+	s.shadow = true
+	s.rt, s.mem, s.up, s.dialect, s.stream = x.rt, sh.member, sh.member.up, x.dialect, x.stream
+	s.mem.inflight.Add(1)
+	s.id = append(append(s.id[:0], x.id...), "-shadow"...)
+	rec, src := &s.rec, &x.rec
+	rec.RequestID, rec.Route, rec.Upstream, rec.Shadow = string(s.id), src.Route, sh.member.name, true
+	rec.Model, rec.Tenant, rec.Method, rec.Path, rec.Dialect, rec.Stream = src.Model, src.Tenant, src.Method, src.Path, src.Dialect, src.Stream
+	rec.BytesIn = src.BytesIn
+	rec.Series = x.snap.metrics.Series(sh.member.row, x.modelIdx)
+	// The copy goes without the usage injection: it is measured as it
+	// comes, its tokens counted.
+	s.scratch = prepareRequest(ctx, s.req, x.rt, s.up, x.path, x.query, nil, s.id, s.scratch)
+	s.req.SetBody(x.body0)
+	if x.tenant != "" {
+		s.req.Header.Set(tenantHeader, x.tenant)
+	}
+	go s.runShadow(sh)
+}
+
+// runShadow sends the copy and reads its response to the end, measuring it
+// as if a client read each chunk the moment it came, then records it.
+func (x *exchange) runShadow(sh *shadowState) {
+	defer sh.inflight.Add(-1)
+	x.attemptAt = x.p.now()
+	x.rec.Attempts = 1
+	if err := x.roundTrip(false); err != nil {
+		r := x.forwardResult(err)
+		x.rec.Status, x.rec.Outcome, x.rec.Error = r.status, r.outcome, r.msg
+		x.finish(nil)
+		return
+	}
+	x.responded = true
+	x.rec.Status = x.resp.StatusCode()
+	body := x.resp.BodyStream()
+	if body == nil {
+		x.upDone = true
+		x.finish(nil)
+		return
+	}
+	x.body = body
+	x.startParsing(x.resp)
+	if cap(x.buf) < 16<<10 {
+		x.buf = make([]byte, 16<<10)
+	}
+	buf := x.buf[:cap(x.buf)]
+	for {
+		if _, err := x.Read(buf); err != nil {
+			break
+		}
+	}
+	x.finish(nil)
+}

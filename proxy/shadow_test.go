@@ -1,0 +1,84 @@
+package proxy
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
+)
+
+// TestShadowStallsAddNothing: every request is copied to a shadow that
+// holds each copy for 800 ms before answering. The clients' requests run
+// at the primary's pace, copies beyond max_inflight are skipped and
+// counted, and each copy sent gets a record of its own (shadow, the
+// request id with a suffix, its upstream) in its upstream's /stats group,
+// never in the route's goodput.
+func TestShadowStallsAddNothing(t *testing.T) {
+	primary := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
+	stall := make(chan struct{})
+	shadow := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		select {
+		case <-stall:
+		case <-r.Context().Done():
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, c := range []string{chatChunk("a"), chatChunk("b"), "data: [DONE]\n\n"} {
+			io.WriteString(w, c)
+			flush(w)
+			time.Sleep(2 * time.Millisecond)
+		}
+	})
+	tp := startProxy(t, "", func(c *Config) {
+		c.Routes = []Route{{Name: "shadowed", Prefix: "/", Timeouts: DefaultTimeouts,
+			Upstreams: []Upstream{{Name: "live", URL: primary, Weight: 1}, {Name: "next", URL: shadow.URL, Weight: 0}},
+			Shadow:    &Shadow{Upstream: "next", Sample: 1, MaxInflight: 3}}}
+		c.SLO = metrics.SLO{TTFT: 5 * time.Second}
+	})
+	const n = 10
+	skippedBefore := failoverCountName(`tokentap_shadow_skipped_total{route="shadowed"} `)
+	for range n {
+		start := time.Now()
+		chat(t, tp.url)
+		// The primary answers in well under the shadow's stall.
+		if d := time.Since(start); d > 400*time.Millisecond {
+			t.Errorf("a request took %v with its shadow stalled", d)
+		}
+		r := tp.rec.next(t)
+		if r.Shadow || r.Upstream != "live" || !r.SLOJudged || r.Outcome != metrics.OutcomeOK {
+			t.Errorf("primary record %+v", r)
+		}
+	}
+	close(stall)
+	shadows := 0
+	for range 3 {
+		r := tp.rec.next(t)
+		if !r.Shadow || r.Upstream != "next" || !strings.HasSuffix(r.RequestID, "-shadow") || r.SLOJudged || r.Events != 2 || r.TTFT < 0 {
+			t.Errorf("shadow record %+v", r)
+		}
+		shadows++
+	}
+	tp.rec.none(t)
+	rep := tp.p.Stats().Query(stats.Query{Window: "all", GroupBy: []string{"route", "upstream"}})
+	for _, g := range rep.Groups {
+		switch g.Upstream {
+		case "live":
+			if g.Count != n || g.Goodput.Judged != n {
+				t.Errorf("live group %+v", g)
+			}
+		case "next":
+			if g.Count != int64(shadows) || g.Goodput.Judged != 0 || g.TTFT.Count != int64(shadows) {
+				t.Errorf("shadow group %+v", g)
+			}
+		}
+	}
+	if got := failoverCountName(`tokentap_shadow_skipped_total{route="shadowed"} `) - skippedBefore; got != n-3 {
+		t.Errorf("skipped %d copies, want %d", got, n-3)
+	}
+}
