@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"math"
 	"math/rand/v2"
 	"net/http/httptest"
@@ -122,5 +123,43 @@ func TestCompareResults(t *testing.T) {
 	}
 	if !strings.Contains(out.String(), "+10.0%") || !strings.Contains(out.String(), "+3.0%") {
 		t.Fatalf("%s", out.String())
+	}
+}
+
+// TestCompareIntervals: two result files whose TTFT differs by 10% (800
+// requests each, with their samples) compare with an interval that
+// excludes 0 for TTFT p50, and E2E (equal) within noise.
+func TestCompareIntervals(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	file := func(scale float64) string {
+		s := summary{Name: "run", Requests: 800, Samples: &samples{}}
+		for range 800 {
+			v := math.Exp(rng.NormFloat64()*0.3+math.Log(200)) * scale
+			s.Samples.TTFT = append(s.Samples.TTFT, v)
+			s.Samples.E2E = append(s.Samples.E2E, math.Exp(rng.NormFloat64()*0.3+math.Log(2000)))
+		}
+		s.TTFT.P50, s.E2E.P50 = median(s.Samples.TTFT), median(s.Samples.E2E)
+		p := filepath.Join(t.TempDir(), "r.json")
+		b, _ := json.Marshal(map[string]any{"summary": s})
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	var out strings.Builder
+	if err := runCompare([]string{file(1), file(1.1)}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var ttft, e2e string
+	for _, line := range strings.Split(out.String(), "\n") {
+		if strings.Contains(line, "TTFT p50") {
+			ttft = line
+		}
+		if strings.Contains(line, "E2E p50") {
+			e2e = line
+		}
+	}
+	if !strings.Contains(ttft, "outside the noise") || !strings.Contains(e2e, "within noise") {
+		t.Errorf("compare printed:\n%s", out.String())
 	}
 }

@@ -9,7 +9,10 @@ import (
 	"os"
 	"sort"
 	"text/tabwriter"
+
+	"github.com/tokentap/tokentap/metrics/stats"
 )
+
 
 // runMatrix runs the upgrade-acceptance grid: three workloads × fresh or
 // reused prompt prefix × low, everyday and near-saturation load.
@@ -117,23 +120,37 @@ func runCompare(args []string, out io.Writer) error {
 		return fmt.Sprintf("%+6.1f%%", 100*(y-x)/x)
 	}
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "condition\tmetric\tbefore\tafter\tchange\t")
+	fmt.Fprintln(tw, "condition\tmetric\tbefore\tafter\tchange\t95% interval\tverdict\t")
 	for _, n := range names {
 		x, y := a[n], b[n]
+		var sx, sy samples
+		if x.Samples != nil && y.Samples != nil {
+			sx, sy = *x.Samples, *y.Samples
+		}
 		for _, m := range []struct {
-			name string
-			x, y float64
+			name   string
+			x, y   float64
+			q      float64   // the quantile of the samples below, for the interval
+			xs, ys []float64 // nil: no interval
 		}{
-			{"TTFT p50 ms", x.TTFT.P50, y.TTFT.P50}, {"TTFT p99 ms", x.TTFT.P99, y.TTFT.P99},
-			{"ITL p50 ms", x.ITL.P50, y.ITL.P50}, {"ITL p99 ms", x.ITL.P99, y.ITL.P99},
-			{"E2E p50 ms", x.E2E.P50, y.E2E.P50}, {"E2E p99 ms", x.E2E.P99, y.E2E.P99},
-			{"req/s", x.RequestsPerS, y.RequestsPerS}, {"tokens/s", x.OutputTokPerS, y.OutputTokPerS},
-			{"goodput/s", x.GoodputPerS, y.GoodputPerS}, {"errors", float64(x.Errors), float64(y.Errors)},
+			{"TTFT p50 ms", x.TTFT.P50, y.TTFT.P50, 0.5, sx.TTFT, sy.TTFT}, {"TTFT p99 ms", x.TTFT.P99, y.TTFT.P99, 0.99, sx.TTFT, sy.TTFT},
+			{"ITL p50 ms", x.ITL.P50, y.ITL.P50, 0.5, sx.ITL, sy.ITL}, {"ITL p99 ms", x.ITL.P99, y.ITL.P99, 0.99, sx.ITL, sy.ITL},
+			{"E2E p50 ms", x.E2E.P50, y.E2E.P50, 0.5, sx.E2E, sy.E2E}, {"E2E p99 ms", x.E2E.P99, y.E2E.P99, 0.99, sx.E2E, sy.E2E},
+			{"tokens/s per request p50", median(sx.TokensPerS), median(sy.TokensPerS), 0.5, sx.TokensPerS, sy.TokensPerS},
+			{"req/s", x.RequestsPerS, y.RequestsPerS, 0, nil, nil}, {"tokens/s", x.OutputTokPerS, y.OutputTokPerS, 0, nil, nil},
+			{"goodput/s", x.GoodputPerS, y.GoodputPerS, 0, nil, nil}, {"errors", float64(x.Errors), float64(y.Errors), 0, nil, nil},
 		} {
-			if math.IsNaN(m.x) {
+			if math.IsNaN(m.x) || m.name == "tokens/s per request p50" && (len(m.xs) == 0 || len(m.ys) == 0) {
 				continue
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%.2f\t%.2f\t%s\t\n", n, m.name, m.x, m.y, rel(m.x, m.y))
+			interval, verdict := "", ""
+			if len(m.xs) > 0 && len(m.ys) > 0 {
+				// The same resampling as the live verdict (/stats?compare).
+				_, lo, hi, sig := stats.QuantileDiff(m.xs, m.ys, m.q, 1)
+				interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
+				verdict = map[bool]string{true: "outside the noise", false: "within noise"}[sig]
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%.2f\t%.2f\t%s\t%s\t%s\t\n", n, m.name, m.x, m.y, rel(m.x, m.y), interval, verdict)
 		}
 	}
 	return tw.Flush()

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -101,6 +102,32 @@ type summary struct {
 	E2E           dist      `json:"e2e"`
 	Delay         dist      `json:"token_delivery_delay,omitempty"`
 	Accuracy      *accuracy `json:"accuracy,omitempty"`
+	// Samples are the per-request figures (at most maxSamples of each),
+	// for confidence intervals in compare.
+	Samples *samples `json:"samples,omitempty"`
+}
+
+// samples are a run's raw figures, in milliseconds (tokens/s for
+// TokensPerS: each request's output tokens over its E2E).
+type samples struct {
+	TTFT       []float64 `json:"ttft_ms"`
+	E2E        []float64 `json:"e2e_ms"`
+	ITL        []float64 `json:"itl_ms"`
+	TokensPerS []float64 `json:"tokens_per_s"`
+}
+
+// maxSamples bounds each kind of sample kept in a result file.
+const maxSamples = 20000
+
+func msSamples(d []time.Duration) []float64 {
+	out := make([]float64, 0, min(len(d), maxSamples))
+	for i, v := range d {
+		if i == maxSamples {
+			break
+		}
+		out = append(out, math.Round(float64(v.Microseconds()))/1000)
+	}
+	return out
 }
 
 func summarize(name string, res []result, wall time.Duration, warmup int, o slo) summary {
@@ -139,5 +166,11 @@ func summarize(name string, res []result, wall time.Duration, warmup int, o slo)
 		s.GoodFraction = float64(good) / float64(len(res))
 	}
 	s.TTFT, s.ITL, s.TPOT, s.E2E, s.Delay = newDist(ttft), newDist(itl), newDist(tpot), newDist(e2e), newDist(delay)
+	s.Samples = &samples{TTFT: msSamples(ttft), E2E: msSamples(e2e), ITL: msSamples(itl)}
+	for i := range res {
+		if r := &res[i]; r.Err == "" && r.Status < 400 && r.E2E > 0 && r.Output > 0 && len(s.Samples.TokensPerS) < maxSamples {
+			s.Samples.TokensPerS = append(s.Samples.TokensPerS, float64(r.Output)/r.E2E.Seconds())
+		}
+	}
 	return s
 }

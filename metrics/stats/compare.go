@@ -195,3 +195,26 @@ func measureJSONName(m int) string {
 	return [...]string{"ttft_ms", "ttfa_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms", "overhead_ms", "upstream_ttfb_ms",
 		"client_ttft_ms", "client_ttfa_ms", "client_e2e_ms", "output_tokens_per_s"}[m]
 }
+
+// QuantileDiff compares the q-quantiles of two samples (in any order) as
+// Compare compares two upstreams' sketches, with the same resampling, so
+// an offline verdict (tokentap-bench compare) reads like a live one. It
+// returns (b − a) / a, its 95% interval and whether the interval excludes 0.
+func QuantileDiff(a, b []float64, q float64, seed uint64) (diff, lo, hi float64, significant bool) {
+	if len(a) == 0 || len(b) == 0 {
+		return 0, 0, 0, false
+	}
+	sa, sb := slices.Clone(a), slices.Clone(b)
+	slices.Sort(sa)
+	slices.Sort(sb)
+	rng := rand.New(rand.NewPCG(seed, 7))
+	at := func(s []float64, u float64) float64 { return s[min(max(int(math.Ceil(u*float64(len(s))))-1, 0), len(s)-1)] }
+	pick := func(s []float64) float64 {
+		n := float64(len(s))
+		r := math.Floor(q*(n-1)) + 1
+		return at(s, betaSample(rng, r, n-r+1))
+	}
+	va, vb := sa[int(math.Floor(q*float64(len(sa)-1)))], sb[int(math.Floor(q*float64(len(sb)-1)))]
+	diff, lo, hi = relDiffCI(va, vb, func() (float64, float64) { return pick(sa), pick(sb) })
+	return diff, lo, hi, lo > 0 || hi < 0
+}

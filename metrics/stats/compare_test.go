@@ -103,3 +103,23 @@ func TestCompareNeedsBothSides(t *testing.T) {
 		t.Errorf("err %v", err)
 	}
 }
+
+// TestQuantileDiffOnSamples: the offline form finds a 10% shift and
+// calls two draws of one distribution alike.
+func TestQuantileDiffOnSamples(t *testing.T) {
+	rng := rand.New(rand.NewPCG(9, 9))
+	draw := func(n int, scale float64) []float64 {
+		s := make([]float64, n)
+		for i := range s {
+			s[i] = math.Exp(rng.NormFloat64()*0.4+math.Log(200)) * scale
+		}
+		return s
+	}
+	d, lo, hi, sig := QuantileDiff(draw(800, 1), draw(800, 1.1), 0.5, 1)
+	if !sig || d < 0.03 || lo > 0.1 || hi < 0.1 {
+		t.Errorf("10%% shift: %v [%v, %v] %v", d, lo, hi, sig)
+	}
+	if _, lo, hi, sig := QuantileDiff(draw(800, 1), draw(800, 1), 0.5, 2); sig {
+		t.Errorf("equal samples called different: [%v, %v]", lo, hi)
+	}
+}
