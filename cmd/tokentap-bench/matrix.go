@@ -13,7 +13,6 @@ import (
 	"github.com/tokentap/tokentap/metrics/stats"
 )
 
-
 // runMatrix runs the upgrade-acceptance grid: three workloads × fresh or
 // reused prompt prefix × low, everyday and near-saturation load.
 func runMatrix(args []string, out io.Writer) error {

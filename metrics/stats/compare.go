@@ -208,7 +208,9 @@ func QuantileDiff(a, b []float64, q float64, seed uint64) (diff, lo, hi float64,
 	slices.Sort(sa)
 	slices.Sort(sb)
 	rng := rand.New(rand.NewPCG(seed, 7))
-	at := func(s []float64, u float64) float64 { return s[min(max(int(math.Ceil(u*float64(len(s))))-1, 0), len(s)-1)] }
+	at := func(s []float64, u float64) float64 {
+		return s[min(max(int(math.Ceil(u*float64(len(s))))-1, 0), len(s)-1)]
+	}
 	pick := func(s []float64) float64 {
 		n := float64(len(s))
 		r := math.Floor(q*(n-1)) + 1
