@@ -215,6 +215,19 @@ func TestDemoRuns(t *testing.T) {
 	}
 }
 
+func TestDemoCanary(t *testing.T) {
+	var out strings.Builder
+	if err := runDemo(context.Background(), []string{"-canary", "-requests", "160", "-concurrency", "8"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	s := out.String()
+	for _, want := range []string{"canary (", "against stable", "difference (95% interval)", "ttft p50 (ms)", "tokens/s per request", "guard:"} {
+		if !strings.Contains(s, want) {
+			t.Fatalf("demo -canary output lacks %q:\n%s", want, s)
+		}
+	}
+}
+
 func TestTenantsConfigLoads(t *testing.T) {
 	s, err := parseFlags([]string{"-config", "../../configs/tenants.yaml"})
 	if err != nil {

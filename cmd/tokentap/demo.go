@@ -78,6 +78,9 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 		defer cb.Close()
 		chat.Upstream = ""
 		chat.Upstreams = []proxy.Upstream{{Name: "stable", URL: upstream, Weight: 90}, {Name: "canary", URL: "http://" + canaryLn.Addr().String(), Weight: 10}}
+		// The guard weighs a minute of traffic once a whole minute passed
+		// (with -serve): a canary 20% worse on TTFT or E2E p95 is stopped.
+		chat.Guard = &proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 0.2, MaxE2EP95Increase: 0.2}
 	}
 
 	col := &counter{}
@@ -177,6 +180,7 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 		} else {
 			printComparison(out, c)
 		}
+		fmt.Fprintln(out, "guard: stops the canary when its TTFT or E2E p95 is 20% above stable's over a minute; it weighs once a whole minute passed (keep it running with -serve, and watch /stats)")
 	}
 	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). Times in ms at tokentap's client side; TTFT is the first\n"+
 		"token of any kind, TTFA the first answer token (reasoning models wait between the two); ITL is every\n"+
