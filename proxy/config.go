@@ -363,8 +363,8 @@ func (r *Route) validUpstreams(field func(string) string) error {
 			return fieldErr(field("guard.candidate"), "%q is not one of the route's upstreams", g.Candidate)
 		case !names[g.Baseline] || g.Baseline == g.Candidate:
 			return fieldErr(field("guard.baseline"), "%q is not another of the route's upstreams", g.Baseline)
-		case g.Window != "" && g.Window != "1m" && g.Window != "5m" && g.Window != "1h":
-			return fieldErr(field("guard.window"), "must be 1m, 5m or 1h, got %q", g.Window)
+		case g.Window != "" && g.Window != "1m" && g.Window != "5m" && g.Window != "15m" && g.Window != "1h":
+			return fieldErr(field("guard.window"), "must be 1m, 5m, 15m or 1h, got %q", g.Window)
 		case g.MinRequests < 0:
 			return fieldErr(field("guard.min_requests"), "must not be negative")
 		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:

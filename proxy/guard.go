@@ -17,7 +17,7 @@ import (
 // reload or a reset.
 type Guard struct {
 	Candidate, Baseline string
-	// Window is 1m, 5m or 1h (default 5m).
+	// Window is 1m, 5m, 15m or 1h (default 5m).
 	Window      string
 	MinRequests int64
 	// MaxTTFTP95Increase and MaxE2EP95Increase are shares (0.1: 10%);
@@ -40,6 +40,8 @@ func (g *Guard) windowLen() time.Duration {
 	switch g.Window {
 	case "1m":
 		return time.Minute
+	case "15m":
+		return 15 * time.Minute
 	case "1h":
 		return time.Hour
 	}

@@ -196,7 +196,7 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 }
 
 // serveStats answers GET /stats: the live percentile table as JSON
-// (docs/STATS.md), for window (1m, 5m, 1h, all; default 5m), filtered by
+// (docs/STATS.md), for window (1m, 5m, 15m, 1h, all; default 5m), filtered by
 // route, model, tenant and upstream, grouped by group_by (a comma list
 // of those labels; default all four); with route=R&compare=A,B, the
 // verdict on two upstreams of R instead.
@@ -217,7 +217,7 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 			return
 		case !stats.ValidWindow(q.Window):
 			ctx.SetStatusCode(fasthttp.StatusBadRequest)
-			ctx.SetBodyString(`{"error":"window must be 1m, 5m, 1h or all"}` + "\n")
+			ctx.SetBodyString(`{"error":"window must be 1m, 5m, 15m, 1h or all"}` + "\n")
 			return
 		}
 		c, err := a.p.Stats().Compare(q.Route, ua, ub, q.Window, 0)
@@ -232,7 +232,7 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 	switch {
 	case !stats.ValidWindow(q.Window):
 		ctx.SetStatusCode(fasthttp.StatusBadRequest)
-		ctx.SetBodyString(`{"error":"window must be 1m, 5m, 1h or all"}` + "\n")
+		ctx.SetBodyString(`{"error":"window must be 1m, 5m, 15m, 1h or all"}` + "\n")
 		return
 	case !stats.ValidGroupBy(q.GroupBy):
 		ctx.SetStatusCode(fasthttp.StatusBadRequest)

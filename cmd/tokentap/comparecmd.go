@@ -21,7 +21,7 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap compare", flag.ContinueOnError)
 	adminURL := fs.String("admin", "http://127.0.0.1:9090", "the admin listener's base URL")
 	route := fs.String("route", "", "the route (required)")
-	window := fs.String("window", "5m", "1m, 5m, 1h or all")
+	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
 	asJSON := fs.Bool("json", false, "print the JSON as it came")
 	if err := fs.Parse(args); err != nil {
@@ -31,7 +31,7 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 		return fmt.Errorf("-route is required")
 	}
 	if !stats.ValidWindow(*window) {
-		return fmt.Errorf("-window must be 1m, 5m, 1h or all")
+		return fmt.Errorf("-window must be 1m, 5m, 15m, 1h or all")
 	}
 	a, b := fs.Arg(0), fs.Arg(1)
 	if fs.NArg() != 0 && fs.NArg() != 2 {

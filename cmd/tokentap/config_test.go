@@ -125,7 +125,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	two := ups + "    upstreams: [{name: s, url: http://y}, {name: c, url: http://z}]\n"
 	f(two+"    guard: {candidate: x, baseline: s, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.candidate", "not one of")
 	f(two+"    guard: {candidate: c, baseline: c, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.baseline")
-	f(two+"    guard: {candidate: c, baseline: s, window: 2m, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.window", "1m, 5m or 1h")
+	f(two+"    guard: {candidate: c, baseline: s, window: 2m, max_ttft_p95_increase: 10%}\n", nil, "routes[0].guard.window", "1m, 5m, 15m or 1h")
 	f(two+"    guard: {candidate: c, baseline: s}\n", nil, "routes[0].guard", "at least one limit")
 	f(two+"    shadow: {upstream: x, sample: 5%}\n", nil, "routes[0].shadow.upstream", "not one of")
 	f(two+"    shadow: {upstream: c}\n", nil, "routes[0].shadow.sample", "above 0")

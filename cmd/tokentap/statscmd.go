@@ -19,7 +19,7 @@ import (
 func runStats(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap stats", flag.ContinueOnError)
 	adminURL := fs.String("admin", "http://127.0.0.1:9090", "the admin listener's base URL")
-	window := fs.String("window", "5m", "1m, 5m, 1h or all")
+	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	groupBy := fs.String("group-by", "", "labels to keep, comma separated (route,model,tenant,upstream; default all)")
 	route := fs.String("route", "", "only this route")
 	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
@@ -28,7 +28,7 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	if !stats.ValidWindow(*window) {
-		return fmt.Errorf("-window must be 1m, 5m, 1h or all")
+		return fmt.Errorf("-window must be 1m, 5m, 15m, 1h or all")
 	}
 	q := url.Values{"window": {*window}}
 	if *groupBy != "" {

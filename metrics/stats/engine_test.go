@@ -148,6 +148,9 @@ func TestWindowsSlide(t *testing.T) {
 	if got := count("5m"); got != 15 {
 		t.Errorf("t=75s 5m: %d, want 15", got)
 	}
+	if got := count("15m"); got != 15 {
+		t.Errorf("t=75s 15m: %d, want 15", got)
+	}
 	c.add(5 * time.Minute) // t=6m15s
 	if got := count("1m"); got != 0 {
 		t.Errorf("t=6m15s 1m: %d, want 0", got)
@@ -157,6 +160,13 @@ func TestWindowsSlide(t *testing.T) {
 	}
 	if got := count("1h"); got != 15 {
 		t.Errorf("t=6m15s 1h: %d, want 15", got)
+	}
+	c.add(15 * time.Minute) // t=21m15s: the 15m window (10–15 min back) has let them go
+	if got := count("15m"); got != 0 {
+		t.Errorf("t=21m15s 15m: %d, want 0", got)
+	}
+	if got := count("1h"); got != 15 {
+		t.Errorf("t=21m15s 1h: %d, want 15", got)
 	}
 	c.add(2 * time.Hour) // a long silence
 	obs(1, 300*time.Millisecond)

@@ -208,7 +208,7 @@ func (w *windows) advance(s int64) {
 }
 
 // Window names accepted by Query, with their nominal length.
-var windowLens = map[string]time.Duration{"1m": time.Minute, "5m": 5 * time.Minute, "1h": time.Hour, "all": 0}
+var windowLens = map[string]time.Duration{"1m": time.Minute, "5m": 5 * time.Minute, "15m": 15 * time.Minute, "1h": time.Hour, "all": 0}
 
 // collect merges into dst what window covers with slot s open, and
 // returns the start of the earliest slot it includes (zero for all).
@@ -224,12 +224,16 @@ func (w *windows) collect(dst *agg, window string, s int64) (from int64) {
 		m := s / slotsPerMin
 		mergeRing(dst, w.b[:], m-(ringB-1), m)
 		return (m - (ringB - 1)) * slotsPerMin
-	case "1h":
+	case "15m", "1h":
+		back := int64(ringC - 1) // 1h: the open block and eleven closed ones
+		if window == "15m" {
+			back = 2
+		}
 		dst.merge(&w.bCur)
 		dst.merge(&w.cCur)
 		blk := s / slotsPerBlock
-		mergeRing(dst, w.c[:], blk-(ringC-1), blk)
-		return (blk - (ringC - 1)) * slotsPerBlock
+		mergeRing(dst, w.c[:], blk-back, blk)
+		return (blk - back) * slotsPerBlock
 	default: // all
 		dst.merge(&w.all)
 		return -1 << 62
