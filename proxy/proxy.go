@@ -114,6 +114,16 @@ type route struct {
 	dialect dialect.Dialect // nil: chosen per request from the path
 }
 
+// member returns r's upstream named name (validated to exist).
+func (r *route) member(name string) *member {
+	for _, m := range r.members {
+		if m.name == name {
+			return m
+		}
+	}
+	return nil
+}
+
 // closeIdle closes the idle connections of every upstream of r.
 func (r *route) closeIdle() {
 	for _, m := range r.members {
@@ -169,11 +179,7 @@ func (p *Proxy) Apply(cfg Config) error {
 			if sh.MaxInflight == 0 {
 				sh.MaxInflight = 16
 			}
-			for _, m := range rt.members {
-				if m.name == sh.Upstream {
-					sh.member = m
-				}
-			}
+			sh.member = rt.member(sh.Upstream)
 			rt.shadow = sh
 		}
 		if r.Guard != nil {
@@ -181,11 +187,7 @@ func (p *Proxy) Apply(cfg Config) error {
 			if g.MinRequests == 0 {
 				g.MinRequests = 200
 			}
-			for _, m := range rt.members {
-				if m.name == g.Candidate {
-					g.candidate = m
-				}
-			}
+			g.candidate = rt.member(g.Candidate)
 			g.armedAt.Store(p.statsNow().UnixNano())
 			rt.guard = g
 		}

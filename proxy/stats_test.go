@@ -1,8 +1,6 @@
 package proxy
 
 import (
-	"io"
-	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
@@ -38,17 +36,11 @@ func drive(t *testing.T, tp *testProxy, n, conc int, key string) {
 		go func() {
 			defer wg.Done()
 			for next.Add(1) <= int64(n) {
-				req, _ := http.NewRequest("POST", tp.url+"/v1/chat/completions", strings.NewReader(streamChat))
 				if key != "" {
-					req.Header.Set("Authorization", "Bearer "+key)
+					chat(t, tp.url, "Authorization", "Bearer "+key)
+				} else {
+					chat(t, tp.url)
 				}
-				resp, err := http.DefaultClient.Do(req)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
 			}
 		}()
 	}
