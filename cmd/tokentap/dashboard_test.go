@@ -3,6 +3,9 @@ package main
 import (
 	"context"
 	"fmt"
+	"math"
+	"math/big"
+	"strconv"
 	"os"
 	"os/exec"
 	"strings"
@@ -37,15 +40,32 @@ func browser(t *testing.T) (context.Context, context.CancelFunc) {
 	return ctx, func() { cancelTimeout(); cancel(); cancelAlloc() }
 }
 
-// fmtJS formats a number as the dashboard's fmt does.
+// fmtJS formats a number as the dashboard's fmt does: JavaScript's
+// toFixed, which rounds an exact tie (0.625 to 2 places) up, where Go's
+// formatting rounds it to even.
 func fmtJS(v float64) string {
+	d := 2
 	switch {
 	case v >= 100:
-		return fmt.Sprintf("%.0f", v)
+		d = 0
 	case v >= 10:
-		return fmt.Sprintf("%.1f", v)
+		d = 1
 	}
-	return fmt.Sprintf("%.2f", v)
+	return toFixed(v, d)
+}
+
+// toFixed is JavaScript's Number.prototype.toFixed for v ≥ 0.
+func toFixed(v float64, d int) string {
+	// An exact tie of the double's exact value (v·10^d computed without
+	// rounding): toFixed takes the larger neighbour.
+	scale := math.Pow(10, float64(d))
+	x := new(big.Float).SetPrec(256).SetFloat64(v)
+	x.Mul(x, new(big.Float).SetPrec(256).SetFloat64(scale))
+	whole, _ := x.Int(nil)
+	if new(big.Float).SetPrec(256).Sub(x, new(big.Float).SetInt(whole)).Cmp(big.NewFloat(0.5)) == 0 {
+		v = (float64(whole.Int64()) + 1) / scale
+	}
+	return strconv.FormatFloat(v, 'f', d, 64)
 }
 
 // TestDashboardInBrowser serves the demo's dashboard, opens it in headless
@@ -186,7 +206,7 @@ func TestDashboardInBrowser(t *testing.T) {
 		if v == nil {
 			return "–"
 		}
-		return fmt.Sprintf("%.1f%%", 100**v)
+		return toFixed(100**v, 1) + "%"
 	}
 	for _, g := range byRoute.Groups {
 		var got *tiles
@@ -227,4 +247,17 @@ func waitUpFor(t *testing.T, url string, d time.Duration) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	t.Fatalf("%s not up", url)
+}
+
+// TestFmtJS: the test's copy of the page's number format agrees with
+// JavaScript's toFixed (values and results printed by node).
+func TestFmtJS(t *testing.T) {
+	for v, want := range map[float64]string{0.625: "0.63", 0.615: "0.61", 12.25: "12.3", 150.5: "151", 0.125: "0.13", 1.005: "1.00", 99.95: "100.0"} {
+		if got := fmtJS(v); got != want {
+			t.Errorf("fmtJS(%v) = %s, toFixed gives %s", v, got, want)
+		}
+	}
+	if got := toFixed(99.25, 1); got != "99.3" { // (99.25).toFixed(1)
+		t.Errorf("toFixed(99.25, 1) = %s, want 99.3", got)
+	}
 }
