@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"compress/gzip"
 	"compress/zlib"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"testing"
 	"time"
@@ -173,4 +175,60 @@ func TestFaultGzipBomb(t *testing.T) {
 		t.Fatalf("record: partial %v events %d outcome %s", rec.Partial, rec.Events, rec.Outcome)
 	}
 	t.Logf("%d compressed bytes (256 MiB decoded) relayed in %v", bomb.Len(), time.Since(start))
+}
+
+// TestCompressedChunksInOneRead: many compressed chunks that arrive in one
+// read of the upstream socket are all measured: the side decoder can hand
+// back a chunk's events before the read's write went out, and they are
+// delivered with that write (they were dropped, one now and then, before).
+func TestCompressedChunksInOneRead(t *testing.T) {
+	const events = 40
+	for enc, newWriter := range streamEncoders {
+		t.Run(enc, func(t *testing.T) {
+			var body bytes.Buffer
+			var cw bytes.Buffer
+			zw := newWriter(&cw)
+			for range events {
+				io.WriteString(zw, chatChunk("z"))
+				zw.Flush()
+				fmt.Fprintf(&body, "%x\r\n%s\r\n", cw.Len(), cw.Bytes())
+				cw.Reset()
+			}
+			zw.Close()
+			if cw.Len() > 0 {
+				fmt.Fprintf(&body, "%x\r\n%s\r\n", cw.Len(), cw.Bytes())
+			}
+			body.WriteString("0\r\n\r\n")
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			go func() {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				buf := make([]byte, 4096)
+				c.Read(buf) // the request
+				// Header and every chunk in one write: one read upstream.
+				c.Write(append([]byte("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: "+enc+
+					"\r\nTransfer-Encoding: chunked\r\n\r\n"), body.Bytes()...))
+				time.Sleep(100 * time.Millisecond)
+			}()
+			tp := startProxy(t, "http://"+ln.Addr().String(), nil)
+			tr := &http.Transport{DisableCompression: true}
+			resp, err := tr.RoundTrip(mustReq(t, "POST", tp.url+"/v1/chat/completions", `{"stream":true}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			rec := tp.rec.next(t)
+			if rec.Events != events || rec.ITLCount != events-1 || rec.TTFT < 0 {
+				t.Fatalf("events %d, gaps %d, ttft %v: want %d events, %d gaps", rec.Events, rec.ITLCount, rec.TTFT, events, events-1)
+			}
+		})
+	}
 }

@@ -848,7 +848,7 @@ func (x *exchange) observe(b []byte, t time.Time) {
 	if x.dec != nil {
 		// What was decoded of earlier chunks is measured first, with their
 		// own times; this chunk's events are measured once decoded.
-		x.takeDecoded()
+		x.takeDecoded(false)
 		x.dec.feed(b)
 		x.decTimes = append(x.decTimes, chunkTimes{read: t})
 		return
@@ -860,16 +860,21 @@ func (x *exchange) observe(b []byte, t time.Time) {
 // each part stamped with the read and delivery times of the chunk it came
 // in. Tokens of a chunk that was never delivered (the client write failed)
 // are counted as events but not as delivered.
-func (x *exchange) takeDecoded() {
+func (x *exchange) takeDecoded(final bool) {
 	parts := x.dec.take()
 	for _, part := range parts {
 		ct := x.decTimes[part.seq-x.decBase]
 		x.parse(part.b, ct.read)
-		if ct.flush.IsZero() {
-			x.m.drop()
-			continue
+		switch {
+		case !ct.flush.IsZero():
+			x.m.deliver(ct.flush)
+		case final:
+			x.m.drop() // its write failed: never delivered
+		default:
+			// Its chunk came in the read being relayed (several chunks in
+			// one read) and is not written yet: its tokens are delivered
+			// with that write (flushed).
 		}
-		x.m.deliver(ct.flush)
 	}
 	if n := len(parts); n > 0 {
 		// Later parts come from this chunk or later ones.
@@ -1035,7 +1040,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	// Everything the body says is known before the outcome is decided.
 	if x.dec != nil {
 		clean := x.dec.close()
-		x.takeDecoded()
+		x.takeDecoded(true)
 		if !clean && complete || x.dec.over || x.dec.dropped {
 			rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
 		}
