@@ -2,13 +2,14 @@ package main
 
 import (
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tokentap/tokentap/metrics/stats"
 )
 
 // plan is one load to apply.
@@ -174,23 +175,5 @@ func run(p plan) ([]result, time.Duration, error) {
 	return results, time.Since(start), nil
 }
 
-// gamma draws from Gamma(shape, 1) (Marsaglia and Tsang).
-func gamma(r *rand.Rand, shape float64) float64 {
-	if shape < 1 {
-		return gamma(r, shape+1) * math.Pow(r.Float64(), 1/shape)
-	}
-	d := shape - 1.0/3
-	c := 1 / math.Sqrt(9*d)
-	for {
-		x := r.NormFloat64()
-		v := 1 + c*x
-		if v <= 0 {
-			continue
-		}
-		v = v * v * v
-		u := r.Float64()
-		if u < 1-0.0331*x*x*x*x || math.Log(u) < 0.5*x*x+d*(1-v+math.Log(v)) {
-			return d * v
-		}
-	}
-}
+// gamma draws from Gamma(shape, 1) (stats.Gamma: Marsaglia and Tsang).
+func gamma(r *rand.Rand, shape float64) float64 { return stats.Gamma(r, shape) }

@@ -167,13 +167,16 @@ func resampleQuantile(rng *rand.Rand, d *dist, q float64) float64 {
 
 // betaSample draws from Beta(a, b) as X / (X + Y) of two Gamma draws.
 func betaSample(rng *rand.Rand, a, b float64) float64 {
-	x, y := gammaSample(rng, a), gammaSample(rng, b)
+	x, y := Gamma(rng, a), Gamma(rng, b)
 	return x / (x + y)
 }
 
-// gammaSample draws from Gamma(k, 1), k ≥ 1, by Marsaglia and Tsang's
-// method (ACM TOMS 26(3), 2000).
-func gammaSample(rng *rand.Rand, k float64) float64 {
+// Gamma draws from Gamma(k, 1), k > 0, by Marsaglia and Tsang's method
+// (ACM TOMS 26(3), 2000; k < 1 through Gamma(k+1)·U^(1/k)).
+func Gamma(rng *rand.Rand, k float64) float64 {
+	if k < 1 {
+		return Gamma(rng, k+1) * math.Pow(rng.Float64(), 1/k)
+	}
 	d := k - 1.0/3
 	c := 1 / math.Sqrt(9*d)
 	for {
