@@ -367,6 +367,7 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("tpot_ms", r.TPOT)
 	ms("e2e_ms", r.E2E)
 	ms("overhead_ms", r.Overhead)
+	ms("request_upload_ms", r.Upload)
 	ms("client_rtt_ms", r.ClientRTT)
 	ms("client_srtt_ms", r.ClientSRTT)
 	ms("client_ttft_ms", r.ClientTTFT)

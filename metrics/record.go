@@ -84,6 +84,7 @@ type Record struct {
 	TPOT         time.Duration // (E2E − TTFT) / (OutputTokens − 1)
 	E2E          time.Duration // arrival → last byte flushed to the client
 	Overhead     time.Duration // time tokentap added before the first token
+	Upload       time.Duration // the request's first byte → its last, received by the kernel (when > 0)
 	// The client's side, network included (estimates: README, "What the
 	// client lived"). ClientRTT is the path's round trip, the kernel's
 	// minimum RTT of the client connection (tcpi_min_rtt: delayed ACKs do
@@ -144,7 +145,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
-		ClientSRTT: Absent, FailoverWait: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1,
+		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1,
 	}
 }
 

@@ -232,6 +232,13 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	if r != nil {
 		return r
 	}
+	// A request whose bytes came in over time (a slow upload, a large
+	// body) kept tokentap waiting for the client: that is not overhead.
+	if cc, ok := ctx.Conn().(*clientConn); ok && cc.rx != 0 {
+		if last := received(cc.rx, x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.m.arrival) {
+			x.m.upload = last.Sub(x.m.arrival)
+		}
+	}
 	x.body0 = body
 	req := x.dialect.Request(x.path, body)
 	model := req.Model

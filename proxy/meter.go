@@ -21,6 +21,7 @@ import (
 type meter struct {
 	arrival, written                time.Time
 	lost                            time.Duration // on attempts that failed over
+	upload                          time.Duration // the request's first byte → its last, as the kernel received them
 	firstByteRead, firstByteFlush   time.Time
 	firstTokenRead, firstTokenFlush time.Time
 	firstAnswerFlush                time.Time
@@ -143,9 +144,10 @@ func (m *meter) drop() { m.chunkTokens, m.chunkAnswers = 0, 0 }
 //   - E2E: arrival → last byte delivered (or now).
 //   - TPOT: (E2E − TTFT) / (output tokens − 1), from two tokens on.
 //   - ITL: every gap between consecutive deliveries of token events.
-//   - Overhead: (request written upstream − arrival − queue) + (first
-//     token delivered − first token read); without token events the first
-//     body chunk stands in.
+//   - Overhead: (request written upstream − arrival − queue − the
+//     request's own arrival time, first byte to last − attempts that
+//     failed over) + (first token delivered − first token read); without
+//     token events the first body chunk stands in.
 func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	if m.lastFlush.IsZero() {
 		rec.E2E = now.Sub(m.arrival)
@@ -190,9 +192,13 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	if !m.written.IsZero() {
 		// Attempts that failed over are the backends' time, not
 		// tokentap's: they are reported apart (failover_ms).
-		o := m.written.Sub(m.arrival) - max(rec.Queue, 0) - m.lost
+		// So is the time the request took to arrive whole (request_upload_ms).
+		o := m.written.Sub(m.arrival) - max(rec.Queue, 0) - m.lost - m.upload
 		if m.lost > 0 {
 			rec.FailoverWait = m.lost
+		}
+		if m.upload > 0 {
+			rec.Upload = m.upload
 		}
 		switch {
 		case !m.firstTokenFlush.IsZero():

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tokentap/tokentap/examples/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 )
 
@@ -636,5 +637,32 @@ func TestIdleConnectionsReaped(t *testing.T) {
 	case <-closed:
 	case <-time.After(2 * time.Second):
 		t.Fatal("the backend never saw a pooled connection close")
+	}
+}
+
+// TestSlowUploadIsNotOverhead: a client that sends its headers, then its
+// body 150 ms later, waited for itself: TTFT counts it (the client lived
+// it), request_upload_ms says it, overhead does not.
+func TestSlowUploadIsNotOverhead(t *testing.T) {
+	up := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
+	tp := startProxy(t, up, nil)
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	body := `{"model":"m","stream":true,"max_tokens":3,"messages":[{"role":"user","content":"hi"}]}`
+	io.WriteString(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "+itoa(len(body))+"\r\n\r\n")
+	time.Sleep(150 * time.Millisecond)
+	io.WriteString(c, body)
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	r := tp.rec.next(t)
+	if r.Upload < 150*time.Millisecond || r.TTFT < 150*time.Millisecond || r.Overhead < 0 || r.Overhead > 50*time.Millisecond {
+		t.Errorf("upload %v, ttft %v, overhead %v", r.Upload, r.TTFT, r.Overhead)
 	}
 }
