@@ -22,7 +22,8 @@ type chunkState uint8
 
 const (
 	chunkSize      chunkState = iota // hex digits
-	chunkSizeWS                      // after the digits: spaces or tabs, then ";" or CR
+	chunkSizeWS                      // right after the digits: ";", CR, or spaces and tabs
+	chunkSizeTrail                   // spaces or tabs after the digits: more, then CR (";" after them is refused, as net/http does)
 	chunkExt                         // after ";": the extensions, up to CR
 	chunkSizeLF                      // LF ending the size line
 	chunkData                        // left data bytes
@@ -83,12 +84,13 @@ func (s *chunkScanner) next(p []byte) (data []byte, n int, err error) {
 			}
 			s.state = chunkSizeWS
 			fallthrough
-		case chunkSizeWS:
-			switch c {
-			case ' ', '\t':
-			case ';':
+		case chunkSizeWS, chunkSizeTrail:
+			switch {
+			case c == ' ' || c == '\t':
+				s.state = chunkSizeTrail
+			case c == ';' && s.state == chunkSizeWS:
 				s.state = chunkExt
-			case '\r':
+			case c == '\r':
 				s.state = chunkSizeLF
 			default:
 				return nil, n, errBadChunk
@@ -157,7 +159,7 @@ func (s *chunkScanner) atBoundary() bool { return s.state == chunkSize && s.line
 // told from the start of another until the line ends.
 func (s *chunkScanner) inSizeLine() (bool, int) {
 	switch s.state {
-	case chunkSize, chunkSizeWS, chunkExt, chunkSizeLF:
+	case chunkSize, chunkSizeWS, chunkSizeTrail, chunkExt, chunkSizeLF:
 		return true, s.line
 	}
 	return false, 0
