@@ -53,43 +53,48 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) *member {
 	case strings.HasPrefix(r.Sticky, "header:"):
 		key = h.Peek(r.Sticky[len("header:"):])
 	}
-	total := r.weights
-	if r.guard != nil && r.guard.tripped.Load() != nil {
-		total -= r.guard.candidate.weight
-		if total <= 0 {
-			total = r.weights // nothing else takes requests: keep them flowing
-		}
+	total := 0
+	for _, m := range r.members {
+		total += r.weight(m)
 	}
 	if len(key) > 0 {
-		return r.byWeight(int(maphash.Bytes(stickySeed, key)%uint64(total)), total != r.weights)
+		return r.byWeight(int(maphash.Bytes(stickySeed, key) % uint64(total)))
 	}
 	if r.Balance == BalanceLeastInflight {
 		var best *member
 		var bestN int64
 		for _, m := range r.members {
-			if m.weight == 0 || total != r.weights && r.excluded(m) {
+			w := r.weight(m)
+			if w == 0 {
 				continue
 			}
-			if n := m.inflight.Load(); best == nil || n < bestN || n == bestN && m.weight > best.weight {
+			if n := m.inflight.Load(); best == nil || n < bestN || n == bestN && w > r.weight(best) {
 				best, bestN = m, n
 			}
 		}
 		return best
 	}
-	return r.byWeight(rand.IntN(total), total != r.weights)
+	return r.byWeight(rand.IntN(total))
 }
 
-// byWeight returns the member whose share of [0, total) holds at; with
-// skip, the tripped guard's candidate has no share.
-func (r *route) byWeight(at int, skip bool) *member {
+// weight is m's share of new requests now: its configured weight, or 0
+// for the candidate of a tripped guard (unless no other upstream takes
+// requests: they keep flowing).
+func (r *route) weight(m *member) int {
+	if g := r.guard; g != nil && m == g.candidate && r.weights > m.weight && g.tripped.Load() != nil {
+		return 0
+	}
+	return m.weight
+}
+
+// byWeight returns the member whose share of [0, the weights now) holds at.
+func (r *route) byWeight(at int) *member {
 	for _, m := range r.members {
-		if skip && r.excluded(m) {
-			continue
-		}
-		if at < m.weight {
+		w := r.weight(m)
+		if at < w {
 			return m
 		}
-		at -= m.weight
+		at -= w
 	}
 	return r.members[len(r.members)-1]
 }

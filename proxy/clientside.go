@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"golang.org/x/sys/unix"
 )
 
 // The client's side of a request, network included. tokentap's own marks
@@ -48,6 +49,19 @@ type delivery struct {
 	ackedAt, total int64 // the kernel's count, and what it must reach
 }
 
+// note takes a TCP_INFO reading at now: the count acknowledged, and
+// whether bytes still wait unsent. The server writes the end of a chunked
+// body (its last chunk) after the exchange ended, so unsent bytes seen
+// later push the departure back; the first reading with none sets it.
+func (d *delivery) note(in *unix.TCPInfo, ackBase int64, now time.Time) {
+	d.ackedAt = int64(in.Bytes_acked) - ackBase
+	if d.notsent = int64(in.Notsent_bytes); d.notsent > 0 {
+		d.departed = time.Time{}
+	} else if d.departed.IsZero() {
+		d.departed = now
+	}
+}
+
 // startDelivery notes where the response begins on the client connection.
 func (x *exchange) startDelivery() {
 	if cc, ok := x.client.(*clientConn); ok {
@@ -73,15 +87,11 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	// it (a path that got slower): a later minimum below it is mostly a
 	// sample taken from TCP timestamps, whose clock ticks in milliseconds.
 	d.minRTT = max(d.minRTT, cc.synRTT)
-	d.notsent = int64(in.Notsent_bytes)
-	if d.notsent == 0 {
-		d.departed = now
-	}
 	d.retrans = int(in.Total_retrans - cc.retrans)
 	cc.retrans = in.Total_retrans
 	d.wire = cc.sent - x.sentFrom
 	d.total = cc.sent
-	d.ackedAt = int64(in.Bytes_acked) - cc.ackBase
+	d.note(in, cc.ackBase, now)
 	if d.ackedAt >= d.total || d.wire == 0 || !watch {
 		d.watched = d.ackedAt >= d.total
 		return false
@@ -126,15 +136,7 @@ func (x *exchange) awaitAcked() {
 			}
 			return
 		}
-		now = x.p.now()
-		// The server writes the end of a chunked body (its last chunk)
-		// after the exchange ended: unsent bytes seen now delay the end.
-		if d.notsent = int64(x.ti.info.Notsent_bytes); d.notsent > 0 {
-			d.departed = time.Time{}
-		} else if d.departed.IsZero() {
-			d.departed = now
-		}
-		d.ackedAt = int64(x.ti.info.Bytes_acked) - x.cc.ackBase
+		d.note(&x.ti.info, x.cc.ackBase, x.p.now())
 		if d.ackedAt >= d.total {
 			d.watched = true
 			return

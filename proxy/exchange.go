@@ -117,7 +117,6 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 		x = &exchange{p: p, req: new(fasthttp.Request), resp: new(fasthttp.Response)}
 		x.fire = x.cancel.fire
 	}
-	p.inflight.Add(1)
 	x.snap = s
 	x.m.reset(arrival)
 	x.rec.Reset()

@@ -116,7 +116,7 @@ func (x *exchange) nextMember() *member {
 	at := slices.Index(ms, x.mem)
 	for i := 1; i < len(ms); i++ {
 		m := ms[(at+i)%len(ms)]
-		if m.weight > 0 && !x.rt.excluded(m) && !slices.Contains(x.tried, m) {
+		if x.rt.weight(m) > 0 && !slices.Contains(x.tried, m) {
 			return m
 		}
 	}

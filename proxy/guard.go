@@ -119,9 +119,3 @@ func (p *Proxy) ResetGuard(route string) bool {
 	}
 	return reset
 }
-
-// excluded reports whether m takes no new requests: the candidate of a
-// tripped guard.
-func (r *route) excluded(m *member) bool {
-	return r.guard != nil && m == r.guard.candidate && r.guard.tripped.Load() != nil
-}

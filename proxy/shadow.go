@@ -43,7 +43,6 @@ func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	s := x.p.acquireExchange(x.snap, x.p.now())
-	x.p.inflight.Add(-1) // a copy never holds up a drain
 	s.shadow = true
 	s.rt, s.mem, s.up, s.dialect, s.stream = x.rt, sh.member, sh.member.up, x.dialect, x.stream
 	s.mem.inflight.Add(1)

@@ -77,6 +77,42 @@ type fileRoute struct {
 	Shadow    *fileShadow    `yaml:"shadow"`
 }
 
+// upstreams returns the route's several upstreams (weight 1 when unset).
+func (r *fileRoute) upstreams() []proxy.Upstream {
+	var out []proxy.Upstream
+	for _, u := range r.Upstreams {
+		w := 1
+		if u.Weight != nil {
+			w = *u.Weight
+		}
+		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w})
+	}
+	return out
+}
+
+func (f *fileShadow) shadow() *proxy.Shadow {
+	if f == nil {
+		return nil
+	}
+	return &proxy.Shadow{Upstream: f.Upstream, Sample: float64(f.Sample), MaxInflight: f.MaxInflight}
+}
+
+func (f *fileFailover) failover() *proxy.Failover {
+	if f == nil {
+		return nil
+	}
+	return &proxy.Failover{On: f.On, FirstTokenTimeout: f.FirstTokenTimeout.d}
+}
+
+func (f *fileGuard) guard() *proxy.Guard {
+	if f == nil {
+		return nil
+	}
+	return &proxy.Guard{Candidate: f.Candidate, Baseline: f.Baseline, Window: f.Window, MinRequests: f.MinRequests,
+		MaxTTFTP95Increase: float64(f.MaxTTFTP95Increase), MaxE2EP95Increase: float64(f.MaxE2EP95Increase),
+		MaxErrorRateIncrease: float64(f.MaxErrorRateIncrease)}
+}
+
 // fileShadow is a route's shadow traffic.
 type fileShadow struct {
 	Upstream    string `yaml:"upstream"`
@@ -410,27 +446,9 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
-			SLO: r.SLO.slo(), Balance: r.Balance, Sticky: r.Sticky,
+			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
+			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(),
 		})
-		if sh := r.Shadow; sh != nil {
-			s.proxy.Routes[len(s.proxy.Routes)-1].Shadow = &proxy.Shadow{Upstream: sh.Upstream, Sample: float64(sh.Sample), MaxInflight: sh.MaxInflight}
-		}
-		if fo := r.Failover; fo != nil {
-			s.proxy.Routes[len(s.proxy.Routes)-1].Failover = &proxy.Failover{On: fo.On, FirstTokenTimeout: fo.FirstTokenTimeout.d}
-		}
-		if g := r.Guard; g != nil {
-			s.proxy.Routes[len(s.proxy.Routes)-1].Guard = &proxy.Guard{Candidate: g.Candidate, Baseline: g.Baseline, Window: g.Window,
-				MinRequests: g.MinRequests, MaxTTFTP95Increase: float64(g.MaxTTFTP95Increase), MaxE2EP95Increase: float64(g.MaxE2EP95Increase),
-				MaxErrorRateIncrease: float64(g.MaxErrorRateIncrease)}
-		}
-		for _, u := range r.Upstreams {
-			w := 1
-			if u.Weight != nil {
-				w = *u.Weight
-			}
-			last := &s.proxy.Routes[len(s.proxy.Routes)-1]
-			last.Upstreams = append(last.Upstreams, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w})
-		}
 	}
 	if len(s.proxy.Routes) == 0 {
 		if upstream == "" {

@@ -17,6 +17,7 @@
 package stats
 
 import (
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -249,7 +250,7 @@ func (e *Engine) Query(q Query) Report {
 	}
 	sums := map[Key]*merged{}
 	var order []Key
-	var from int64
+	span := e.span(windowStart(q.Window, s), now)
 	for _, g := range list {
 		if !q.matches(g.key) {
 			continue
@@ -262,7 +263,7 @@ func (e *Engine) Query(q Query) Report {
 			order = append(order, k)
 		}
 		g.mu.Lock()
-		from = g.w.collect(&m.a, q.Window, s)
+		g.w.collect(&m.a, q.Window, s)
 		if g.target > m.target {
 			m.target = g.target
 		}
@@ -270,13 +271,10 @@ func (e *Engine) Query(q Query) Report {
 	}
 	for _, k := range order {
 		if m := sums[k]; m.a.count > 0 {
-			rep.Groups = append(rep.Groups, group_(k, &m.a, e.span(from, now), m.target))
+			rep.Groups = append(rep.Groups, group_(k, &m.a, span, m.target))
 		}
 	}
-	rep.WindowS = e.span(from, now).Seconds()
-	if len(list) == 0 || q.Window == "all" {
-		rep.WindowS = e.span(-1<<62, now).Seconds()
-	}
+	rep.WindowS = span.Seconds()
 	slices.SortFunc(rep.Groups, func(a, b Group) int { return compareKeys(a.key(), b.key()) })
 	rep.Warnings = e.warnings(q, rep.Groups, list, s, now)
 	return rep
@@ -286,7 +284,7 @@ func (e *Engine) Query(q Query) Report {
 // before the engine started.
 func (e *Engine) span(from int64, now time.Time) time.Duration {
 	start := e.start
-	if from > -1<<62 {
+	if from != math.MinInt64 {
 		if t := slotStart(from); t.After(start) {
 			start = t
 		}

@@ -1,6 +1,7 @@
 package stats
 
 import (
+	"math"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -210,34 +211,47 @@ func (w *windows) advance(s int64) {
 // Window names accepted by Query, with their nominal length.
 var windowLens = map[string]time.Duration{"1m": time.Minute, "5m": 5 * time.Minute, "15m": 15 * time.Minute, "1h": time.Hour, "all": 0}
 
-// collect merges into dst what window covers with slot s open, and
-// returns the start of the earliest slot it includes (zero for all).
-func (w *windows) collect(dst *agg, window string, s int64) (from int64) {
+// collect merges into dst what window covers with slot s open (its first
+// slot is windowStart's).
+func (w *windows) collect(dst *agg, window string, s int64) {
 	dst.merge(&w.open)
 	switch window {
 	case "1m":
-		from = s - (ringA - 1)
-		mergeRing(dst, w.a[:], from, s)
-		return from
+		mergeRing(dst, w.a[:], windowStart(window, s), s)
 	case "5m":
 		dst.merge(&w.bCur)
 		m := s / slotsPerMin
 		mergeRing(dst, w.b[:], m-(ringB-1), m)
-		return (m - (ringB - 1)) * slotsPerMin
 	case "15m", "1h":
-		back := int64(ringC - 1) // 1h: the open block and eleven closed ones
-		if window == "15m" {
-			back = 2
-		}
 		dst.merge(&w.bCur)
 		dst.merge(&w.cCur)
 		blk := s / slotsPerBlock
-		mergeRing(dst, w.c[:], blk-back, blk)
-		return (blk - back) * slotsPerBlock
+		mergeRing(dst, w.c[:], blk-blocksBack(window), blk)
 	default: // all
 		dst.merge(&w.all)
-		return -1 << 62
 	}
+}
+
+// blocksBack is how many closed five-minute blocks a window takes.
+func blocksBack(window string) int64 {
+	if window == "15m" {
+		return 2
+	}
+	return ringC - 1 // 1h: the open block and eleven closed ones
+}
+
+// windowStart is the first slot window covers with slot s open (math.
+// MinInt64 for all).
+func windowStart(window string, s int64) int64 {
+	switch window {
+	case "1m":
+		return s - (ringA - 1)
+	case "5m":
+		return (s/slotsPerMin - (ringB - 1)) * slotsPerMin
+	case "15m", "1h":
+		return (s/slotsPerBlock - blocksBack(window)) * slotsPerBlock
+	}
+	return math.MinInt64
 }
 
 // mergeRing merges into dst the aggs of ring that hold ids from from to
