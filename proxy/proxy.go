@@ -295,7 +295,9 @@ func (p *Proxy) Serve(ln net.Listener) error {
 }
 
 // Shutdown stops accepting, closes idle client connections and waits for
-// the requests in flight until ctx is done (then see Cut).
+// the requests in flight, and their records, until ctx is done (then see
+// Cut). A record can outlive its response: it waits for the client's
+// acknowledgement of the last bytes (at most 2 s) or for the side decoder.
 func (p *Proxy) Shutdown(ctx context.Context) error {
 	p.srvMu.Lock()
 	srv := p.srv
@@ -303,7 +305,17 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 	if srv == nil {
 		return nil
 	}
-	return srv.ShutdownWithContext(ctx)
+	if err := srv.ShutdownWithContext(ctx); err != nil {
+		return err
+	}
+	for p.inflight.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return nil
 }
 
 // server is the fasthttp.Server that relays through p: streamed bodies
