@@ -55,6 +55,7 @@ func (c *cancelState) fire() {
 	}
 	c.gone = true
 	if c.conn != nil {
+		shutdownConn(c.conn) // a relay loop holds a duplicate of the socket
 		_ = c.conn.Close()
 	}
 }

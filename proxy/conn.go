@@ -112,6 +112,7 @@ func (cc *connCaps) closeAll() {
 	}
 	cc.mu.Unlock()
 	for _, c := range conns {
+		shutdownConn(c) // a relay loop holds a duplicate of the socket
 		_ = c.Close()
 	}
 }

@@ -83,7 +83,8 @@ type exchange struct {
 	gathered []byte // passChunks: the data bytes of a framed read
 	keep     int    // passChunks: bytes of a held size line at the front of buf
 	chunks   chunkScanner
-	stray    bool // bytes came after the end of the response
+	loop     loopStream // the stream while a relay loop relays it (loop.go)
+	stray    bool       // bytes came after the end of the response
 	finished bool
 
 	// Failover (failover.go).
@@ -137,6 +138,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 		held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, ti: x.ti,
+		loop: loopStream{done: x.loop.done},
 	}
 	p.pool.Put(x)
 }
@@ -621,7 +623,16 @@ func (x *exchange) passChunks(w io.Writer) (int64, error) {
 	up, cl := x.conn.rx, clientRx(x.client)
 	setDirect(up, true)
 	setDirect(cl, true)
+	loop := x.loopable()
 	for {
+		if loop && !x.framed && x.conn.br.Buffered() == 0 {
+			if moved, err := x.passLoop(); moved {
+				setDirect(up, false)
+				setDirect(cl, false)
+				return x.bytesOut, err
+			}
+			loop = false
+		}
 		if end, err := x.passRead(w); end {
 			setDirect(up, false)
 			setDirect(cl, false)
@@ -648,21 +659,52 @@ func setDirect(c *rxConn, on bool) {
 // passRead relays one read of passChunks; end is true when the body ended
 // or failed (err says which).
 func (x *exchange) passRead(w io.Writer) (end bool, err error) {
-	keep := x.keep
 	var n int
 	if x.conn.br.Buffered() > 0 {
-		n, err = x.conn.br.Read(x.buf[keep:]) // what came with the header
+		n, err = x.conn.br.Read(x.buf[x.keep:]) // what came with the header
 	} else {
-		n, err = x.conn.Read(x.buf[keep:])
+		n, err = x.conn.Read(x.buf[x.keep:])
 	}
-	last, data := keep+n, 0
-	rawFrom := 0 // where the bytes written as they came begin
+	rawFrom, out, last, data, serr := x.passScan(n)
+	if serr != nil {
+		err = serr
+	}
+	if len(x.gathered) > 0 {
+		// Framed by the server, and flushed with the header.
+		_, werr := w.Write(x.gathered)
+		x.gathered = x.gathered[:0]
+		if werr != nil {
+			x.readErr = err
+			return true, werr
+		}
+	}
+	if out > rawFrom {
+		if _, werr := x.client.Write(x.buf[rawFrom:out]); werr != nil {
+			x.readErr = err
+			return true, werr
+		}
+	}
+	if data > 0 || out > rawFrom {
+		x.bytesOut += int64(data)
+		x.flushed(x.p.now())
+	}
+	return x.passEnd(err, last)
+}
+
+// passScan follows the framing of the n bytes just read into x.buf (after
+// the x.keep bytes of a size line held from the read before), hands their
+// data bytes to the parser and says what to write as it came:
+// x.buf[rawFrom:out], up to the start of the last chunk, or of a size line
+// the read cut (held for the next read: x.keep), or of a framing error
+// (err); in the trailers, nothing. last is the end of the bytes read; data
+// counts the data bytes. While framed, the data bytes are gathered for the
+// server to frame instead.
+func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
+	keep := x.keep
+	last = keep + n
 	if x.framed {
 		rawFrom = last
 	}
-	// What is written: up to the start of the last chunk, or of a size
-	// line the read cut, or of a framing error; in the trailers,
-	// nothing.
 	out, start := last, keep-x.chunks.line
 	if x.chunks.lastChunk() {
 		out = 0
@@ -699,29 +741,17 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 			}
 		}
 	}
-	keep = 0
-	if len(x.gathered) > 0 {
-		// Framed by the server, and flushed with the header.
-		_, werr := w.Write(x.gathered)
-		x.gathered = x.gathered[:0]
-		if werr != nil {
-			x.readErr = err
-			return true, werr
-		}
-	}
+	x.keep = 0
 	if in, l := x.chunks.inSizeLine(); in && out == last && !x.framed {
-		out, keep = last-l, l
+		out, x.keep = last-l, l
 	}
-	if out > rawFrom {
-		if _, werr := x.client.Write(x.buf[rawFrom:out]); werr != nil {
-			x.readErr = err
-			return true, werr
-		}
-	}
-	if data > 0 || out > rawFrom {
-		x.bytesOut += int64(data)
-		x.flushed(x.p.now())
-	}
+	return rawFrom, out, last, data, err
+}
+
+// passEnd ends a relayed read whose bytes were written: end is true when
+// the body ended (err nil) or the read failed (err says how); otherwise
+// the held size line moves to the front of the buffer for the next read.
+func (x *exchange) passEnd(err error, last int) (end bool, _ error) {
 	if x.upDone {
 		x.readErr = io.EOF
 		return true, nil
@@ -733,8 +763,7 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 		x.readErr = err
 		return true, err
 	}
-	copy(x.buf, x.buf[last-keep:last])
-	x.keep = keep
+	copy(x.buf, x.buf[last-x.keep:last])
 	return false, nil
 }
 

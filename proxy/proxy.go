@@ -70,6 +70,11 @@ type Options struct {
 	// IdleTimeout the wait for the next request on a keep-alive connection
 	// (default 2 min each).
 	RequestReadTimeout, IdleTimeout time.Duration
+	// GoroutineRelay keeps every streamed body on its request's goroutine
+	// instead of handing established chunked streams to the relay loops
+	// (loop.go). The loops cost less per event; this is the path to compare
+	// them against.
+	GoroutineRelay bool
 }
 
 // Proxy is the relay. It is safe for concurrent use; its configuration can

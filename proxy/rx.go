@@ -108,6 +108,26 @@ func (c *rxConn) recvmsg(fd uintptr) bool {
 	}
 }
 
+// recvFd reads into b from fd, a duplicate of c's socket held by a relay
+// loop, as Read does but without the runtime's poller: EAGAIN when
+// nothing is waiting. The receive time is left in c.rx.
+func (c *rxConn) recvFd(fd uintptr, b []byte) (int, syscall.Errno) {
+	c.iov.Base = &b[0]
+	c.iov.SetLen(len(b))
+	direct := c.direct
+	c.direct = true
+	read := c.recvmsg(fd)
+	c.direct = direct
+	c.iov.Base = nil
+	switch {
+	case !read:
+		return 0, unix.EAGAIN
+	case c.errno != 0:
+		return 0, c.errno
+	}
+	return c.n, 0
+}
+
 // timestamp finds SCM_TIMESTAMPNS among the control messages of the last
 // recvmsg, or returns 0.
 func (c *rxConn) timestamp() int64 {

@@ -1,0 +1,440 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// relayLoop relays established chunked streams (passChunks once the
+// response header is out) for many exchanges on one goroutine, driven by
+// an epoll set of its own, level-triggered.
+//
+// On the goroutine path every relayed event costs a wake-up of the
+// exchange's goroutine and two reads of the upstream socket: the runtime's
+// poller is edge-triggered and forgets a socket's readiness before each
+// read, so only a read that fails with EAGAIN can tell a goroutine to park.
+// Here a short read ends a stream's turn (the level-triggered set reports
+// the socket again if more arrives), one epoll_wait serves every stream
+// that is ready, and no goroutine is woken per event: one read, one write.
+//
+// The loop's goroutine parks in the runtime's poller on the epoll
+// descriptor itself (an epoll set is readable while it has events), so an
+// idle loop holds no thread and the loops do not compete with the
+// runtime's scheduler. The exchange's own goroutine waits on a channel
+// until its stream ends, then hands the connection back to the server as
+// before.
+//
+// Each stream's sockets are duplicated for the loop: a Close elsewhere (a
+// client that left, a drain cut short) can never hand the loop a
+// descriptor number that another connection reuses. Those paths shut the
+// socket down first (shutdownConn), which the loop sees at once: the
+// upstream reads its end, the client's socket reports a hang-up.
+//
+// Timeouts are the goroutine path's: the upstream's idle gap between reads
+// and the client's write timeout, checked every loopTick while streams
+// are open.
+type relayLoop struct {
+	epfd   int
+	efd    int // eventfd: streams posted to the loop
+	file   *os.File
+	raw    syscall.RawConn
+	turnFn func(fd uintptr) bool
+	events []unix.EpollEvent
+	efdBuf [8]byte
+	mu     sync.Mutex
+	posted []*loopStream
+	taken  []*loopStream
+	slots  []*loopStream // by slot; nil: free
+	free   []int32
+	open   int
+	armed  bool      // the epoll file has a read deadline (the next scan)
+	scanAt time.Time // when open streams' timeouts are next checked
+	again  bool      // a read filled the buffer: look again before parking
+}
+
+// loopTick is how often the timeouts of open streams are checked: a
+// timeout fires up to this much late.
+const loopTick = 10 * time.Millisecond
+
+// efdSlot marks the eventfd's events; a stream's slot is an index.
+const efdSlot = -1
+
+// loopStream is one stream while the loop relays it. It lives in its
+// exchange and is reused by the exchange's next stream.
+type loopStream struct {
+	x      *exchange
+	cc     *clientConn
+	slot   int32
+	upFd   int // duplicates, closed by the exchange once the stream ended
+	clFd   int
+	done   chan error
+	idle   time.Duration
+	wtime  time.Duration
+	readAt time.Time // when reading began or last returned bytes, for the idle timeout
+	// The read being relayed: what of x.buf is still to be written, the
+	// end of the bytes read, the data bytes found, the read's error.
+	pending []byte
+	since   time.Time // when pending met a full socket buffer
+	blocked bool      // waiting for the client socket to take pending
+	last    int
+	data    int
+	wrote   bool
+	readErr error
+}
+
+var (
+	loopsOnce sync.Once
+	loops     []*relayLoop
+	loopNext  atomic.Uint32
+)
+
+// pickLoop returns a relay loop (one per processor the runtime had when
+// the first stream came), or nil when the system has none to give.
+func pickLoop() *relayLoop {
+	loopsOnce.Do(func() {
+		for range runtime.GOMAXPROCS(0) {
+			l, err := newRelayLoop()
+			if err != nil {
+				break
+			}
+			loops = append(loops, l)
+			go l.run()
+		}
+	})
+	if len(loops) == 0 {
+		return nil
+	}
+	return loops[int(loopNext.Add(1))%len(loops)]
+}
+
+func newRelayLoop() (*relayLoop, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		unix.Close(epfd)
+		return nil, err
+	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: efdSlot}
+	if err = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, efd, &ev); err == nil {
+		err = unix.SetNonblock(epfd, true)
+	}
+	if err != nil {
+		unix.Close(efd)
+		unix.Close(epfd)
+		return nil, err
+	}
+	f := os.NewFile(uintptr(epfd), "relay-loop")
+	raw, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		unix.Close(efd)
+		return nil, err
+	}
+	if f.SetReadDeadline(time.Time{}) != nil {
+		// Not in the runtime's poller: the loop could not park on it.
+		f.Close()
+		unix.Close(efd)
+		return nil, errors.New("epoll descriptor is not pollable")
+	}
+	l := &relayLoop{epfd: epfd, efd: efd, file: f, raw: raw, events: make([]unix.EpollEvent, 128)}
+	l.turnFn = l.turn
+	return l, nil
+}
+
+// run serves the loop for the life of the process. Between turns it
+// checks the open streams' timeouts and moves the epoll file's read
+// deadline, which wakes the loop for the next check.
+func (l *relayLoop) run() {
+	for {
+		_ = l.raw.Read(l.turnFn) // a deadline: the next check is due
+		now := time.Now()
+		switch {
+		case l.open == 0:
+			if l.armed {
+				_ = l.file.SetReadDeadline(time.Time{})
+				l.armed = false
+			}
+		case !l.armed || !now.Before(l.scanAt):
+			l.scan(now)
+			l.scanAt = now.Add(loopTick)
+			_ = l.file.SetReadDeadline(l.scanAt)
+			l.armed = true
+		}
+	}
+}
+
+// turn serves the ready events until none is left (false: park until the
+// epoll set is readable), or returns true when the streams' timeouts are
+// due or the deadline that checks them must change.
+func (l *relayLoop) turn(uintptr) bool {
+	for {
+		n, _, e := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, uintptr(l.epfd), uintptr(unsafe.Pointer(&l.events[0])),
+			uintptr(len(l.events)), 0, 0, 0)
+		if e != 0 {
+			if e == unix.EINTR {
+				continue
+			}
+			return true
+		}
+		l.again = false
+		for i := range int(n) {
+			ev := &l.events[i]
+			if ev.Fd == efdSlot {
+				l.takePosted()
+				continue
+			}
+			s := l.slots[ev.Fd]
+			if s == nil {
+				continue // ended earlier in this batch
+			}
+			switch {
+			case ev.Pad == 1 && s.blocked && ev.Events&unix.EPOLLOUT != 0:
+				l.write(s)
+			case ev.Pad == 1 && ev.Events&(unix.EPOLLHUP|unix.EPOLLERR) != 0:
+				l.end(s, clientHungUp)
+			case ev.Pad == 0 && !s.blocked:
+				l.read(s)
+			}
+		}
+		if l.open > 0 != l.armed || l.armed && !time.Now().Before(l.scanAt) {
+			return true
+		}
+		if int(n) < len(l.events) && !l.again {
+			return false
+		}
+	}
+}
+
+var clientHungUp = &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", unix.EPIPE)}
+
+// post hands s to the loop.
+func (l *relayLoop) post(s *loopStream) {
+	l.mu.Lock()
+	l.posted = append(l.posted, s)
+	l.mu.Unlock()
+	one := [8]byte{1}
+	for {
+		_, err := unix.Write(l.efd, one[:])
+		if err != unix.EINTR {
+			return // EAGAIN: the counter is full, the loop is woken anyway
+		}
+	}
+}
+
+// takePosted registers the streams posted since the last turn.
+func (l *relayLoop) takePosted() {
+	_, _, _ = unix.RawSyscall(unix.SYS_READ, uintptr(l.efd), uintptr(unsafe.Pointer(&l.efdBuf[0])), 8)
+	l.mu.Lock()
+	l.taken, l.posted = l.posted, l.taken[:0]
+	l.mu.Unlock()
+	now := time.Now()
+	for i, s := range l.taken {
+		l.taken[i] = nil
+		var slot int32
+		if k := len(l.free); k > 0 {
+			slot, l.free = l.free[k-1], l.free[:k-1]
+		} else {
+			slot = int32(len(l.slots))
+			l.slots = append(l.slots, nil)
+		}
+		s.slot, s.readAt = slot, now
+		up := unix.EpollEvent{Events: unix.EPOLLIN, Fd: slot}
+		cl := unix.EpollEvent{Fd: slot, Pad: 1} // hang-ups and errors only, until it is written to
+		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.upFd, &up); err != nil {
+			s.done <- err
+			l.free = append(l.free, slot)
+			continue
+		}
+		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.clFd, &cl); err != nil {
+			_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.upFd, nil)
+			s.done <- err
+			l.free = append(l.free, slot)
+			continue
+		}
+		l.slots[slot] = s
+		l.open++
+	}
+	l.taken = l.taken[:0]
+}
+
+// read relays one read of the upstream socket.
+func (l *relayLoop) read(s *loopStream) {
+	x := s.x
+	rx := x.conn.rx
+	room := x.buf[x.keep:]
+	n, errno := rx.recvFd(uintptr(s.upFd), room)
+	if errno == unix.EAGAIN {
+		return
+	}
+	var err error
+	switch {
+	case errno != 0:
+		err = &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("recvmsg", errno)}
+	case n == 0:
+		err = io.EOF
+	default:
+		now := x.up.now()
+		x.conn.readAt = received(rx.rx, now, maxRxAge)
+		s.readAt = time.Now()
+		if n == len(room) {
+			l.again = true
+		}
+	}
+	rawFrom, out, last, data, serr := x.passScan(n)
+	if serr != nil {
+		err = serr
+	}
+	s.last, s.data, s.readErr, s.wrote = last, data, err, out > rawFrom
+	s.pending = x.buf[rawFrom:out]
+	l.write(s)
+}
+
+// write writes what is pending of the read being relayed; at a full
+// socket buffer it stops reading the upstream and waits for the client's
+// socket to be writable.
+func (l *relayLoop) write(s *loopStream) {
+	for len(s.pending) > 0 {
+		n, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(s.clFd), uintptr(unsafe.Pointer(&s.pending[0])), uintptr(len(s.pending)))
+		switch e {
+		case 0:
+			s.cc.sent += int64(n)
+			s.pending = s.pending[n:]
+			continue
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			if !s.blocked {
+				s.blocked, s.since = true, time.Now()
+				// The upstream is not read until the client takes pending:
+				// only its hang-up, once (level-triggered, it would be
+				// reported on every turn).
+				l.interest(s, unix.EPOLLONESHOT, unix.EPOLLOUT)
+			}
+			return
+		}
+		s.x.readErr = s.readErr
+		l.end(s, &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", e)})
+		return
+	}
+	if s.blocked {
+		s.blocked, s.readAt = false, time.Now()
+		l.interest(s, unix.EPOLLIN, 0)
+	}
+	x := s.x
+	if s.data > 0 || s.wrote {
+		x.bytesOut += int64(s.data)
+		x.flushed(x.p.now())
+	}
+	if end, err := x.passEnd(s.readErr, s.last); end {
+		l.end(s, err)
+	}
+}
+
+// interest sets what the loop waits for on each of s's sockets.
+func (l *relayLoop) interest(s *loopStream, up, cl uint32) {
+	ev := unix.EpollEvent{Events: up, Fd: s.slot}
+	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.upFd, &ev)
+	ev = unix.EpollEvent{Events: cl, Fd: s.slot, Pad: 1}
+	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.clFd, &ev)
+}
+
+// end takes s out of the loop and wakes its exchange with err.
+func (l *relayLoop) end(s *loopStream, err error) {
+	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.upFd, nil)
+	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.clFd, nil)
+	l.slots[s.slot] = nil
+	l.free = append(l.free, s.slot)
+	l.open--
+	s.pending = nil
+	s.done <- err
+}
+
+// scan ends the streams whose upstream was silent for their idle timeout
+// or whose client did not take a write for the write timeout.
+func (l *relayLoop) scan(now time.Time) {
+	for _, s := range l.slots {
+		switch {
+		case s == nil:
+		case s.blocked && s.wtime > 0 && now.Sub(s.since) > s.wtime:
+			s.x.readErr = s.readErr
+			l.end(s, &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded})
+		case !s.blocked && s.idle > 0 && now.Sub(s.readAt) > s.idle:
+			err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+			s.x.readErr = err
+			l.end(s, err)
+		}
+	}
+}
+
+// loopable reports whether a passChunks stream can move to a relay loop
+// once nothing is buffered or framed by the server: not when the relay
+// loops are off, on a connection that is not a plain socket with receive
+// stamps, or for a compressed body (its side decoder could hold the loop
+// up).
+func (x *exchange) loopable() bool {
+	cc, _ := x.client.(*clientConn)
+	c := x.conn
+	return !x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
+		c.up.tls == nil && x.dec == nil
+}
+
+// passLoop relays the rest of a passChunks stream on a relay loop, and
+// reports false when it cannot (the stream then stays on its goroutine).
+func (x *exchange) passLoop() (bool, error) {
+	cc, c := x.client.(*clientConn), x.conn
+	l := pickLoop()
+	if l == nil {
+		return false, nil
+	}
+	upFd, err := dupFd(c.rx.raw)
+	if err != nil {
+		return false, nil
+	}
+	clFd, err := dupFd(cc.raw)
+	if err != nil {
+		unix.Close(upFd)
+		return false, nil
+	}
+	s := &x.loop
+	if s.done == nil {
+		s.done = make(chan error, 1)
+	}
+	s.x, s.cc, s.upFd, s.clFd = x, cc, upFd, clFd
+	s.idle, s.wtime = c.timeout, cc.d
+	l.post(s)
+	err = <-s.done
+	unix.Close(upFd)
+	unix.Close(clFd)
+	s.x, s.cc, s.readErr = nil, nil, nil
+	return true, err
+}
+
+// dupFd duplicates the socket behind raw.
+func dupFd(raw syscall.RawConn) (int, error) {
+	fd, derr := -1, error(nil)
+	if err := raw.Control(func(f uintptr) { fd, derr = unix.FcntlInt(f, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return -1, err
+	}
+	return fd, derr
+}
+
+// shutdownConn shuts conn's socket down in both directions before it is
+// closed, so that a relay loop holding a duplicate of it sees the end.
+func shutdownConn(conn net.Conn) {
+	if raw := rawConn(conn); raw != nil {
+		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+	}
+}
