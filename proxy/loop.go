@@ -41,8 +41,9 @@ import (
 // upstream reads its end, the client's socket reports a hang-up.
 //
 // Timeouts are the goroutine path's: the upstream's idle gap between reads
-// and the client's write timeout, checked every loopTick while streams
-// are open.
+// and the client's write timeout. The loop wakes for them only when the
+// earliest can have passed (an epoll set has no timers: a read deadline
+// on its file does it), never per event.
 type relayLoop struct {
 	epfd   int
 	efd    int // eventfd: streams posted to the loop
@@ -57,14 +58,14 @@ type relayLoop struct {
 	slots  []*loopStream // by slot; nil: free
 	free   []int32
 	open   int
-	armed  bool      // the epoll file has a read deadline (the next scan)
-	scanAt time.Time // when open streams' timeouts are next checked
-	again  bool      // a read filled the buffer: look again before parking
+	// due is when the earliest timeout of an open stream can fire (zero:
+	// none); armed is the epoll file's read deadline, which wakes the loop.
+	// A stream's activity only moves its timeouts later, so due is a
+	// bound, renewed by each check (scan).
+	due   time.Time
+	armed time.Time
+	again bool // a read filled the buffer: look again before parking
 }
-
-// loopTick is how often the timeouts of open streams are checked: a
-// timeout fires up to this much late.
-const loopTick = 10 * time.Millisecond
 
 // efdSlot marks the eventfd's events; a stream's slot is an index.
 const efdSlot = -1
@@ -93,9 +94,10 @@ type loopStream struct {
 }
 
 var (
-	loopsOnce sync.Once
-	loops     []*relayLoop
-	loopNext  atomic.Uint32
+	loopsOnce   sync.Once
+	loops       []*relayLoop
+	loopNext    atomic.Uint32
+	loopStreams atomic.Uint64 // streams handed to a relay loop
 )
 
 // pickLoop returns a relay loop (one per processor the runtime had when
@@ -155,24 +157,25 @@ func newRelayLoop() (*relayLoop, error) {
 }
 
 // run serves the loop for the life of the process. Between turns it
-// checks the open streams' timeouts and moves the epoll file's read
-// deadline, which wakes the loop for the next check.
+// checks the open streams' timeouts when the earliest is due, and moves
+// the epoll file's read deadline, which wakes the loop, to the next one.
 func (l *relayLoop) run() {
 	for {
-		_ = l.raw.Read(l.turnFn) // a deadline: the next check is due
-		now := time.Now()
-		switch {
-		case l.open == 0:
-			if l.armed {
-				_ = l.file.SetReadDeadline(time.Time{})
-				l.armed = false
-			}
-		case !l.armed || !now.Before(l.scanAt):
-			l.scan(now)
-			l.scanAt = now.Add(loopTick)
-			_ = l.file.SetReadDeadline(l.scanAt)
-			l.armed = true
+		_ = l.raw.Read(l.turnFn) // a deadline: a timeout may be due
+		if !l.due.IsZero() && !time.Now().Before(l.due) {
+			l.scan(time.Now())
 		}
+		if !l.armed.Equal(l.due) {
+			_ = l.file.SetReadDeadline(l.due)
+			l.armed = l.due
+		}
+	}
+}
+
+// expect makes sure the loop wakes by t to check the timeouts.
+func (l *relayLoop) expect(t time.Time) {
+	if l.due.IsZero() || t.Before(l.due) {
+		l.due = t
 	}
 }
 
@@ -209,7 +212,7 @@ func (l *relayLoop) turn(uintptr) bool {
 				l.read(s)
 			}
 		}
-		if l.open > 0 != l.armed || l.armed && !time.Now().Before(l.scanAt) {
+		if !l.armed.Equal(l.due) || !l.due.IsZero() && !time.Now().Before(l.due) {
 			return true
 		}
 		if int(n) < len(l.events) && !l.again {
@@ -266,6 +269,9 @@ func (l *relayLoop) takePosted() {
 		}
 		l.slots[slot] = s
 		l.open++
+		if s.idle > 0 {
+			l.expect(now.Add(s.idle))
+		}
 	}
 	l.taken = l.taken[:0]
 }
@@ -318,6 +324,9 @@ func (l *relayLoop) write(s *loopStream) {
 		case unix.EAGAIN:
 			if !s.blocked {
 				s.blocked, s.since = true, time.Now()
+				if s.wtime > 0 {
+					l.expect(s.since.Add(s.wtime))
+				}
 				// The upstream is not read until the client takes pending:
 				// only its hang-up, once (level-triggered, it would be
 				// reported on every turn).
@@ -332,6 +341,9 @@ func (l *relayLoop) write(s *loopStream) {
 	if s.blocked {
 		s.blocked, s.readAt = false, time.Now()
 		l.interest(s, unix.EPOLLIN, 0)
+		if s.idle > 0 {
+			l.expect(s.readAt.Add(s.idle))
+		}
 	}
 	x := s.x
 	if s.data > 0 || s.wrote {
@@ -363,18 +375,28 @@ func (l *relayLoop) end(s *loopStream, err error) {
 }
 
 // scan ends the streams whose upstream was silent for their idle timeout
-// or whose client did not take a write for the write timeout.
+// or whose client did not take a write for the write timeout, and finds
+// when the next timeout can fire.
 func (l *relayLoop) scan(now time.Time) {
+	l.due = time.Time{}
 	for _, s := range l.slots {
 		switch {
 		case s == nil:
-		case s.blocked && s.wtime > 0 && now.Sub(s.since) > s.wtime:
-			s.x.readErr = s.readErr
-			l.end(s, &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded})
-		case !s.blocked && s.idle > 0 && now.Sub(s.readAt) > s.idle:
-			err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
-			s.x.readErr = err
-			l.end(s, err)
+		case s.blocked && s.wtime > 0:
+			if at := s.since.Add(s.wtime); now.After(at) {
+				s.x.readErr = s.readErr
+				l.end(s, &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded})
+			} else {
+				l.expect(at)
+			}
+		case !s.blocked && s.idle > 0:
+			if at := s.readAt.Add(s.idle); now.After(at) {
+				err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+				s.x.readErr = err
+				l.end(s, err)
+			} else {
+				l.expect(at)
+			}
 		}
 	}
 }
@@ -414,6 +436,7 @@ func (x *exchange) passLoop() (bool, error) {
 	}
 	s.x, s.cc, s.upFd, s.clFd = x, cc, upFd, clFd
 	s.idle, s.wtime = c.timeout, cc.d
+	loopStreams.Add(1)
 	l.post(s)
 	err = <-s.done
 	unix.Close(upFd)

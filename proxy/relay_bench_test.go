@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -174,5 +175,98 @@ func BenchmarkPassChunks(b *testing.B) {
 	for b.Loop() {
 		up.Write(benchFrame)
 		x.passRead(io.Discard)
+	}
+}
+
+// relayPair is passPair with the client side a clientConn and the
+// upstream's receive stamps on, as the proxy's own connections are, so
+// that passChunks hands the stream to a relay loop unless goroutine is
+// set. peer is the client's end.
+func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
+	tb.Helper()
+	p := newProxyForBench(tb)
+	p.opts.GoroutineRelay = goroutine
+	upWrite, upRead := tcpPair(tb)
+	peer, cl := tcpPair(tb)
+	x = streamingExchange(p, nil)
+	x.up = x.rt.members[0].up
+	x.conn = &upConn{Conn: upRead, up: x.up, rx: upRead, timeout: time.Minute}
+	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
+	x.client = &clientConn{rxConn: cl, d: time.Minute, ackBase: -1}
+	x.pass = true
+	x.buf = make([]byte, 8<<10)
+	x.m.gaps = make([]time.Duration, 0, maxGaps)
+	return x, upWrite, peer
+}
+
+// relayOne sends one chunk frame upstream and reads it whole at the client.
+func relayOne(tb testing.TB, up, peer net.Conn, got []byte) {
+	if _, err := up.Write(benchFrame); err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := io.ReadFull(peer, got); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// A stream on a relay loop: each event is relayed byte for byte with no
+// allocation (the loop's goroutine included: AllocsPerRun counts the whole
+// process), and the end of the body ends the stream cleanly.
+func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
+	x, up, peer := relayPair(t, false)
+	before := loopStreams.Load()
+	done := make(chan error, 1)
+	go func() {
+		_, err := x.passChunks(io.Discard)
+		done <- err
+	}()
+	got := make([]byte, len(benchFrame))
+	relayOne(t, up, peer, got)
+	if a := testing.AllocsPerRun(500, func() { relayOne(t, up, peer, got) }); a != 0 {
+		t.Fatalf("allocs per relayed event = %v, want 0", a)
+	}
+	if !bytes.Equal(got, benchFrame) {
+		t.Fatalf("the client read %q, want %q", got, benchFrame)
+	}
+	if _, err := io.WriteString(up, "0\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the stream ended with %v", err)
+	}
+	if loopStreams.Load() == before {
+		t.Fatal("the stream was not relayed by a relay loop")
+	}
+	if x.m.events != 502 || x.bytesOut != 502*int64(len(benchEvent)) || !x.upDone {
+		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.m.events, x.bytesOut, x.upDone)
+	}
+}
+
+// BenchmarkRelayPath is one event through an established stream over
+// loopback sockets, the backend's write to the client's read, on a relay
+// loop and on the stream's own goroutine.
+func BenchmarkRelayPath(b *testing.B) {
+	for _, path := range []struct {
+		name      string
+		goroutine bool
+	}{{"loop", false}, {"goroutine", true}} {
+		b.Run(path.name, func(b *testing.B) {
+			x, up, peer := relayPair(b, path.goroutine)
+			done := make(chan error, 1)
+			go func() {
+				_, err := x.passChunks(io.Discard)
+				done <- err
+			}()
+			got := make([]byte, len(benchFrame))
+			b.ReportAllocs()
+			b.SetBytes(int64(len(benchEvent)))
+			for b.Loop() {
+				relayOne(b, up, peer, got)
+			}
+			io.WriteString(up, "0\r\n\r\n")
+			if err := <-done; err != nil {
+				b.Fatal(err)
+			}
+		})
 	}
 }

@@ -36,9 +36,13 @@ type fileConfig struct {
 	Warnings  fileWarnings  `yaml:"warnings"`
 	// DrainTimeout bounds the drain at shutdown; DrainDelay is how long
 	// /readyz says 503 before the listener closes.
-	DrainTimeout duration       `yaml:"drain_timeout"`
-	DrainDelay   duration       `yaml:"drain_delay"`
-	lines        map[string]int // field path → line, for validation errors
+	DrainTimeout duration `yaml:"drain_timeout"`
+	DrainDelay   duration `yaml:"drain_delay"`
+	// Relay says who relays established streams: "loop" (the epoll relay
+	// loops, the default) or "goroutine" (each stream on its request's
+	// goroutine).
+	Relay string         `yaml:"relay"`
+	lines map[string]int // field path → line, for validation errors
 }
 
 // fileAdmin is the admin listener: an address, or a mapping with the
@@ -420,6 +424,13 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			return nil, fmt.Errorf("%s: must be positive", where(d.name))
 		}
 		*d.dst = d.v.d
+	}
+	switch fc.Relay {
+	case "", "loop":
+	case "goroutine":
+		s.opts.GoroutineRelay = true
+	default:
+		return nil, fmt.Errorf("%s: %q is not loop or goroutine", where("relay"), fc.Relay)
 	}
 
 	// fileErr gives a *FieldError the file line of its field.

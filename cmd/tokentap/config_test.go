@@ -110,6 +110,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\nlimits:\n  client_write_timeout: 0s\n", nil, ":3:", "limits.client_write_timeout", "positive")
 	f("upstream: http://x\nlimits:\n  max_client_conns: -1\n", nil, ":3:", "limits.max_client_conns")
 	f("upstream: http://x\ndrain_timeout: 0s\n", nil, ":2:", "drain_timeout", "positive")
+	f("upstream: http://x\nrelay: epoll\n", nil, ":2:", "relay", "loop or goroutine")
 	f("upstream: http://x\nslo:\n  target: 150%\n", nil, ":3:", "slo.target", "share")
 	f("upstream: http://x\nslo:\n  ttft: fast\n", nil, ":3:", "slo.ttft", "fast")
 	f("upstream: http://x\nslo:\n  measure: user\n", nil, ":3:", "slo.measure", "client or proxy")
