@@ -62,6 +62,21 @@ func (d *delivery) note(in *unix.TCPInfo, ackBase int64, now time.Time) {
 	}
 }
 
+// pathRTT is the connection's round trip without delays at either end:
+// the kernel's windowed minimum of its samples (minRTT), or the
+// handshake's sample (syn) where the two are within a millisecond. Samples
+// of data that was sent again come from TCP timestamps, whose clock ticks
+// in milliseconds, and can pull the minimum up to a millisecond below the
+// path's RTT; a minimum further below shows a handshake that met a queue
+// (or a busy peer), which the samples since have seen through. A minimum
+// above the handshake's is a path that got slower.
+func pathRTT(minRTT, syn time.Duration) time.Duration {
+	if syn > 0 && (minRTT <= 0 || minRTT < syn && syn-minRTT <= time.Millisecond) {
+		return syn
+	}
+	return minRTT
+}
+
 // startDelivery notes where the response begins on the client connection.
 func (x *exchange) startDelivery() {
 	if cc, ok := x.client.(*clientConn); ok {
@@ -82,11 +97,8 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	}
 	in := &x.ti.info
 	d.ok = true
-	d.minRTT, d.srtt = time.Duration(in.Min_rtt)*time.Microsecond, time.Duration(in.Rtt)*time.Microsecond
-	// The handshake's sample stands unless the windowed minimum rose past
-	// it (a path that got slower): a later minimum below it is mostly a
-	// sample taken from TCP timestamps, whose clock ticks in milliseconds.
-	d.minRTT = max(d.minRTT, cc.synRTT)
+	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
+	d.srtt = time.Duration(in.Rtt) * time.Microsecond
 	d.retrans = int(in.Total_retrans - cc.retrans)
 	cc.retrans = in.Total_retrans
 	d.wire = cc.sent - x.sentFrom
