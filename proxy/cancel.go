@@ -14,6 +14,24 @@ type cancelState struct {
 	gone bool
 	conn net.Conn
 	done chan struct{}
+	// looped: a relay loop holds the connection's descriptor, so fire
+	// only shuts the socket down; the exchange closes it after the loop.
+	looped bool
+}
+
+// enterLoop marks the connection as held by a relay loop; false if the
+// client has gone already.
+func (c *cancelState) enterLoop() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.looped = !c.gone
+	return c.looped
+}
+
+func (c *cancelState) leaveLoop() {
+	c.mu.Lock()
+	c.looped = false
+	c.mu.Unlock()
 }
 
 // doneChan returns a channel closed when the client has gone.
@@ -54,8 +72,11 @@ func (c *cancelState) fire() {
 		close(c.done)
 	}
 	c.gone = true
-	if c.conn != nil {
-		shutdownConn(c.conn) // a relay loop holds a duplicate of the socket
+	switch {
+	case c.conn == nil:
+	case c.looped:
+		shutdownConn(c.conn) // the loop ends the stream; finish closes the connection
+	default:
 		_ = c.conn.Close()
 	}
 }

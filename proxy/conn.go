@@ -112,7 +112,6 @@ func (cc *connCaps) closeAll() {
 	}
 	cc.mu.Unlock()
 	for _, c := range conns {
-		shutdownConn(c) // a relay loop holds a duplicate of the socket
 		_ = c.Close()
 	}
 }
@@ -180,10 +179,45 @@ type clientConn struct {
 	caps   *connCaps
 	ip     netip.Addr
 	closed atomic.Bool
+
+	// While a relay loop holds the descriptor (looped), Close only shuts
+	// the socket down, which ends the loop's stream, and the close itself
+	// happens when the stream leaves the loop (closeLater).
+	loopMu     sync.Mutex
+	looped     bool
+	closeLater bool
+}
+
+// enterLoop marks the connection as held by a relay loop; false if it was
+// closed already.
+func (c *clientConn) enterLoop() bool {
+	c.loopMu.Lock()
+	defer c.loopMu.Unlock()
+	c.looped = !c.closed.Load()
+	return c.looped
+}
+
+// leaveLoop ends the loop's hold, and makes a close that came meanwhile.
+func (c *clientConn) leaveLoop() {
+	c.loopMu.Lock()
+	later := c.closeLater
+	c.looped, c.closeLater = false, false
+	c.loopMu.Unlock()
+	if later {
+		_ = c.Close()
+	}
 }
 
 // Close closes the connection and frees its place under the caps, once.
 func (c *clientConn) Close() error {
+	c.loopMu.Lock()
+	if c.looped {
+		c.closeLater = true
+		c.loopMu.Unlock()
+		shutdownConn(c)
+		return nil
+	}
+	c.loopMu.Unlock()
 	if c.closed.Swap(true) {
 		return nil
 	}

@@ -34,11 +34,14 @@ import (
 // until its stream ends, then hands the connection back to the server as
 // before.
 //
-// Each stream's sockets are duplicated for the loop: a Close elsewhere (a
-// client that left, a drain cut short) can never hand the loop a
-// descriptor number that another connection reuses. Those paths shut the
-// socket down first (shutdownConn), which the loop sees at once: the
-// upstream reads its end, the client's socket reports a hang-up.
+// The loop uses the connections' own descriptors, so nothing may close
+// them while it holds them: the two paths that close a connection from
+// another goroutine (a client that left: cancelState.fire; a drain cut
+// short: clientConn.Close) only shut the socket down then, which the loop
+// sees at once (the upstream reads its end, the client's socket reports a
+// hang-up), and the close waits for the stream to leave the loop.
+// (Duplicating the descriptors instead would double what each stream
+// holds: 9,000 idle streams ran out of the process's 20,000.)
 //
 // Timeouts are the goroutine path's: the upstream's idle gap between reads
 // and the client's write timeout. The loop wakes for them only when the
@@ -57,7 +60,11 @@ type relayLoop struct {
 	taken  []*loopStream
 	slots  []*loopStream // by slot; nil: free
 	free   []int32
-	open   int
+	// freed are slots ended during the batch being served: they are
+	// reused only from the next batch, so that an event of the batch for
+	// an ended stream never reaches a stream that took its slot.
+	freed []int32
+	open  int
 	// due is when the earliest timeout of an open stream can fire (zero:
 	// none); armed is the epoll file's read deadline, which wakes the loop.
 	// A stream's activity only moves its timeouts later, so due is a
@@ -76,7 +83,7 @@ type loopStream struct {
 	x      *exchange
 	cc     *clientConn
 	slot   int32
-	upFd   int // duplicates, closed by the exchange once the stream ended
+	upFd   int // the connections' descriptors, held open for the loop
 	clFd   int
 	done   chan error
 	idle   time.Duration
@@ -212,6 +219,8 @@ func (l *relayLoop) turn(uintptr) bool {
 				l.read(s)
 			}
 		}
+		l.free = append(l.free, l.freed...)
+		l.freed = l.freed[:0]
 		if !l.armed.Equal(l.due) || !l.due.IsZero() && !time.Now().Before(l.due) {
 			return true
 		}
@@ -220,6 +229,10 @@ func (l *relayLoop) turn(uintptr) bool {
 		}
 	}
 }
+
+// errNoLoop says the loop could not take a stream (its epoll set refused
+// the sockets): the stream stays on its goroutine.
+var errNoLoop = errors.New("relay loop: cannot watch the stream's sockets")
 
 var clientHungUp = &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", unix.EPIPE)}
 
@@ -257,13 +270,13 @@ func (l *relayLoop) takePosted() {
 		up := unix.EpollEvent{Events: unix.EPOLLIN, Fd: slot}
 		cl := unix.EpollEvent{Fd: slot, Pad: 1} // hang-ups and errors only, until it is written to
 		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.upFd, &up); err != nil {
-			s.done <- err
+			s.done <- errNoLoop
 			l.free = append(l.free, slot)
 			continue
 		}
 		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.clFd, &cl); err != nil {
 			_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.upFd, nil)
-			s.done <- err
+			s.done <- errNoLoop
 			l.free = append(l.free, slot)
 			continue
 		}
@@ -368,7 +381,7 @@ func (l *relayLoop) end(s *loopStream, err error) {
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.upFd, nil)
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.clFd, nil)
 	l.slots[s.slot] = nil
-	l.free = append(l.free, s.slot)
+	l.freed = append(l.freed, s.slot)
 	l.open--
 	s.pending = nil
 	s.done <- err
@@ -421,13 +434,12 @@ func (x *exchange) passLoop() (bool, error) {
 	if l == nil {
 		return false, nil
 	}
-	upFd, err := dupFd(c.rx.raw)
-	if err != nil {
+	upFd, clFd := sockFd(c.rx.raw), sockFd(cc.raw)
+	if upFd < 0 || clFd < 0 || !x.cancel.enterLoop() {
 		return false, nil
 	}
-	clFd, err := dupFd(cc.raw)
-	if err != nil {
-		unix.Close(upFd)
+	if !cc.enterLoop() {
+		x.cancel.leaveLoop()
 		return false, nil
 	}
 	s := &x.loop
@@ -436,26 +448,31 @@ func (x *exchange) passLoop() (bool, error) {
 	}
 	s.x, s.cc, s.upFd, s.clFd = x, cc, upFd, clFd
 	s.idle, s.wtime = c.timeout, cc.d
-	loopStreams.Add(1)
 	l.post(s)
-	err = <-s.done
-	unix.Close(upFd)
-	unix.Close(clFd)
+	err := <-s.done
 	s.x, s.cc, s.readErr = nil, nil, nil
+	cc.leaveLoop()
+	x.cancel.leaveLoop()
+	if err == errNoLoop {
+		return false, nil
+	}
+	loopStreams.Add(1)
 	return true, err
 }
 
-// dupFd duplicates the socket behind raw.
-func dupFd(raw syscall.RawConn) (int, error) {
-	fd, derr := -1, error(nil)
-	if err := raw.Control(func(f uintptr) { fd, derr = unix.FcntlInt(f, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
-		return -1, err
+// sockFd returns the descriptor behind raw, or -1. Only a stream's own
+// goroutine calls it, and the descriptor stays open while the stream is in
+// a loop (see relayLoop).
+func sockFd(raw syscall.RawConn) int {
+	fd := -1
+	if raw.Control(func(f uintptr) { fd = int(f) }) != nil {
+		return -1
 	}
-	return fd, derr
+	return fd
 }
 
-// shutdownConn shuts conn's socket down in both directions before it is
-// closed, so that a relay loop holding a duplicate of it sees the end.
+// shutdownConn shuts conn's socket down in both directions, which ends
+// a relay loop's stream on it as a close would.
 func shutdownConn(conn net.Conn) {
 	if raw := rawConn(conn); raw != nil {
 		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })

@@ -108,9 +108,9 @@ func (c *rxConn) recvmsg(fd uintptr) bool {
 	}
 }
 
-// recvFd reads into b from fd, a duplicate of c's socket held by a relay
-// loop, as Read does but without the runtime's poller: EAGAIN when
-// nothing is waiting. The receive time is left in c.rx.
+// recvFd reads into b from fd, c's socket as a relay loop holds it, as
+// Read does but without the runtime's poller: EAGAIN when nothing is
+// waiting. The receive time is left in c.rx.
 func (c *rxConn) recvFd(fd uintptr, b []byte) (int, syscall.Errno) {
 	c.iov.Base = &b[0]
 	c.iov.SetLen(len(b))
