@@ -72,7 +72,12 @@ type relayLoop struct {
 	due   time.Time
 	armed time.Time
 	again bool // a read filled the buffer: look again before parking
+	more  bool // events are left after a batch: yield, then serve them
 }
+
+// loopBatch is how many ready events a loop serves before it lets other
+// goroutines run: about a millisecond of relaying.
+const loopBatch = 64
 
 // efdSlot marks the eventfd's events; a stream's slot is an index.
 const efdSlot = -1
@@ -158,7 +163,7 @@ func newRelayLoop() (*relayLoop, error) {
 		unix.Close(efd)
 		return nil, errors.New("epoll descriptor is not pollable")
 	}
-	l := &relayLoop{epfd: epfd, efd: efd, file: f, raw: raw, events: make([]unix.EpollEvent, 128)}
+	l := &relayLoop{epfd: epfd, efd: efd, file: f, raw: raw, events: make([]unix.EpollEvent, loopBatch)}
 	l.turnFn = l.turn
 	return l, nil
 }
@@ -169,6 +174,10 @@ func newRelayLoop() (*relayLoop, error) {
 func (l *relayLoop) run() {
 	for {
 		_ = l.raw.Read(l.turnFn) // a deadline: a timeout may be due
+		if l.more {
+			l.more = false
+			runtime.Gosched()
+		}
 		if !l.due.IsZero() && !time.Now().Before(l.due) {
 			l.scan(time.Now())
 		}
@@ -186,9 +195,10 @@ func (l *relayLoop) expect(t time.Time) {
 	}
 }
 
-// turn serves the ready events until none is left (false: park until the
-// epoll set is readable), or returns true when the streams' timeouts are
-// due or the deadline that checks them must change.
+// turn serves the ready events, a batch at a time (false: none left, park
+// until the epoll set is readable); it returns true when more are ready
+// after a batch (more), when the streams' timeouts are due or when the
+// deadline that checks them must change.
 func (l *relayLoop) turn(uintptr) bool {
 	for {
 		n, _, e := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, uintptr(l.epfd), uintptr(unsafe.Pointer(&l.events[0])),
@@ -227,6 +237,12 @@ func (l *relayLoop) turn(uintptr) bool {
 		if int(n) < len(l.events) && !l.again {
 			return false
 		}
+		// More is ready: first let the goroutines waiting for the
+		// processor run (run yields), as each stream's goroutine would have
+		// after its event. A loop that served every ready event before
+		// yielding held new requests back by whole waves of events.
+		l.more = true
+		return true
 	}
 }
 
