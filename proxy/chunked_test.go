@@ -148,10 +148,7 @@ func FuzzChunkScanner(f *testing.F) {
 // events are all counted and its length recorded. One large response is
 // read only after the proxy's writes have met a full socket buffer.
 func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
-	for _, path := range []struct {
-		name      string
-		goroutine bool
-	}{{"loop", false}, {"goroutine", true}} {
+	for _, path := range relayPaths {
 		t.Run(path.name, func(t *testing.T) {
 			before := loopStreams.Load()
 			relayExactBytes(t, Options{GoroutineRelay: path.goroutine})
@@ -306,4 +303,80 @@ func firstDiff(a, b []byte) int {
 		}
 	}
 	return min(len(a), len(b))
+}
+
+// Many streams relayed at once share the relay loops: each client gets
+// its own backend's bytes, whole and in order, while the backends write
+// in random pieces with pauses that interleave the streams' events, and
+// each stream gets its record.
+func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
+	const streams = 60
+	payload := func(seed uint64) string {
+		r := rand.New(rand.NewPCG(seed, 1))
+		var b strings.Builder
+		for k := range 20 + r.IntN(200) {
+			b.WriteString(chatChunk(fmt.Sprintf("s%d-t%d-%s", seed, k, strings.Repeat("x", r.IntN(50)))))
+		}
+		return b.String()
+	}
+	up := startRawUpstream(t, func(c net.Conn, req *http.Request) bool {
+		seed, _ := strconv.ParseUint(req.Header.Get("X-Seed"), 10, 64)
+		r := rand.New(rand.NewPCG(seed, 2))
+		body, _ := chunkedBody(r, []byte(payload(seed)))
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		for len(body) > 0 {
+			n := min(len(body), 1+r.IntN(400))
+			if _, err := c.Write(body[:n]); err != nil {
+				return false
+			}
+			body = body[n:]
+			if r.IntN(3) == 0 {
+				time.Sleep(time.Duration(r.IntN(800)) * time.Microsecond)
+			}
+		}
+		return true
+	})
+	tp := startProxy(t, up.url, nil)
+	before := loopStreams.Load()
+	errs := make(chan error, streams)
+	for i := range streams {
+		go func() {
+			errs <- func() error {
+				c, err := net.Dial("tcp", tp.addr)
+				if err != nil {
+					return err
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(time.Minute))
+				if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`, "X-Seed: "+strconv.Itoa(i))); err != nil {
+					return err
+				}
+				resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+				if err != nil {
+					return err
+				}
+				got, err := io.ReadAll(resp.Body)
+				if err != nil {
+					return fmt.Errorf("stream %d: %w after %d bytes", i, err, len(got))
+				}
+				if want := payload(uint64(i)); string(got) != want {
+					return fmt.Errorf("stream %d: the body differs from its backend's at byte %d of %d", i, firstDiff(got, []byte(want)), len(want))
+				}
+				return nil
+			}()
+		}()
+	}
+	for range streams {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range streams {
+		if rec := tp.rec.next(t); rec.Outcome != "ok" || rec.OutputTokens < 20 {
+			t.Fatalf("record %s: outcome %s, %d tokens", rec.RequestID, rec.Outcome, rec.OutputTokens)
+		}
+	}
+	if moved := loopStreams.Load() - before; moved < streams/2 {
+		t.Fatalf("%d of %d streams went to a relay loop", moved, streams)
+	}
 }

@@ -145,3 +145,10 @@ func chatChunk(content string) string {
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// relayPaths are the two ways a chunked stream can be relayed: on a relay
+// loop (the default) and on its own goroutine (Options.GoroutineRelay).
+var relayPaths = []struct {
+	name      string
+	goroutine bool
+}{{"loop", false}, {"goroutine", true}}

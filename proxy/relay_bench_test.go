@@ -246,10 +246,7 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 // loopback sockets, the backend's write to the client's read, on a relay
 // loop and on the stream's own goroutine.
 func BenchmarkRelayPath(b *testing.B) {
-	for _, path := range []struct {
-		name      string
-		goroutine bool
-	}{{"loop", false}, {"goroutine", true}} {
+	for _, path := range relayPaths {
 		b.Run(path.name, func(b *testing.B) {
 			x, up, peer := relayPair(b, path.goroutine)
 			done := make(chan error, 1)
