@@ -179,18 +179,7 @@ func relayExactBytes(t *testing.T, opts Options) {
 	up := startRawUpstream(t, func(c net.Conn, _ *http.Request) bool {
 		a := <-answers
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-		wr := rand.New(rand.NewPCG(uint64(len(a.body)), 9))
-		for b := a.body; len(b) > 0; {
-			n := min(len(b), 1+wr.IntN(700))
-			if _, err := c.Write(b[:n]); err != nil {
-				return false
-			}
-			b = b[n:]
-			if wr.IntN(4) == 0 {
-				time.Sleep(time.Duration(wr.IntN(1500)) * time.Microsecond)
-			}
-		}
-		return true
+		return writePieces(c, a.body, rand.New(rand.NewPCG(uint64(len(a.body)), 9)), 700, 4, 1500)
 	})
 	tp := startProxyOpts(t, up.url, nil, opts)
 	c, err := net.Dial("tcp", tp.addr)
@@ -324,17 +313,7 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 		r := rand.New(rand.NewPCG(seed, 2))
 		body, _ := chunkedBody(r, []byte(payload(seed)))
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-		for len(body) > 0 {
-			n := min(len(body), 1+r.IntN(400))
-			if _, err := c.Write(body[:n]); err != nil {
-				return false
-			}
-			body = body[n:]
-			if r.IntN(3) == 0 {
-				time.Sleep(time.Duration(r.IntN(800)) * time.Microsecond)
-			}
-		}
-		return true
+		return writePieces(c, body, r, 400, 3, 800)
 	})
 	tp := startProxy(t, up.url, nil)
 	before := loopStreams.Load()
@@ -379,4 +358,21 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 	if moved := loopStreams.Load() - before; moved < streams/2 {
 		t.Fatalf("%d of %d streams went to a relay loop", moved, streams)
 	}
+}
+
+// writePieces writes b to c in pieces of 1 to most bytes, pausing up to
+// pauseUS µs after one piece in oneIn, all drawn from r; false when a
+// write failed.
+func writePieces(c net.Conn, b []byte, r *rand.Rand, most, oneIn, pauseUS int) bool {
+	for len(b) > 0 {
+		n := min(len(b), 1+r.IntN(most))
+		if _, err := c.Write(b[:n]); err != nil {
+			return false
+		}
+		b = b[n:]
+		if r.IntN(oneIn) == 0 {
+			time.Sleep(time.Duration(r.IntN(pauseUS)) * time.Microsecond)
+		}
+	}
+	return true
 }

@@ -684,11 +684,7 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 			return true, werr
 		}
 	}
-	if data > 0 || out > rawFrom {
-		x.bytesOut += int64(data)
-		x.flushed(x.p.now())
-	}
-	return x.passEnd(err, last)
+	return x.passEnd(data, out > rawFrom, err, last)
 }
 
 // passScan follows the framing of the n bytes just read into x.buf (after
@@ -748,10 +744,16 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 	return rawFrom, out, last, data, err
 }
 
-// passEnd ends a relayed read whose bytes were written: end is true when
-// the body ended (err nil) or the read failed (err says how); otherwise
-// the held size line moves to the front of the buffer for the next read.
-func (x *exchange) passEnd(err error, last int) (end bool, _ error) {
+// passEnd ends a relayed read whose bytes were written (data bytes of
+// it, and whether anything went out: its delivery is stamped): end is true
+// when the body ended (err nil) or the read failed (err says how);
+// otherwise the held size line moves to the front of the buffer for the
+// next read.
+func (x *exchange) passEnd(data int, wrote bool, err error, last int) (end bool, _ error) {
+	if data > 0 || wrote {
+		x.bytesOut += int64(data)
+		x.flushed(x.p.now())
+	}
 	if x.upDone {
 		x.readErr = io.EOF
 		return true, nil

@@ -64,7 +64,6 @@ type relayLoop struct {
 	// reused only from the next batch, so that an event of the batch for
 	// an ended stream never reaches a stream that took its slot.
 	freed []int32
-	open  int
 	// due is when the earliest timeout of an open stream can fire (zero:
 	// none); armed is the epoll file's read deadline, which wakes the loop.
 	// A stream's activity only moves its timeouts later, so due is a
@@ -297,7 +296,6 @@ func (l *relayLoop) takePosted() {
 			continue
 		}
 		l.slots[slot] = s
-		l.open++
 		if s.idle > 0 {
 			l.expect(now.Add(s.idle))
 		}
@@ -321,8 +319,7 @@ func (l *relayLoop) read(s *loopStream) {
 	case n == 0:
 		err = io.EOF
 	default:
-		now := x.up.now()
-		x.conn.readAt = received(rx.rx, now, maxRxAge)
+		x.conn.stamp()
 		s.readAt = time.Now()
 		if n == len(room) {
 			l.again = true
@@ -374,12 +371,7 @@ func (l *relayLoop) write(s *loopStream) {
 			l.expect(s.readAt.Add(s.idle))
 		}
 	}
-	x := s.x
-	if s.data > 0 || s.wrote {
-		x.bytesOut += int64(s.data)
-		x.flushed(x.p.now())
-	}
-	if end, err := x.passEnd(s.readErr, s.last); end {
+	if end, err := s.x.passEnd(s.data, s.wrote, s.readErr, s.last); end {
 		l.end(s, err)
 	}
 }
@@ -398,7 +390,6 @@ func (l *relayLoop) end(s *loopStream, err error) {
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.clFd, nil)
 	l.slots[s.slot] = nil
 	l.freed = append(l.freed, s.slot)
-	l.open--
 	s.pending = nil
 	s.done <- err
 }

@@ -259,14 +259,22 @@ func (p *Proxy) InFlight() int { return int(p.inflight.Load()) }
 func (p *Proxy) Cut(wait time.Duration) bool {
 	p.cutting.Store(true)
 	p.caps.closeAll()
-	deadline := time.Now().Add(wait)
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	return p.awaitRecorded(ctx) == nil
+}
+
+// awaitRecorded waits until every request begun has its record, or ctx is
+// done.
+func (p *Proxy) awaitRecorded(ctx context.Context) error {
 	for p.inflight.Load() > 0 {
-		if time.Now().After(deadline) {
-			return false
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
 		}
-		time.Sleep(5 * time.Millisecond)
 	}
-	return true
+	return nil
 }
 
 // Close releases idle upstream connections and unregisters metrics.
@@ -313,14 +321,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 	if err := srv.ShutdownWithContext(ctx); err != nil {
 		return err
 	}
-	for p.inflight.Load() > 0 {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-	return nil
+	return p.awaitRecorded(ctx)
 }
 
 // server is the fasthttp.Server that relays through p: streamed bodies

@@ -110,14 +110,12 @@ func (c *rxConn) recvmsg(fd uintptr) bool {
 
 // recvFd reads into b from fd, c's socket as a relay loop holds it, as
 // Read does but without the runtime's poller: EAGAIN when nothing is
-// waiting. The receive time is left in c.rx.
+// waiting. The receive time is left in c.rx. (passChunks has set direct
+// for as long as the stream is in the loop.)
 func (c *rxConn) recvFd(fd uintptr, b []byte) (int, syscall.Errno) {
 	c.iov.Base = &b[0]
 	c.iov.SetLen(len(b))
-	direct := c.direct
-	c.direct = true
 	read := c.recvmsg(fd)
-	c.direct = direct
 	c.iov.Base = nil
 	switch {
 	case !read:

@@ -169,16 +169,22 @@ func (c *upConn) Read(p []byte) (int, error) {
 	}
 	n, err := c.Conn.Read(p)
 	if n > 0 {
-		c.readAt = c.up.now()
-		if c.rx != nil {
-			c.readAt = received(c.rx.rx, c.readAt, maxRxAge)
-		}
-		if c.armed {
-			c.armed = false
-			c.first = c.readAt
-		}
+		c.stamp()
 	}
 	return n, err
+}
+
+// stamp notes when the bytes of the read just made arrived (readAt), and
+// the response's first byte.
+func (c *upConn) stamp() {
+	c.readAt = c.up.now()
+	if c.rx != nil {
+		c.readAt = received(c.rx.rx, c.readAt, maxRxAge)
+	}
+	if c.armed {
+		c.armed = false
+		c.first = c.readAt
+	}
 }
 
 // get returns an idle connection that is still open and quiet, or dials a
