@@ -46,8 +46,16 @@ type delivery struct {
 	watched        bool // acked was read until all was acknowledged or the wait ran out
 	unknown        bool // the connection closed before its count could be read
 	waitUntil      time.Time
-	ackedAt, total int64 // the kernel's count, and what it must reach
+	waitCap        time.Time     // the longest the wait may be drawn out to (maxAckWait)
+	recovering     bool          // the kernel was sending lost segments again at the last reading
+	rto            time.Duration // its retransmission timeout then
+	retransFrom    uint32        // the connection's retransmissions when the response ended
+	ackedAt, total int64         // the kernel's count, and what it must reach
 }
+
+// maxAckWait bounds the wait for the client's ACK of a response's last
+// bytes, losses included: a record waits no longer for its figures.
+const maxAckWait = 2 * time.Second
 
 // note takes a TCP_INFO reading at now: the count acknowledged, and
 // whether bytes still wait unsent. The server writes the end of a chunked
@@ -55,6 +63,12 @@ type delivery struct {
 // later push the departure back; the first reading with none sets it.
 func (d *delivery) note(in *unix.TCPInfo, ackBase int64, now time.Time) {
 	d.ackedAt = int64(in.Bytes_acked) - ackBase
+	// Segments lost or sent again and not yet acknowledged, or a
+	// retransmission timeout that fired: the connection is recovering.
+	// So is one that sent anything again since the response ended: its
+	// client may still be waiting for those bytes.
+	d.recovering = in.Lost > 0 || in.Retrans > 0 || in.Retransmits > 0 || in.Total_retrans > d.retransFrom
+	d.rto = time.Duration(in.Rto) * time.Microsecond
 	if d.notsent = int64(in.Notsent_bytes); d.notsent > 0 {
 		d.departed = time.Time{}
 	} else if d.departed.IsZero() {
@@ -100,6 +114,7 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
 	d.srtt = time.Duration(in.Rtt) * time.Microsecond
 	d.retrans = int(in.Total_retrans - cc.retrans)
+	d.retransFrom = in.Total_retrans
 	cc.retrans = in.Total_retrans
 	d.wire = cc.sent - x.sentFrom
 	d.total = cc.sent
@@ -111,7 +126,8 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	// The last bytes are on their way, or wait for a window to open: the
 	// client's ACK comes a round trip after they leave, or its delayed ACK
 	// up to 40 ms (200 ms on some stacks) later. Watch for about that long.
-	d.waitUntil = now.Add(min(3*max(d.srtt, d.minRTT)+250*time.Millisecond, 2*time.Second))
+	d.waitUntil = now.Add(min(3*max(d.srtt, d.minRTT)+250*time.Millisecond, maxAckWait))
+	d.waitCap = now.Add(maxAckWait)
 	return true
 }
 
@@ -127,6 +143,12 @@ func (x *exchange) awaitAcked() {
 	for {
 		now := x.p.now()
 		left := d.waitUntil.Sub(now)
+		if left <= 0 && d.recovering && d.waitUntil.Before(d.waitCap) {
+			// The kernel is still sending lost segments again: their ACK
+			// comes a retransmission timeout and a round trip later.
+			d.waitUntil = now.Add(min(d.rto+max(d.srtt, d.minRTT), d.waitCap.Sub(now)))
+			left = d.waitUntil.Sub(now)
+		}
 		if left <= 0 {
 			d.watched = true
 			return

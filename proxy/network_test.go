@@ -23,8 +23,13 @@ import (
 	"github.com/tokentap/tokentap/proxy/netsim"
 )
 
-// clientTimes is what a client on the far side of the link measured.
-type clientTimes struct{ ttft, e2e time.Duration }
+// clientTimes is what a client on the far side of the link measured: from
+// start, on its connection's local port.
+type clientTimes struct {
+	ttft, e2e time.Duration
+	start     time.Time
+	port      uint16
+}
 
 // streamOver sends one streamed chat on c and measures, from just before
 // the request is written: the first token's arrival and the response's
@@ -33,8 +38,9 @@ func streamOver(c net.Conn, id string) (clientTimes, error) {
 	body := `{"model":"m","stream":true,"max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`
 	req := "POST /v1/chat/completions HTTP/1.1\r\nHost: tokentap\r\nContent-Type: application/json\r\nX-Request-Id: " + id +
 		"\r\nContent-Length: " + itoa(len(body)) + "\r\n\r\n" + body
-	var ct clientTimes
+	ct := clientTimes{port: uint16(c.LocalAddr().(*net.TCPAddr).Port)}
 	start := time.Now()
+	ct.start = start
 	if _, err := c.Write([]byte(req)); err != nil {
 		return ct, err
 	}
@@ -69,8 +75,8 @@ func streamOver(c net.Conn, id string) (clientTimes, error) {
 const envNetClients = "TOKENTAP_NETCLIENTS"
 
 // serveNetClients runs the clients when this process was started as
-// them (addr,workers,per-worker,fresh), prints "id ttft_ns e2e_ns" per
-// request and exits; otherwise it returns.
+// them (addr,workers,per-worker,fresh), prints "id ttft_ns e2e_ns
+// start_unix_ns port" per request and exits; otherwise it returns.
 func serveNetClients() {
 	spec := os.Getenv(envNetClients)
 	if spec == "" {
@@ -110,7 +116,7 @@ func serveNetClients() {
 					return
 				}
 				mu.Lock()
-				fmt.Printf("%s %d %d\n", id, ct.ttft, ct.e2e)
+				fmt.Printf("%s %d %d %d %d\n", id, ct.ttft, ct.e2e, ct.start.UnixNano(), ct.port)
 				mu.Unlock()
 				if fresh {
 					c.Close()
@@ -149,12 +155,13 @@ func runNetClients(t *testing.T, ns *netsim.NS, addr string, workers, per int, f
 	}
 	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
 		var id string
-		var ttft, e2e int64
-		if _, err := fmt.Sscan(line, &id, &ttft, &e2e); err != nil {
+		var ttft, e2e, start int64
+		var port uint16
+		if _, err := fmt.Sscan(line, &id, &ttft, &e2e, &start, &port); err != nil {
 			t.Errorf("clients printed %q: %v", line, err)
 			continue
 		}
-		got[id] = clientTimes{time.Duration(ttft), time.Duration(e2e)}
+		got[id] = clientTimes{time.Duration(ttft), time.Duration(e2e), time.Unix(0, start), port}
 	}
 	return got
 }
@@ -186,6 +193,11 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		e2e99, clientTTFT50    float64
 		retransmitted, unacked int
 		naive50                float64 // the median error of ttft_ms alone
+		// The same over the requests whose packets the link released on
+		// time (none netsim.LateBy or more past its delay): late counts
+		// the others.
+		onTime, late              int
+		ttft99OnTime, e2e99OnTime float64
 	}
 	var rows []row
 	for _, delay := range []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 100 * time.Millisecond} {
@@ -231,6 +243,11 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 				}
 				return "kept-alive"
 			}
+			type sample struct {
+				ct        clientTimes
+				ttft, e2e float64 // |estimate − the client's own|
+			}
+			samples := map[string][]sample{}
 			errs := map[string]*[2][]float64{"fresh": {}, "kept-alive": {}}
 			ttftSeen := map[string][]float64{}
 			naive := map[string][]float64{} // |ttft_ms − the client's TTFT|: the error without the network
@@ -251,6 +268,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 					t.Logf("%v loss%v %s %s: ttft est-client %+.2f ms, e2e %+.2f ms, rtt %v srtt %v held %v ttft %v e2e %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT, r.ClientE2E-r.E2E-r.ClientRTT, r.TTFT, r.E2E)
 				}
 				e[1] = append(e[1], math.Abs(ms(r.ClientE2E)-ms(ct.e2e)))
+				samples[k] = append(samples[k], sample{ct, e[0][len(e[0])-1], e[1][len(e[1])-1]})
 				ttftSeen[k] = append(ttftSeen[k], ms(ct.ttft))
 				naive[k] = append(naive[k], math.Abs(ms(r.TTFT)-ms(ct.ttft)))
 				if r.ClientRetrans > 0 {
@@ -267,21 +285,41 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 			p.Close()
 			link.Close()
 			for _, k := range []string{"fresh", "kept-alive"} {
+				var onTime [2][]float64
+				late := 0
+				for _, s := range samples[k] {
+					if by := link.LateOn(s.ct.port, s.ct.start, s.ct.start.Add(s.ct.e2e)); by > 0 {
+						late++
+						if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
+							t.Logf("%v loss%v %s port %d: a packet released %v late; |Δ| ttft %.2f e2e %.2f ms", delay, loss, k, s.ct.port, by, s.ttft, s.e2e)
+						}
+						continue
+					}
+					onTime[0] = append(onTime[0], s.ttft)
+					onTime[1] = append(onTime[1], s.e2e)
+				}
+				slices.Sort(onTime[0])
+				slices.Sort(onTime[1])
 				e := errs[k]
 				slices.Sort(e[0])
 				slices.Sort(e[1])
 				slices.Sort(ttftSeen[k])
 				slices.Sort(naive[k])
 				q := func(v []float64, p float64) float64 { return v[int(math.Ceil(p*float64(len(v))))-1] }
-				rows = append(rows, row{delay, loss, k, len(e[0]), q(e[0], .5), q(e[0], .99), q(e[1], .5), q(e[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5)})
+				r := row{delay, loss, k, len(e[0]), q(e[0], .5), q(e[0], .99), q(e[1], .5), q(e[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
+					len(onTime[0]), late, math.NaN(), math.NaN()}
+				if len(onTime[0]) > 0 {
+					r.ttft99OnTime, r.e2e99OnTime = q(onTime[0], .99), q(onTime[1], .99)
+				}
+				rows = append(rows, r)
 			}
 		}
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "| one-way delay | loss | connections | requests | client TTFT p50 | \\|Δ TTFT\\| p50 | p99 | \\|Δ E2E\\| p50 | p99 | with retransmissions |\n|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "| one-way delay | loss | connections | requests | client TTFT p50 | \\|Δ TTFT\\| p50 | p99 | \\|Δ E2E\\| p50 | p99 | with retransmissions | link late | \\|Δ TTFT\\| p99, link on time | \\|Δ E2E\\| p99, link on time |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rows {
-		fmt.Fprintf(&b, "| %v | %.0f%% | %s | %d | %.1f ms | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %d |\n",
-			r.delay, 100*r.loss, r.conn, r.n, r.clientTTFT50, r.ttft50, r.ttft99, r.e2e50, r.e2e99, r.retransmitted)
+		fmt.Fprintf(&b, "| %v | %.0f%% | %s | %d | %.1f ms | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %d | %d | %.2f ms | %.2f ms |\n",
+			r.delay, 100*r.loss, r.conn, r.n, r.clientTTFT50, r.ttft50, r.ttft99, r.e2e50, r.e2e99, r.retransmitted, r.late, r.ttft99OnTime, r.e2e99OnTime)
 		// Without the network, ttft_ms alone is off by the round trip (10
 		// ms and more here): the estimate must be nearer the client's own
 		// clock, whatever the machine's load does to both. The 2 ms p99
@@ -291,8 +329,16 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		if r.ttft50 >= r.naive50 {
 			t.Errorf("%v one way, %.0f%% loss, %s connections: |Δ| p50 TTFT %.2f ms, not under ttft_ms's own %.2f ms", r.delay, 100*r.loss, r.conn, r.ttft50, r.naive50)
 		}
-		if strict && r.loss == 0 && (r.ttft99 >= 2 || r.e2e99 >= 2) {
-			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms: not under 2 ms", r.delay, r.conn, r.ttft99, r.e2e99)
+		// The target holds for the link as configured: a request one of
+		// whose packets the forwarder released late (a busy machine) met a
+		// slower link than tokentap's RTT sample says. Those are counted,
+		// and they may not be most of a row.
+		switch {
+		case !strict || r.loss > 0:
+		case r.onTime < r.n/2:
+			t.Errorf("%v one way, %s connections: the link released packets late in %d of %d requests: too busy a machine to judge", r.delay, r.conn, r.late, r.n)
+		case r.ttft99OnTime >= 2 || r.e2e99OnTime >= 2:
+			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms over the requests the link carried on time: not under 2 ms", r.delay, r.conn, r.ttft99OnTime, r.e2e99OnTime)
 		}
 		if r.unacked > 0 {
 			t.Errorf("%v %s: %d records marked unacked although every client read its whole response", r.delay, r.conn, r.unacked)

@@ -51,12 +51,15 @@ func measure(a *arm, p plan) (roundStat, []result) {
 }
 
 // startTokentap runs the tokentap binary in dir as the arm name, with its
-// access log (written anew) at accessLog.
+// access log (written anew) at accessLog, or none when accessLog is "".
 func startTokentap(outDir, name, dir string, gomaxprocs int, upstream, accessLog string) (*arm, error) {
 	addr, admin := freePort(), freePort()
-	os.Remove(accessLog)
-	cmd, err := startProc(outDir, name, filepath.Join(dir, "tokentap"), []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)},
-		"-upstream", upstream, "-listen", addr, "-admin", admin, "-access-log", accessLog)
+	args := []string{"-upstream", upstream, "-listen", addr, "-admin", admin}
+	if accessLog != "" {
+		os.Remove(accessLog)
+		args = append(args, "-access-log", accessLog)
+	}
+	cmd, err := startProc(outDir, name, filepath.Join(dir, "tokentap"), []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)}, args...)
 	if err != nil {
 		return nil, err
 	}

@@ -46,7 +46,7 @@ type benchSettings struct {
 	outDir, bin, beforeBin, nginxBin, haproxyBin string
 	burstN, rounds, idle, gmp, tokens            int
 	burstGap, roundTime, gap                     time.Duration
-	goRelay                                      bool
+	goRelay, noLog                               bool
 	levels                                       []int
 	only                                         map[string]bool // -arms: the arms to run; nil: all
 }
@@ -65,6 +65,7 @@ func runProxies(args []string, out io.Writer) error {
 	fs.IntVar(&b.burstN, "burst", 100, "requests sent at once in the burst phase (0: skip it)")
 	fs.DurationVar(&b.burstGap, "burst-gap", 5*time.Second, "quiet time before each round of bursts")
 	render := fs.Bool("render", false, "only rewrite results.md and the plot of -out from its results.json")
+	fs.BoolVar(&b.noLog, "nolog", false, "also measure tokentap with its access log off, as tokentap-nolog (nginx's and HAProxy's are off in this bench)")
 	fs.BoolVar(&b.goRelay, "go-relay", true, "also measure a bare Go TCP relay (io.Copy, goroutine per direction, same GOMAXPROCS): the floor for a Go proxy")
 	fs.IntVar(&b.rounds, "rounds", 5, "measured rounds per condition, after a warm-up round")
 	fs.DurationVar(&b.roundTime, "round-time", 3*time.Second, "time per arm per round")
@@ -190,6 +191,9 @@ func (b *benchSettings) startArms() (arms []*arm, accessLog string, stopAll func
 	}{
 		{b.beforeBin != "", func() (*arm, error) {
 			return startTokentap(b.outDir, "tokentap-before", b.beforeBin, b.gmp, upstream, filepath.Join(b.outDir, "tokentap-before-access.log"))
+		}},
+		{b.noLog, func() (*arm, error) {
+			return startTokentap(b.outDir, "tokentap-nolog", b.bin, b.gmp, upstream, "")
 		}},
 		{b.goRelay, func() (*arm, error) { return startGoRelay(b.outDir, b.gmp, mockAddr) }},
 		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr, b.gmp) }},

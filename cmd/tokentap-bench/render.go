@@ -52,7 +52,7 @@ func rerender(dir string, out io.Writer) error {
 		}
 	}
 	var arms []*arm
-	for _, name := range []string{"direct", "tokentap", "tokentap-before", "go-relay", "nginx", "haproxy"} {
+	for _, name := range []string{"direct", "tokentap", "tokentap-before", "tokentap-nolog", "go-relay", "nginx", "haproxy"} {
 		if _, ok := rep.Small[name]; !ok {
 			continue
 		}
@@ -262,7 +262,7 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 // plotSVG draws added TTFT p50 and p99 against concurrency, one line per proxy.
 func plotSVG(rep *proxiesReport, arms []*arm, levels []int) string {
 	const W, H, pad = 760, 340, 60
-	colors := map[string]string{"tokentap": "#d62728", "tokentap-before": "#ff9896", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f"}
+	colors := map[string]string{"tokentap": "#d62728", "tokentap-before": "#ff9896", "tokentap-nolog": "#ff7f0e", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f"}
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", W, H)
 	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", W, H)

@@ -71,6 +71,33 @@ type Link struct {
 	// Dropped counts the packets lost on purpose (or to a full queue),
 	// Forwarded the others; both are set by Close.
 	Dropped, Forwarded int64
+	// Late lists the packets the forwarder released more than LateBy after
+	// their due time (a machine too busy to run it at once), set by Close.
+	// On those packets the link was slower than its Options say.
+	Late []Late
+}
+
+// LateBy is how late a packet's release must be to count as Late: about
+// what a sleep that ends on time spends in the scheduler here.
+const LateBy = 250 * time.Microsecond
+
+// Late is one packet the forwarder released late.
+type Late struct {
+	Due              time.Time     // when it was due
+	By               time.Duration // how late it went out
+	SrcPort, DstPort uint16        // its TCP ports (0: not a TCP packet)
+}
+
+// LateOn returns how late, at most, the forwarder released the packets to
+// or from TCP port port that were due within [from, to], or 0.
+func (l *Link) LateOn(port uint16, from, to time.Time) time.Duration {
+	var worst time.Duration
+	for _, p := range l.Late {
+		if (p.SrcPort == port || p.DstPort == port) && !p.Due.Before(from) && !p.Due.After(to) {
+			worst = max(worst, p.By)
+		}
+	}
+	return worst
 }
 
 var seq atomic.Int64
@@ -162,14 +189,19 @@ func ServeForwarder() {
 		seed = 1
 	}
 	var dropped, forwarded atomic.Int64
+	var late lateLog
 	for i, dir := range [][2]int{{3, 4}, {4, 3}} {
 		for _, fd := range dir {
 			_ = unix.SetNonblock(fd, false)
 		}
-		go forward(o, dir[0], dir[1], rand.New(rand.NewPCG(seed, uint64(i+1))), &dropped, &forwarded)
+		go forward(o, dir[0], dir[1], rand.New(rand.NewPCG(seed, uint64(i+1))), &dropped, &forwarded, &late)
 	}
 	_, _ = io.Copy(io.Discard, os.Stdin) // until the link closes
 	fmt.Printf("%d %d\n", dropped.Load(), forwarded.Load())
+	late.mu.Lock()
+	for _, p := range late.p {
+		fmt.Printf("%d %d %d %d\n", p.Due.UnixNano(), p.By, p.SrcPort, p.DstPort)
+	}
 	os.Exit(0)
 }
 
@@ -301,10 +333,40 @@ type packet struct {
 	due time.Time
 }
 
+// lateLog collects the late packets of both directions.
+type lateLog struct {
+	mu sync.Mutex
+	p  []Late
+}
+
+// maxLate bounds the late packets a forwarder keeps.
+const maxLate = 100000
+
+func (g *lateLog) note(b []byte, due time.Time, by time.Duration) {
+	sp, dp := tcpPorts(b)
+	g.mu.Lock()
+	if len(g.p) < maxLate {
+		g.p = append(g.p, Late{Due: due, By: by, SrcPort: sp, DstPort: dp})
+	}
+	g.mu.Unlock()
+}
+
+// tcpPorts returns the ports of an IPv4 TCP packet, or zeros.
+func tcpPorts(b []byte) (src, dst uint16) {
+	if len(b) < 20 || b[0]>>4 != 4 || b[9] != unix.IPPROTO_TCP {
+		return 0, 0
+	}
+	h := int(b[0]&0x0f) * 4
+	if len(b) < h+4 {
+		return 0, 0
+	}
+	return uint16(b[h])<<8 | uint16(b[h+1]), uint16(b[h+2])<<8 | uint16(b[h+3])
+}
+
 // forward moves packets from one TUN device to the other, each held until
 // its due time. A thread reads, another writes, each locked and sleeping in
 // the kernel, so reading never waits for a held packet.
-func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic.Int64) {
+func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic.Int64, late *lateLog) {
 	q := make(chan packet, 8192)
 	go func() {
 		runtime.LockOSThread()
@@ -320,6 +382,9 @@ func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic
 			for time.Now().Before(p.due) {
 			}
 			_, _ = unix.Write(to, p.b)
+			if by := time.Since(p.due); by > LateBy {
+				late.note(p.b, p.due, by)
+			}
 		}
 	}()
 	runtime.LockOSThread()
@@ -357,13 +422,28 @@ func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic
 	}
 }
 
-// Close stops the forwarder, reads its counts and removes both
-// namespaces.
+// readCounts reads what the forwarder wrote as it stopped: its counts on
+// the first line, then a line per late packet (due time in Unix ns,
+// lateness in ns, source and destination ports).
+func (l *Link) readCounts() {
+	lines := strings.Split(strings.TrimSpace(l.out.String()), "\n")
+	fmt.Sscan(lines[0], &l.Dropped, &l.Forwarded)
+	for _, line := range lines[1:] {
+		var due, by int64
+		var sp, dp uint16
+		if _, err := fmt.Sscan(line, &due, &by, &sp, &dp); err == nil {
+			l.Late = append(l.Late, Late{Due: time.Unix(0, due), By: time.Duration(by), SrcPort: sp, DstPort: dp})
+		}
+	}
+}
+
+// Close stops the forwarder, reads its counts and late packets and removes
+// both namespaces.
 func (l *Link) Close() error {
 	l.once.Do(func() {
 		l.stop.Close()
 		l.err = l.fwd.Wait()
-		fmt.Sscan(l.out.String(), &l.Dropped, &l.Forwarded)
+		l.readCounts()
 		l.A.remove()
 		l.B.remove()
 	})

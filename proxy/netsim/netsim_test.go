@@ -4,6 +4,7 @@ package netsim
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"testing"
@@ -113,5 +114,53 @@ func TestLinkLoses(t *testing.T) {
 	d, f := l.Dropped, l.Forwarded
 	if share := float64(d) / float64(d+f); d == 0 || share < 0.1 || share > 0.3 {
 		t.Errorf("dropped %d of %d packets", d, d+f)
+	}
+}
+
+// TestLateOn reads the ports of TCP packets and finds the late ones of a
+// connection within a request's span.
+func TestLateOn(t *testing.T) {
+	pkt := make([]byte, 40)
+	pkt[0], pkt[9] = 0x45, 6 // IPv4, 20-byte header, TCP
+	pkt[20], pkt[21], pkt[22], pkt[23] = 0x1f, 0x90, 0xc3, 0x50
+	if s, d := tcpPorts(pkt); s != 8080 || d != 50000 {
+		t.Fatalf("ports %d → %d, want 8080 → 50000", s, d)
+	}
+	pkt[9] = 17 // UDP
+	if s, d := tcpPorts(pkt); s != 0 || d != 0 {
+		t.Fatalf("a UDP packet read as ports %d → %d", s, d)
+	}
+	if s, d := tcpPorts(pkt[:10]); s != 0 || d != 0 {
+		t.Fatalf("a cut packet read as ports %d → %d", s, d)
+	}
+	t0 := time.Unix(1000, 0)
+	l := &Link{}
+	l.out.WriteString("3 97\n")
+	for _, p := range []Late{
+		{Due: t0.Add(10 * time.Millisecond), By: time.Millisecond, SrcPort: 8080, DstPort: 50000},
+		{Due: t0.Add(20 * time.Millisecond), By: 3 * time.Millisecond, SrcPort: 50000, DstPort: 8080},
+		{Due: t0.Add(90 * time.Millisecond), By: 9 * time.Millisecond, SrcPort: 8080, DstPort: 50000},
+		{Due: t0.Add(15 * time.Millisecond), By: 7 * time.Millisecond, SrcPort: 8080, DstPort: 50001},
+	} {
+		l.out.WriteString(fmt.Sprintf("%d %d %d %d\n", p.Due.UnixNano(), p.By, p.SrcPort, p.DstPort))
+	}
+	l.readCounts()
+	if l.Dropped != 3 || l.Forwarded != 97 || len(l.Late) != 4 {
+		t.Fatalf("read %d dropped, %d forwarded, %d late", l.Dropped, l.Forwarded, len(l.Late))
+	}
+	for _, c := range []struct {
+		port     uint16
+		from, to time.Duration
+		want     time.Duration
+	}{
+		{50000, 0, 50 * time.Millisecond, 3 * time.Millisecond}, // both directions, the worst
+		{50000, 0, 15 * time.Millisecond, time.Millisecond},
+		{50000, 30 * time.Millisecond, 80 * time.Millisecond, 0}, // none due then
+		{50001, 0, time.Second, 7 * time.Millisecond},
+		{50002, 0, time.Second, 0},
+	} {
+		if got := l.LateOn(c.port, t0.Add(c.from), t0.Add(c.to)); got != c.want {
+			t.Errorf("LateOn(%d, +%v, +%v) = %v, want %v", c.port, c.from, c.to, got, c.want)
+		}
 	}
 }
