@@ -194,9 +194,9 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		retransmitted, unacked int
 		naive50                float64 // the median error of ttft_ms alone
 		// The same over the requests whose packets the link released on
-		// time (none netsim.LateBy or more past its delay): late counts
-		// the others.
-		onTime, late              int
+		// time (none netsim.LateBy or more past its delay; a p99 of fewer
+		// than 100 is their largest): late counts the others.
+		late                      int
 		ttft99OnTime, e2e99OnTime float64
 	}
 	var rows []row
@@ -307,7 +307,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 				slices.Sort(naive[k])
 				q := func(v []float64, p float64) float64 { return v[int(math.Ceil(p*float64(len(v))))-1] }
 				r := row{delay, loss, k, len(e[0]), q(e[0], .5), q(e[0], .99), q(e[1], .5), q(e[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
-					len(onTime[0]), late, math.NaN(), math.NaN()}
+					late, math.NaN(), math.NaN()}
 				if len(onTime[0]) > 0 {
 					r.ttft99OnTime, r.e2e99OnTime = q(onTime[0], .99), q(onTime[1], .99)
 				}
@@ -329,16 +329,12 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		if r.ttft50 >= r.naive50 {
 			t.Errorf("%v one way, %.0f%% loss, %s connections: |Δ| p50 TTFT %.2f ms, not under ttft_ms's own %.2f ms", r.delay, 100*r.loss, r.conn, r.ttft50, r.naive50)
 		}
-		// The target holds for the link as configured: a request one of
-		// whose packets the forwarder released late (a busy machine) met a
-		// slower link than tokentap's RTT sample says. Those are counted,
-		// and they may not be most of a row.
-		switch {
-		case !strict || r.loss > 0:
-		case r.onTime < r.n/2:
-			t.Errorf("%v one way, %s connections: the link released packets late in %d of %d requests: too busy a machine to judge", r.delay, r.conn, r.late, r.n)
-		case r.ttft99OnTime >= 2 || r.e2e99OnTime >= 2:
-			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms over the requests the link carried on time: not under 2 ms", r.delay, r.conn, r.ttft99OnTime, r.e2e99OnTime)
+		// When a row misses, its requests the link carried on time (none
+		// of their packets released late by the forwarder: a busy
+		// machine) tell whether the link or the estimate was off.
+		if strict && r.loss == 0 && (r.ttft99 >= 2 || r.e2e99 >= 2) {
+			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms: not under 2 ms (the link released packets late in %d requests; without them %.2f and %.2f ms)",
+				r.delay, r.conn, r.ttft99, r.e2e99, r.late, r.ttft99OnTime, r.e2e99OnTime)
 		}
 		if r.unacked > 0 {
 			t.Errorf("%v %s: %d records marked unacked although every client read its whole response", r.delay, r.conn, r.unacked)
