@@ -20,6 +20,37 @@ type accuracy struct {
 	// sending and reading), not time tokentap missed or invented.
 	TTFTClientLonger float64 `json:"ttft_client_longer_share"`
 	E2EClientLonger  float64 `json:"e2e_client_longer_share"`
+	// The same against the client's kernel receive times (when the
+	// response's bytes reached the client's machine, not when the client
+	// read them): the client's own read lateness taken out.
+	TTFTKernel             dist    `json:"ttft_abs_diff_kernel"`
+	E2EKernel              dist    `json:"e2e_abs_diff_kernel"`
+	TTFTKernelClientLonger float64 `json:"ttft_kernel_client_longer_share"`
+	E2EKernelClientLonger  float64 `json:"e2e_kernel_client_longer_share"`
+}
+
+// diffs gathers |tokentap − client| over matched requests, and how often
+// the client's time was the longer.
+type diffs struct {
+	d      []time.Duration
+	longer int
+}
+
+func (f *diffs) add(tokentapMs float64, client time.Duration) {
+	d := time.Duration(tokentapMs*1e6) - client
+	if d < 0 {
+		f.longer++
+		d = -d
+	}
+	f.d = append(f.d, d)
+}
+
+// result returns the distribution and the client-longer share.
+func (f *diffs) result() (dist, float64) {
+	if len(f.d) == 0 {
+		return newDist(nil), 0
+	}
+	return newDist(f.d), float64(f.longer) / float64(len(f.d))
 }
 
 type logLine struct {
@@ -41,8 +72,7 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 	for i := range res {
 		byID[res[i].ID] = &res[i]
 	}
-	var dTTFT, dE2E, dITL []time.Duration
-	var longerTTFT, longerE2E int
+	var ttft, e2e, kTTFT, kE2E, itl diffs
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	acc := &accuracy{}
@@ -56,39 +86,26 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 			continue
 		}
 		acc.Matched++
-		abs := func(tokentapMs float64, client time.Duration) time.Duration {
-			d := time.Duration(tokentapMs*1e6) - client
-			if d < 0 {
-				d = -d
-			}
-			return d
-		}
 		if l.TTFT != nil && r.TTFT >= 0 {
-			dTTFT = append(dTTFT, abs(*l.TTFT, r.TTFT))
-			if r.TTFT > time.Duration(*l.TTFT*1e6) {
-				longerTTFT++
-			}
+			ttft.add(*l.TTFT, r.TTFT)
+			kTTFT.add(*l.TTFT, r.TTFTKernel)
 		}
 		if l.E2E != nil {
-			dE2E = append(dE2E, abs(*l.E2E, r.E2E))
-			if r.E2E > time.Duration(*l.E2E*1e6) {
-				longerE2E++
-			}
+			e2e.add(*l.E2E, r.E2E)
+			kE2E.add(*l.E2E, r.E2EKernel)
 		}
 		if g := r.ITL(); l.ITLMean != nil && len(g) > 0 {
 			var sum time.Duration
 			for _, x := range g {
 				sum += x
 			}
-			dITL = append(dITL, abs(*l.ITLMean, sum/time.Duration(len(g))))
+			itl.add(*l.ITLMean, sum/time.Duration(len(g)))
 		}
 	}
-	acc.TTFT, acc.E2E, acc.ITL = newDist(dTTFT), newDist(dE2E), newDist(dITL)
-	if len(dTTFT) > 0 {
-		acc.TTFTClientLonger = float64(longerTTFT) / float64(len(dTTFT))
-	}
-	if len(dE2E) > 0 {
-		acc.E2EClientLonger = float64(longerE2E) / float64(len(dE2E))
-	}
+	acc.TTFT, acc.TTFTClientLonger = ttft.result()
+	acc.E2E, acc.E2EClientLonger = e2e.result()
+	acc.TTFTKernel, acc.TTFTKernelClientLonger = kTTFT.result()
+	acc.E2EKernel, acc.E2EKernelClientLonger = kE2E.result()
+	acc.ITL, _ = itl.result()
 	return acc, sc.Err()
 }

@@ -88,10 +88,21 @@ func TestClientAgainstMock(t *testing.T) {
 	if sum.Errors != 0 || sum.TTFT.P50 < 30 || sum.TTFT.P50 > 150 || sum.ITL.P50 < 9 || sum.ITL.P50 > 30 || sum.Delay.N == 0 || sum.GoodFraction != 1 {
 		t.Fatalf("%+v", sum)
 	}
+	earlier := 0
 	for _, r := range res {
 		if r.Output != 5 || len(r.Tokens) != 5 || r.Input == 0 {
 			t.Fatalf("result %+v", r)
 		}
+		// The kernel received the bytes before the client read them.
+		if r.TTFTKernel <= 0 || r.TTFTKernel > r.TTFT || r.E2EKernel < r.TTFTKernel || r.E2EKernel > r.E2E {
+			t.Fatalf("kernel times TTFT %v E2E %v against the reads' %v %v", r.TTFTKernel, r.E2EKernel, r.TTFT, r.E2E)
+		}
+		if r.TTFTKernel < r.TTFT {
+			earlier++
+		}
+	}
+	if earlier == 0 {
+		t.Fatal("no first token carried a kernel receive time")
 	}
 	p.Stream, p.Rate, p.Requests, p.Duration = false, 50, 10, time.Second
 	res, _, err = run(p)
@@ -104,10 +115,12 @@ func TestCompareAccessLog(t *testing.T) {
 	dir := t.TempDir()
 	log := filepath.Join(dir, "a.log")
 	os.WriteFile(log, []byte(`{"request_id":"p-1","ttft_ms":10.5,"e2e_ms":100,"itl_mean_ms":5}`+"\n"+`{"request_id":"other"}`+"\n"), 0o644)
-	res := []result{{ID: "p-1", TTFT: 10 * time.Millisecond, E2E: 101 * time.Millisecond, Tokens: []time.Duration{0, 5 * time.Millisecond, 11 * time.Millisecond}}}
+	res := []result{{ID: "p-1", TTFT: 10 * time.Millisecond, E2E: 101 * time.Millisecond, Tokens: []time.Duration{0, 5 * time.Millisecond, 11 * time.Millisecond},
+		TTFTKernel: 10200 * time.Microsecond, E2EKernel: 100400 * time.Microsecond}}
 	acc, err := compareLog(log, "p-", res)
 	if err != nil || acc.Matched != 1 || acc.TTFT.P50 != 0.5 || acc.E2E.P50 != 1 || acc.ITL.P50 != 0.5 ||
-		acc.TTFTClientLonger != 0 || acc.E2EClientLonger != 1 {
+		acc.TTFTClientLonger != 0 || acc.E2EClientLonger != 1 ||
+		math.Abs(acc.TTFTKernel.P50-0.3) > 1e-9 || math.Abs(acc.E2EKernel.P50-0.4) > 1e-9 || acc.TTFTKernelClientLonger != 0 || acc.E2EKernelClientLonger != 1 {
 		t.Fatalf("%+v %v", acc, err)
 	}
 }

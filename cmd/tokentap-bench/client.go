@@ -66,6 +66,7 @@ func (cl *client) get() (*conn, error) {
 	if err != nil {
 		return nil, err
 	}
+	nc = stampConn(nc)
 	return &conn{c: nc, br: bufio.NewReaderSize(nc, 32<<10), bw: bufio.NewWriterSize(nc, 16<<10), p: sse.NewParser(1 << 20)}, nil
 }
 
@@ -87,20 +88,24 @@ func (cl *client) closeIdle() {
 
 // result is what the client saw of one request.
 type result struct {
-	ID       string          `json:"request_id"`
-	Workload string          `json:"workload,omitempty"`
-	Status   int             `json:"status"`
-	Err      string          `json:"error,omitempty"`
-	Timeout  bool            `json:"timeout,omitempty"`
-	Start    time.Time       `json:"-"`
-	TTFB     time.Duration   `json:"-"`
-	TTFT     time.Duration   `json:"-"` // -1: no token
-	E2E      time.Duration   `json:"-"`
-	Tokens   []time.Duration `json:"-"` // arrival of each token event, from Start
-	Delays   []time.Duration `json:"-"` // delivery delay of stamped tokens
-	Output   int             `json:"output_tokens"`
-	Input    int             `json:"input_tokens"`
-	Bytes    int             `json:"bytes"`
+	ID       string        `json:"request_id"`
+	Workload string        `json:"workload,omitempty"`
+	Status   int           `json:"status"`
+	Err      string        `json:"error,omitempty"`
+	Timeout  bool          `json:"timeout,omitempty"`
+	Start    time.Time     `json:"-"`
+	TTFB     time.Duration `json:"-"`
+	TTFT     time.Duration `json:"-"` // -1: no token
+	E2E      time.Duration `json:"-"`
+	// The same two on the kernel's clock: when the bytes reached this
+	// machine rather than when the client read them (as E2E and TTFT when
+	// the connection carries no receive stamps).
+	TTFTKernel, E2EKernel time.Duration   `json:"-"`
+	Tokens                []time.Duration `json:"-"` // arrival of each token event, from Start
+	Delays                []time.Duration `json:"-"` // delivery delay of stamped tokens
+	Output                int             `json:"output_tokens"`
+	Input                 int             `json:"input_tokens"`
+	Bytes                 int             `json:"bytes"`
 }
 
 // ITL returns the gaps between consecutive token events.
@@ -124,7 +129,7 @@ var errStatus = errors.New("bad response")
 
 // do sends one POST and reads the whole response, stamping token events.
 func (cl *client) do(id string, body []byte, stamped bool) result {
-	res := result{ID: id, TTFT: -1}
+	res := result{ID: id, TTFT: -1, TTFTKernel: -1}
 	c, err := cl.get()
 	if err != nil {
 		res.Err = err.Error()
@@ -205,6 +210,7 @@ func (cl *client) read(c *conn, res *result, stamped bool) error {
 			if o.Token {
 				if res.TTFT < 0 {
 					res.TTFT = now.Sub(res.Start)
+					res.TTFTKernel = receivedAt(c.c, now).Sub(res.Start)
 				}
 				res.Tokens = append(res.Tokens, now.Sub(res.Start))
 				if stamped {
@@ -281,7 +287,8 @@ func (cl *client) read(c *conn, res *result, stamped bool) error {
 		}
 		closeAfter = true
 	}
-	res.E2E = time.Since(res.Start)
+	end := time.Now()
+	res.E2E, res.E2EKernel = end.Sub(res.Start), receivedAt(c.c, end).Sub(res.Start)
 	if res.Output == 0 {
 		res.Output = len(res.Tokens)
 	}

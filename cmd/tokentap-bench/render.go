@@ -254,6 +254,10 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 		fmt.Fprintf(&b, "\n### Measurement accuracy at 100 streams (%d requests matched by id)\n\n| | p50 | p99 | client saw the longer time |\n|---|---|---|---|\n", acc.Matched)
 		fmt.Fprintf(&b, "| abs(tokentap ttft_ms − client TTFT) | %.3f ms | %.3f ms | %.0f%% |\n", acc.TTFT.P50, acc.TTFT.P99, 100*acc.TTFTClientLonger)
 		fmt.Fprintf(&b, "| abs(tokentap e2e_ms − client E2E) | %.3f ms | %.3f ms | %.0f%% |\n", acc.E2E.P50, acc.E2E.P99, 100*acc.E2EClientLonger)
+		if acc.TTFTKernel.N > 0 {
+			fmt.Fprintf(&b, "| the same, client's kernel receive time: TTFT | %.3f ms | %.3f ms | %.0f%% |\n", acc.TTFTKernel.P50, acc.TTFTKernel.P99, 100*acc.TTFTKernelClientLonger)
+			fmt.Fprintf(&b, "| the same, client's kernel receive time: E2E | %.3f ms | %.3f ms | %.0f%% |\n", acc.E2EKernel.P50, acc.E2EKernel.P99, 100*acc.E2EKernelClientLonger)
+		}
 		fmt.Fprintf(&b, "| abs(tokentap itl_mean_ms − client mean ITL) | %.3f ms | %.3f ms | |\n", acc.ITL.P50, acc.ITL.P99)
 	}
 	return b.String()
