@@ -248,7 +248,6 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 				ttft, e2e float64 // |estimate − the client's own|
 			}
 			samples := map[string][]sample{}
-			errs := map[string]*[2][]float64{"fresh": {}, "kept-alive": {}}
 			ttftSeen := map[string][]float64{}
 			naive := map[string][]float64{} // |ttft_ms − the client's TTFT|: the error without the network
 			retrans, unacked := map[string]int{}, map[string]int{}
@@ -262,13 +261,10 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 				if r.ClientTTFT < 0 || r.ClientE2E < 0 || r.ClientRTT < 2*delay {
 					t.Fatalf("%s: client_ttft %v client_e2e %v client_rtt %v over a %v link", r.RequestID, r.ClientTTFT, r.ClientE2E, r.ClientRTT, 2*delay)
 				}
-				e := errs[k]
-				e[0] = append(e[0], math.Abs(ms(r.ClientTTFT)-ms(ct.ttft)))
 				if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
 					t.Logf("%v loss%v %s %s: ttft est-client %+.2f ms, e2e %+.2f ms, rtt %v srtt %v held %v ttft %v e2e %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT, r.ClientE2E-r.E2E-r.ClientRTT, r.TTFT, r.E2E)
 				}
-				e[1] = append(e[1], math.Abs(ms(r.ClientE2E)-ms(ct.e2e)))
-				samples[k] = append(samples[k], sample{ct, e[0][len(e[0])-1], e[1][len(e[1])-1]})
+				samples[k] = append(samples[k], sample{ct, math.Abs(ms(r.ClientTTFT) - ms(ct.ttft)), math.Abs(ms(r.ClientE2E) - ms(ct.e2e))})
 				ttftSeen[k] = append(ttftSeen[k], ms(ct.ttft))
 				naive[k] = append(naive[k], math.Abs(ms(r.TTFT)-ms(ct.ttft)))
 				if r.ClientRetrans > 0 {
@@ -285,9 +281,11 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 			p.Close()
 			link.Close()
 			for _, k := range []string{"fresh", "kept-alive"} {
-				var onTime [2][]float64
+				var all, onTime [2][]float64 // TTFT and E2E errors
 				late := 0
 				for _, s := range samples[k] {
+					all[0] = append(all[0], s.ttft)
+					all[1] = append(all[1], s.e2e)
 					if by := link.LateOn(s.ct.port, s.ct.start, s.ct.start.Add(s.ct.e2e)); by > 0 {
 						late++
 						if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
@@ -298,15 +296,13 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 					onTime[0] = append(onTime[0], s.ttft)
 					onTime[1] = append(onTime[1], s.e2e)
 				}
-				slices.Sort(onTime[0])
-				slices.Sort(onTime[1])
-				e := errs[k]
-				slices.Sort(e[0])
-				slices.Sort(e[1])
+				for _, v := range [][]float64{all[0], all[1], onTime[0], onTime[1]} {
+					slices.Sort(v)
+				}
 				slices.Sort(ttftSeen[k])
 				slices.Sort(naive[k])
 				q := func(v []float64, p float64) float64 { return v[int(math.Ceil(p*float64(len(v))))-1] }
-				r := row{delay, loss, k, len(e[0]), q(e[0], .5), q(e[0], .99), q(e[1], .5), q(e[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
+				r := row{delay, loss, k, len(all[0]), q(all[0], .5), q(all[0], .99), q(all[1], .5), q(all[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
 					late, math.NaN(), math.NaN()}
 				if len(onTime[0]) > 0 {
 					r.ttft99OnTime, r.e2e99OnTime = q(onTime[0], .99), q(onTime[1], .99)

@@ -198,7 +198,7 @@ func ServeForwarder() {
 	}
 	_, _ = io.Copy(io.Discard, os.Stdin) // until the link closes
 	fmt.Printf("%d %d\n", dropped.Load(), forwarded.Load())
-	late.mu.Lock()
+	late.mu.Lock() // held to the exit: the writers may still note packets
 	for _, p := range late.p {
 		fmt.Printf("%d %d %d %d\n", p.Due.UnixNano(), p.By, p.SrcPort, p.DstPort)
 	}
