@@ -102,7 +102,11 @@ func (c *rxConn) recvmsg(fd uintptr) bool {
 		}
 		c.n, c.errno = int(n), e
 		if e == 0 && n > 0 {
-			c.rx = c.timestamp()
+			// Bytes the kernel did not stamp (host-wide stamping still
+			// being switched on) are stamped with the time of the read.
+			if c.rx = c.timestamp(); c.rx == 0 {
+				c.rx = time.Now().UnixNano()
+			}
 		}
 		return true
 	}
