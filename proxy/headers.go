@@ -23,12 +23,19 @@ type hopHeader interface {
 	ResetConnectionClose()
 }
 
-// dropHop removes the hop-by-hop headers from h, and the headers named in
-// connection, the values of the message's Connection header(s), which are
-// hop-by-hop as well.
-func dropHop(h hopHeader, connection [][]byte) {
-	for _, name := range hopHeaders {
-		h.Del(name)
+// dropHop removes the hop-by-hop headers found in h (found: a bit per
+// hopHeaders entry, see hopBit), and the headers named in connection, the
+// values of the message's Connection header(s), which are hop-by-hop as
+// well.
+//
+// Only the names found are deleted: most messages carry none, and each Del
+// scans every header (deleting the ten names unconditionally was 4.7% of
+// tokentap's CPU on small requests).
+func dropHop(h hopHeader, found uint16, connection [][]byte) {
+	for i, name := range hopHeaders {
+		if found&(1<<i) != 0 {
+			h.Del(name)
+		}
 	}
 	for _, v := range connection {
 		for _, tok := range bytes.Split(v, []byte{','}) {
@@ -39,6 +46,32 @@ func dropHop(h hopHeader, connection [][]byte) {
 		}
 	}
 	h.ResetConnectionClose()
+}
+
+// hopBit returns the bit of the hop-by-hop header named k, or 0.
+func hopBit(k []byte) uint16 {
+	for i, name := range hopHeaders {
+		if len(k) == len(name) && strings.EqualFold(name, string(k)) {
+			return 1 << i
+		}
+	}
+	return 0
+}
+
+// requestHops and responseHops find the hop-by-hop headers of h in one
+// pass (ranging over the concrete type's iterator allocates nothing).
+func requestHops(h *fasthttp.RequestHeader) (found uint16) {
+	for k := range h.All() {
+		found |= hopBit(k)
+	}
+	return found
+}
+
+func responseHops(h *fasthttp.ResponseHeader) (found uint16) {
+	for k := range h.All() {
+		found |= hopBit(k)
+	}
+	return found
 }
 
 // prepareRequest turns the client's request into the upstream request:
@@ -53,7 +86,7 @@ func dropHop(h hopHeader, connection [][]byte) {
 func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, up *upstream, path, query, body, requestID, scratch []byte) []byte {
 	in := &ctx.Request
 	in.Header.CopyTo(&req.Header)
-	dropHop(&req.Header, in.Header.PeekAll("Connection"))
+	dropHop(&req.Header, requestHops(&req.Header), in.Header.PeekAll("Connection"))
 	dropOwn(&req.Header)
 	// A body without Content-Type goes without one: fasthttp would add
 	// application/octet-stream.
@@ -129,7 +162,7 @@ func appendIP(b []byte, addr net.Addr) []byte {
 // the server sets from the relayed body.
 func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, requestID []byte) {
 	from.Header.CopyTo(to)
-	dropHop(to, from.Header.PeekAll("Connection"))
+	dropHop(to, responseHops(to), from.Header.PeekAll("Connection"))
 	to.SetProtocol([]byte("HTTP/1.1"))
 	if len(to.Peek("X-Request-Id")) == 0 {
 		to.SetBytesV("X-Request-Id", requestID)

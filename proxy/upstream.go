@@ -202,18 +202,21 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 	for !fresh && len(up.idle) > 0 {
 		c := up.idle[len(up.idle)-1]
 		up.idle = up.idle[:len(up.idle)-1]
+		// The connection is this request's from here: the peek, a system
+		// call, is made outside the lock the other requests wait on.
+		up.mu.Unlock()
 		state := peerUnknown
 		if c.usable(now) {
 			state = c.peek()
 		}
 		if state == peerIdle {
-			up.mu.Unlock()
 			c.reused = true
 			if c.usesLeft > 0 {
 				c.usesLeft--
 			}
 			return c, nil
 		}
+		up.mu.Lock()
 		up.open--
 		up.mu.Unlock()
 		switch state {

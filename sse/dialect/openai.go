@@ -25,13 +25,16 @@ func (openAI) Name() string { return "openai" }
 
 func (openAI) Request(_, body []byte) Request { return modelAndStream(body, false) }
 
-func (openAI) Event(_, data []byte) Obs { return readOpenAI(object(data)) }
+func (openAI) Event(_, data []byte) Obs { return readOpenAI(object(data), true) }
 
-func (openAI) Body(body []byte) Obs { return readOpenAI(object(body)) }
+// Body skips the choices: a body's Token and Answer are not read (reading
+// them was half of the body's cost).
+func (openAI) Body(body []byte) Obs { return readOpenAI(object(body), false) }
 
 // readOpenAI reads a chunk or body in one pass over its top-level members
-// (the first occurrence of a duplicated member counts, as in gjson.Get).
-func readOpenAI(s string) Obs {
+// (the first occurrence of a duplicated member counts, as in gjson.Get);
+// the choices only when choices is set.
+func readOpenAI(s string, choices bool) Obs {
 	var o Obs
 	if s == "" {
 		return o
@@ -42,7 +45,7 @@ func readOpenAI(s string) Obs {
 		switch k.Str {
 		case "choices":
 			bit = 1
-			if seen&bit == 0 && v.IsArray() {
+			if choices && seen&bit == 0 && v.IsArray() {
 				v.ForEach(func(_, c gjson.Result) bool {
 					readChoice(c.Raw, &o)
 					return true

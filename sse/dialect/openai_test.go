@@ -85,6 +85,16 @@ func BenchmarkOpenAIEvent(b *testing.B) {
 	}
 }
 
+// A non-streamed body as a small completion returns it.
+func BenchmarkOpenAIBody(b *testing.B) {
+	data := []byte(`{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"the quick brown fox"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":4,"total_tokens":16}}`)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(data)))
+	for b.Loop() {
+		OpenAI.Body(data)
+	}
+}
+
 func TestMaxOutputTokens(t *testing.T) {
 	for body, want := range map[string]int{
 		`{"max_tokens":100}`: 100, `{"max_completion_tokens":7}`: 7, `{"max_output_tokens":9}`: 9,
