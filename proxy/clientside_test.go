@@ -1,6 +1,12 @@
 package proxy
 
 import (
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -21,6 +27,108 @@ func TestPathRTT(t *testing.T) {
 	} {
 		if got := pathRTT(c.min, c.syn); got != c.want {
 			t.Errorf("pathRTT(min %v, handshake %v) = %v, want %v", c.min, c.syn, got, c.want)
+		}
+	}
+}
+
+// The looks at the client's acknowledgement: half a millisecond apart
+// while bytes wait unsent, then each pause twice the last; none past the
+// wait's end, which a kernel still resending draws out, up to its cap.
+func TestAckSchedule(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	x := &exchange{}
+	d := &x.deliv
+	d.waitUntil, d.waitCap = t0.Add(10*time.Millisecond), t0.Add(maxAckWait)
+	now := t0
+	var gaps []time.Duration
+	for !x.ackSchedule(now) {
+		gaps = append(gaps, d.next.Sub(now))
+		now = d.next
+	}
+	want := []time.Duration{500 * time.Microsecond, time.Millisecond, 2 * time.Millisecond, 4 * time.Millisecond, 2500 * time.Microsecond}
+	if !slices.Equal(gaps, want) || !d.watched {
+		t.Fatalf("looks %v apart (watched %v), want %v", gaps, d.watched, want)
+	}
+
+	*d = delivery{waitUntil: t0.Add(10 * time.Millisecond), waitCap: t0.Add(maxAckWait), notsent: 100}
+	for i := range 3 {
+		if x.ackSchedule(t0) || d.next.Sub(t0) != 500*time.Microsecond {
+			t.Fatalf("unsent bytes, look %d: next in %v", i, d.next.Sub(t0))
+		}
+	}
+
+	// Past the wait while the kernel resends: an RTO and an RTT more, not
+	// past the cap.
+	*d = delivery{waitUntil: t0, waitCap: t0.Add(300 * time.Millisecond), recovering: true, rto: 200 * time.Millisecond, srtt: 40 * time.Millisecond}
+	if x.ackSchedule(t0) || d.waitUntil != t0.Add(240*time.Millisecond) {
+		t.Fatalf("resending: over, or the wait ends %v after", d.waitUntil.Sub(t0))
+	}
+	now = t0.Add(240 * time.Millisecond)
+	if x.ackSchedule(now) || d.waitUntil != t0.Add(300*time.Millisecond) {
+		t.Fatalf("still resending: the wait ends %v after, want the cap", d.waitUntil.Sub(t0))
+	}
+	if !x.ackSchedule(t0.Add(300*time.Millisecond)) || !d.watched {
+		t.Fatal("at the cap the wait is over")
+	}
+}
+
+// Many streams end at once: every record comes once, with what its client
+// acknowledged, and the watch that waited for them stops.
+func TestAckWatchManyStreamsAtOnce(t *testing.T) {
+	const streams = 30
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := range 5 {
+			io.WriteString(w, chatChunk(strings.Repeat("t", 100*i+1)))
+			flush(w)
+		}
+	})
+	tp := startProxy(t, up.URL, nil)
+	var wg sync.WaitGroup
+	conns := make(chan net.Conn, streams)
+	// Each client sends its requests one after another on one connection:
+	// past a new connection's first segments, which the client's kernel
+	// acknowledges at once, its ACKs are delayed, so records wait.
+	const each = 4
+	for range streams {
+		wg.Go(func() {
+			c, br := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+			for i := range each {
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				io.Copy(io.Discard, resp.Body)
+				if i < each-1 {
+					io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`))
+				}
+			}
+			conns <- c // kept open and quiet: no request after the last carries an ACK
+		})
+	}
+	wg.Wait()
+	ids := map[string]bool{}
+	for range streams * each {
+		r := tp.rec.next(t)
+		if ids[r.RequestID] {
+			t.Fatalf("%s recorded twice", r.RequestID)
+		}
+		ids[r.RequestID] = true
+		if r.BytesWire == 0 || r.BytesAcked != r.BytesWire || r.Unacked {
+			t.Errorf("%s: bytes_acked %d of %d written, unacked %v", r.RequestID, r.BytesAcked, r.BytesWire, r.Unacked)
+		}
+	}
+	tp.rec.none(t)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		tp.p.acks.mu.Lock()
+		running, waiting := tp.p.acks.running, len(tp.p.acks.waiting)
+		tp.p.acks.mu.Unlock()
+		if !running && waiting == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the watch still runs with %d waiting", waiting)
 		}
 	}
 }

@@ -101,6 +101,7 @@ type exchange struct {
 	sentFrom int64
 	ti       tcpInfo
 	deliv    delivery
+	end      ending // what finish knew, while the record waits (ackWatch)
 }
 
 type parseMode uint8
@@ -1054,11 +1055,30 @@ func (x *exchange) finish(writeErr error) {
 		wait = x.readDelivery(writeErr == nil && !gone, now)
 		x.client = nil
 	}
-	if x.dec != nil || wait {
+	if x.dec != nil {
 		go x.recordLater(now, writeErr, gone, complete, wait)
 		return
 	}
+	if wait {
+		x.end = ending{now, writeErr, gone, complete}
+		x.p.acks.add(x)
+		return
+	}
 	x.record(now, writeErr, gone, complete)
+}
+
+// ending is what finish knew, kept for a record made later.
+type ending struct {
+	now            time.Time
+	writeErr       error
+	gone, complete bool
+}
+
+// recordEnd records with what finish kept in x.end.
+func (x *exchange) recordEnd() {
+	e := x.end
+	x.end = ending{}
+	x.record(e.now, e.writeErr, e.gone, e.complete)
 }
 
 // recordLater records once the side decoder is done and, with wait, the

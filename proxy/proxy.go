@@ -95,6 +95,7 @@ type Proxy struct {
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
+	acks     ackWatch  // records waiting for the client's acknowledgement
 	stats    *stats.Engine
 	statsNow func() time.Time
 }
