@@ -173,8 +173,10 @@ func addedRatio(x, y float64) string {
 func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	var b strings.Builder
 	d := rep.Derived
-	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap and go-relay (a bare Go TCP relay, the floor for a Go proxy) GOMAXPROCS=%v; nginx 1 worker; HAProxy nbthread 1.\n",
-		rep.Machine["cpu"], rep.Machine["cores"], rep.Machine["kernel"], rep.Settings["tokentap_gomaxprocs"])
+	// nginx's workers and HAProxy's threads follow -gomaxprocs (arms.go).
+	n := rep.Settings["tokentap_gomaxprocs"]
+	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap and go-relay (a bare Go TCP relay, the floor for a Go proxy) GOMAXPROCS=%v; nginx %v worker(s); HAProxy nbthread %v.\n",
+		rep.Machine["cpu"], rep.Machine["cores"], rep.Machine["kernel"], n, n, n)
 	fmt.Fprintf(&b, "%v measured rounds per condition after a warm-up round, arms interleaved in rotating order, %vs per arm per round; "+
 		"each figure is the median of the per-round values, [min–max] across rounds.\n\n", rep.Settings["rounds"], rep.Settings["round_time_s"])
 	for _, l := range levels {
