@@ -98,6 +98,7 @@ type loopStream struct {
 	pending []byte
 	since   time.Time // when pending met a full socket buffer
 	blocked bool      // waiting for the client socket to take pending
+	rdhup   bool      // the client's close is watched (see clientClosed)
 	last    int
 	data    int
 	wrote   bool
@@ -224,6 +225,8 @@ func (l *relayLoop) turn(uintptr) bool {
 				l.write(s)
 			case ev.Pad == 1 && ev.Events&(unix.EPOLLHUP|unix.EPOLLERR) != 0:
 				l.end(s, clientHungUp)
+			case ev.Pad == 1 && ev.Events&unix.EPOLLRDHUP != 0 && s.rdhup:
+				l.clientClosed(s)
 			case ev.Pad == 0 && !s.blocked:
 				l.read(s)
 			}
@@ -283,7 +286,9 @@ func (l *relayLoop) takePosted() {
 		}
 		s.slot, s.readAt = slot, now
 		up := unix.EpollEvent{Events: unix.EPOLLIN, Fd: slot}
-		cl := unix.EpollEvent{Fd: slot, Pad: 1} // hang-ups and errors only, until it is written to
+		// The client's socket: its peer's close (the peer watch's job on
+		// the goroutine path), hang-ups and errors, until it is written to.
+		cl := unix.EpollEvent{Events: unix.EPOLLRDHUP, Fd: slot, Pad: 1}
 		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.upFd, &up); err != nil {
 			s.done <- errNoLoop
 			l.free = append(l.free, slot)
@@ -296,6 +301,7 @@ func (l *relayLoop) takePosted() {
 			continue
 		}
 		l.slots[slot] = s
+		s.rdhup = true
 		if s.idle > 0 {
 			l.expect(now.Add(s.idle))
 		}
@@ -356,7 +362,7 @@ func (l *relayLoop) write(s *loopStream) {
 				// The upstream is not read until the client takes pending:
 				// only its hang-up, once (level-triggered, it would be
 				// reported on every turn).
-				l.interest(s, unix.EPOLLONESHOT, unix.EPOLLOUT)
+				l.interest(s, unix.EPOLLONESHOT, unix.EPOLLOUT|s.rdhupBit())
 			}
 			return
 		}
@@ -366,7 +372,7 @@ func (l *relayLoop) write(s *loopStream) {
 	}
 	if s.blocked {
 		s.blocked, s.readAt = false, time.Now()
-		l.interest(s, unix.EPOLLIN, 0)
+		l.interest(s, unix.EPOLLIN, s.rdhupBit())
 		if s.idle > 0 {
 			l.expect(s.readAt.Add(s.idle))
 		}
@@ -382,6 +388,40 @@ func (l *relayLoop) interest(s *loopStream, up, cl uint32) {
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.upFd, &ev)
 	ev = unix.EpollEvent{Events: cl, Fd: s.slot, Pad: 1}
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.clFd, &ev)
+}
+
+// clientClosed answers the client's socket reporting its peer's close
+// (EPOLLRDHUP), as the peer watch answers a readable socket on the
+// goroutine path: one look without consuming tells a client that left
+// (nothing waiting) from one that sent more and then closed its side (bytes
+// waiting, a pipelined request: closure cannot be told without reading, and
+// the stream goes on). A client that left cancels the exchange as the watch
+// would (cancelState.fire): the upstream socket is shut down, which ends
+// the stream on this loop's next turn, recorded as a client cancel.
+// Either way the close is not reported again.
+func (l *relayLoop) clientClosed(s *loopStream) {
+	state, again := peek(uintptr(s.clFd))
+	for again {
+		state, again = peek(uintptr(s.clFd))
+	}
+	s.rdhup = false
+	var cl uint32
+	if s.blocked {
+		cl = unix.EPOLLOUT
+	}
+	ev := unix.EpollEvent{Events: cl, Fd: s.slot, Pad: 1}
+	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.clFd, &ev)
+	if state != peerData {
+		s.x.fire()
+	}
+}
+
+// rdhupBit is EPOLLRDHUP while the client's close is watched on the loop.
+func (s *loopStream) rdhupBit() uint32 {
+	if s.rdhup {
+		return unix.EPOLLRDHUP
+	}
+	return 0
 }
 
 // end takes s out of the loop and wakes its exchange with err.
@@ -455,12 +495,19 @@ func (x *exchange) passLoop() (bool, error) {
 	}
 	s.x, s.cc, s.upFd, s.clFd = x, cc, upFd, clFd
 	s.idle, s.wtime = c.timeout, cc.d
+	// The loop watches the client's close itself (clientClosed): the peer
+	// watch, its goroutine and its timers end here (most streams whose
+	// first byte came within watchDelay never start it).
+	x.watch.stop()
 	l.post(s)
 	err := <-s.done
 	s.x, s.cc, s.readErr = nil, nil, nil
 	cc.leaveLoop()
 	x.cancel.leaveLoop()
 	if err == errNoLoop {
+		if x.client != nil {
+			x.watch.start(x.client, x.fire)
+		}
 		return false, nil
 	}
 	loopStreams.Add(1)

@@ -191,6 +191,63 @@ func TestClientCancelMidStream(t *testing.T) {
 	tp.rec.none(t)
 }
 
+// A client that sent its next request during a stream and then closed its
+// side has not left that stream: the bytes waiting in the socket tell it
+// apart, on the relay loop (which watches the close there) as on the peer
+// watch, and the stream goes through whole.
+func TestNextRequestThenHalfClose(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for k := range 4 {
+			io.WriteString(w, chatChunk(itoa(k+1)))
+			flush(w)
+			time.Sleep(40 * time.Millisecond)
+		}
+	})
+	for _, path := range relayPaths {
+		t.Run(path.name, func(t *testing.T) {
+			tp := startProxyOpts(t, up.URL, nil, Options{GoroutineRelay: path.goroutine})
+			req := func(id string) string {
+				return postJSON("/v1/chat/completions", `{"stream":true}`, "X-Request-Id: "+id)
+			}
+			c, br := rawRequest(t, tp.addr, req("first"))
+			want := chatChunk("1") + chatChunk("2") + chatChunk("3") + chatChunk("4")
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The first stream is under way: the next request, then the
+			// client's side closed.
+			if _, err := io.WriteString(c, req("second")); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+				t.Fatal(err)
+			}
+			body, err := io.ReadAll(resp.Body)
+			if err != nil || string(body) != want {
+				t.Fatalf("the first stream: %q, %v", body, err)
+			}
+			io.Copy(io.Discard, br)
+			// The next request comes from a client whose side is closed,
+			// which counts as gone (see peerWatch): it is cancelled. (Its
+			// record can come first: the first one waits for the ACK.)
+			got := map[string]metrics.Record{}
+			for range 2 {
+				r := tp.rec.next(t)
+				got[r.RequestID] = r
+			}
+			if r := got["first"]; r.Outcome != metrics.OutcomeOK || r.Events != 4 {
+				t.Fatalf("the first stream's record: %s, %d events", r.Outcome, r.Events)
+			}
+			if r := got["second"]; r.Outcome != metrics.OutcomeClientCancel {
+				t.Fatalf("the second stream's record: %q", r.Outcome)
+			}
+		})
+	}
+}
+
 func TestClientCancelDuringPrefill(t *testing.T) {
 	cancelled := make(chan time.Time, 1)
 	started := make(chan struct{})
