@@ -139,7 +139,6 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 // for a record that waits on its own goroutine anyway (a compressed body's
 // side decoder); the others wait on the proxy's ackWatch.
 func (x *exchange) awaitAcked() {
-	x.deliv.pause = 0
 	for !x.ackSchedule(x.p.now()) {
 		time.Sleep(x.deliv.next.Sub(x.p.now()))
 		if x.ackLook() {

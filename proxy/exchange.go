@@ -1055,19 +1055,21 @@ func (x *exchange) finish(writeErr error) {
 		wait = x.readDelivery(writeErr == nil && !gone, now)
 		x.client = nil
 	}
+	if x.dec == nil && !wait {
+		x.record(now, writeErr, gone, complete)
+		return
+	}
+	// The record is made later, with what finish knew now (recordEnd).
+	x.end = ending{now, writeErr, gone, complete}
 	if x.dec != nil {
-		go x.recordLater(now, writeErr, gone, complete, wait)
+		go x.recordLater(wait)
 		return
 	}
-	if wait {
-		x.end = ending{now, writeErr, gone, complete}
-		x.p.acks.add(x)
-		return
-	}
-	x.record(now, writeErr, gone, complete)
+	x.p.acks.add(x)
 }
 
-// ending is what finish knew, kept for a record made later.
+// ending is what finish knew, kept for a record made later (recordLater,
+// ackWatch).
 type ending struct {
 	now            time.Time
 	writeErr       error
@@ -1083,11 +1085,11 @@ func (x *exchange) recordEnd() {
 
 // recordLater records once the side decoder is done and, with wait, the
 // client acknowledged the response (or the wait ran out).
-func (x *exchange) recordLater(now time.Time, writeErr error, gone, complete, wait bool) {
+func (x *exchange) recordLater(wait bool) {
 	if wait {
 		x.awaitAcked()
 	}
-	x.record(now, writeErr, gone, complete)
+	x.recordEnd()
 }
 
 // record completes the record: what the body said, the outcome, the

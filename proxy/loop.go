@@ -284,11 +284,11 @@ func (l *relayLoop) takePosted() {
 			slot = int32(len(l.slots))
 			l.slots = append(l.slots, nil)
 		}
-		s.slot, s.readAt = slot, now
+		s.slot, s.readAt, s.rdhup = slot, now, true
 		up := unix.EpollEvent{Events: unix.EPOLLIN, Fd: slot}
 		// The client's socket: its peer's close (the peer watch's job on
 		// the goroutine path), hang-ups and errors, until it is written to.
-		cl := unix.EpollEvent{Events: unix.EPOLLRDHUP, Fd: slot, Pad: 1}
+		cl := unix.EpollEvent{Events: s.clientEvents(), Fd: slot, Pad: 1}
 		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.upFd, &up); err != nil {
 			s.done <- errNoLoop
 			l.free = append(l.free, slot)
@@ -301,7 +301,6 @@ func (l *relayLoop) takePosted() {
 			continue
 		}
 		l.slots[slot] = s
-		s.rdhup = true
 		if s.idle > 0 {
 			l.expect(now.Add(s.idle))
 		}
@@ -362,7 +361,7 @@ func (l *relayLoop) write(s *loopStream) {
 				// The upstream is not read until the client takes pending:
 				// only its hang-up, once (level-triggered, it would be
 				// reported on every turn).
-				l.interest(s, unix.EPOLLONESHOT, unix.EPOLLOUT|s.rdhupBit())
+				l.interest(s, unix.EPOLLONESHOT)
 			}
 			return
 		}
@@ -372,7 +371,7 @@ func (l *relayLoop) write(s *loopStream) {
 	}
 	if s.blocked {
 		s.blocked, s.readAt = false, time.Now()
-		l.interest(s, unix.EPOLLIN, s.rdhupBit())
+		l.interest(s, unix.EPOLLIN)
 		if s.idle > 0 {
 			l.expect(s.readAt.Add(s.idle))
 		}
@@ -382,11 +381,17 @@ func (l *relayLoop) write(s *loopStream) {
 	}
 }
 
-// interest sets what the loop waits for on each of s's sockets.
-func (l *relayLoop) interest(s *loopStream, up, cl uint32) {
+// interest sets what the loop waits for on s's upstream socket (up), and
+// on its client socket what s's state says (clientEvents).
+func (l *relayLoop) interest(s *loopStream, up uint32) {
 	ev := unix.EpollEvent{Events: up, Fd: s.slot}
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.upFd, &ev)
-	ev = unix.EpollEvent{Events: cl, Fd: s.slot, Pad: 1}
+	l.watchClient(s)
+}
+
+// watchClient sets what the loop waits for on s's client socket.
+func (l *relayLoop) watchClient(s *loopStream) {
+	ev := unix.EpollEvent{Events: s.clientEvents(), Fd: s.slot, Pad: 1}
 	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.clFd, &ev)
 }
 
@@ -400,28 +405,26 @@ func (l *relayLoop) interest(s *loopStream, up, cl uint32) {
 // the stream on this loop's next turn, recorded as a client cancel.
 // Either way the close is not reported again.
 func (l *relayLoop) clientClosed(s *loopStream) {
-	state, again := peek(uintptr(s.clFd))
-	for again {
-		state, again = peek(uintptr(s.clFd))
-	}
+	state := peek(uintptr(s.clFd))
 	s.rdhup = false
-	var cl uint32
-	if s.blocked {
-		cl = unix.EPOLLOUT
-	}
-	ev := unix.EpollEvent{Events: cl, Fd: s.slot, Pad: 1}
-	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.clFd, &ev)
+	l.watchClient(s)
 	if state != peerData {
 		s.x.fire()
 	}
 }
 
-// rdhupBit is EPOLLRDHUP while the client's close is watched on the loop.
-func (s *loopStream) rdhupBit() uint32 {
-	if s.rdhup {
-		return unix.EPOLLRDHUP
+// clientEvents is what the loop waits for on s's client socket besides
+// hang-ups and errors: writability while blocked, the peer's close while
+// watched.
+func (s *loopStream) clientEvents() uint32 {
+	var ev uint32
+	if s.blocked {
+		ev |= unix.EPOLLOUT
 	}
-	return 0
+	if s.rdhup {
+		ev |= unix.EPOLLRDHUP
+	}
+	return ev
 }
 
 // end takes s out of the loop and wakes its exchange with err.
@@ -505,9 +508,7 @@ func (x *exchange) passLoop() (bool, error) {
 	cc.leaveLoop()
 	x.cancel.leaveLoop()
 	if err == errNoLoop {
-		if x.client != nil {
-			x.watch.start(x.client, x.fire)
-		}
+		x.watch.start(x.client, x.fire)
 		return false, nil
 	}
 	loopStreams.Add(1)

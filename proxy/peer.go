@@ -21,20 +21,21 @@ const (
 )
 
 // peek looks at fd without consuming anything: recv(MSG_PEEK|MSG_DONTWAIT)
-// of one byte. It does not allocate.
-func peek(fd uintptr) (peerState, bool) {
+// of one byte, again when a signal interrupted it. It does not allocate.
+func peek(fd uintptr) peerState {
 	var b [1]byte
-	n, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1,
-		unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
-	switch {
-	case errno == unix.EAGAIN:
-		return peerIdle, false
-	case errno == unix.EINTR:
-		return peerIdle, true // try again
-	case errno != 0 || n == 0:
-		return peerClosed, false
-	default:
-		return peerData, false
+	for {
+		n, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1,
+			unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+		switch {
+		case errno == unix.EINTR:
+		case errno == unix.EAGAIN:
+			return peerIdle
+		case errno != 0 || n == 0:
+			return peerClosed
+		default:
+			return peerData
+		}
 	}
 }
 
@@ -127,9 +128,7 @@ func (w *peerWatch) run() {
 }
 
 func (w *peerWatch) peekOnce(fd uintptr) bool {
-	for again := true; again; {
-		w.state, again = peek(fd)
-	}
+	w.state = peek(fd)
 	return w.state != peerIdle
 }
 

@@ -493,11 +493,7 @@ func (c *upConn) peek() peerState {
 		return peerUnknown
 	}
 	if c.peekFn == nil {
-		c.peekFn = func(fd uintptr) {
-			for again := true; again; {
-				c.peeked, again = peek(fd)
-			}
-		}
+		c.peekFn = func(fd uintptr) { c.peeked = peek(fd) }
 	}
 	c.peeked = peerUnknown
 	_ = raw.Control(c.peekFn)
