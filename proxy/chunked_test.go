@@ -376,3 +376,92 @@ func writePieces(c net.Conn, b []byte, r *rand.Rand, most, oneIn, pauseUS int) b
 	}
 	return true
 }
+
+// tallyReader counts the bytes read through it.
+type tallyReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *tallyReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// A bare last chunk that comes in one read with the data before it goes
+// out with that data, and the server's own last chunk is dropped: the
+// client gets one clean end (a second would be read as the start of the
+// next response, which follows on the same connection), and the record's
+// bytes_wire is every byte of the response the client received, its end
+// included (the server's end was written after the record was taken).
+// A last chunk with trailers is not relayed: the server's bare one ends
+// the body, as before.
+func TestBodyEndGoesWithLastData(t *testing.T) {
+	for _, path := range relayPaths {
+		t.Run(path.name, func(t *testing.T) {
+			var events strings.Builder
+			for k := range 5 {
+				events.WriteString(chatChunk(fmt.Sprint("tok", k)))
+			}
+			body := fmt.Sprintf("%x\r\n%s\r\n", events.Len(), events.String())
+			ends := []string{"0\r\n\r\n", "0\r\nX-Checksum: 1\r\n\r\n", "0\r\n\r\n"}
+			next := make(chan string, 1)
+			up := startRawUpstream(t, func(c net.Conn, _ *http.Request) bool {
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+				time.Sleep(20 * time.Millisecond) // the header goes out alone; the stream may move to a loop
+				_, err := io.WriteString(c, body+<-next)
+				return err == nil
+			})
+			tp := startProxyOpts(t, up.url, nil, Options{GoroutineRelay: path.goroutine})
+			before := loopStreams.Load()
+			c, err := net.Dial("tcp", tp.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(30 * time.Second))
+			cr := &tallyReader{r: c}
+			br := bufio.NewReader(cr)
+			for i, end := range ends {
+				next <- end
+				if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
+					t.Fatal(err)
+				}
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatalf("response %d: %v", i, err)
+				}
+				got, err := io.ReadAll(resp.Body)
+				if err != nil || string(got) != events.String() {
+					t.Fatalf("response %d: body %q, %v", i, got, err)
+				}
+				if len(resp.Trailer) != 0 {
+					t.Fatalf("response %d: trailers %v reached the client", i, resp.Trailer)
+				}
+				received := cr.n - int64(br.Buffered())
+				cr.n = int64(br.Buffered())
+				rec := tp.rec.next(t)
+				switch bare := end == "0\r\n\r\n"; {
+				case rec.Outcome != "ok" || rec.OutputTokens != 5:
+					t.Fatalf("response %d: outcome %s, %d tokens", i, rec.Outcome, rec.OutputTokens)
+				case bare && rec.BytesWire != received:
+					t.Fatalf("response %d: bytes_wire %d, the client received %d", i, rec.BytesWire, received)
+				case !bare && rec.BytesWire != received-int64(len("0\r\n\r\n")):
+					t.Fatalf("response %d (trailers): bytes_wire %d, the client received %d", i, rec.BytesWire, received)
+				}
+			}
+			// Nothing more came: a second end would be waiting here.
+			c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+			if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
+				t.Fatalf("after the last response: %d more bytes, %v", n, err)
+			}
+			if n := up.conns.Load(); n != 1 {
+				t.Fatalf("the backend saw %d connections", n)
+			}
+			if moved := loopStreams.Load() - before; path.goroutine != (moved == 0) {
+				t.Fatalf("%d of %d streams went to a relay loop", moved, len(ends))
+			}
+		})
+	}
+}

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"errors"
 	"net"
 	"net/netip"
@@ -180,6 +181,11 @@ type clientConn struct {
 	ip     netip.Addr
 	closed atomic.Bool
 
+	// endSent: the chunked body just relayed went out with its last chunk
+	// (passChunks), so the server's own last chunk, the next write, is
+	// dropped. Only the connection's serving goroutine touches it.
+	endSent bool
+
 	// While a relay loop holds the descriptor (looped), Close only shuts
 	// the socket down, which ends the loop's stream, and the close itself
 	// happens when the stream leaves the loop (closeLater).
@@ -253,6 +259,16 @@ func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
 // 1% of d ago (a burst of writes then shares one deadline, which is at most
 // 1% shorter than d).
 func (c *clientConn) Write(b []byte) (int, error) {
+	if c.endSent {
+		c.endSent = false
+		if bytes.HasPrefix(b, bareLastChunk) {
+			if len(b) == len(bareLastChunk) {
+				return len(b), nil
+			}
+			n, err := c.Write(b[len(bareLastChunk):])
+			return n + len(bareLastChunk), err
+		}
+	}
 	if now := time.Now(); now.Sub(c.setAt) > c.d/100 {
 		if err := c.TCPConn.SetWriteDeadline(now.Add(c.d)); err != nil {
 			return 0, err

@@ -102,6 +102,7 @@ type exchange struct {
 	ti       tcpInfo
 	deliv    delivery
 	end      ending // what finish knew, while the record waits (ackWatch)
+	endSent  bool   // the body's last chunk went out with its data (passScan)
 }
 
 type parseMode uint8
@@ -611,10 +612,14 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 //
 // The response header was flushed before the body (ImmediateHeaderFlush),
 // so the server's buffer is empty and writing to the connection keeps the
-// order. The upstream's last chunk and trailers are not written: the server
-// ends every chunked body itself once WriteTo returns (trailers were never
-// relayed). A size line cut by the end of a read is held, at the front of
-// the buffer, until it ends: only then can the last chunk be told apart.
+// order. The server ends every chunked body itself once WriteTo returns,
+// after the exchange finished, in a write of its own; trailers were never
+// relayed. A bare last chunk (0, no trailers) that came in one read with
+// the data before it goes out in the same write instead, and the server's
+// copy is dropped (clientConn.endSent): one write and one segment less per
+// response, and the response is whole on the wire when its record is
+// made. A size line cut by the end of a read is held, at the front of the
+// buffer, until it ends: only then can the last chunk be told apart.
 //
 // When body bytes came with the response header, the header is still in
 // the server's buffer: the data of the reads up to the first chunk
@@ -630,6 +635,7 @@ func (x *exchange) passChunks(w io.Writer) (int64, error) {
 			if moved, err := x.passLoop(); moved {
 				setDirect(up, false)
 				setDirect(cl, false)
+				x.sentEnd(err)
 				return x.bytesOut, err
 			}
 			loop = false
@@ -637,8 +643,21 @@ func (x *exchange) passChunks(w io.Writer) (int64, error) {
 		if end, err := x.passRead(w); end {
 			setDirect(up, false)
 			setDirect(cl, false)
+			x.sentEnd(err)
 			return x.bytesOut, err
 		}
+	}
+}
+
+// bareLastChunk ends a chunked body that has no trailers.
+var bareLastChunk = []byte("0\r\n\r\n")
+
+// sentEnd tells the client connection that the body's end went out
+// already (passScan), so that the server's own is dropped; the server
+// writes it only after a body relayed without error.
+func (x *exchange) sentEnd(err error) {
+	if x.endSent && err == nil {
+		x.cc.endSent = true
 	}
 }
 
@@ -706,6 +725,10 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 	if x.chunks.lastChunk() {
 		out = 0
 	}
+	// The body's end goes out with the read that brought it, when it is
+	// the bare last chunk (no trailers) and the header is out before it
+	// (see endSent).
+	wasFramed, endHere := x.framed, false
 	if n > 0 {
 		at := x.readTime()
 		for off := keep; off < last; {
@@ -730,10 +753,14 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 				x.framed, rawFrom = false, off
 			}
 			if x.chunks.lastChunk() && out == last {
-				out = start
+				out, endHere = start, true
 			}
 			if x.chunks.done() {
 				x.upDone, x.stray = true, off < last
+				if endHere && start >= rawFrom && (!wasFramed || len(x.gathered) > 0) && x.cc != nil &&
+					bytes.Equal(x.buf[start:off], bareLastChunk) {
+					out, x.endSent = off, true
+				}
 				break
 			}
 		}
