@@ -66,18 +66,19 @@ func startTokentap(outDir, name, dir string, gomaxprocs int, upstream, accessLog
 	return &arm{Name: name, URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
 }
 
-// startGoRelay runs this program's relay subcommand at tokentap's GOMAXPROCS.
-func startGoRelay(dir string, gomaxprocs int, upstream string) (*arm, error) {
+// startGoRelay runs one of this program's relay subcommands ("relay",
+// "fasthttp-relay") as the arm name at tokentap's GOMAXPROCS.
+func startGoRelay(dir, name, sub string, gomaxprocs int, upstream string) (*arm, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
 	addr := freePort()
-	cmd, err := startProc(dir, "go-relay", self, []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)}, "relay", "-listen", addr, "-upstream", upstream)
+	cmd, err := startProc(dir, name, self, []string{fmt.Sprintf("GOMAXPROCS=%d", gomaxprocs)}, sub, "-listen", addr, "-upstream", upstream)
 	if err != nil {
 		return nil, err
 	}
-	return &arm{Name: "go-relay", URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
+	return &arm{Name: name, URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
 }
 
 func startNginx(dir, bin, upstream string, workers int) (*arm, error) {

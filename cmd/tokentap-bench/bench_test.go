@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"math"
 	"math/rand/v2"
+	"net"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -174,5 +175,36 @@ func TestCompareIntervals(t *testing.T) {
 	}
 	if !strings.Contains(ttft, "outside the noise") || !strings.Contains(e2e, "within noise") {
 		t.Errorf("compare printed:\n%s", out.String())
+	}
+}
+
+// The fasthttp relay streams: tokens reach the client as the backend
+// sends them (not at the end), and fixed-length answers come whole, on
+// kept-alive connections.
+func TestFastRelayStreams(t *testing.T) {
+	up := httptest.NewServer(mockllm.New(mockllm.Options{TokenGap: 20 * time.Millisecond, Jitter: 0.01}))
+	defer up.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := fastRelay(strings.TrimPrefix(up.URL, "http://"))
+	go s.Serve(ln)
+	defer s.Shutdown()
+	p := plan{URL: "http://" + ln.Addr().String() + "/v1/chat/completions", Model: "m",
+		Workloads: []workload{{Name: "t", PromptBytes: 100, MaxTokens: 6}}, Stream: true, Concurrency: 2, Requests: 4}
+	res, _, err := run(p)
+	if err != nil || len(res) != 4 {
+		t.Fatalf("%d results, %v", len(res), err)
+	}
+	for _, r := range res {
+		// Six tokens 20 ms apart: the first comes about 100 ms before the end.
+		if r.Status != 200 || r.Output != 6 || len(r.Tokens) != 6 || r.E2E-r.TTFT < 80*time.Millisecond {
+			t.Fatalf("streamed: status %d, %d tokens, TTFT %v, E2E %v", r.Status, r.Output, r.TTFT, r.E2E)
+		}
+	}
+	p.Stream = false
+	if res, _, err = run(p); err != nil || len(res) != 4 || res[0].Status != 200 || res[0].Output != 6 {
+		t.Fatalf("unstreamed: %+v %v", res, err)
 	}
 }

@@ -35,6 +35,8 @@ func main() {
 		err = runProxies(args[1:], os.Stdout)
 	case len(args) > 0 && args[0] == "relay":
 		err = runRelay(args[1:])
+	case len(args) > 0 && args[0] == "fasthttp-relay":
+		err = runFastRelay(args[1:])
 	default:
 		err = runOnce(args, os.Stdout)
 	}

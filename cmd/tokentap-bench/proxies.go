@@ -46,7 +46,7 @@ type benchSettings struct {
 	outDir, bin, beforeBin, nginxBin, haproxyBin string
 	burstN, rounds, idle, gmp, tokens            int
 	burstGap, roundTime, gap                     time.Duration
-	goRelay, noLog                               bool
+	goRelay, fastRelay, noLog                    bool
 	levels                                       []int
 	only                                         map[string]bool // -arms: the arms to run; nil: all
 }
@@ -66,6 +66,7 @@ func runProxies(args []string, out io.Writer) error {
 	fs.DurationVar(&b.burstGap, "burst-gap", 5*time.Second, "quiet time before each round of bursts")
 	render := fs.Bool("render", false, "only rewrite results.md and the plot of -out from its results.json")
 	fs.BoolVar(&b.noLog, "nolog", false, "also measure tokentap with its access log off, as tokentap-nolog (nginx's and HAProxy's are off in this bench)")
+	fs.BoolVar(&b.fastRelay, "fasthttp-relay", false, "also measure a bare HTTP proxy on fasthttp (server and client, bodies streamed, nothing measured, same GOMAXPROCS): the floor for tokentap's own libraries")
 	fs.BoolVar(&b.goRelay, "go-relay", true, "also measure a bare Go TCP relay (io.Copy, goroutine per direction, same GOMAXPROCS): the floor for a Go proxy")
 	fs.IntVar(&b.rounds, "rounds", 5, "measured rounds per condition, after a warm-up round")
 	fs.DurationVar(&b.roundTime, "round-time", 3*time.Second, "time per arm per round")
@@ -195,7 +196,10 @@ func (b *benchSettings) startArms() (arms []*arm, accessLog string, stopAll func
 		{b.noLog, func() (*arm, error) {
 			return startTokentap(b.outDir, "tokentap-nolog", b.bin, b.gmp, upstream, "")
 		}},
-		{b.goRelay, func() (*arm, error) { return startGoRelay(b.outDir, b.gmp, mockAddr) }},
+		{b.goRelay, func() (*arm, error) { return startGoRelay(b.outDir, "go-relay", "relay", b.gmp, mockAddr) }},
+		{b.fastRelay, func() (*arm, error) {
+			return startGoRelay(b.outDir, "fasthttp-relay", "fasthttp-relay", b.gmp, mockAddr)
+		}},
 		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr, b.gmp) }},
 		{b.haproxyBin != "", func() (*arm, error) { return startHAProxy(b.outDir, b.haproxyBin, mockAddr, b.gmp) }},
 	} {
@@ -305,9 +309,10 @@ func (b *benchSettings) burstPhase(rep *proxiesReport, arms []*arm, clients map[
 func (b *benchSettings) idlePhase(rep *proxiesReport, arms []*arm) {
 	fmt.Fprintf(os.Stderr, "memory: %d idle streams per proxy\n", b.idle)
 	for _, a := range arms {
-		if a.pids == nil || a.Name == "go-relay" {
-			// The relay is a floor for CPU, not for memory: its io.Copy
-			// buffers (32 KiB per direction) say nothing about Go's cost.
+		if a.pids == nil || a.Name == "go-relay" || a.Name == "fasthttp-relay" {
+			// The relays are floors for CPU, not for memory: io.Copy's
+			// buffers (32 KiB per direction) and fasthttp's pools say
+			// nothing about what a measuring proxy must hold.
 			continue
 		}
 		mb, err := idleRSS(a, b.idle)

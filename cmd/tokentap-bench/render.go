@@ -52,7 +52,7 @@ func rerender(dir string, out io.Writer) error {
 		}
 	}
 	var arms []*arm
-	for _, name := range []string{"direct", "tokentap", "tokentap-before", "tokentap-nolog", "go-relay", "nginx", "haproxy"} {
+	for _, name := range []string{"direct", "tokentap", "tokentap-before", "tokentap-nolog", "go-relay", "fasthttp-relay", "nginx", "haproxy"} {
 		if _, ok := rep.Small[name]; !ok {
 			continue
 		}
@@ -175,7 +175,7 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	d := rep.Derived
 	// nginx's workers and HAProxy's threads follow -gomaxprocs (arms.go).
 	n := rep.Settings["tokentap_gomaxprocs"]
-	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap and go-relay (a bare Go TCP relay, the floor for a Go proxy) GOMAXPROCS=%v; nginx %v worker(s); HAProxy nbthread %v.\n",
+	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap, go-relay (a bare Go TCP relay, the floor for a Go proxy) and fasthttp-relay (a bare HTTP proxy on fasthttp, where run) GOMAXPROCS=%v; nginx %v worker(s); HAProxy nbthread %v.\n",
 		rep.Machine["cpu"], rep.Machine["cores"], rep.Machine["kernel"], n, n, n)
 	fmt.Fprintf(&b, "%v measured rounds per condition after a warm-up round, arms interleaved in rotating order, %vs per arm per round; "+
 		"each figure is the median of the per-round values, [min–max] across rounds.\n\n", rep.Settings["rounds"], rep.Settings["round_time_s"])
@@ -268,7 +268,7 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 // plotSVG draws added TTFT p50 and p99 against concurrency, one line per proxy.
 func plotSVG(rep *proxiesReport, arms []*arm, levels []int) string {
 	const W, H, pad = 760, 340, 60
-	colors := map[string]string{"tokentap": "#d62728", "tokentap-before": "#ff9896", "tokentap-nolog": "#ff7f0e", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f"}
+	colors := map[string]string{"tokentap": "#d62728", "tokentap-before": "#ff9896", "tokentap-nolog": "#ff7f0e", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f", "fasthttp-relay": "#8c564b"}
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", W, H)
 	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", W, H)

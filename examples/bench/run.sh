@@ -7,6 +7,7 @@
 #
 #   examples/bench/run.sh                 # everything
 #   examples/bench/run.sh -rounds 3 -levels 1,100
+#   examples/bench/run.sh -fasthttp-relay # also a bare HTTP proxy on fasthttp
 #
 # nginx and HAProxy come from Debian: apt-get install nginx-light haproxy
 # (as root). Without them the bench runs the other arms and says so.
