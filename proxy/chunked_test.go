@@ -465,3 +465,54 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 		})
 	}
 }
+
+// Pipelined requests: the second request is read from the server's buffer
+// before the first response's end is flushed, so the server's last chunk
+// of the first response and the second response's header leave in one
+// write; only the last chunk is dropped (it went out with the data), and
+// the client reads both responses whole, in order, on the relay loop and
+// on the goroutine path.
+func TestPipelinedStreamsEndOnce(t *testing.T) {
+	for _, path := range relayPaths {
+		t.Run(path.name, func(t *testing.T) {
+			up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+				time.Sleep(10 * time.Millisecond)
+				ev := chatChunk(r.URL.Path)
+				_, err := io.WriteString(c, fmt.Sprintf("%x\r\n%s\r\n0\r\n\r\n", len(ev), ev))
+				return err == nil
+			})
+			tp := startProxyOpts(t, up.url, nil, Options{GoroutineRelay: path.goroutine})
+			c, err := net.Dial("tcp", tp.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(30 * time.Second))
+			if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)+
+				postJSON("/v1/completions", `{"stream":true}`)); err != nil {
+				t.Fatal(err)
+			}
+			br := bufio.NewReader(c)
+			for i, want := range []string{"/v1/chat/completions", "/v1/completions"} {
+				resp, err := http.ReadResponse(br, nil)
+				if err != nil {
+					t.Fatalf("response %d: %v", i, err)
+				}
+				got, err := io.ReadAll(resp.Body)
+				if err != nil || string(got) != chatChunk(want) {
+					t.Fatalf("response %d: body %q, %v", i, got, err)
+				}
+			}
+			c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+			if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
+				t.Fatalf("after both responses: %d more bytes, %v", n, err)
+			}
+			for range 2 {
+				if rec := tp.rec.next(t); rec.Outcome != "ok" {
+					t.Fatalf("record %s: outcome %s (%s)", rec.Path, rec.Outcome, rec.Error)
+				}
+			}
+		})
+	}
+}
