@@ -14,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // chunkedBody frames payload in chunks of random sizes, with the spellings
@@ -514,5 +516,76 @@ func TestPipelinedStreamsEndOnce(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// dataSegsIn is how many segments carrying data c's socket has received.
+func dataSegsIn(t *testing.T, c net.Conn) uint32 {
+	t.Helper()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var info *unix.TCPInfo
+	var gerr error
+	if err := raw.Control(func(fd uintptr) { info, gerr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil || gerr != nil {
+		t.Fatal(err, gerr)
+	}
+	return info.Data_segs_in
+}
+
+// A streamed response that came whole in one upstream read, header, body
+// and bare last chunk, reaches the client in one write: one data segment
+// on loopback (it took three: the header with the first chunk, the rest,
+// the server's last chunk). One with trailers ends with the server's last
+// chunk, as before: the next response on the kept-alive connection reads
+// clean.
+func TestWholeResponseInOneWrite(t *testing.T) {
+	var events strings.Builder
+	for k := range 3 {
+		events.WriteString(chatChunk(fmt.Sprint("tok", k)))
+	}
+	one := fmt.Sprintf("%x\r\n%s\r\n", len(chatChunk("tok0")), chatChunk("tok0"))
+	rest := fmt.Sprintf("%x\r\n%s\r\n", events.Len()-len(chatChunk("tok0")), events.String()[len(chatChunk("tok0")):])
+	ends := []string{"0\r\n\r\n", "0\r\nX-Checksum: 1\r\n\r\n", "0\r\n\r\n"}
+	next := make(chan string, 1)
+	up := startRawUpstream(t, func(c net.Conn, _ *http.Request) bool {
+		_, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"+one+rest+<-next)
+		return err == nil
+	})
+	tp := startProxy(t, up.url, nil)
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	br := bufio.NewReader(c)
+	for i, end := range ends {
+		next <- end
+		before := dataSegsIn(t, c)
+		if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("response %d: %v", i, err)
+		}
+		got, err := io.ReadAll(resp.Body)
+		if err != nil || string(got) != events.String() {
+			t.Fatalf("response %d: body %q, %v", i, got, err)
+		}
+		rec := tp.rec.next(t) // the record is made after the response's last write
+		segs := dataSegsIn(t, c) - before
+		switch bare := end == "0\r\n\r\n"; {
+		case rec.Outcome != "ok" || rec.OutputTokens != 3:
+			t.Fatalf("response %d: outcome %s, %d tokens", i, rec.Outcome, rec.OutputTokens)
+		case bare && segs != 1:
+			t.Fatalf("response %d: came in %d segments, want 1", i, segs)
+		}
+	}
+	c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
+		t.Fatalf("after the last response: %d more bytes, %v", n, err)
 	}
 }

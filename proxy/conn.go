@@ -183,8 +183,10 @@ type clientConn struct {
 
 	// endSent: the chunked body just relayed went out with its last chunk
 	// (passChunks), so the server's own last chunk, the next write, is
-	// dropped. Only the connection's serving goroutine touches it.
+	// dropped. hold, while set, takes what is written instead of writing
+	// it (passWhole). Only the connection's serving goroutine touches them.
 	endSent bool
+	hold    *[]byte
 
 	// While a relay loop holds the descriptor (looped), Close only shuts
 	// the socket down, which ends the loop's stream, and the close itself
@@ -259,6 +261,10 @@ func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
 // 1% of d ago (a burst of writes then shares one deadline, which is at most
 // 1% shorter than d).
 func (c *clientConn) Write(b []byte) (int, error) {
+	if c.hold != nil {
+		*c.hold = append(*c.hold, b...)
+		return len(b), nil
+	}
 	if c.endSent {
 		c.endSent = false
 		if bytes.HasPrefix(b, bareLastChunk) {

@@ -81,6 +81,8 @@ type exchange struct {
 	pass     bool   // the body is relayed with the upstream's chunk framing (passChunks)
 	framed   bool   // passChunks: the server frames what is written, until a chunk boundary
 	gathered []byte // passChunks: the data bytes of a framed read
+	whole1   bool   // passChunks: the body came whole with the header (see passWhole)
+	out1     []byte // passWhole: the header and the body, held for one write
 	keep     int    // passChunks: bytes of a held size line at the front of buf
 	chunks   chunkScanner
 	loop     loopStream // the stream while a relay loop relays it (loop.go)
@@ -137,7 +139,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	}
 	*x = exchange{
 		p: p, id: x.id[:0], tried: x.tried[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
-		held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
+		out1: x.out1[:0], held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, ti: x.ti,
 		loop: loopStream{done: x.loop.done},
@@ -625,6 +627,8 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 // the server's buffer: the data of the reads up to the first chunk
 // boundary is written through w, which frames it and flushes it with the
 // header in one write; the framing goes through as it came from there on.
+// A body that came whole with the header goes out with it in one write
+// (passWhole).
 func (x *exchange) passChunks(w io.Writer) (int64, error) {
 	up, cl := x.conn.rx, clientRx(x.client)
 	setDirect(up, true)
@@ -648,6 +652,33 @@ func (x *exchange) passChunks(w io.Writer) (int64, error) {
 		}
 	}
 }
+
+// passWhole writes a body that came whole with its response header, bare
+// last chunk included: the server frames the data as one chunk after the
+// header, the client connection holds what the server writes, and all of
+// it goes out with the last chunk in one write (the server's own last
+// chunk is dropped later: endSent). Short streams, errors and answers a
+// backend had ready come this way: one write instead of three.
+func (x *exchange) passWhole(w io.Writer) error {
+	cc := x.cc
+	cc.hold = &x.out1
+	_, err := w.Write(x.gathered)
+	cc.hold = nil
+	b := x.out1
+	x.out1 = x.out1[:0]
+	if err != nil {
+		return err
+	}
+	b = append(b, bareLastChunk...)
+	_, err = cc.Write(b)
+	if cap(b) <= maxPooledOut {
+		x.out1 = b[:0]
+	}
+	return err
+}
+
+// maxPooledOut is the largest passWhole buffer kept for the next response.
+const maxPooledOut = 32 << 10
 
 // bareLastChunk ends a chunked body that has no trailers.
 var bareLastChunk = []byte("0\r\n\r\n")
@@ -691,7 +722,12 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 	}
 	if len(x.gathered) > 0 {
 		// Framed by the server, and flushed with the header.
-		_, werr := w.Write(x.gathered)
+		var werr error
+		if x.whole1 {
+			werr = x.passWhole(w)
+		} else {
+			_, werr = w.Write(x.gathered)
+		}
 		x.gathered = x.gathered[:0]
 		if werr != nil {
 			x.readErr = err
@@ -726,9 +762,12 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 		out = 0
 	}
 	// The body's end goes out with the read that brought it, when it is
-	// the bare last chunk (no trailers) and the header is out before it
-	// (see endSent).
-	wasFramed, endHere := x.framed, false
+	// the bare last chunk (no trailers): in that read's write when the
+	// header is out before it (see endSent), or with the header, the body
+	// and all, when they came together (passWhole). While the header waits,
+	// every data byte of the read is gathered, and those after the first
+	// chunk boundary are dropped again unless the body ends here.
+	wasFramed, endHere, gatheredAt := x.framed, false, -1
 	if n > 0 {
 		at := x.readTime()
 		for off := keep; off < last; {
@@ -740,7 +779,7 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 			if len(d) > 0 {
 				data += len(d)
 				x.observe(d, at)
-				if x.framed {
+				if wasFramed {
 					x.gathered = append(x.gathered, d...)
 				}
 			}
@@ -750,20 +789,27 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 			}
 			if x.framed && x.chunks.atBoundary() {
 				// A chunk boundary: from here on the bytes go as they came.
-				x.framed, rawFrom = false, off
+				x.framed, rawFrom, gatheredAt = false, off, len(x.gathered)
 			}
 			if x.chunks.lastChunk() && out == last {
 				out, endHere = start, true
 			}
 			if x.chunks.done() {
 				x.upDone, x.stray = true, off < last
-				if endHere && start >= rawFrom && (!wasFramed || len(x.gathered) > 0) && x.cc != nil &&
-					bytes.Equal(x.buf[start:off], bareLastChunk) {
-					out, x.endSent = off, true
+				if endHere && x.cc != nil && bytes.Equal(x.buf[start:off], bareLastChunk) {
+					switch {
+					case wasFramed && len(x.gathered) > 0:
+						rawFrom, out, x.whole1, x.endSent = last, last, true, true
+					case !wasFramed && start >= rawFrom:
+						out, x.endSent = off, true
+					}
 				}
 				break
 			}
 		}
+	}
+	if gatheredAt >= 0 && !x.whole1 {
+		x.gathered = x.gathered[:gatheredAt]
 	}
 	x.keep = 0
 	if in, l := x.chunks.inSizeLine(); in && out == last && !x.framed {
