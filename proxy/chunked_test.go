@@ -379,6 +379,30 @@ func writePieces(c net.Conn, b []byte, r *rand.Rand, most, oneIn, pauseUS int) b
 	return true
 }
 
+// readStream reads response i from br, whose body must be want.
+func readStream(t *testing.T, br *bufio.Reader, i int, want string) *http.Response {
+	t.Helper()
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("response %d: %v", i, err)
+	}
+	got, err := io.ReadAll(resp.Body)
+	if err != nil || string(got) != want {
+		t.Fatalf("response %d: body %q, %v", i, got, err)
+	}
+	return resp
+}
+
+// expectQuiet checks that nothing more comes on c after the last response
+// (a second end of a body would be waiting).
+func expectQuiet(t *testing.T, c net.Conn, br *bufio.Reader) {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
+		t.Fatalf("after the last response: %d more bytes, %v", n, err)
+	}
+}
+
 // tallyReader counts the bytes read through it.
 type tallyReader struct {
 	r io.Reader
@@ -430,14 +454,7 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 				if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
 					t.Fatal(err)
 				}
-				resp, err := http.ReadResponse(br, nil)
-				if err != nil {
-					t.Fatalf("response %d: %v", i, err)
-				}
-				got, err := io.ReadAll(resp.Body)
-				if err != nil || string(got) != events.String() {
-					t.Fatalf("response %d: body %q, %v", i, got, err)
-				}
+				resp := readStream(t, br, i, events.String())
 				if len(resp.Trailer) != 0 {
 					t.Fatalf("response %d: trailers %v reached the client", i, resp.Trailer)
 				}
@@ -453,11 +470,7 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 					t.Fatalf("response %d (trailers): bytes_wire %d, the client received %d", i, rec.BytesWire, received)
 				}
 			}
-			// Nothing more came: a second end would be waiting here.
-			c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-			if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
-				t.Fatalf("after the last response: %d more bytes, %v", n, err)
-			}
+			expectQuiet(t, c, br)
 			if n := up.conns.Load(); n != 1 {
 				t.Fatalf("the backend saw %d connections", n)
 			}
@@ -497,19 +510,9 @@ func TestPipelinedStreamsEndOnce(t *testing.T) {
 			}
 			br := bufio.NewReader(c)
 			for i, want := range []string{"/v1/chat/completions", "/v1/completions"} {
-				resp, err := http.ReadResponse(br, nil)
-				if err != nil {
-					t.Fatalf("response %d: %v", i, err)
-				}
-				got, err := io.ReadAll(resp.Body)
-				if err != nil || string(got) != chatChunk(want) {
-					t.Fatalf("response %d: body %q, %v", i, got, err)
-				}
+				readStream(t, br, i, chatChunk(want))
 			}
-			c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-			if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
-				t.Fatalf("after both responses: %d more bytes, %v", n, err)
-			}
+			expectQuiet(t, c, br)
 			for range 2 {
 				if rec := tp.rec.next(t); rec.Outcome != "ok" {
 					t.Fatalf("record %s: outcome %s (%s)", rec.Path, rec.Outcome, rec.Error)
@@ -567,14 +570,7 @@ func TestWholeResponseInOneWrite(t *testing.T) {
 		if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
 			t.Fatal(err)
 		}
-		resp, err := http.ReadResponse(br, nil)
-		if err != nil {
-			t.Fatalf("response %d: %v", i, err)
-		}
-		got, err := io.ReadAll(resp.Body)
-		if err != nil || string(got) != events.String() {
-			t.Fatalf("response %d: body %q, %v", i, got, err)
-		}
+		readStream(t, br, i, events.String())
 		rec := tp.rec.next(t) // the record is made after the response's last write
 		segs := dataSegsIn(t, c) - before
 		switch bare := end == "0\r\n\r\n"; {
@@ -584,8 +580,5 @@ func TestWholeResponseInOneWrite(t *testing.T) {
 			t.Fatalf("response %d: came in %d segments, want 1", i, segs)
 		}
 	}
-	c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-	if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
-		t.Fatalf("after the last response: %d more bytes, %v", n, err)
-	}
+	expectQuiet(t, c, br)
 }

@@ -75,19 +75,19 @@ type exchange struct {
 	estIn     int64 // estimated input tokens
 	responded bool  // the upstream answered with headers
 
-	bytesOut int64
-	readErr  error  // an upstream read error, returned again on every Read
-	upDone   bool   // the upstream body was read to its end
-	pass     bool   // the body is relayed with the upstream's chunk framing (passChunks)
-	framed   bool   // passChunks: the server frames what is written, until a chunk boundary
-	gathered []byte // passChunks: the data bytes of a framed read
-	whole1   bool   // passChunks: the body came whole with the header (see passWhole)
-	out1     []byte // passWhole: the header and the body, held for one write
-	keep     int    // passChunks: bytes of a held size line at the front of buf
-	chunks   chunkScanner
-	loop     loopStream // the stream while a relay loop relays it (loop.go)
-	stray    bool       // bytes came after the end of the response
-	finished bool
+	bytesOut  int64
+	readErr   error  // an upstream read error, returned again on every Read
+	upDone    bool   // the upstream body was read to its end
+	pass      bool   // the body is relayed with the upstream's chunk framing (passChunks)
+	framed    bool   // passChunks: the server frames what is written, until a chunk boundary
+	gathered  []byte // passChunks: the data bytes of a framed read
+	wholeRead bool   // passChunks: the body came whole with the header (see passWhole)
+	heldOut   []byte // passWhole: the header and the body, held for one write
+	keep      int    // passChunks: bytes of a held size line at the front of buf
+	chunks    chunkScanner
+	loop      loopStream // the stream while a relay loop relays it (loop.go)
+	stray     bool       // bytes came after the end of the response
+	finished  bool
 
 	// Failover (failover.go).
 	connectFailed  bool          // the last attempt could not connect
@@ -139,7 +139,7 @@ func (p *Proxy) releaseExchange(x *exchange) {
 	}
 	*x = exchange{
 		p: p, id: x.id[:0], tried: x.tried[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
-		out1: x.out1[:0], held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
+		heldOut: x.heldOut[:0], held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
 		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, ti: x.ti,
 		loop: loopStream{done: x.loop.done},
@@ -629,25 +629,29 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 // header in one write; the framing goes through as it came from there on.
 // A body that came whole with the header goes out with it in one write
 // (passWhole).
-func (x *exchange) passChunks(w io.Writer) (int64, error) {
+func (x *exchange) passChunks(w io.Writer) (_ int64, err error) {
 	up, cl := x.conn.rx, clientRx(x.client)
 	setDirect(up, true)
 	setDirect(cl, true)
+	defer func() {
+		setDirect(up, false)
+		setDirect(cl, false)
+		if x.endSent && err == nil {
+			// The body's end went out already (passScan): the server's
+			// own, written only after a body relayed without error, is
+			// dropped.
+			x.cc.endSent = true
+		}
+	}()
 	loop := x.loopable()
 	for {
 		if loop && !x.framed && x.conn.br.Buffered() == 0 {
 			if moved, err := x.passLoop(); moved {
-				setDirect(up, false)
-				setDirect(cl, false)
-				x.sentEnd(err)
 				return x.bytesOut, err
 			}
 			loop = false
 		}
 		if end, err := x.passRead(w); end {
-			setDirect(up, false)
-			setDirect(cl, false)
-			x.sentEnd(err)
 			return x.bytesOut, err
 		}
 	}
@@ -661,18 +665,16 @@ func (x *exchange) passChunks(w io.Writer) (int64, error) {
 // backend had ready come this way: one write instead of three.
 func (x *exchange) passWhole(w io.Writer) error {
 	cc := x.cc
-	cc.hold = &x.out1
+	cc.hold = &x.heldOut
 	_, err := w.Write(x.gathered)
 	cc.hold = nil
-	b := x.out1
-	x.out1 = x.out1[:0]
-	if err != nil {
-		return err
+	if err == nil {
+		x.heldOut = append(x.heldOut, bareLastChunk...)
+		_, err = cc.Write(x.heldOut)
 	}
-	b = append(b, bareLastChunk...)
-	_, err = cc.Write(b)
-	if cap(b) <= maxPooledOut {
-		x.out1 = b[:0]
+	x.heldOut = x.heldOut[:0]
+	if cap(x.heldOut) > maxPooledOut {
+		x.heldOut = nil
 	}
 	return err
 }
@@ -682,15 +684,6 @@ const maxPooledOut = 32 << 10
 
 // bareLastChunk ends a chunked body that has no trailers.
 var bareLastChunk = []byte("0\r\n\r\n")
-
-// sentEnd tells the client connection that the body's end went out
-// already (passScan), so that the server's own is dropped; the server
-// writes it only after a body relayed without error.
-func (x *exchange) sentEnd(err error) {
-	if x.endSent && err == nil {
-		x.cc.endSent = true
-	}
-}
 
 // clientRx returns the client connection's rxConn, or nil.
 func clientRx(c net.Conn) *rxConn {
@@ -723,7 +716,7 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 	if len(x.gathered) > 0 {
 		// Framed by the server, and flushed with the header.
 		var werr error
-		if x.whole1 {
+		if x.wholeRead {
 			werr = x.passWhole(w)
 		} else {
 			_, werr = w.Write(x.gathered)
@@ -799,7 +792,7 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 				if endHere && x.cc != nil && bytes.Equal(x.buf[start:off], bareLastChunk) {
 					switch {
 					case wasFramed && len(x.gathered) > 0:
-						rawFrom, out, x.whole1, x.endSent = last, last, true, true
+						rawFrom, out, x.wholeRead, x.endSent = last, last, true, true
 					case !wasFramed && start >= rawFrom:
 						out, x.endSent = off, true
 					}
@@ -808,7 +801,7 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 			}
 		}
 	}
-	if gatheredAt >= 0 && !x.whole1 {
+	if gatheredAt >= 0 && !x.wholeRead {
 		x.gathered = x.gathered[:gatheredAt]
 	}
 	x.keep = 0

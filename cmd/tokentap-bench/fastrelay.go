@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"io"
 	"time"
 
@@ -16,13 +15,11 @@ import (
 // measurement and safety work; what it costs above the TCP relay
 // (runRelay) is HTTP itself, on fasthttp.
 func runFastRelay(args []string) error {
-	fs := flag.NewFlagSet("tokentap-bench fasthttp-relay", flag.ContinueOnError)
-	listen := fs.String("listen", "127.0.0.1:8092", "address to accept on")
-	upstream := fs.String("upstream", "127.0.0.1:8000", "host:port to relay to")
-	if err := fs.Parse(args); err != nil {
+	listen, upstream, err := relayFlags("fasthttp-relay", "127.0.0.1:8092", args)
+	if err != nil {
 		return err
 	}
-	return fastRelay(*upstream).ListenAndServe(*listen)
+	return fastRelay(upstream).ListenAndServe(listen)
 }
 
 // fastRelay is the relay's server, relaying to upstream (host:port).

@@ -17,13 +17,11 @@ import (
 // runtime and the kernel cost any goroutine-per-connection proxy in the
 // same run; what tokentap costs above it is tokentap's own work.
 func runRelay(args []string) error {
-	fs := flag.NewFlagSet("tokentap-bench relay", flag.ContinueOnError)
-	listen := fs.String("listen", "127.0.0.1:8091", "address to accept on")
-	upstream := fs.String("upstream", "127.0.0.1:8000", "address to relay to")
-	if err := fs.Parse(args); err != nil {
+	listen, upstream, err := relayFlags("relay", "127.0.0.1:8091", args)
+	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", *listen)
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return err
 	}
@@ -36,8 +34,18 @@ func runRelay(args []string) error {
 		if err != nil {
 			return err
 		}
-		go relayConn(c, *upstream)
+		go relayConn(c, upstream)
 	}
+}
+
+// relayFlags parses a relay subcommand's flags: the address it listens on
+// (listen by default) and the upstream's host:port.
+func relayFlags(name, listen string, args []string) (string, string, error) {
+	fs := flag.NewFlagSet("tokentap-bench "+name, flag.ContinueOnError)
+	l := fs.String("listen", listen, "address to accept on")
+	upstream := fs.String("upstream", "127.0.0.1:8000", "host:port to relay to")
+	err := fs.Parse(args)
+	return *l, *upstream, err
 }
 
 func relayConn(c net.Conn, upstream string) {
