@@ -1121,9 +1121,17 @@ func (x *exchange) finish(writeErr error) {
 		wait = x.readDelivery(writeErr == nil && !gone, now)
 		x.client = nil
 	}
-	if x.dec == nil && !wait {
-		x.record(now, writeErr, gone, complete)
-		return
+	if x.dec == nil {
+		// What the body said is known: the admission ticket goes back
+		// now, not once the client acknowledged the last bytes (a round
+		// trip later), or a client that sends its next request as soon as
+		// a response ended would find its own slot still taken.
+		x.settleBody(now, complete)
+		x.releaseTicket()
+		if !wait {
+			x.record(now, writeErr, gone, complete)
+			return
+		}
 	}
 	// The record is made later, with what finish knew now (recordEnd).
 	x.end = ending{now, writeErr, gone, complete}
@@ -1152,6 +1160,10 @@ func (x *exchange) recordEnd() {
 // recordLater records once the side decoder is done and, with wait, the
 // client acknowledged the response (or the wait ran out).
 func (x *exchange) recordLater(wait bool) {
+	// The ticket goes back as soon as the decoder is done, before the
+	// wait (see finish).
+	x.settleBody(x.end.now, x.end.complete)
+	x.releaseTicket()
 	if wait {
 		x.awaitAcked()
 	}
@@ -1163,19 +1175,7 @@ func (x *exchange) recordLater(wait bool) {
 func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	rec := &x.rec
 	// Everything the body says is known before the outcome is decided.
-	if x.dec != nil {
-		clean := x.dec.close()
-		x.takeDecoded(true)
-		if !clean && complete || x.dec.over || x.dec.dropped {
-			rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
-		}
-		x.dec = nil
-	}
-	if x.mode == parseBody && complete && len(x.whole) > 0 {
-		o := x.dialect.Body(x.whole)
-		o.Token, o.Answer = false, false
-		x.m.observe(o, now)
-	}
+	x.settleBody(now, complete)
 
 	// The outcome, upstream faults before client faults. Error texts are
 	// tokentap's words: no address, no upstream bytes.
@@ -1229,6 +1229,27 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.p.releaseExchange(x)
 }
 
+// settleBody makes everything the body says known to the meter: what the
+// side decoder has left of a compressed body (once it is done), and a
+// complete body read whole (not streamed): its usage, its error. Once:
+// the decoder and the body are dropped after.
+func (x *exchange) settleBody(now time.Time, complete bool) {
+	if x.dec != nil {
+		clean := x.dec.close()
+		x.takeDecoded(true)
+		if !clean && complete || x.dec.over || x.dec.dropped {
+			x.rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
+		}
+		x.dec = nil
+	}
+	if x.mode == parseBody && complete && len(x.whole) > 0 {
+		o := x.dialect.Body(x.whole)
+		o.Token, o.Answer = false, false
+		x.m.observe(o, now)
+	}
+	x.whole = x.whole[:0]
+}
+
 // fillRecord derives the record's timings from the meter.
 func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.bytesOut
@@ -1262,7 +1283,7 @@ func (x *exchange) releaseTicket() {
 		if x.m.usage.hasIn {
 			in = int64(x.m.usage.in)
 		}
-		actual = in + int64(x.rec.OutputTokens)
+		actual = in + int64(x.m.outputTokens(x.streamed))
 	}
 	x.ticket.Release(actual)
 	x.ticket = nil

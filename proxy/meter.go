@@ -135,6 +135,18 @@ func (m *meter) deliver(t time.Time) {
 // write failed).
 func (m *meter) drop() { m.chunkTokens, m.chunkAnswers = 0, 0 }
 
+// outputTokens is the response's output tokens as the record gives them:
+// the usage the backend reported, else the token events of a stream.
+func (m *meter) outputTokens(streamed bool) int {
+	switch {
+	case m.usage.hasOut:
+		return m.usage.out
+	case streamed && m.events > 0:
+		return m.events
+	}
+	return 0
+}
+
 // fill derives the record's timings and counts. now ends a response that
 // delivered nothing; streamed says whether token timings apply; rec.Queue
 // must be set.

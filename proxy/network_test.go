@@ -3,12 +3,16 @@
 package proxy
 
 import (
+	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"fmt"
+	"io"
 	"maps"
 	"math"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"runtime"
@@ -21,6 +25,7 @@ import (
 	"github.com/tokentap/tokentap/examples/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/netsim"
+	"github.com/tokentap/tokentap/ratelimit"
 )
 
 // clientTimes is what a client on the far side of the link measured: from
@@ -339,5 +344,90 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 	t.Logf("client-side estimates against the clients' own clocks:\n%s", b.String())
 	if path := os.Getenv("TOKENTAP_NETWORK_REPORT"); path != "" {
 		_ = os.WriteFile(path, []byte(b.String()), 0o644)
+	}
+}
+
+// TestConcurrencySlotFreedWhenResponseEnds: a tenant allowed one request
+// at a time sends its requests one after another on a kept-alive
+// connection across a 20 ms link, each as soon as the last response ended.
+// The record of each waits for the client's acknowledgement (a round trip
+// after its last bytes left), but the slot is freed when the response
+// ends: no request is refused.
+func TestConcurrencySlotFreedWhenResponseEnds(t *testing.T) {
+	if err := netsim.Available(); err != nil {
+		t.Skip("no delay link on this machine:", err)
+	}
+	up := startMock(t, mockllm.Options{TokenGap: time.Millisecond})
+	// A compressed stream's record is made on a goroutine of its own,
+	// after the side decoder: its slot goes back as soon as that is done.
+	gz := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.Header().Set("Content-Encoding", "gzip")
+		zw := gzip.NewWriter(w)
+		for _, tok := range []string{"a", "b", "c"} {
+			_, _ = io.WriteString(zw, chatChunk(tok))
+			_ = zw.Flush()
+			flush(w)
+		}
+		_, _ = io.WriteString(zw, "data: [DONE]\n\n")
+		_ = zw.Close()
+	})
+	link, err := netsim.New(netsim.Options{Delay: 20 * time.Millisecond, Seed: 7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer link.Close()
+	rec := newRecorder()
+	cfg := Config{Routes: []Route{{Name: "chat", Prefix: "/", Upstream: up, Timeouts: DefaultTimeouts},
+		{Name: "gz", Prefix: "/gz/", Upstream: gz.URL, Timeouts: DefaultTimeouts}}}
+	withTenants(ratelimit.ModeReject, ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{MaxConcurrent: 1}})(&cfg)
+	p, err := New(cfg, Options{Sinks: []metrics.Sink{rec}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var ln net.Listener
+	if err := link.A.Do(func() (err error) { ln, err = p.Listen("10.77.0.1:0"); return err }); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = p.Serve(ln) }()
+	c, err := link.B.Dial(context.Background(), "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	const n = 6
+	asks := []struct{ path, body string }{
+		{"/v1/chat/completions", `{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`},
+		{"/v1/chat/completions", `{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`},
+		{"/gz/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`},
+	}
+	for i := range n {
+		for _, ask := range asks {
+			if _, err := io.WriteString(c, postJSON(ask.path, ask.body, "Authorization: Bearer k")); err != nil {
+				t.Fatal(err)
+			}
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil || resp.StatusCode != 200 {
+				t.Fatalf("request %d (%s %s): status %d, %q, %v", i, ask.path, ask.body, resp.StatusCode, b, err)
+			}
+		}
+	}
+	waited := 0
+	for range len(asks) * n {
+		if r := rec.next(t); r.ClientRTT >= 40*time.Millisecond && r.BytesAcked == r.BytesWire {
+			waited++
+		}
+	}
+	if waited == 0 {
+		t.Fatal("no record waited for the client's acknowledgement: the test did not test")
 	}
 }
