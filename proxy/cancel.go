@@ -17,6 +17,20 @@ type cancelState struct {
 	// looped: a relay loop holds the connection's descriptor, so fire
 	// only shuts the socket down; the exchange closes it after the loop.
 	looped bool
+	// settled: the upstream's response has ended; a client that leaves
+	// after it cancels nothing (see settle).
+	settled bool
+}
+
+// settle marks the upstream's response as ended, before its last bytes go
+// to the client: from here on a client that leaves (having read it all,
+// most often) cancels nothing, and its departure neither closes the
+// upstream connection, which goes back to the pool, nor makes the record a
+// client cancel. A departure before it is a cancel, as before.
+func (c *cancelState) settle() {
+	c.mu.Lock()
+	c.settled = true
+	c.mu.Unlock()
 }
 
 // enterLoop marks the connection as held by a relay loop; false if the
@@ -64,10 +78,14 @@ func (c *cancelState) detach() {
 	c.mu.Unlock()
 }
 
-// fire is called by the peer watch when the client has gone.
+// fire is called by the peer watch (or the relay loop) when the client
+// has gone.
 func (c *cancelState) fire() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.settled {
+		return
+	}
 	if !c.gone && c.done != nil {
 		close(c.done)
 	}

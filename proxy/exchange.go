@@ -541,6 +541,7 @@ func (x *exchange) pull(b []byte) (int, error) {
 	if err != nil {
 		if err == io.EOF {
 			x.upDone = true
+			x.cancel.settle()
 		}
 		x.readErr = err
 		if n > 0 {
@@ -789,6 +790,7 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 			}
 			if x.chunks.done() {
 				x.upDone, x.stray = true, off < last
+				x.cancel.settle()
 				if endHere && x.cc != nil && bytes.Equal(x.buf[start:off], bareLastChunk) {
 					switch {
 					case wasFramed && len(x.gathered) > 0:
