@@ -1123,25 +1123,19 @@ func (x *exchange) finish(writeErr error) {
 		wait = x.readDelivery(writeErr == nil && !gone, now)
 		x.client = nil
 	}
-	if x.dec == nil {
-		// What the body said is known: the admission ticket goes back
-		// now, not once the client acknowledged the last bytes (a round
-		// trip later), or a client that sends its next request as soon as
-		// a response ended would find its own slot still taken.
-		x.settleBody(now, complete)
-		x.releaseTicket()
-		if !wait {
-			x.record(now, writeErr, gone, complete)
-			return
-		}
-	}
-	// The record is made later, with what finish knew now (recordEnd).
+	// The record is made later, with what finish knew now (recordEnd),
+	// when it waits for the side decoder or the client's ACK.
 	x.end = ending{now, writeErr, gone, complete}
 	if x.dec != nil {
 		go x.recordLater(wait)
 		return
 	}
-	x.p.acks.add(x)
+	x.settleBody(now, complete)
+	if wait {
+		x.p.acks.add(x)
+		return
+	}
+	x.recordEnd()
 }
 
 // ending is what finish knew, kept for a record made later (recordLater,
@@ -1162,10 +1156,7 @@ func (x *exchange) recordEnd() {
 // recordLater records once the side decoder is done and, with wait, the
 // client acknowledged the response (or the wait ran out).
 func (x *exchange) recordLater(wait bool) {
-	// The ticket goes back as soon as the decoder is done, before the
-	// wait (see finish).
-	x.settleBody(x.end.now, x.end.complete)
-	x.releaseTicket()
+	x.settleBody(x.end.now, x.end.complete) // once the decoder is done, before the wait
 	if wait {
 		x.awaitAcked()
 	}
@@ -1176,8 +1167,8 @@ func (x *exchange) recordLater(wait bool) {
 // timings; then the sinks, and the exchange goes back to the pool.
 func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	rec := &x.rec
-	// Everything the body says is known before the outcome is decided.
-	x.settleBody(now, complete)
+	// Everything the body says is known (settleBody) before the outcome
+	// is decided.
 
 	// The outcome, upstream faults before client faults. Error texts are
 	// tokentap's words: no address, no upstream bytes.
@@ -1215,7 +1206,6 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		// A copy counts in its upstream's /stats group and the access
 		// log only: never in goodput, the route's series or its guard.
 		x.judge()
-		x.releaseTicket()
 		x.snap.metrics.Observe(rec)
 	}
 	x.p.stats.Observe(rec, x.m.gaps)
@@ -1233,8 +1223,11 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 
 // settleBody makes everything the body says known to the meter: what the
 // side decoder has left of a compressed body (once it is done), and a
-// complete body read whole (not streamed): its usage, its error. Once:
-// the decoder and the body are dropped after.
+// complete body read whole (not streamed): its usage, its error. Then the
+// admission ticket goes back with the tokens used: before the record,
+// which may wait a round trip for the client's ACK, or a client that sends
+// its next request as soon as a response ended would find its own slot
+// still taken. Called once per exchange, before record.
 func (x *exchange) settleBody(now time.Time, complete bool) {
 	if x.dec != nil {
 		clean := x.dec.close()
@@ -1250,6 +1243,7 @@ func (x *exchange) settleBody(now time.Time, complete bool) {
 		x.m.observe(o, now)
 	}
 	x.whole = x.whole[:0]
+	x.releaseTicket()
 }
 
 // fillRecord derives the record's timings from the meter.
@@ -1285,7 +1279,8 @@ func (x *exchange) releaseTicket() {
 		if x.m.usage.hasIn {
 			in = int64(x.m.usage.in)
 		}
-		actual = in + int64(x.m.outputTokens(x.streamed))
+		out, _ := x.m.outputTokens(x.streamed)
+		actual = in + int64(out)
 	}
 	x.ticket.Release(actual)
 	x.ticket = nil

@@ -135,16 +135,17 @@ func (m *meter) deliver(t time.Time) {
 // write failed).
 func (m *meter) drop() { m.chunkTokens, m.chunkAnswers = 0, 0 }
 
-// outputTokens is the response's output tokens as the record gives them:
-// the usage the backend reported, else the token events of a stream.
-func (m *meter) outputTokens(streamed bool) int {
+// outputTokens is the response's output tokens as the record gives them,
+// with where they come from: the usage the backend reported, else the
+// token events of a stream ("" and 0: neither).
+func (m *meter) outputTokens(streamed bool) (int, string) {
 	switch {
 	case m.usage.hasOut:
-		return m.usage.out
+		return m.usage.out, "usage"
 	case streamed && m.events > 0:
-		return m.events
+		return m.events, "counted"
 	}
-	return 0
+	return 0, ""
 }
 
 // fill derives the record's timings and counts. now ends a response that
@@ -170,11 +171,8 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	if m.usage.hasIn {
 		rec.InputTokens = m.usage.in
 	}
-	switch {
-	case m.usage.hasOut:
-		rec.OutputTokens, rec.TokensSource = m.usage.out, "usage"
-	case streamed && m.events > 0:
-		rec.OutputTokens, rec.TokensSource = m.events, "counted"
+	if n, source := m.outputTokens(streamed); source != "" {
+		rec.OutputTokens, rec.TokensSource = n, source
 	}
 	rec.Items = m.items
 	if t := m.timings; t.Set {
