@@ -23,7 +23,7 @@ import (
 type fileConfig struct {
 	Listen    string        `yaml:"listen"`
 	Admin     fileAdmin     `yaml:"admin"`
-	AccessLog string        `yaml:"access_log"`
+	AccessLog *string       `yaml:"access_log"` // nil: not in the file; "": disabled
 	Upstream  string        `yaml:"upstream"`
 	Routes    []fileRoute   `yaml:"routes"`
 	Models    fileModels    `yaml:"models"`
@@ -47,19 +47,33 @@ type fileConfig struct {
 
 // fileAdmin is the admin listener: an address, or a mapping with the
 // address and the file holding the bearer token every admin endpoint but
-// /healthz and /readyz requires.
+// /healthz and /readyz requires. An empty address turns the listener off.
 type fileAdmin struct {
 	Listen    string `yaml:"listen"`
 	TokenFile string `yaml:"token_file"`
+	set       bool   // the file gives an address ("" included)
 }
 
 func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
 	if n.Kind == yaml.ScalarNode {
-		a.Listen = n.Value
+		a.Listen, a.set = n.Value, true
 		return nil
 	}
-	type plain fileAdmin
-	return n.Decode((*plain)(a))
+	if n.Kind != yaml.MappingNode {
+		return &nodeError{line: n.Line, column: n.Column, msg: "is neither an address nor a mapping with listen and token_file"}
+	}
+	// Node.Decode would not refuse unknown keys: check them here.
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		switch k, v := n.Content[i], n.Content[i+1]; k.Value {
+		case "listen":
+			a.Listen, a.set = v.Value, true
+		case "token_file":
+			a.TokenFile = v.Value
+		default:
+			return &nodeError{line: k.Line, column: k.Column, msg: "unknown field " + k.Value}
+		}
+	}
+	return nil
 }
 
 type fileRoute struct {
@@ -178,7 +192,7 @@ func (s *share) UnmarshalYAML(n *yaml.Node) error {
 	}
 	f, err := strconv.ParseFloat(v, 64)
 	if err != nil || f/div <= 0 || f/div > 1 {
-		return fmt.Errorf("line %d: %q is not a share (use 0.99 or 99%%)", n.Line, n.Value)
+		return valueError(n, "is not a share (use 0.99 or 99%)")
 	}
 	*s = share(f / div)
 	return nil
@@ -263,7 +277,7 @@ type duration struct {
 func (d *duration) UnmarshalYAML(n *yaml.Node) error {
 	v, err := time.ParseDuration(n.Value)
 	if err != nil || v < 0 {
-		return fmt.Errorf("line %d: %q is not a duration (use Go syntax such as 500ms, 30s, 5m)", n.Line, n.Value)
+		return valueError(n, "is not a duration (use Go syntax such as 500ms, 30s, 5m)")
 	}
 	d.d, d.set = v, true
 	return nil
@@ -281,77 +295,34 @@ func loadFile(path string) (*fileConfig, error) {
 
 func parseConfig(b []byte, name string) (*fileConfig, error) {
 	var fc fileConfig
-	fc.lines = map[string]int{}
+	pos := &positions{lines: map[string]int{}}
 	var root yaml.Node
 	if err := yaml.Unmarshal(b, &root); err == nil {
-		indexLines(&root, "", fc.lines)
+		pos = indexFile(&root)
 	}
+	fc.lines = pos.lines
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&fc); err != nil && !errors.Is(err, io.EOF) {
-		return nil, errors.New(fc.nameLine(name, cleanYAMLError(err)))
+		return nil, errors.New(pos.locate(name, err))
 	}
 	return &fc, nil
 }
 
-// cleanYAMLError turns yaml's "field x not found in type main.fileRoute"
-// into "unknown field x".
+// cleanYAMLError turns each of yaml's "field x not found in type
+// main.fileRoute" into "unknown field x", one error per line.
 func cleanYAMLError(err error) string {
 	s := strings.TrimPrefix(err.Error(), "yaml: ")
-	s = strings.ReplaceAll(s, "unmarshal errors:\n  ", "")
-	if i := strings.Index(s, " not found in type "); i >= 0 {
-		if j := strings.Index(s, "field "); j >= 0 && j < i {
-			s = s[:j] + "unknown field " + s[j+len("field "):i]
-		}
-	}
-	return s
-}
-
-// nameLine turns yaml's "line N: msg" into "file:N: field: msg", naming
-// the field whose key sits on that line.
-func (fc *fileConfig) nameLine(file, msg string) string {
-	var line int
-	if _, err := fmt.Sscanf(msg, "line %d:", &line); err != nil {
-		return file + ": " + msg
-	}
-	msg = strings.TrimSpace(strings.TrimPrefix(msg, fmt.Sprintf("line %d:", line)))
-	field := ""
-	for path, l := range fc.lines {
-		if l == line && len(path) > len(field) {
-			field = path
-		}
-	}
-	if field != "" {
-		msg = field + ": " + msg
-	}
-	return fmt.Sprintf("%s:%d: %s", file, line, msg)
-}
-
-// indexLines records the line of every mapping key under its dotted path
-// (routes[0].upstream).
-func indexLines(n *yaml.Node, path string, out map[string]int) {
-	switch n.Kind {
-	case yaml.DocumentNode:
-		for _, c := range n.Content {
-			indexLines(c, path, out)
-		}
-	case yaml.MappingNode:
-		for i := 0; i+1 < len(n.Content); i += 2 {
-			k := n.Content[i]
-			p := k.Value
-			if path != "" {
-				p = path + "." + k.Value
+	s = strings.TrimPrefix(s, "unmarshal errors:\n")
+	lines := strings.Split(s, "\n")
+	for n, l := range lines {
+		if i := strings.Index(l, " not found in type "); i >= 0 {
+			if j := strings.Index(l, "field "); j >= 0 && j < i {
+				lines[n] = l[:j] + "unknown field " + l[j+len("field "):i]
 			}
-			out[p] = k.Line
-			indexLines(n.Content[i+1], p, out)
-		}
-	case yaml.SequenceNode:
-		for i, c := range n.Content {
-			p := fmt.Sprintf("%s[%d]", path, i)
-			out[p] = c.Line
-			indexLines(c, p, out)
 		}
 	}
+	return strings.Join(lines, "\n")
 }
 
 // flags are the command-line settings that override the file.
@@ -383,17 +354,19 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		return field
 	}
 	s := &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-", drainTimeout: 10 * time.Minute}
-	pick := func(dst *string, file, flagName, flagVal string) {
-		if file != "" {
+	// pick takes the file's value where the file sets one (an empty
+	// access_log or admin too: it turns them off), then the flag's.
+	pick := func(dst *string, file string, inFile bool, flagName, flagVal string) {
+		if inFile {
 			*dst = file
 		}
 		if f.set[flagName] {
 			*dst = flagVal
 		}
 	}
-	pick(&s.listen, fc.Listen, "listen", f.listen)
-	pick(&s.admin, fc.Admin.Listen, "admin", f.admin)
-	pick(&s.accessLog, fc.AccessLog, "access-log", f.accessLog)
+	pick(&s.listen, fc.Listen, fc.Listen != "", "listen", f.listen)
+	pick(&s.admin, fc.Admin.Listen, fc.Admin.set, "admin", f.admin)
+	pick(&s.accessLog, ptrOr(fc.AccessLog), fc.AccessLog != nil, "access-log", f.accessLog)
 	upstream := fc.Upstream
 	if f.set["upstream"] {
 		upstream = f.upstream
@@ -566,6 +539,13 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		return nil, fileErr(err)
 	}
 	return s, nil
+}
+
+func ptrOr(p *string) string {
+	if p == nil {
+		return ""
+	}
+	return *p
 }
 
 // checkAddr checks a listen address: host:port with a port from 0 to

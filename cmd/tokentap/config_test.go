@@ -273,3 +273,57 @@ func TestTenantConfigErrorsNameTheField(t *testing.T) {
 	f("admission:\n  mode: queue\n", ":1:", "admission", "tenants")
 	f("tenants:\n  - name: a\nadmission:\n  max_wait: soon\n", ":4:", "admission.max_wait")
 }
+
+// TestConfigErrorsInFlowMaps: an error inside a one-line mapping names the
+// key it is about and its line, not the line's last or longest key.
+func TestConfigErrorsInFlowMaps(t *testing.T) {
+	f := func(yaml, want string) {
+		t.Helper()
+		p := writeFile(t, yaml)
+		_, err := parseFlags([]string{"-config", p})
+		if err == nil {
+			t.Fatalf("no error for %q", yaml)
+		}
+		if got := strings.TrimPrefix(err.Error(), p); !strings.HasPrefix(got, want) {
+			t.Errorf("%q: error %q, want it to start with %q", yaml, got, want)
+		}
+	}
+	// A bad duration.
+	f("upstream: http://x\nslo: {ttft: 500, target: 99%}\n", `:2: slo.ttft: "500" is not a duration`)
+	f("upstream: http://x\nslo: {target: 99%, ttft: 500}\n", `:2: slo.ttft: "500" is not a duration`)
+	f("upstream: http://x\nslo: {ttft: 5s, e2e: 1s, tpot: 5, target: 99%}\n", `:2: slo.tpot: "5" is not a duration`)
+	// A bad percentage.
+	f("upstream: http://x\nslo: {target: 150%, ttft: 500ms}\n", `:2: slo.target: "150%" is not a share`)
+	two := "routes:\n  - name: a\n    prefix: /\n    upstreams: [{name: s, url: http://y}, {name: c, url: http://z}]\n"
+	f(two+"    shadow: {sample: 150%, max_inflight: 4}\n", `:5: routes[0].shadow.sample: "150%" is not a share`)
+	// An unknown key.
+	f("upstream: http://x\nslo: {ttft: 1s, p99: 1s, target: 99%}\n", `:2: slo.p99: unknown field p99`)
+	f("upstream: http://x\nadmin: {listen: \"127.0.0.1:0\", colour: red}\n", `:2: admin.colour: unknown field colour`)
+	// A value of the wrong type.
+	f("upstream: http://x\ntimeouts: {max_conns: many, idle: 5s}\n", ":2: timeouts.max_conns: cannot unmarshal")
+	// Nested flow maps in a flow sequence.
+	f("routes: [{name: a, prefix: /, upstream: http://x, slo: {ttfa: 1s, e2e: soon}}]\n", `:1: routes[0].slo.e2e: "soon" is not a duration`)
+	// Block style keeps naming its key.
+	f("upstream: http://x\nslo:\n  ttft: 1s\n  target: 101%\n", `:4: slo.target: "101%" is not a share`)
+}
+
+// TestEmptyValuesTurnThingsOff: access_log: "" and admin: "" mean what
+// configs/tokentap.yaml says (off), not "unset"; flags still win.
+func TestEmptyValuesTurnThingsOff(t *testing.T) {
+	f := func(yaml string, args []string, wantLog, wantAdmin string) {
+		t.Helper()
+		s, err := parseFlags(append([]string{"-config", writeFile(t, yaml)}, args...))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.accessLog != wantLog || s.admin != wantAdmin {
+			t.Errorf("%q %v: access log %q admin %q, want %q %q", yaml, args, s.accessLog, s.admin, wantLog, wantAdmin)
+		}
+	}
+	f("upstream: http://x\n", nil, "-", "127.0.0.1:9090")
+	f("upstream: http://x\naccess_log: \"\"\nadmin: \"\"\n", nil, "", "")
+	f("upstream: http://x\naccess_log: \"\"\nadmin: {listen: \"\"}\n", nil, "", "")
+	f("upstream: http://x\naccess_log: /tmp/a.log\nadmin: \"127.0.0.1:9191\"\n", nil, "/tmp/a.log", "127.0.0.1:9191")
+	f("upstream: http://x\naccess_log: \"\"\nadmin: \"\"\n", []string{"-access-log", "-", "-admin", "127.0.0.1:9292"}, "-", "127.0.0.1:9292")
+	f("upstream: http://x\naccess_log: \"-\"\n", []string{"-access-log", "", "-admin", ""}, "", "")
+}
