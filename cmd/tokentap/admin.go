@@ -8,7 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
@@ -66,7 +65,7 @@ func (a *admin) reload() error {
 		err = a.loadToken(next)
 	}
 	if err != nil {
-		a.logger.Error("config reload failed, keeping the running config", zap.Error(err))
+		a.logger.Warn("config reload refused, keeping the running config", zap.Error(err))
 		return err
 	}
 	s := a.running
@@ -153,7 +152,7 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 		writeJSON(ctx, a.p.Stats().Timeline(string(ctx.QueryArgs().Peek("route"))))
 	case "/metrics":
 		ctx.SetContentType("text/plain; version=0.0.4")
-		vm.WritePrometheus(ctx, true)
+		metrics.WritePrometheus(ctx, true)
 	case "/debug/pprof/", "/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/allocs", "/debug/pprof/goroutine", "/debug/pprof/trace",
 		"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/block", "/debug/pprof/mutex", "/debug/pprof/threadcreate":
 		pprofhandler.PprofHandler(ctx)

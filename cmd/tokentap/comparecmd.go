@@ -19,7 +19,7 @@ import (
 // the route's two busiest upstreams, the busier as A (the baseline).
 func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap compare", flag.ContinueOnError)
-	adminURL := fs.String("admin", "http://127.0.0.1:9090", "the admin listener's base URL")
+	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…)")
 	route := fs.String("route", "", "the route (required)")
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")

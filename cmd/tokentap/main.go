@@ -10,6 +10,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -23,15 +24,37 @@ import (
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
+
+// subcommands are tokentap's commands beside the proxy itself, with the
+// line -h prints for each.
+// (a function: the table refers to run, whose reload refers back to it).
+func subcommands() []subcommand {
+	return []subcommand{
+		{"demo", "a simulated backend, tokentap in front of it and a burst of traffic; -serve keeps it running with the dashboard", runDemo},
+		{"stats", "print a running tokentap's live percentiles (/stats) as a table", runStats},
+		{"compare", "print the verdict on two upstreams of a route of a running tokentap", runCompare},
+	}
+}
+
+type subcommand struct {
+	name, usage string
+	run         func(context.Context, []string, io.Writer) error
+}
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if len(os.Args) > 1 {
-		sub := map[string]func(context.Context, []string, io.Writer) error{"demo": runDemo, "stats": runStats, "compare": runCompare}
-		if f, ok := sub[os.Args[1]]; ok {
-			if err := f(ctx, os.Args[2:], os.Stdout); err != nil {
+		for _, sc := range subcommands() {
+			if os.Args[1] != sc.name {
+				continue
+			}
+			if err := sc.run(ctx, os.Args[2:], os.Stdout); err != nil {
+				if errors.Is(err, flag.ErrHelp) {
+					return
+				}
 				fmt.Fprintf(os.Stderr, "tokentap %s: %v\n", os.Args[1], err)
 				os.Exit(1)
 			}
@@ -39,9 +62,44 @@ func main() {
 		}
 	}
 	if err := run(ctx, os.Args[1:]); err != nil {
+		if errors.Is(err, flag.ErrHelp) || errors.Is(err, errVersion) {
+			return
+		}
 		fmt.Fprintln(os.Stderr, "tokentap:", err)
 		os.Exit(2)
 	}
+}
+
+// errVersion ends a run that only printed the version.
+var errVersion = errors.New("version printed")
+
+// usage is -h's text above the flags.
+func usage(fs *flag.FlagSet) func() {
+	return func() {
+		w := fs.Output()
+		fmt.Fprintf(w, "tokentap: a transparent, measuring reverse proxy for LLM inference servers.\n\n")
+		fmt.Fprintf(w, "Usage:\n  tokentap %-24s %s\n", "[flags]", "run the proxy")
+		for _, sc := range subcommands() {
+			fmt.Fprintf(w, "  tokentap %-24s %s\n", sc.name+" [flags]", sc.usage)
+		}
+		fmt.Fprintf(w, "\n`tokentap COMMAND -h` lists a command's flags.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+}
+
+// newLogger is the process log: JSON lines with ISO-8601 timestamps, the
+// level and the caller, no stack traces (a refused reload or a failed
+// write is routine: its reason, file and line say enough).
+func newLogger() *zap.Logger {
+	cfg := zap.NewProductionConfig()
+	cfg.EncoderConfig.TimeKey = "time"
+	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	cfg.DisableStacktrace = true
+	logger, err := cfg.Build()
+	if err != nil {
+		return zap.NewNop()
+	}
+	return logger
 }
 
 // parseFlags parses the command line and loads the config file it names.
@@ -53,8 +111,19 @@ func parseFlags(args []string) (*settings, error) {
 	fs.StringVar(&f.upstream, "upstream", "", "upstream base URL; alone, or with a config without routes, it makes the route \"default\"")
 	fs.StringVar(&f.config, "config", "", "YAML config file (see configs/tokentap.yaml)")
 	fs.StringVar(&f.accessLog, "access-log", "-", "access log path, - for stdout, empty to disable")
+	showVersion := fs.Bool("version", false, "print the version and exit")
+	fs.SetOutput(io.Discard) // errors are returned; -h prints the usage to stdout
 	if err := fs.Parse(args); err != nil {
-		return nil, err
+		if errors.Is(err, flag.ErrHelp) {
+			fs.SetOutput(os.Stdout)
+			usage(fs)()
+			return nil, err
+		}
+		return nil, fmt.Errorf("%w (tokentap -h lists the flags)", err)
+	}
+	if *showVersion {
+		fmt.Println(versionLine())
+		return nil, errVersion
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
@@ -82,8 +151,10 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	logger, _ := zap.NewProduction()
+	logger := newLogger()
 	defer func() { _ = logger.Sync() }()
+	ver, rev := buildVersion()
+	metrics.SetBuildInfo(ver, rev)
 
 	var alog *metrics.AccessLog
 	if s.accessLog != "" {

@@ -28,12 +28,12 @@ func freeAddr(t *testing.T) string {
 
 func waitUp(t *testing.T, url string) {
 	t.Helper()
-	for i := 0; i < 200; i++ {
+	// Wait for the event: a busy machine can take seconds to start it.
+	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		if resp, err := http.Get(url); err == nil {
 			resp.Body.Close()
 			return
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	t.Fatalf("%s not up", url)
 }

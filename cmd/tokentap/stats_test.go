@@ -99,7 +99,7 @@ func TestStatsEndToEnd(t *testing.T) {
 	}
 	base := "http://" + admin
 	var rep map[string]any
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(30 * time.Second) // records come as the clients' ACKs do: wait for them
 	for {
 		getJSON(t, base+"/stats?route="+route, &rep)
 		if gs := rep["groups"].([]any); len(gs) == 1 && gs[0].(map[string]any)["count"].(float64) == n || time.Now().After(deadline) {
@@ -176,12 +176,15 @@ func TestStatsEndToEnd(t *testing.T) {
 	}
 
 	// The terminal table.
-	var out strings.Builder
-	if err := runStats(context.Background(), []string{"-admin", base, "-window", "5m", "-route", route}, &out); err != nil {
-		t.Fatal(err)
-	}
-	if s := out.String(); !strings.Contains(s, route) || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") {
-		t.Errorf("tokentap stats printed:\n%s", s)
+	// -admin as a URL and as host:port, as tokentap's own -admin takes it.
+	for _, a := range []string{base, admin} {
+		var out strings.Builder
+		if err := runStats(context.Background(), []string{"-admin", a, "-window", "5m", "-route", route}, &out); err != nil {
+			t.Fatal(err)
+		}
+		if s := out.String(); !strings.Contains(s, route) || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") {
+			t.Errorf("tokentap stats -admin %s printed:\n%s", a, s)
+		}
 	}
 
 	// /metrics: HELP and TYPE, the configured queue buckets, goodput.
@@ -197,6 +200,15 @@ func TestStatsEndToEnd(t *testing.T) {
 		if want = strings.ReplaceAll(want, "statsroute", route); !strings.Contains(metricsText, want) {
 			t.Errorf("/metrics lacks %s", want)
 		}
+	}
+	// Every tokentap family says what it measures; the build is named.
+	for _, l := range strings.Split(metricsText, "\n") {
+		if name, ok := strings.CutPrefix(l, "# HELP tokentap_"); ok && !strings.Contains(name, " ") {
+			t.Errorf("empty HELP: %s", l)
+		}
+	}
+	if !strings.Contains(metricsText, `tokentap_build_info{version="`) || !strings.Contains(metricsText, `,go_version="go`) {
+		t.Errorf("/metrics lacks tokentap_build_info")
 	}
 	if strings.Contains(metricsText, `tokentap_queue_seconds_bucket{route="`+route+`",model="m",le="0.1"}`) {
 		t.Errorf("queue buckets are not the configured ones")

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
@@ -18,7 +19,7 @@ import (
 // admin listener and prints it as a table, warnings below.
 func runStats(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap stats", flag.ContinueOnError)
-	adminURL := fs.String("admin", "http://127.0.0.1:9090", "the admin listener's base URL")
+	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…)")
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	groupBy := fs.String("group-by", "", "labels to keep, comma separated (route,model,tenant,upstream; default all)")
 	route := fs.String("route", "", "only this route")
@@ -54,10 +55,34 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 	return nil
 }
 
+// adminBase turns -admin into a base URL: host:port (as tokentap's own
+// -admin flag takes it; an empty host is this machine) or an http(s) URL.
+func adminBase(s string) (string, error) {
+	if !strings.Contains(s, "://") {
+		host, port, err := net.SplitHostPort(s)
+		if err != nil {
+			return "", fmt.Errorf("%q is neither host:port nor an http(s) URL", s)
+		}
+		if host == "" || host == "0.0.0.0" || host == "::" {
+			host = "127.0.0.1"
+		}
+		s = "http://" + net.JoinHostPort(host, port)
+	}
+	u, err := url.Parse(s)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return "", fmt.Errorf("%q is neither host:port nor an http(s) URL", s)
+	}
+	return strings.TrimRight(s, "/"), nil
+}
+
 // adminGet reads path from the admin listener at base, with the bearer
 // token of tokenFile when one is given.
 func adminGet(ctx context.Context, base, tokenFile, path string) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(base, "/")+path, nil)
+	base, err := adminBase(base)
+	if err != nil {
+		return nil, fmt.Errorf("-admin: %w", err)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
 	if err != nil {
 		return nil, fmt.Errorf("-admin: %w", err)
 	}

@@ -1,0 +1,182 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// buildAsTheDockerfile builds tokentap with the Dockerfile's own build
+// line (its flags, CGO_ENABLED=0), VERSION set to version, and returns the
+// binary's path. No container engine runs here; the line does.
+func buildAsTheDockerfile(t *testing.T, version string) string {
+	t.Helper()
+	df, err := os.ReadFile("../../Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var line string
+	for _, l := range strings.Split(string(df), "\n") {
+		if strings.HasPrefix(l, "RUN ") && strings.Contains(l, "-o /out/tokentap ") {
+			line = strings.TrimPrefix(l, "RUN ")
+		}
+	}
+	if !strings.HasPrefix(line, "CGO_ENABLED=0 go build ") {
+		t.Fatalf("the Dockerfile's tokentap build line is %q", line)
+	}
+	bin := filepath.Join(t.TempDir(), "tokentap")
+	line = strings.NewReplacer("${VERSION}", version, "/out/tokentap", bin).Replace(line)
+	cmd := exec.Command("sh", "-c", line)
+	cmd.Dir = "../.."
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v\n%s", line, err, out)
+	}
+	return bin
+}
+
+// TestDockerfileBuild: the image's binary, built as the Dockerfile builds
+// it, reports the version it was given; the runtime image holds tokentap
+// alone and the build context leaves .git and test data out.
+func TestDockerfileBuild(t *testing.T) {
+	df, err := os.ReadFile("../../Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stages := strings.Split(string(df), "\nFROM ")
+	last := stages[len(stages)-1]
+	if !strings.Contains(last, "AS tokentap") || strings.Count(last, "COPY ") != 1 || !strings.Contains(last, "COPY --from=build /out/tokentap /usr/local/bin/tokentap") {
+		t.Errorf("the default (last) stage should copy tokentap alone:\nFROM %s", last)
+	}
+	ignore, err := os.ReadFile("../../.dockerignore")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{".git", "**/testdata"} {
+		if !strings.Contains("\n"+string(ignore)+"\n", "\n"+want+"\n") {
+			t.Errorf(".dockerignore lacks %s", want)
+		}
+	}
+	bin := buildAsTheDockerfile(t, "v9.8.7-test")
+	out, err := exec.Command(bin, "-version").CombinedOutput()
+	if err != nil || !strings.HasPrefix(string(out), "tokentap v9.8.7-test ") {
+		t.Fatalf("-version: %v %q", err, out)
+	}
+}
+
+// TestCommandLine tries the binary as a newcomer does: -h, a subcommand's
+// -h, stats against a host:port, a bad flag, and the process log of a run
+// whose reload is refused.
+func TestCommandLine(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "tokentap")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	out, err := exec.Command(bin, "-h").Output()
+	if err != nil {
+		t.Fatalf("-h: %v", err)
+	}
+	for _, want := range []string{"tokentap demo", "tokentap stats", "tokentap compare", "-upstream", "-version"} {
+		if !bytes.Contains(out, []byte(want)) {
+			t.Errorf("-h lacks %q:\n%s", want, out)
+		}
+	}
+	if out, err := exec.Command(bin, "stats", "-h").CombinedOutput(); err != nil || !bytes.Contains(out, []byte("-group-by")) {
+		t.Errorf("stats -h: %v\n%s", err, out)
+	}
+	if out, err := exec.Command(bin, "-bogus").CombinedOutput(); exitCode(err) != 2 || !bytes.Contains(out, []byte("-bogus")) {
+		t.Errorf("-bogus: %v\n%s", err, out)
+	}
+	// Nothing listens there: the error is the connection's, not the
+	// address's form.
+	dead := freeAddr(t)
+	for _, sub := range []string{"stats", "compare"} {
+		args := []string{sub, "-admin", dead}
+		if sub == "compare" {
+			args = append(args, "-route", "r")
+		}
+		out, err := exec.Command(bin, args...).CombinedOutput()
+		if exitCode(err) != 1 || !bytes.Contains(out, []byte("connection refused")) {
+			t.Errorf("%s -admin %s: %v\n%s", sub, dead, err, out)
+		}
+	}
+
+	// The process log: ISO-8601 times, no stack trace for a refused reload.
+	cfg := filepath.Join(t.TempDir(), "c.yaml")
+	if err := os.WriteFile(cfg, []byte("upstream: http://127.0.0.1:1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	admin := freeAddr(t)
+	cmd := exec.Command(bin, "-config", cfg, "-listen", "127.0.0.1:0", "-admin", admin, "-access-log", "")
+	var logBuf bytes.Buffer
+	cmd.Stderr = &logBuf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	waitUp(t, "http://"+admin+"/healthz")
+	if err := os.WriteFile(cfg, []byte("upstream: http://127.0.0.1:1\nslo: {ttft: 500}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Post("http://"+admin+"/-/reload", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 400 {
+		t.Errorf("a bad reload answered %d", resp.StatusCode)
+	}
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("tokentap exited: %v\n%s", err, logBuf.String())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("tokentap did not stop on SIGTERM")
+	}
+	iso := regexp.MustCompile(`^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}(Z|[+-]\d{4})$`)
+	var refused bool
+	sc := bufio.NewScanner(&logBuf)
+	for sc.Scan() {
+		var l map[string]any
+		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+			t.Fatalf("log line %q: %v", sc.Text(), err)
+		}
+		if ts, _ := l["time"].(string); !iso.MatchString(ts) {
+			t.Errorf("time %v is not ISO-8601: %s", l["time"], sc.Text())
+		}
+		if _, ok := l["stacktrace"]; ok {
+			t.Errorf("a stack trace: %s", sc.Text())
+		}
+		if strings.Contains(sc.Text(), "reload refused") {
+			refused = true
+			if e, _ := l["error"].(string); !strings.Contains(e, `c.yaml:2: slo.ttft: "500" is not a duration`) {
+				t.Errorf("refused reload: %s", sc.Text())
+			}
+		}
+	}
+	if !refused {
+		t.Errorf("no refused reload in the log:\n%s", logBuf.String())
+	}
+}
+
+func exitCode(err error) int {
+	if ee, ok := err.(*exec.ExitError); ok {
+		return ee.ExitCode()
+	}
+	if err != nil {
+		return -1
+	}
+	return 0
+}

@@ -1,0 +1,108 @@
+package metrics
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"runtime"
+	"sync"
+
+	vm "github.com/VictoriaMetrics/metrics"
+)
+
+// help is the HELP text of every tokentap family: what it measures and in
+// which unit. The metrics library writes "# HELP name" with no text (it
+// cannot carry one), so WritePrometheus fills these in. A test checks that
+// every tokentap family on /metrics has one.
+var help = map[string]string{
+	"tokentap_ttft_seconds":           "Time to first token: request arrival to the first token event flushed to the client, in seconds.",
+	"tokentap_ttfa_seconds":           "Time to first answer token (text or tool call, not reasoning): request arrival to its flush to the client, in seconds.",
+	"tokentap_itl_seconds":            "Inter-token latency: gap between consecutive token events flushed to the client, in seconds.",
+	"tokentap_tpot_seconds":           "Time per output token after the first: (E2E - TTFT) / (output tokens - 1), in seconds.",
+	"tokentap_e2e_seconds":            "End-to-end time: request arrival to the last response byte flushed to the client, in seconds.",
+	"tokentap_queue_seconds":          "Time a request was held by admission control before it was forwarded, in seconds.",
+	"tokentap_overhead_seconds":       "Time tokentap itself added before the first token (its own processing on both sides of the relay), in seconds.",
+	"tokentap_upstream_ttfb_seconds":  "Upstream time to first byte: request written to the backend to its first response byte, in seconds.",
+	"tokentap_server_queue_seconds":   "Time the backend reports it queued the request, in seconds (when the backend reports timings).",
+	"tokentap_server_prefill_seconds": "Prompt processing time the backend reports, in seconds (when the backend reports timings).",
+	"tokentap_server_decode_seconds":  "Decoding time the backend reports, in seconds (when the backend reports timings).",
+	"tokentap_client_ttft_seconds":    "Time to first token as the client lived it, network included: client sent its request to the first token reaching it, in seconds.",
+	"tokentap_client_e2e_seconds":     "End-to-end time as the client lived it, network included: client sent its request to the last byte reaching it, in seconds.",
+
+	"tokentap_requests_total":            "Requests finished, by outcome and response status class.",
+	"tokentap_output_tokens_total":       "Output tokens produced by the backend (from its usage report, else counted from the stream).",
+	"tokentap_input_tokens_total":        "Input (prompt) tokens the backend reported.",
+	"tokentap_items_total":               "Results of non-generating calls (embeddings, for instance).",
+	"tokentap_slo_judged_requests_total": "Requests judged against an SLO.",
+	"tokentap_goodput_requests_total":    "Requests judged against an SLO that met all its objectives.",
+	"tokentap_slo_missed_total":          "Requests that missed an objective of their SLO, by objective.",
+
+	"tokentap_tenant_requests_total":      "Requests finished per tenant, by outcome.",
+	"tokentap_tenant_output_tokens_total": "Output tokens charged to a tenant.",
+	"tokentap_tenant_input_tokens_total":  "Input tokens charged to a tenant.",
+	"tokentap_admission_rejected_total":   "Requests refused by admission control per tenant, by reason.",
+	"tokentap_tenant_inflight":            "Requests of a tenant admitted and not yet finished.",
+	"tokentap_tenant_queue_depth":         "Requests of a tenant waiting in its admission queue.",
+
+	"tokentap_upstream_conns_discarded_total": "Pooled upstream connections closed instead of reused, by reason.",
+	"tokentap_upstream_retries_total":         "Requests sent again on a new connection because the backend provably never received them.",
+	"tokentap_accept_errors_total":            "Failed accepts of client connections (the listener backs off and goes on).",
+	"tokentap_client_conns_refused_total":     "Client connections closed at once because a connection cap was reached, by cap.",
+	"tokentap_client_conns":                   "Open client connections.",
+	"tokentap_failovers_total":                "Requests sent on to a route's next upstream, by the upstream that failed and why.",
+	"tokentap_shadow_skipped_total":           "Shadow copies not sent because max_inflight copies were in flight.",
+	"tokentap_guard_tripped":                  "1 while the canary guard has taken the candidate upstream out of the split, else 0.",
+
+	"tokentap_access_log_dropped_total":      "Access log lines dropped because the log's queue was full.",
+	"tokentap_access_log_write_errors_total": "Failed writes to the access log (retried).",
+	"tokentap_access_log_reopens_total":      "Times the access log file was reopened (after rotation).",
+
+	"tokentap_build_info": "Always 1; its labels are the running build's version, Go version and VCS revision.",
+}
+
+// SetBuildInfo publishes tokentap_build_info{version, go_version, revision}
+// 1. Call it once, at start.
+func SetBuildInfo(version, revision string) {
+	vm.GetOrCreateGauge(fmt.Sprintf(`tokentap_build_info{version=%q,go_version=%q,revision=%q}`, version, runtime.Version(), revision),
+		func() float64 { return 1 })
+}
+
+var exposition = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+// WritePrometheus writes every registered metric in Prometheus's text
+// format, with the HELP text of each tokentap family (process metrics
+// included when process is true).
+func WritePrometheus(w io.Writer, process bool) {
+	b := exposition.Get().(*bytes.Buffer)
+	defer exposition.Put(b)
+	b.Reset()
+	vm.WritePrometheus(b, process)
+	_, _ = w.Write(withHelp(b.Bytes()))
+}
+
+var helpPrefix = []byte("# HELP ")
+
+// withHelp returns text with the help text added to each bare "# HELP
+// family" line of a tokentap family.
+func withHelp(text []byte) []byte {
+	out := make([]byte, 0, len(text)+len(text)/8)
+	for len(text) > 0 {
+		line := text
+		if i := bytes.IndexByte(text, '\n'); i >= 0 {
+			line, text = text[:i+1], text[i+1:]
+		} else {
+			text = nil
+		}
+		name, ok := bytes.CutPrefix(bytes.TrimRight(line, "\n"), helpPrefix)
+		if h := help[string(name)]; ok && h != "" && bytes.IndexByte(name, ' ') < 0 {
+			out = append(out, helpPrefix...)
+			out = append(out, name...)
+			out = append(out, ' ')
+			out = append(out, h...)
+			out = append(out, '\n')
+			continue
+		}
+		out = append(out, line...)
+	}
+	return out
+}
