@@ -148,7 +148,9 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`window.tokentap && window.tokentap.renders >= 1`, chromedp.WithPollingTimeout(30*time.Second))); err != nil {
-		t.Fatal(err)
+		mu.Lock()
+		defer mu.Unlock()
+		t.Fatalf("%v (browser console: %v)", err, problems)
 	}
 	if shot != "" {
 		png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
@@ -161,7 +163,31 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Logf("screenshot: %s (%d bytes)", shot, len(png))
 		return // the numbers moved on with the traffic
 	}
-	chartPoints, err := chromedp.Run(ctx, chromedp.Evaluate[[]int](`Object.values(window.tokentap.charts).map(c => c.data[1].filter(v => v !== null).length)`))
+	// Points drawn per chart: its first measure, closed slots and the open
+	// one's dashed copy together.
+	chartPoints, err := chromedp.Run(ctx, chromedp.Evaluate[[]int](`Object.values(window.tokentap.charts).map(c => {
+		const k = (c.data.length - 1) / 2;
+		return c.data[1].filter(v => v !== null).length + c.data[1 + k].filter(v => v !== null).length;
+	})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The open slot is drawn apart (its rates run low while requests are in
+	// flight): no solid series reaches it, each dashed copy holds it.
+	openApart, err := chromedp.Run(ctx, chromedp.Evaluate[[]bool](`Object.values(window.tokentap.charts).map(c => {
+		const k = (c.data.length - 1) / 2, n = c.data[0].length;
+		let ok = true;
+		for (let i = 1; i <= k; i++) ok = ok && c.data[i][n - 1] === null && c.data[i + k].slice(0, Math.max(n - 2, 0)).every(v => v === null);
+		return ok && window.tokentap.timeline.routes.every(r => r.points[r.points.length - 1].partial === true);
+	})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	goodputAxis, err := chromedp.Run(ctx, chromedp.Evaluate[[][]float64](`Object.values(window.tokentap.charts).filter(c => c.scales["%"]).map(c => [c.scales["%"].min, c.scales["%"].max])`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	windows, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(document.querySelectorAll('#window option')).map(o => o.value)`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -194,6 +220,22 @@ func TestDashboardInBrowser(t *testing.T) {
 		if n == 0 {
 			t.Errorf("chart %d holds no data", i)
 		}
+	}
+	for i, ok := range openApart {
+		if !ok {
+			t.Errorf("chart %d draws the open slot as a closed one", i)
+		}
+	}
+	if len(goodputAxis) != 4 {
+		t.Errorf("%d goodput axes, want 4", len(goodputAxis))
+	}
+	for _, r := range goodputAxis {
+		if len(r) != 2 || r[0] != 0 || r[1] != 100 {
+			t.Errorf("goodput axis %v, want 0–100%%", r)
+		}
+	}
+	if strings.Join(windows, ",") != strings.Join(stats.Windows, ",") {
+		t.Errorf("window selector offers %v, /stats %v", windows, stats.Windows)
 	}
 	var byRoute, all stats.Report
 	getJSON(t, "http://"+admin+"/stats?window=5m&group_by=route", &byRoute)

@@ -28,6 +28,9 @@ type Point struct {
 	OverheadP95  float64  `json:"overhead_p95_ms"`
 	// ClientTTFTP50 is the client's TTFT p50, network included.
 	ClientTTFTP50 float64 `json:"client_ttft_p50_ms"`
+	// Partial marks the newest point: its slot is still open, and requests
+	// in flight in it are counted only when they end, so its rates run low.
+	Partial bool `json:"partial,omitempty"`
 }
 
 func point(a *agg, span time.Duration) Point {
@@ -114,7 +117,7 @@ func (e *Engine) Timeline(route string) TimelineReport {
 			span = now.Sub(st)
 		}
 		p := point(&open, max(span, time.Second))
-		p.T = slotStart(s).Unix()
+		p.T, p.Partial = slotStart(s).Unix(), true
 		rt.Points = append(rt.Points, p)
 		rep.Routes = append(rep.Routes, rt)
 	}

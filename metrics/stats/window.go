@@ -209,6 +209,9 @@ func (w *windows) advance(s int64) {
 }
 
 // Window names accepted by Query, with their nominal length.
+// Windows lists the windows /stats answers, shortest first.
+var Windows = []string{"1m", "5m", "15m", "1h", "all"}
+
 var windowLens = map[string]time.Duration{"1m": time.Minute, "5m": 5 * time.Minute, "15m": 15 * time.Minute, "1h": time.Hour, "all": 0}
 
 // collect merges into dst what window covers with slot s open (its first

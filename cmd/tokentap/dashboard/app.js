@@ -96,25 +96,45 @@ function renderTable(groups) {
 
 const nz = (v, c) => (c > 0 ? v : null); // no requests in a slot: a gap, not a zero
 
+// The newest slot is still open (/stats/timeline marks it partial): its
+// requests still in flight are not counted yet, so its rates would read as
+// a plunge. Each series stops at the last closed slot, and a dashed copy
+// carries it on to the open slot.
+function withOpen(points, cols) {
+  const n = points.length;
+  const open = n > 0 && points[n - 1].partial;
+  const out = [points.map((p) => p.t)];
+  for (const c of cols) out.push(open ? c.map((v, i) => (i === n - 1 ? null : v)) : c);
+  for (const c of cols) out.push(c.map((v, i) => (open && i >= n - 2 ? v : null)));
+  return out;
+}
+
 function chartData(points) {
-  const t = points.map((p) => p.t);
   const col = (f) => points.map((p) => nz(p[f], p.count));
   return {
-    latency: [t, col("ttft_p50_ms"), col("ttft_p95_ms"), col("e2e_p95_ms")],
-    tradeoff: [t, points.map((p) => p.output_tokens_per_s), col("ttft_p95_ms")],
-    itl: [t, col("itl_p50_ms"), col("itl_p95_ms"), points.map((p) => (p.goodput_ratio === null ? null : 100 * p.goodput_ratio))],
+    latency: withOpen(points, [col("ttft_p50_ms"), col("ttft_p95_ms"), col("e2e_p95_ms")]),
+    tradeoff: withOpen(points, [points.map((p) => p.output_tokens_per_s), col("ttft_p95_ms")]),
+    itl: withOpen(points, [col("itl_p50_ms"), col("itl_p95_ms"), points.map((p) => (p.goodput_ratio === null ? null : 100 * p.goodput_ratio))]),
   };
 }
 
+// openSeries adds each series' dashed copy for the open slot.
+function openSeries(series) {
+  const open = series.slice(1).map((s) => Object.assign({}, s, { label: s.label + " (open slot)", dash: [3, 5], width: 1, class: "open-slot" }));
+  return series.concat(open);
+}
+
 const chartOpts = {
-  latency: { series: [{}, { label: "TTFT p50", stroke: "#3b6fd1" }, { label: "TTFT p95", stroke: "#d13b3b" }, { label: "E2E p95", stroke: "#888", dash: [4, 4] }], axes: [{}, { label: "ms" }] },
+  latency: { series: openSeries([{}, { label: "TTFT p50", stroke: "#3b6fd1" }, { label: "TTFT p95", stroke: "#d13b3b" }, { label: "E2E p95", stroke: "#888" }]), axes: [{}, { label: "ms" }] },
   tradeoff: {
-    series: [{}, { label: "output tokens/s", stroke: "#2a9a4b", scale: "tps" }, { label: "TTFT p95 ms", stroke: "#d13b3b", scale: "ms" }],
+    series: openSeries([{}, { label: "output tokens/s", stroke: "#2a9a4b", scale: "tps" }, { label: "TTFT p95 ms", stroke: "#d13b3b", scale: "ms" }]),
     axes: [{}, { scale: "tps", label: "tokens/s" }, { scale: "ms", side: 1, label: "ms", grid: { show: false } }],
   },
   itl: {
-    series: [{}, { label: "ITL p50", stroke: "#3b6fd1" }, { label: "ITL p95", stroke: "#d13b3b" }, { label: "goodput %", stroke: "#2a9a4b", scale: "%" }],
+    series: openSeries([{}, { label: "ITL p50", stroke: "#3b6fd1" }, { label: "ITL p95", stroke: "#d13b3b" }, { label: "goodput %", stroke: "#2a9a4b", scale: "%" }]),
     axes: [{}, { label: "ms" }, { scale: "%", side: 1, label: "%", grid: { show: false } }],
+    // Goodput is a share: always 0–100%, so that 99.9% does not read as a cliff.
+    scales: { "%": { auto: false, range: [0, 100] } },
   },
 };
 
@@ -128,7 +148,8 @@ function renderCharts(timeline) {
       if (c) {
         c.setData(data[kind]);
       } else {
-        const opts = Object.assign({ width: 420, height: 200, scales: { x: { time: true } } }, chartOpts[kind]);
+        const o = chartOpts[kind];
+        const opts = Object.assign({ width: 420, height: 200 }, o, { scales: Object.assign({ x: { time: true } }, o.scales) });
         state.charts[id] = new uPlot(opts, data[kind], box.querySelector(`[data-chart="${kind}"]`));
       }
     }
@@ -153,7 +174,7 @@ async function refresh() {
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
     state.renders = (state.renders || 0) + 1;
   } catch (e) {
-    if (e.message !== "unauthorized") console.warn(e);
+    if (e.message !== "unauthorized") console.warn(String(e) + " " + (e.stack || ""));
   }
 }
 
