@@ -257,45 +257,62 @@ func TestCancelWhileQueuedAndGaugesReturnToZero(t *testing.T) {
 
 // Queued time shows in queue_ms; TTFT still counts from arrival.
 func TestQueueTimeMeasured(t *testing.T) {
+	release := make(chan struct{})
+	var calls atomic.Int64
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
 		w.Header().Set("Content-Type", "text/event-stream")
-		time.Sleep(50 * time.Millisecond)
+		if calls.Add(1) == 1 {
+			select { // the first holds the only slot until the test lets it go
+			case <-release:
+			case <-r.Context().Done():
+			}
+		}
 		io.WriteString(w, chatChunk("a"))
 	})
-	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeQueue, ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{MaxConcurrent: 1}}))
+	tp := startProxy(t, up.URL, func(c *Config) {
+		withTenants(ratelimit.ModeQueue, ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{MaxConcurrent: 1}})(c)
+		c.Admission.MaxWait = time.Minute
+	})
+	admit := tp.p.snap.Load().admit
 	countBefore := promValue(t, `tokentap_queue_seconds_count{route="default",model="other"}`)
-	done := make(chan struct{})
-	for range 2 {
-		go func() {
-			postKey(t, tp.url+"/v1/chat/completions", "k", `{"stream":true}`)
-			done <- struct{}{}
-		}()
+	done := make(chan struct{}, 2)
+	post := func() {
+		postKey(t, tp.url+"/v1/chat/completions", "k", `{"stream":true}`)
+		done <- struct{}{}
 	}
+	go post()
+	waitUntil(t, func() bool { return calls.Load() == 1 })
+	go post()
+	waitUntil(t, func() bool { _, q := admit.Stats("a"); return q == 1 })
+	// The second was queued before this sleep and is admitted only after
+	// the first ends, which the test allows after it: a lower bound the
+	// test controls, whatever the machine's load.
+	const held = 50 * time.Millisecond
+	time.Sleep(held)
+	close(release)
 	<-done
 	<-done
 	a, b := tp.rec.next(t), tp.rec.next(t)
 	if a.Queue > b.Queue {
 		a, b = b, a
 	}
-	// The second waited for the first's 50 ms stream (lower bounds only:
-	// a loaded machine can delay anything; the queue's own timing is exact
-	// in ratelimit's synctest tests).
-	if a.Queue > b.Queue || b.Queue < 40*time.Millisecond || b.TTFT < b.Queue+50*time.Millisecond {
-		t.Fatalf("queue %v / %v, second ttft %v", a.Queue, b.Queue, b.TTFT)
+	if b.Queue < held || b.TTFT < b.Queue {
+		t.Fatalf("queue %v / %v, second ttft %v: the second waited at least %v", a.Queue, b.Queue, b.TTFT, held)
 	}
 	if promValue(t, `tokentap_queue_seconds_count{route="default",model="other"}`)-countBefore != 2 {
 		t.Fatal("queue histogram not updated")
 	}
 }
 
+// waitUntil waits for cond, polling: for an event, not a time (a minute is
+// a hang, not a slow machine).
 func waitUntil(t *testing.T, cond func() bool) {
 	t.Helper()
-	for i := 0; i < 500; i++ {
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
 		if cond() {
 			return
 		}
-		time.Sleep(2 * time.Millisecond)
 	}
-	t.Fatal("condition not met within 1s")
+	t.Fatal("condition not met within a minute")
 }

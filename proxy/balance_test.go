@@ -21,8 +21,18 @@ import (
 // prefills 40 ms longer) and a proxy whose route "split" sends to both.
 func twoBackends(t *testing.T, edit func(*Route)) *testProxy {
 	t.Helper()
-	fast := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
-	slow := startMock(t, mockllm.Options{PrefillBase: 45 * time.Millisecond, TokenGap: time.Millisecond})
+	tp, _ := twoBackendsHeld(t, edit)
+	return tp
+}
+
+// twoBackendsHeld is twoBackends whose streams that ask for it
+// ("mock_hold": true) stay open after their first token until the
+// returned channel is closed.
+func twoBackendsHeld(t *testing.T, edit func(*Route)) (*testProxy, chan struct{}) {
+	t.Helper()
+	hold := make(chan struct{})
+	fast := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond, Hold: hold})
+	slow := startMock(t, mockllm.Options{PrefillBase: 45 * time.Millisecond, TokenGap: time.Millisecond, Hold: hold})
 	return startProxy(t, "", func(c *Config) {
 		r := Route{Name: "split", Prefix: "/", Timeouts: DefaultTimeouts, Upstreams: []Upstream{
 			{Name: "stable", URL: fast, Weight: 3}, {Name: "canary", URL: slow, Weight: 1}}}
@@ -31,7 +41,7 @@ func twoBackends(t *testing.T, edit func(*Route)) *testProxy {
 		}
 		c.Routes = []Route{r}
 		c.Models = []string{"m"}
-	})
+	}), hold
 }
 
 func chat(t *testing.T, url string, header ...string) {
@@ -150,29 +160,19 @@ func TestStickyTenantAndHeader(t *testing.T) {
 // TestLeastInflight: with the slow upstream holding streams, new requests
 // go to the one with fewer in flight.
 func TestLeastInflight(t *testing.T) {
-	tp := twoBackends(t, func(r *Route) { r.Balance = BalanceLeastInflight; r.Upstreams[1].Weight = 1 })
-	// Hold one stream open on whichever upstream the first request gets.
-	hold := make(chan struct{})
-	go func() {
-		body := `{"model":"m","stream":true,"max_tokens":3,"mock_hold_ms":400,"messages":[{"role":"user","content":"hi"}]}`
-		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
-		if err == nil {
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		}
-		close(hold)
-	}()
+	tp, hold := twoBackendsHeld(t, func(r *Route) { r.Balance = BalanceLeastInflight; r.Upstreams[1].Weight = 1 })
+	// Hold one stream open on whichever upstream the first request gets,
+	// until the other requests are done.
+	held := holdStream(t, tp)
 	first := ""
-	for deadline := time.Now().Add(2 * time.Second); first == "" && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+	waitUntil(t, func() bool {
 		for _, m := range tp.p.snap.Load().routes[0].members {
 			if m.inflight.Load() == 1 {
 				first = m.name
 			}
 		}
-	}
-	if first == "" {
-		t.Fatal("the held stream is not in flight")
-	}
+		return first != ""
+	})
 	for range 5 {
 		chat(t, tp.url)
 	}
@@ -181,30 +181,46 @@ func TestLeastInflight(t *testing.T) {
 			t.Errorf("a request went to %s, which holds a stream, while the other was idle", first)
 		}
 	}
-	<-hold
-	tp.rec.next(t)
+	close(hold)
+	<-held
+	if r := tp.rec.next(t); r.Upstream != first || r.Outcome != metrics.OutcomeOK {
+		t.Errorf("the held stream: %+v", r)
+	}
+}
+
+// holdStream sends a stream that the backend holds open after its first
+// token ("mock_hold"); the channel closes when its client has read it all.
+func holdStream(t *testing.T, tp *testProxy) chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		body := `{"model":"m","stream":true,"max_tokens":3,"mock_hold":true,"messages":[{"role":"user","content":"hi"}]}`
+		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}()
+	return done
 }
 
 // TestWeightsChangeOnReload: a reload that moves all weight to the other
 // upstream sends new requests there, while a stream that started before
 // it finishes on its upstream.
 func TestWeightsChangeOnReload(t *testing.T) {
-	tp := twoBackends(t, func(r *Route) { r.Upstreams[0].Weight, r.Upstreams[1].Weight = 1, 0 })
-	go func() {
-		body := `{"model":"m","stream":true,"max_tokens":3,"mock_hold_ms":300,"messages":[{"role":"user","content":"hi"}]}`
-		resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
-		if err == nil {
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		}
-	}()
-	time.Sleep(100 * time.Millisecond)
+	tp, hold := twoBackendsHeld(t, func(r *Route) { r.Upstreams[0].Weight, r.Upstreams[1].Weight = 1, 0 })
+	held := holdStream(t, tp)
+	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].members[0].inflight.Load() == 1 })
 	cfg := tp.p.snap.Load().cfg
 	cfg.Routes[0].Upstreams = []Upstream{{Name: "stable", URL: cfg.Routes[0].Upstreams[0].URL, Weight: 0}, {Name: "canary", URL: cfg.Routes[0].Upstreams[1].URL, Weight: 1}}
 	if err := tp.p.Apply(cfg); err != nil {
 		t.Fatal(err)
 	}
 	chat(t, tp.url)
+	close(hold)
+	<-held
 	got := map[string]metrics.Record{}
 	for range 2 {
 		r := tp.rec.next(t)

@@ -97,8 +97,8 @@ func TestFailover(t *testing.T) {
 				if r.Attempts == 2 {
 					failedOver++
 					// The time lost on the first upstream is the backends', not
-					// tokentap's overhead.
-					if r.FailoverWait < c.timeout || r.Overhead > 50*time.Millisecond {
+					// tokentap's overhead (which would then be at least as long).
+					if r.FailoverWait < c.timeout || r.Overhead >= r.FailoverWait {
 						t.Errorf("failover wait %v, overhead %v", r.FailoverWait, r.Overhead)
 					}
 					if c.timeout > 0 && r.TTFT < c.timeout {

@@ -605,17 +605,17 @@ func TestUpstreamWriteTimeout(t *testing.T) {
 	}()
 	tp := startProxy(t, "http://"+ln.Addr().String(), func(c *Config) { c.Routes[0].Timeouts.Write = 200 * time.Millisecond })
 	big := `{"model":"m","pad":"` + strings.Repeat("x", 16<<20) + `"}`
-	start := time.Now()
 	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(big))
 	if err != nil {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
-	if resp.StatusCode != http.StatusGatewayTimeout || time.Since(start) > 5*time.Second {
-		t.Fatalf("status %d after %v, want 504 soon after the 200ms write timeout", resp.StatusCode, time.Since(start))
-	}
-	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeUpstreamTimeout {
-		t.Fatalf("record: %+v", rec)
+	// No bound on the time taken: 16 MiB through -race on a busy machine
+	// takes seconds. The record says which timeout ended it (the others
+	// are minutes away).
+	if rec := tp.rec.next(t); resp.StatusCode != http.StatusGatewayTimeout || rec.Outcome != metrics.OutcomeUpstreamTimeout ||
+		rec.Error != "cannot send the request upstream: timed out" {
+		t.Fatalf("status %d, record: %+v", resp.StatusCode, rec)
 	}
 
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
@@ -719,7 +719,8 @@ func TestSlowUploadIsNotOverhead(t *testing.T) {
 	io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	r := tp.rec.next(t)
-	if r.Upload < 150*time.Millisecond || r.TTFT < 150*time.Millisecond || r.Overhead < 0 || r.Overhead > 50*time.Millisecond {
+	// Overhead that counted the upload would be at least as long as it.
+	if r.Upload < 150*time.Millisecond || r.TTFT < 150*time.Millisecond || r.Overhead < 0 || r.Overhead >= r.Upload {
 		t.Errorf("upload %v, ttft %v, overhead %v", r.Upload, r.TTFT, r.Overhead)
 	}
 }

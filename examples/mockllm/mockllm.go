@@ -17,7 +17,8 @@
 // stream_options.include_usage), with server timings where the API has them.
 // A request may set "mock_reasoning_tokens": N to get N reasoning tokens
 // before the answer, and "mock_hold_ms": N to stay silent N ms after the
-// first token (an open, idle stream). tokentap's tests, demo and benchmarks run against it;
+// first token (an open, idle stream), or "mock_hold": true to stay silent
+// after it until Options.Hold is closed. tokentap's tests, demo and benchmarks run against it;
 // cmd/mockllm serves it standalone.
 //
 //	srv := &http.Server{Handler: mockllm.New(mockllm.Options{})}
@@ -68,6 +69,10 @@ type Options struct {
 	// its end): a buffering hop between the server and its clients, whose
 	// tokens then arrive in bursts.
 	FlushEvery int
+	// Hold, closed by the caller, ends the silence of requests that set
+	// "mock_hold": true (a stream held open for as long as a test needs,
+	// whatever the machine's speed).
+	Hold <-chan struct{}
 }
 
 // Server is the simulated backend, an http.Handler.
@@ -118,6 +123,7 @@ type call struct {
 	prompt    int           // prompt tokens (estimated)
 	cached    int           // of which found in the prefix cache
 	hold      time.Duration // silence after the first token (an idle stream)
+	gated     bool          // silence after the first token until Options.Hold closes
 	reasoning int           // reasoning tokens before the answer
 	answer    int           // answer tokens
 	start     time.Time
@@ -166,6 +172,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	c.reasoning = int(gjson.Get(body, "mock_reasoning_tokens").Int())
 	c.hold = time.Duration(gjson.Get(body, "mock_hold_ms").Int()) * time.Millisecond
+	c.gated = gjson.Get(body, "mock_hold").Bool()
 	c.prompt = max(1, len(body)/4)
 	c.cached = s.cachedPrefix(raw) / 4
 	c.stream = gjson.Get(body, "stream").Bool()
@@ -265,6 +272,9 @@ func (c *call) serve(d dialect) {
 		if i == 0 && c.hold > 0 && !c.sleep(c.hold) {
 			return
 		}
+		if i == 0 && c.gated && !c.wait(s.o.Hold) {
+			return
+		}
 	}
 	c.decode = time.Since(decodeStart)
 	c.send(d.end(c))
@@ -326,6 +336,19 @@ func (c *call) sleep(d time.Duration) bool {
 	defer t.Stop()
 	select {
 	case <-t.C:
+		return true
+	case <-c.r.Context().Done():
+		return false
+	}
+}
+
+// wait waits for hold to close (nil: at once); false if the client left.
+func (c *call) wait(hold <-chan struct{}) bool {
+	if hold == nil {
+		return true
+	}
+	select {
+	case <-hold:
 		return true
 	case <-c.r.Context().Done():
 		return false
