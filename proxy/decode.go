@@ -25,6 +25,13 @@ import (
 // late it was decoded. A decompressor that falls behind by more than
 // maxDecodeQueue chunks, or past the byte limit, stops measuring (the
 // record is partial); the relay goes on untouched.
+//
+// Memory: what a response can make one decoder hold is bounded whatever
+// its bytes announce: the decompressor's window (zstd frames declaring more
+// than maxZstdWindow are refused; brotli's is at most 16 MiB by its format,
+// deflate's 32 KiB), decoded bytes not yet taken (the decompressor waits
+// once maxPendingDecoded are, until the relay takes them), and the queued
+// compressed copies (maxDecodeQueue chunks of one upstream read each).
 type sideDecoder struct {
 	in    chan []byte
 	done  chan struct{}
@@ -40,6 +47,11 @@ type sideDecoder struct {
 
 	mu      sync.Mutex
 	decoded []decodedPart
+	pending int // bytes in decoded
+
+	// full: the decompressor waits for a take (close takes then); room:
+	// a take happened. One token each: the waiter checks again.
+	full, room chan struct{}
 
 	// The relay's.
 	dropped bool // a chunk could not be queued: decoding stopped
@@ -54,6 +66,16 @@ type decodedPart struct {
 
 // maxDecodeQueue bounds the chunks waiting for the decompressor.
 const maxDecodeQueue = 256
+
+// maxPendingDecoded bounds the decoded bytes not yet taken: past it the
+// decompressor waits for the relay (a bomb decodes no faster than it is
+// measured).
+const maxPendingDecoded = 1 << 20
+
+// maxZstdWindow is the largest zstd window decoded: RFC 9659 §3 bounds
+// the "zstd" content coding to 8 MiB (encoders must not use more); a frame
+// that declares more is refused and the record is partial.
+const maxZstdWindow = 8 << 20
 
 // newSideDecoder starts a decoder for a Content-Encoding, or returns nil
 // when tokentap cannot decode it. It stops decoding after limit decoded
@@ -72,7 +94,8 @@ func newSideDecoder(encoding []byte, limit int64) *sideDecoder {
 		// One goroutine: the decoder then decodes synchronously as it is
 		// read, instead of reading ahead in the background.
 		mk = func(r io.Reader) (io.Reader, error) {
-			d, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderLowmem(true))
+			d, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderLowmem(true),
+				zstd.WithDecoderMaxWindow(maxZstdWindow), zstd.WithDecoderMaxMemory(maxZstdWindow))
 			if err != nil {
 				return nil, err
 			}
@@ -81,7 +104,8 @@ func newSideDecoder(encoding []byte, limit int64) *sideDecoder {
 	default:
 		return nil
 	}
-	d := &sideDecoder{in: make(chan []byte, maxDecodeQueue), done: make(chan struct{}), limit: limit, seq: -1}
+	d := &sideDecoder{in: make(chan []byte, maxDecodeQueue), done: make(chan struct{}), limit: limit, seq: -1,
+		full: make(chan struct{}, 1), room: make(chan struct{}, 1)}
 	go d.run(mk)
 	return d
 }
@@ -115,9 +139,11 @@ func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 		d.err = err
 		return
 	}
-	buf := make([]byte, 16<<10)
 	var total int64
 	for {
+		// A buffer of its own per read, kept as it is: no copy, and no
+		// part that grows by doubling.
+		buf := make([]byte, 16<<10)
 		n, err := r.Read(buf)
 		if d.limit > 0 && total+int64(n) > d.limit {
 			// Measuring stops here; the relay goes on untouched.
@@ -138,16 +164,25 @@ func (d *sideDecoder) run(mk func(io.Reader) (io.Reader, error)) {
 	}
 }
 
-// keep stores decoded bytes under the chunk being consumed: they cannot
-// come from a later one.
+// keep stores decoded bytes, which it owns from then on, under the chunk
+// being consumed: they cannot come from a later one. Past
+// maxPendingDecoded untaken bytes it waits for a take.
 func (d *sideDecoder) keep(b []byte) {
 	d.mu.Lock()
-	if n := len(d.decoded); n > 0 && d.decoded[n-1].seq == d.seq {
-		d.decoded[n-1].b = append(d.decoded[n-1].b, b...)
-	} else {
-		d.decoded = append(d.decoded, decodedPart{seq: d.seq, b: append([]byte(nil), b...)})
-	}
+	d.decoded = append(d.decoded, decodedPart{seq: d.seq, b: b})
+	d.pending += len(b)
+	full := d.pending >= maxPendingDecoded
 	d.mu.Unlock()
+	for full {
+		select {
+		case d.full <- struct{}{}:
+		default:
+		}
+		<-d.room
+		d.mu.Lock()
+		full = d.pending >= maxPendingDecoded
+		d.mu.Unlock()
+	}
 }
 
 // feed queues a copy of the next compressed chunk. It never blocks.
@@ -169,21 +204,33 @@ func (d *sideDecoder) feed(b []byte) {
 func (d *sideDecoder) take() []decodedPart {
 	d.mu.Lock()
 	parts := d.decoded
-	d.decoded = nil
+	d.decoded, d.pending = nil, 0
 	d.mu.Unlock()
+	select {
+	case d.room <- struct{}{}:
+	default:
+	}
 	return parts
 }
 
 // close ends the input and waits for the decompressor to decode what is
-// queued; it reports whether what it decoded decoded cleanly (over and
-// dropped say whether it stopped early).
-func (d *sideDecoder) close() bool {
+// queued, calling consume whenever it waits for decoded bytes to be taken
+// and once at the end (consume calls take); it reports whether what it
+// decoded decoded cleanly (over and dropped say whether it stopped early).
+func (d *sideDecoder) close(consume func()) bool {
 	if !d.closed {
 		d.closed = true
 		close(d.in)
 	}
-	<-d.done
-	return d.err == nil
+	for {
+		select {
+		case <-d.full:
+			consume()
+		case <-d.done:
+			consume()
+			return d.err == nil
+		}
+	}
 }
 
 // chunkTimes are when a compressed chunk was read and delivered.

@@ -1230,8 +1230,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 // still taken. Called once per exchange, before record.
 func (x *exchange) settleBody(now time.Time, complete bool) {
 	if x.dec != nil {
-		clean := x.dec.close()
-		x.takeDecoded(true)
+		clean := x.dec.close(func() { x.takeDecoded(true) })
 		if !clean && complete || x.dec.over || x.dec.dropped {
 			x.rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
 		}
