@@ -44,11 +44,14 @@ func TestShadowStallsAddNothing(t *testing.T) {
 	const n = 10
 	skippedBefore := failoverCountName(`tokentap_shadow_skipped_total{route="shadowed"} `)
 	for range n {
-		start := time.Now()
-		chat(t, tp.url)
-		// The primary answers in well under the shadow's stall.
-		if d := time.Since(start); d > 400*time.Millisecond {
-			t.Errorf("a request took %v with its shadow stalled", d)
+		// The shadow stalls until the loop is over: a request that waited
+		// for its copy would never end.
+		done := make(chan struct{})
+		go func() { chat(t, tp.url); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Fatal("a request waits for its stalled shadow")
 		}
 		r := tp.rec.next(t)
 		if r.Shadow || r.Upstream != "live" || !r.SLOJudged || r.Outcome != metrics.OutcomeOK {
@@ -80,5 +83,66 @@ func TestShadowStallsAddNothing(t *testing.T) {
 	}
 	if got := failoverCountName(`tokentap_shadow_skipped_total{route="shadowed"} `) - skippedBefore; got != n-3 {
 		t.Errorf("skipped %d copies, want %d", got, n-3)
+	}
+}
+
+// TestShadowOnlyInItsUpstreamsGroup: with every request copied to a shadow,
+// the route's and the tenants' figures count each client request once, at
+// the primary's times; the copies show only where groups keep the upstream
+// label, as a group of their own marked shadow, and never on the route's
+// timeline.
+func TestShadowOnlyInItsUpstreamsGroup(t *testing.T) {
+	primary := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
+	shadow := startMock(t, mockllm.Options{PrefillBase: 80 * time.Millisecond, TokenGap: time.Millisecond})
+	tp := startProxy(t, "", func(c *Config) {
+		c.Routes = []Route{{Name: "copied", Prefix: "/", Timeouts: DefaultTimeouts,
+			Upstreams: []Upstream{{Name: "live", URL: primary, Weight: 1}, {Name: "next", URL: shadow, Weight: 0}},
+			Shadow:    &Shadow{Upstream: "next", Sample: 1, MaxInflight: 100}}}
+		c.Models = []string{"m"}
+		c.SLO = metrics.SLO{TTFT: 5 * time.Second}
+	})
+	const n = 10
+	for range n {
+		chat(t, tp.url)
+	}
+	var primaryTTFT time.Duration
+	for range 2 * n {
+		if r := tp.rec.next(t); !r.Shadow && r.TTFT > primaryTTFT {
+			primaryTTFT = r.TTFT
+		}
+	}
+	q := func(groupBy ...string) []stats.Group {
+		return tp.p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy}).Groups
+	}
+	for _, by := range [][]string{{"route"}, {"tenant"}, {"model"}, {"route", "model", "tenant"}} {
+		gs := q(by...)
+		if len(gs) != 1 || gs[0].Count != n || gs[0].Shadow || gs[0].Goodput.Judged != n || gs[0].TTFT.Max > ms(primaryTTFT)*1.01 {
+			t.Errorf("group_by %v: %+v", by, gs)
+		}
+	}
+	for _, by := range [][]string{nil, {"upstream"}, {"route", "upstream"}} {
+		var live, next int64
+		for _, g := range q(by...) {
+			switch {
+			case g.Upstream == "live" && !g.Shadow:
+				live += g.Count
+			case g.Upstream == "next" && g.Shadow && g.Goodput.Judged == 0:
+				next += g.Count
+			default:
+				t.Errorf("group_by %v: %+v", by, g)
+			}
+		}
+		if live != n || next != n {
+			t.Errorf("group_by %v: live %d, shadow %d, want %d each", by, live, next, n)
+		}
+	}
+	var onTimeline int64
+	for _, rt := range tp.p.Stats().Timeline("copied").Routes {
+		for _, p := range rt.Points {
+			onTimeline += p.Count
+		}
+	}
+	if onTimeline != n {
+		t.Errorf("the route's timeline counts %d requests, want %d", onTimeline, n)
 	}
 }

@@ -38,6 +38,11 @@ type Options struct {
 // Key names one group.
 type Key struct {
 	Route, Model, Tenant, Upstream string
+	// Shadow: copies sent to the route's shadow upstream. They are the
+	// upstream's figures only: a query that merges upstreams away (the
+	// route's, a tenant's) leaves them out, and so do the route's
+	// timeline and trends.
+	Shadow bool
 }
 
 // group is one Key's windows and the SLO target its requests carried.
@@ -92,7 +97,7 @@ func (e *Engine) Observe(r *metrics.Record, gaps []time.Duration) {
 		return
 	}
 	route, upstream, model := r.Series.Labels()
-	k := Key{Route: route, Model: model, Tenant: r.Tenant, Upstream: upstream}
+	k := Key{Route: route, Model: model, Tenant: r.Tenant, Upstream: upstream, Shadow: r.Shadow}
 	s := slotOf(e.now())
 	if s > e.slot.Load() {
 		e.advance(s)
@@ -120,7 +125,7 @@ func (e *Engine) create(k Key) *group {
 	g := &group{key: k, w: newWindows(e.slot.Load())}
 	e.groups[k] = g
 	e.list = append(e.list, g)
-	if e.tl[k.Route] == nil {
+	if e.tl[k.Route] == nil && !k.Shadow {
 		e.tl[k.Route] = &timeline{}
 		e.routes = append(e.routes, k.Route)
 	}
@@ -144,7 +149,7 @@ func (e *Engine) advance(s int64) {
 		for _, route := range e.routes {
 			scratch.clear()
 			for _, g := range e.list {
-				if g.key.Route != route {
+				if g.key.Route != route || g.key.Shadow {
 					continue
 				}
 				g.mu.Lock()
@@ -156,6 +161,13 @@ func (e *Engine) advance(s int64) {
 			}
 			if k >= first {
 				e.tl[route].put(k, point(&scratch, slotLen))
+			}
+		}
+		for _, g := range e.list {
+			if g.key.Shadow { // no timeline: only their windows move on
+				g.mu.Lock()
+				g.w.advance(k + 1)
+				g.mu.Unlock()
 			}
 		}
 		if k < first {
@@ -204,12 +216,18 @@ func ValidGroupBy(names []string) bool {
 	return true
 }
 
+// keepsUpstream says whether q's groups keep the upstream label: only then
+// are shadow copies in them (as groups of their own).
+func (q Query) keepsUpstream() bool {
+	return len(q.GroupBy) == 0 || slices.Contains(q.GroupBy, "upstream")
+}
+
 // project keeps of k the labels q groups by.
 func (q Query) project(k Key) Key {
 	if len(q.GroupBy) == 0 {
 		return k
 	}
-	var out Key
+	out := Key{Shadow: k.Shadow}
 	for _, n := range q.GroupBy {
 		switch n {
 		case "route":
@@ -293,6 +311,9 @@ func (e *Engine) span(from int64, now time.Time) time.Duration {
 }
 
 func (q Query) matches(k Key) bool {
+	if k.Shadow && !q.keepsUpstream() {
+		return false
+	}
 	return (q.Route == "" || q.Route == k.Route) && (q.Model == "" || q.Model == k.Model) &&
 		(q.Tenant == "" || q.Tenant == k.Tenant) && (q.Upstream == "" || q.Upstream == k.Upstream)
 }
@@ -306,5 +327,11 @@ func compareKeys(a, b Key) int {
 			return 1
 		}
 	}
-	return 0
+	switch {
+	case a.Shadow == b.Shadow:
+		return 0
+	case b.Shadow:
+		return -1
+	}
+	return 1
 }

@@ -106,7 +106,7 @@ func (e *Engine) Timeline(route string) TimelineReport {
 		}
 		open.clear()
 		for _, g := range e.list {
-			if g.key.Route == r {
+			if g.key.Route == r && !g.key.Shadow {
 				g.mu.Lock()
 				open.merge(&g.w.open)
 				g.mu.Unlock()

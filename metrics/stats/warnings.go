@@ -139,7 +139,7 @@ func (e *Engine) trends(q Query, list []*group, s int64, now time.Time, w WarnOp
 	var order []string
 	var recentFrom, beforeFrom int64
 	for _, g := range list {
-		if !q.matches(g.key) {
+		if !q.matches(g.key) || g.key.Shadow { // the route's own traffic only
 			continue
 		}
 		p := byRoute[g.key.Route]
