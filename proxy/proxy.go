@@ -382,6 +382,11 @@ func (p *Proxy) wrap(ln net.Listener) *clientListener {
 // addresses.
 type zapPrintf struct{ l *zap.Logger }
 
+// ServerLogger is a fasthttp.Logger that keeps only the format of
+// fasthttp's own lines, at debug level on l: their arguments can hold a
+// client's request bytes (header values), which never reach a log.
+func ServerLogger(l *zap.Logger) fasthttp.Logger { return zapPrintf{l} }
+
 func (z zapPrintf) Printf(format string, args ...any) {
 	if ce := z.l.Check(zap.DebugLevel, "fasthttp"); ce != nil {
 		ce.Write(zap.String("format", format))

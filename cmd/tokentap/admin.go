@@ -27,7 +27,8 @@ type admin struct {
 
 	mu      sync.Mutex // one reload at a time; guards running
 	running *settings
-	token   atomic.Pointer[string] // nil or "": no token required
+	token   atomic.Pointer[string]   // nil or "": no token required
+	hosts   atomic.Pointer[[]string] // admin.hosts: names allowed in Host without a token
 	ready   atomic.Bool
 }
 
@@ -37,8 +38,10 @@ func (a *admin) settings() *settings {
 	return a.running
 }
 
-// loadToken reads the bearer token file of s, if it names one.
+// loadToken reads the bearer token file of s, if it names one, and takes
+// its admin.hosts.
 func (a *admin) loadToken(s *settings) error {
+	a.hosts.Store(&s.adminHosts)
 	tok := ""
 	if s.adminTokenFile != "" {
 		var err error
@@ -91,19 +94,24 @@ func (a *admin) reopen() error {
 	return nil
 }
 
-// server is the admin listener: bounded reads and idle connections, and
-// few connections, so that it cannot be held open or flooded. No write
-// timeout: a CPU profile takes as long as it was asked for.
+// server is the admin listener: a short read timeout for a request's
+// headers and body, bounded idle connections, and few connections (its
+// listener, newAdminListener, caps them per address and in all, with a
+// budget of its own for probes and scrapes), so that it cannot be held
+// open or flooded. No write timeout: a CPU profile takes as long as it
+// was asked for.
 func (a *admin) server() *fasthttp.Server {
 	return &fasthttp.Server{
 		Handler:        a.handle,
 		Name:           "tokentap-admin",
-		ReadTimeout:    10 * time.Second,
+		ReadTimeout:    3 * time.Second,
 		IdleTimeout:    30 * time.Second,
-		Concurrency:    64,
-		MaxConnsPerIP:  16,
+		Concurrency:    adminConns + adminProbeConnsIn,
 		ReadBufferSize: 8 << 10,
 		NoDefaultDate:  true,
+		// Its error lines would quote a client's request bytes.
+		SecureErrorLogMessage: true,
+		Logger:                proxy.ServerLogger(a.logger.Named("admin")),
 	}
 }
 
@@ -114,6 +122,15 @@ func (a *admin) server() *fasthttp.Server {
 // "Authorization: Bearer <token>".
 func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 	path := string(ctx.Path())
+	if probeOnly(ctx) {
+		// Past the caps: one probe or scrape, then the connection goes.
+		ctx.SetConnectionClose()
+		if !probePath(path) {
+			ctx.SetStatusCode(fasthttp.StatusTooManyRequests)
+			ctx.SetBodyString("too many connections from this address\n")
+			return
+		}
+	}
 	switch path {
 	case "/healthz":
 		ctx.SetContentType("text/plain")
@@ -133,6 +150,25 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 		}
 		ctx.SetBodyString("ready\n")
 		return
+	}
+	if tok := a.token.Load(); tok == nil || *tok == "" {
+		// Without a token, a browser must not reach in: only Hosts that
+		// name this listener (DNS rebinding sends the page's own name),
+		// and no state change from another site's page.
+		var hosts []string
+		if h := a.hosts.Load(); h != nil {
+			hosts = *h
+		}
+		if !hostAllowed(string(ctx.Host()), hosts) {
+			ctx.SetStatusCode(fasthttp.StatusForbidden)
+			ctx.SetBodyString("this Host is not allowed: use an IP address or localhost, or list the name in admin.hosts\n")
+			return
+		}
+		if ctx.IsPost() && crossSite(ctx) {
+			ctx.SetStatusCode(fasthttp.StatusForbidden)
+			ctx.SetBodyString("a cross-site call is refused\n")
+			return
+		}
 	}
 	if name, ok := strings.CutPrefix(path, "/dashboard/"); ok {
 		serveAsset(ctx, name)

@@ -51,7 +51,10 @@ type fileConfig struct {
 type fileAdmin struct {
 	Listen    string `yaml:"listen"`
 	TokenFile string `yaml:"token_file"`
-	set       bool   // the file gives an address ("" included)
+	// Hosts are the names, besides IP literals and localhost, that
+	// requests without a token may carry in Host.
+	Hosts []string `yaml:"hosts"`
+	set   bool     // the file gives an address ("" included)
 }
 
 func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
@@ -69,6 +72,10 @@ func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
 			a.Listen, a.set = v.Value, true
 		case "token_file":
 			a.TokenFile = v.Value
+		case "hosts":
+			if err := v.Decode(&a.Hosts); err != nil {
+				return &nodeError{line: v.Line, column: v.Column, msg: "must be a list of host names"}
+			}
 		default:
 			return &nodeError{line: k.Line, column: k.Column, msg: "unknown field " + k.Value}
 		}
@@ -335,6 +342,7 @@ type flags struct {
 type settings struct {
 	listen, admin, accessLog string
 	adminTokenFile           string
+	adminHosts               []string
 	drainTimeout, drainDelay time.Duration
 	proxy                    proxy.Config
 	opts                     proxy.Options
@@ -379,7 +387,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 			return nil, fmt.Errorf("%s: %w", where("admin"), err)
 		}
 	}
-	s.adminTokenFile = fc.Admin.TokenFile
+	s.adminTokenFile, s.adminHosts = fc.Admin.TokenFile, fc.Admin.Hosts
 	if s.adminTokenFile != "" {
 		if _, err := readToken(s.adminTokenFile); err != nil {
 			return nil, fmt.Errorf("%s: %w", where("admin.token_file"), err)

@@ -196,7 +196,7 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	a := &admin{logger: logger, p: p, running: &settings{}}
 	a.ready.Store(true)
 	srv := a.server()
-	go func() { _ = srv.Serve(adminLn) }()
+	go func() { _ = srv.Serve(newAdminListener(adminLn)) }()
 	defer func() { _ = srv.Shutdown() }()
 	fmt.Fprintf(out, "\ndashboard: http://%s/   stats: http://%s/stats   metrics: http://%s/metrics\n"+
 		"traffic keeps flowing (up to %d at a time, rising and falling); Ctrl-C stops.\n", adminLn.Addr(), adminLn.Addr(), adminLn.Addr(), *liveConc)

@@ -355,11 +355,8 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 	// A record is written once the client acknowledged its response's
 	// last bytes (a delayed ACK can take 40 ms): wait for the last ones,
 	// never past what was sent.
+	waitSeries(t, admin, "tokentap_requests_total{", before+total)
 	counted := requestsCounted(t, admin) - before
-	for deadline := time.Now().Add(3 * time.Second); counted < total && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
-		counted = requestsCounted(t, admin) - before
-	}
 	prog.stop()
 	if counted != total {
 		t.Errorf("tokentap_requests_total = %d after %d requests and %d reloads", counted, total, reloads)
@@ -372,6 +369,17 @@ func TestReloadUnderLoadCountsExactly(t *testing.T) {
 // requestsCounted sums tokentap_requests_total on the admin listener.
 func requestsCounted(t *testing.T, admin string) int {
 	return seriesValue(t, admin, "tokentap_requests_total{")
+}
+
+// waitSeries waits until the series reach want (an event: a minute is a
+// hang, not a slow machine).
+func waitSeries(t *testing.T, admin, prefix string, want int) {
+	t.Helper()
+	for deadline := time.Now().Add(time.Minute); seriesValue(t, admin, prefix) < want; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s did not reach %d", prefix, want)
+		}
+	}
 }
 
 // seriesValue sums the exposed series whose line starts with prefix (a

@@ -192,7 +192,7 @@ func run(ctx context.Context, args []string) error {
 			return fmt.Errorf("admin: %w", err)
 		}
 		adminSrv = a.server()
-		go func() { _ = adminSrv.Serve(aln) }()
+		go func() { _ = adminSrv.Serve(newAdminListener(aln)) }()
 	}
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
 		zap.Int("routes", len(s.proxy.Routes)))

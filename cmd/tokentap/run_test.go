@@ -72,6 +72,9 @@ func TestRunEndToEnd(t *testing.T) {
 	if !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
 		t.Fatalf("stream: %q", body)
 	}
+	// The record is made once the client's kernel acknowledged the end:
+	// wait for it, then for nothing more.
+	waitSeries(t, admin, watched[0], before[0]+1)
 	for i, want := range []int{1, 1, 5} {
 		if got := seriesValue(t, admin, watched[i]) - before[i]; got != want {
 			t.Errorf("%s grew by %d, want %d", watched[i], got, want)
