@@ -504,9 +504,13 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 	}
 	switch {
 	case r.status == 499:
-		// Nobody is listening: close without writing.
+		// Nobody is listening: close without writing (nginx logs 499 and
+		// writes nothing). A hijack without a response is fasthttp's way
+		// to write nothing; the connection closes when it returns.
 		ctx.SetConnectionClose()
 		ctx.Response.SetStatusCode(r.status)
+		ctx.HijackSetNoResponse(true)
+		ctx.Hijack(func(net.Conn) {})
 	default:
 		writeJSONError(ctx, r.status, r.code, r.msg, x.id)
 		if r.close {

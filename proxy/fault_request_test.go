@@ -286,3 +286,29 @@ func TestFaultSmuggling(t *testing.T) {
 		t.Fatalf("%d smuggling attempts reached the upstream", n)
 	}
 }
+
+// TestFaultHalfCloseWritesNothing: a client that half-closes after its
+// request is cancelled (499 in the record) and gets nothing on the wire,
+// as nginx does; it used to get "HTTP/1.1 499 Unknown Status Code".
+func TestFaultHalfCloseWritesNothing(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		<-r.Context().Done() // answers nothing until cancelled
+	})
+	tp := startProxy(t, up.URL, nil)
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`))
+	c.(*net.TCPConn).CloseWrite()
+	c.SetReadDeadline(time.Now().Add(time.Minute))
+	got, err := io.ReadAll(c)
+	if len(got) != 0 || err != nil {
+		t.Errorf("the client got %q (%v), want nothing and the close", got, err)
+	}
+	if rec := tp.rec.next(t); rec.Status != 499 || rec.Outcome != "client_cancel" {
+		t.Errorf("record: status %d outcome %s", rec.Status, rec.Outcome)
+	}
+}

@@ -257,3 +257,32 @@ func strconvHex(n int) string {
 	}
 	return string(b)
 }
+
+// TestFaultResponseWithoutContentType: a response without Content-Type
+// reaches the client without one, whole and streamed (fasthttp would add
+// text/plain; charset=utf-8).
+func TestFaultResponseWithoutContentType(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["Content-Type"] = nil // net/http would sniff one
+		if r.URL.Path == "/stream" {
+			io.WriteString(w, "a")
+			flush(w)
+		}
+		io.WriteString(w, "b")
+	})
+	tp := startProxy(t, up.URL, nil)
+	for _, path := range []string{"/whole", "/stream"} {
+		c, br := rawRequest(t, tp.addr, "GET "+path+" HTTP/1.1\r\nHost: x\r\n\r\n")
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		c.Close()
+		if ct, ok := resp.Header["Content-Type"]; ok || resp.StatusCode != 200 {
+			t.Errorf("%s: status %d, Content-Type %q added", path, resp.StatusCode, ct)
+		}
+		tp.rec.next(t)
+	}
+}

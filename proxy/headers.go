@@ -162,6 +162,9 @@ func appendIP(b []byte, addr net.Addr) []byte {
 // the server sets from the relayed body.
 func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, requestID []byte) {
 	from.Header.CopyTo(to)
+	// CopyTo takes the upstream header's default-Content-Type setting
+	// too: a response without Content-Type must go without one.
+	to.SetNoDefaultContentType(true)
 	dropHop(to, responseHops(to), from.Header.PeekAll("Connection"))
 	to.SetProtocol([]byte("HTTP/1.1"))
 	if len(to.Peek("X-Request-Id")) == 0 {
