@@ -10,6 +10,7 @@ const (
 	DiscardStrayBytes   = "stray_bytes"    // bytes past the end of a response
 	DiscardClosedByPeer = "closed_by_peer" // the backend closed it while idle
 	DiscardExpired      = "expired"        // idle too long, or past the backend's Keep-Alive limits
+	DiscardAfterStream  = "after_stream"   // the backend closes connections after a streamed response (learned)
 )
 
 var (
@@ -17,6 +18,7 @@ var (
 		DiscardStrayBytes:   vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="stray_bytes"}`),
 		DiscardClosedByPeer: vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="closed_by_peer"}`),
 		DiscardExpired:      vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="expired"}`),
+		DiscardAfterStream:  vm.NewCounter(`tokentap_upstream_conns_discarded_total{reason="after_stream"}`),
 	}
 	upstreamRetries = vm.NewCounter("tokentap_upstream_retries_total")
 	acceptErrors    = vm.NewCounter("tokentap_accept_errors_total")

@@ -1116,7 +1116,7 @@ func (x *exchange) finish(writeErr error) {
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
 			x.up.discard(x.conn)
 		case complete && !gone && writeErr == nil && !x.resp.ConnectionClose():
-			x.up.put(x.conn)
+			x.up.put(x.conn, x.resp.Header.ContentLength() < 0)
 		default:
 			x.up.discard(x.conn)
 		}

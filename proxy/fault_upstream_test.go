@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -179,6 +180,69 @@ func TestFaultBackendClosesAfterStreams(t *testing.T) {
 	}
 	if got := up.count("/v1/chat/completions"); got != n {
 		t.Fatalf("backend saw %d requests, want %d", got, n)
+	}
+}
+
+// llama.cpp's server announces keep-alive and closes the connection a
+// moment after each streamed response: a request sent on it meanwhile is
+// lost (36 of 500 through tokentap before, TestRealLlamaServer). tokentap
+// reuses a connection after a stream only 5 ms after its end until it
+// knows the backend's habit, learns from the first it finds closed that
+// the backend closes them, and from then on closes them itself; a backend
+// that keeps them is trusted after three. Streams and whole answers back
+// to back never fail either way.
+func TestFaultBackendClosesSoonAfterStreams(t *testing.T) {
+	for _, closesAfter := range []bool{true, false} {
+		t.Run(fmt.Sprintf("closes=%v", closesAfter), func(t *testing.T) {
+			up := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
+				if r.URL.Path == "/whole" {
+					io.WriteString(c, "HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nContent-Length: 2\r\n\r\nok")
+					return true
+				}
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n")
+				ev := chatChunk("hi") + "data: [DONE]\n\n"
+				io.WriteString(c, strings.ToLower(strconvHex(len(ev)))+"\r\n"+ev+"\r\n0\r\n\r\n")
+				if !closesAfter {
+					return true
+				}
+				return false // closed at once: the learning, not the race (TestRealLlamaServer has it)
+			})
+			tp := startProxy(t, up.url, nil)
+			discardedBefore := promValue(t, `tokentap_upstream_conns_discarded_total{reason="after_stream"}`)
+			const n = 150
+			client := &http.Client{}
+			for i := range n {
+				path := "/stream"
+				if i%3 == 2 {
+					path = "/whole"
+				}
+				resp, err := client.Get(tp.url + path)
+				if err != nil {
+					t.Fatalf("request %d: %v", i, err)
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != 200 {
+					t.Fatalf("request %d (%s): %d %q", i, path, resp.StatusCode, b)
+				}
+			}
+			for i := range n {
+				if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+					t.Fatalf("record %d: %+v", i, rec)
+				}
+			}
+			if got := up.count("/stream") + up.count("/whole"); got != n {
+				t.Fatalf("backend saw %d requests, want %d", got, n)
+			}
+			state := tp.p.snap.Load().routes[0].members[0].up.afterStream.Load()
+			discarded := promValue(t, `tokentap_upstream_conns_discarded_total{reason="after_stream"}`) - discardedBefore
+			if closesAfter && (state != streamCloses || discarded < n/2) || !closesAfter && (state != streamKeeps || discarded != 0) {
+				t.Errorf("learned %d, %v connections closed after streams", state, discarded)
+			}
+			if !closesAfter && up.conns.Load() != 1 {
+				t.Errorf("a backend that keeps connections after streams got %d of them", up.conns.Load())
+			}
+		})
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -43,7 +44,35 @@ type upstream struct {
 	idle    []*upConn // LIFO: the longest idle first
 	open    int       // connections open, idle or busy
 	reaping bool      // a reap is scheduled (only while connections are idle)
+
+	// afterStream is what the backend was seen to do with a connection
+	// once a response of unknown length (a stream) ended on it: some
+	// (llama.cpp's server) announce keep-alive and close it right after,
+	// a race with the next request sent on it. Until it is known, such a
+	// connection is reused only streamSettle after that end; once the
+	// backend was seen to close one, they are closed instead of pooled;
+	// once it was seen keeping streamKeptToTrust of them, they are pooled
+	// as any other.
+	afterStream atomic.Int32 // streamUnknown, streamCloses or streamKeeps
+	streamsKept atomic.Int32
 }
+
+// What a backend does with a connection after a streamed response.
+const (
+	streamUnknown int32 = iota
+	streamCloses
+	streamKeeps
+)
+
+// streamSettle is how long after a streamed response a connection waits
+// before reuse while the backend's habit is unknown: llama.cpp's server
+// closes within a millisecond of the end (its FIN came 0.2–0.5 ms after
+// the next request, sent within 0.5 ms of the end).
+const streamSettle = 5 * time.Millisecond
+
+// streamKeptToTrust is how many connections reused after a stream make a
+// backend one that keeps them.
+const streamKeptToTrust = 3
 
 func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, error) {
 	u, err := url.Parse(rawURL)
@@ -112,6 +141,9 @@ type upConn struct {
 	// close the connection by (zero: no limit).
 	usesLeft  int
 	keepUntil time.Time
+	// streamEnded: the last response on it was a stream, which ended at
+	// lastUsed (see upstream.afterStream).
+	streamEnded bool
 
 	writeDeadline bool // a write deadline is set (large requests only)
 
@@ -208,6 +240,9 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		state := peerUnknown
 		if c.usable(now) {
 			state = c.peek()
+			if c.streamEnded {
+				state = up.settle(c, state)
+			}
 		}
 		if state == peerIdle {
 			c.reused = true
@@ -244,6 +279,28 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// settle looks at a connection whose last response was a stream while
+// the backend's habit is unknown: it waits until streamSettle after that
+// end for the backend's close, and learns from what it finds.
+func (up *upstream) settle(c *upConn, state peerState) peerState {
+	if state == peerIdle {
+		if wait := streamSettle - up.now().Sub(c.lastUsed); wait > 0 {
+			time.Sleep(wait)
+			state = c.peek()
+		}
+	}
+	switch state {
+	case peerClosed:
+		up.afterStream.CompareAndSwap(streamUnknown, streamCloses)
+	case peerIdle:
+		if up.streamsKept.Add(1) >= streamKeptToTrust {
+			up.afterStream.CompareAndSwap(streamUnknown, streamKeeps)
+		}
+	}
+	c.streamEnded = false
+	return state
 }
 
 var (
@@ -342,14 +399,27 @@ func (c *upConn) keepAlive(v []byte, end time.Time) {
 	}
 }
 
-// put returns a connection whose last response was read completely. A
+// put returns a connection whose last response was read completely
+// (streamed: a response of unknown length, ended by its framing). A
 // connection with bytes read past the end of that response is closed
-// instead: the response did not end at a message boundary.
-func (up *upstream) put(c *upConn) {
+// instead: the response did not end at a message boundary; so is one after
+// a stream from a backend that closes those (upstream.afterStream).
+func (up *upstream) put(c *upConn, streamed bool) {
 	if c.br.Buffered() > 0 {
 		metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
 		up.discard(c)
 		return
+	}
+	c.streamEnded = false
+	if streamed {
+		switch up.afterStream.Load() {
+		case streamCloses:
+			metrics.UpstreamConnDiscarded(metrics.DiscardAfterStream)
+			up.discard(c)
+			return
+		case streamUnknown:
+			c.streamEnded = true
+		}
 	}
 	if c.usesLeft == 0 {
 		metrics.UpstreamConnDiscarded(metrics.DiscardExpired)
