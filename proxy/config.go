@@ -297,7 +297,7 @@ func (c *Config) Validate() error {
 func (r *Route) validUpstreams(field func(string) string) error {
 	if len(r.Upstreams) == 0 {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
-			return fieldErr(field("upstream"), "%q: %v", r.Upstream, err)
+			return fieldErr(field("upstream"), "%q: %v", redactURL(r.Upstream), err)
 		}
 		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil || r.Shadow != nil {
 			return fieldErr(field("balance"), "balance, sticky, guard, failover and shadow need upstreams")
@@ -318,7 +318,7 @@ func (r *Route) validUpstreams(field func(string) string) error {
 			return fieldErr(f("weight"), "must not be negative")
 		}
 		if _, err := newUpstream(u.URL, r.Timeouts, nil); err != nil {
-			return fieldErr(f("url"), "%q: %v", u.URL, err)
+			return fieldErr(f("url"), "%q: %v", redactURL(u.URL), err)
 		}
 		names[u.Name] = true
 		total += u.Weight

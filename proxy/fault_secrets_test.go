@@ -121,3 +121,50 @@ func TestFaultLoggedStringsBounded(t *testing.T) {
 		t.Fatalf("logged model %d bytes, path %d bytes", len(rec.Model), len(rec.Path))
 	}
 }
+
+// TestFaultUpstreamCredentials: user:password@ in an upstream URL is sent
+// as that upstream's Basic authorization in place of the client's, and
+// appears in no response, record or log line, also when the upstream
+// cannot be reached.
+func TestFaultUpstreamCredentials(t *testing.T) {
+	const password = "pw-canary-51d0e"
+	var got []string
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		got = append(got, r.Header.Get("Authorization"))
+		io.WriteString(w, `{"choices":[]}`)
+	})
+	withCreds := strings.Replace(up.URL, "http://", "http://ops:"+password+"@", 1)
+	dead := "http://ops:" + password + "@127.0.0.1:1"
+	var logBuf, alogBuf syncBuffer
+	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewDevelopmentEncoderConfig()), zapcore.AddSync(&logBuf), zapcore.DebugLevel))
+	alog := metrics.NewAccessLog(zapcore.AddSync(&alogBuf), 0)
+	tp := startProxyOpts(t, "", func(c *Config) {
+		c.Routes = []Route{
+			{Name: "ok", Prefix: "/", Upstream: withCreds, Timeouts: DefaultTimeouts},
+			{Name: "dead", Prefix: "/dead", Upstream: dead, Timeouts: DefaultTimeouts},
+		}
+	}, Options{Logger: logger, Sinks: []metrics.Sink{alog}})
+	for _, path := range []string{"/v1/chat/completions", "/dead/v1/chat/completions"} {
+		req := mustReq(t, "POST", tp.url+path, `{"model":"m"}`)
+		req.Header.Set("Authorization", "Bearer client-key")
+		resp, err := http.DefaultTransport.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		rec := tp.rec.next(t)
+		if strings.Contains(string(body), password) || strings.Contains(rec.Error, password) || strings.Contains(rec.Path, password) {
+			t.Errorf("%s: the password came back: %q / %+v", path, body, rec)
+		}
+	}
+	if len(got) != 1 || got[0] != "Basic b3BzOnB3LWNhbmFyeS01MWQwZQ==" { // ops:pw-canary-51d0e
+		t.Errorf("the upstream got Authorization %q, want its own Basic credentials", got)
+	}
+	alog.Close()
+	for what, text := range map[string]string{"access log": alogBuf.String(), "tokentap's log": logBuf.String()} {
+		if strings.Contains(text, password) || strings.Contains(text, "b3BzOnB3") {
+			t.Errorf("the password is in the %s:\n%s", what, text)
+		}
+	}
+}

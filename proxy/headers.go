@@ -107,6 +107,11 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, u
 	uri = append(append(uri, path...), query...)
 	req.Header.SetRequestURIBytes(uri)
 	req.Header.SetHost(up.host)
+	if up.auth != "" {
+		// The upstream's own credentials, from its URL, replace the
+		// client's (which named the client to tokentap).
+		req.Header.Set("Authorization", up.auth)
+	}
 	if host := in.Header.Host(); len(host) > 0 {
 		req.Header.SetBytesV("X-Forwarded-Host", host)
 	}

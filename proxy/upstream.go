@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"net"
@@ -35,10 +36,14 @@ type upstream struct {
 	addr     string // host:port to dial
 	host     string // Host header sent upstream
 	basePath string // path prefix of the upstream URL, without trailing slash
-	tls      *tls.Config
-	dialer   net.Dialer
-	t        Timeouts
-	now      func() time.Time
+	// auth is "Basic …" from the URL's user:password@, sent as this
+	// upstream's Authorization instead of the client's ("": none). It is
+	// never logged: errors and logs show the URL redacted (redactURL).
+	auth   string
+	tls    *tls.Config
+	dialer net.Dialer
+	t      Timeouts
+	now    func() time.Time
 
 	mu      sync.Mutex
 	idle    []*upConn // LIFO: the longest idle first
@@ -77,7 +82,7 @@ const streamKeptToTrust = 3
 func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
-		return nil, err
+		return nil, urlError(err)
 	}
 	if u.Scheme != "http" && u.Scheme != "https" {
 		return nil, fmt.Errorf("scheme must be http or https, not %q", u.Scheme)
@@ -89,6 +94,10 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, er
 		return nil, errors.New("must not have a query or fragment")
 	}
 	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now}
+	if u.User != nil {
+		pass, _ := u.User.Password()
+		up.auth = "Basic " + base64.StdEncoding.EncodeToString([]byte(u.User.Username()+":"+pass))
+	}
 	if u.Port() == "" {
 		if u.Scheme == "https" {
 			up.addr = net.JoinHostPort(u.Hostname(), "443")
@@ -107,6 +116,26 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, er
 			return nil
 		}}
 	return up, nil
+}
+
+// redactURL is an upstream URL as errors and logs may show it: without
+// its password, and without the text of a URL that does not parse (it
+// could hold one).
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(an unparsable URL)"
+	}
+	return u.Redacted()
+}
+
+// urlError is err without the URL url.Parse quotes in it.
+func urlError(err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		return ue.Err
+	}
+	return err
 }
 
 func trimSlash(s string) string {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"strconv"
@@ -153,13 +154,13 @@ type fileFailover struct {
 
 // fileGuard is a route's canary guard.
 type fileGuard struct {
-	Candidate            string `yaml:"candidate"`
-	Baseline             string `yaml:"baseline"`
-	Window               string `yaml:"window"`
-	MinRequests          int64  `yaml:"min_requests"`
-	MaxTTFTP95Increase   share  `yaml:"max_ttft_p95_increase"`
-	MaxE2EP95Increase    share  `yaml:"max_e2e_p95_increase"`
-	MaxErrorRateIncrease share  `yaml:"max_error_rate_increase"`
+	Candidate            string   `yaml:"candidate"`
+	Baseline             string   `yaml:"baseline"`
+	Window               string   `yaml:"window"`
+	MinRequests          int64    `yaml:"min_requests"`
+	MaxTTFTP95Increase   increase `yaml:"max_ttft_p95_increase"`
+	MaxE2EP95Increase    increase `yaml:"max_e2e_p95_increase"`
+	MaxErrorRateIncrease share    `yaml:"max_error_rate_increase"`
 }
 
 // fileUpstream is one of a route's upstreams; weight defaults to 1.
@@ -192,17 +193,39 @@ func (f *fileSLO) slo() metrics.SLO {
 type share float64
 
 func (s *share) UnmarshalYAML(n *yaml.Node) error {
-	v := strings.TrimSpace(n.Value)
+	f, ok := fraction(n.Value)
+	if !ok || f > 1 {
+		return valueError(n, "is not a share (use 0.99 or 99%)")
+	}
+	*s = share(f)
+	return nil
+}
+
+// increase is a relative increase, above 0 with no upper bound: 0.1 or
+// "10%", 1.5 or "150%".
+type increase float64
+
+func (s *increase) UnmarshalYAML(n *yaml.Node) error {
+	f, ok := fraction(n.Value)
+	if !ok {
+		return valueError(n, "is not an increase (use 0.1 or 10%, 1.5 or 150%)")
+	}
+	*s = increase(f)
+	return nil
+}
+
+// fraction reads 0.99 or "99%" as a positive number.
+func fraction(v string) (float64, bool) {
+	v = strings.TrimSpace(v)
 	div := 1.0
 	if strings.HasSuffix(v, "%") {
 		v, div = strings.TrimSuffix(v, "%"), 100
 	}
 	f, err := strconv.ParseFloat(v, 64)
-	if err != nil || f/div <= 0 || f/div > 1 {
-		return valueError(n, "is not a share (use 0.99 or 99%)")
+	if err != nil || !(f/div > 0) || math.IsInf(f, 0) {
+		return 0, false
 	}
-	*s = share(f / div)
-	return nil
+	return f / div, true
 }
 
 // fileMetrics holds the bucket bounds per measure, in seconds.

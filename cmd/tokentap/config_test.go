@@ -327,3 +327,31 @@ func TestEmptyValuesTurnThingsOff(t *testing.T) {
 	f("upstream: http://x\naccess_log: \"\"\nadmin: \"\"\n", []string{"-access-log", "-", "-admin", "127.0.0.1:9292"}, "-", "127.0.0.1:9292")
 	f("upstream: http://x\naccess_log: \"-\"\n", []string{"-access-log", "", "-admin", ""}, "", "")
 }
+
+// TestConfigSaysWhatItMeans: guard increases past 100% can be set; a
+// password in an upstream URL is used, never shown in an error.
+func TestConfigSaysWhatItMeans(t *testing.T) {
+	two := "routes:\n  - name: a\n    prefix: /\n    upstreams: [{name: s, url: http://y}, {name: c, url: http://z}]\n"
+	s, err := parseFlags([]string{"-config", writeFile(t, two+"    guard: {candidate: c, baseline: s, max_ttft_p95_increase: 150%, max_e2e_p95_increase: 2.5}\n")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := s.proxy.Routes[0].Guard; g.MaxTTFTP95Increase != 1.5 || g.MaxE2EP95Increase != 2.5 {
+		t.Errorf("guard %+v", g)
+	}
+	for yaml, want := range map[string]string{
+		two + "    guard: {candidate: c, baseline: s, max_error_rate_increase: 150%}\n": `:5: routes[0].guard.max_error_rate_increase: "150%" is not a share`,
+		two + "    guard: {candidate: c, baseline: s, max_ttft_p95_increase: -10%}\n":   `:5: routes[0].guard.max_ttft_p95_increase: "-10%" is not an increase`,
+		"upstream: \"ftp://user:hunter2secret@x\"\n":                                    `upstream: "ftp://user:xxxxx@x": scheme must be http or https`,
+		"upstream: \"http://user:hunter2secret@[::1\"\n":                                `upstream: "(an unparsable URL)": missing ']' in host`,
+	} {
+		p := writeFile(t, yaml)
+		_, err := parseFlags([]string{"-config", p})
+		if err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "hunter2") {
+			t.Errorf("%q: error %v, want %q and no password", yaml, err, want)
+		}
+	}
+	if _, err := parseFlags([]string{"-config", writeFile(t, "upstream: \"http://user:hunter2secret@127.0.0.1:8000\"\n")}); err != nil {
+		t.Errorf("credentials in an upstream URL: %v", err)
+	}
+}
