@@ -58,7 +58,7 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuse(tc)
 			continue
 		}
-		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip, ackBase: -1}
+		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
 		cc.sys, _ = tc.SyscallConn()
 		var ti tcpInfo
 		if ti.read(cc.sys) {
@@ -168,6 +168,16 @@ type clientConn struct {
 
 	reqRx int64 // kernel receive time of the first read of the next request
 
+	// The header of the next request is being read (from the connection's
+	// start, and again once a response ended) until its blank line: a
+	// header block ended by bare LFs, which fasthttp would wait on until
+	// the read timeout, is answered 400 at once (errBareLF). head holds
+	// its last bytes, for a blank line split across reads.
+	inHead bool
+	bareLF bool
+	head   [3]byte
+	headN  int
+
 	sys     syscall.RawConn // for TCP_INFO (nil: not available)
 	sent    int64           // bytes written to the connection
 	ackBase int64           // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
@@ -241,12 +251,55 @@ func (c *clientConn) Close() error {
 }
 
 func (c *clientConn) Read(b []byte) (int, error) {
+	if c.bareLF {
+		return 0, errBareLF
+	}
 	n, err := c.rxConn.Read(b)
 	if n > 0 && c.reqRx == 0 {
 		c.reqRx = c.rx
 	}
+	if n > 0 && c.inHead {
+		c.scanHead(b[:n])
+	}
 	return n, err
 }
+
+// errBareLF: a request's header block ended with bare line feeds.
+var errBareLF = errors.New("the request header ends with bare LF line ends")
+
+var (
+	crlfcrlf = []byte("\r\n\r\n")
+	lflf     = []byte("\n\n")
+)
+
+// scanHead follows the header being read: its blank line ends it; an
+// "\n\n" first is a header ended with bare LFs (in a CRLF header, "\n\n"
+// never occurs).
+func (c *clientConn) scanHead(b []byte) {
+	// The seam with the previous read first.
+	var seam [6]byte
+	k := copy(seam[:], c.head[:c.headN])
+	k += copy(seam[k:], b[:min(len(b), 3)])
+	end, bare := bytes.Index(seam[:k], crlfcrlf), bytes.Index(seam[:k], lflf)
+	if end < 0 && bare < 0 {
+		end, bare = bytes.Index(b, crlfcrlf), bytes.Index(b, lflf)
+	}
+	switch {
+	case bare >= 0 && (end < 0 || bare < end):
+		c.bareLF, c.inHead = true, false
+	case end >= 0:
+		c.inHead = false
+	default:
+		c.headN = copy(c.head[:], b[max(len(b)-3, 0):])
+		if len(b) < 3 {
+			c.headN = copy(c.head[:], seam[max(k-3, 0):k])
+		}
+	}
+}
+
+// expectHead says the next bytes read begin a request's header (a
+// response ended).
+func (c *clientConn) expectHead() { c.inHead, c.headN = true, 0 }
 
 // arrival returns when the request being served began to arrive, and makes
 // the next read start the next request. A request that came in with the

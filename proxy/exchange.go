@@ -267,6 +267,10 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 // read at most 8 KiB of one before the handler runs. A body declared or
 // found larger than limit is refused with 413.
 func (x *exchange) readBody(ctx *fasthttp.RequestCtx, limit int) ([]byte, *refusal) {
+	if len(ctx.Request.Header.Peek(bodyTooLarge)) > 0 {
+		// Its Content-Length was over the limit (tooLargeToRead).
+		return nil, refuseBodyTooLarge
+	}
 	if !ctx.Request.IsBodyStream() {
 		return ctx.Request.Body(), nil
 	}
@@ -1125,6 +1129,9 @@ func (x *exchange) finish(writeErr error) {
 	wait := false
 	if x.client != nil {
 		wait = x.readDelivery(writeErr == nil && !gone, now)
+		if cc, ok := x.client.(*clientConn); ok {
+			cc.expectHead() // the next bytes begin the next request
+		}
 		x.client = nil
 	}
 	// The record is made later, with what finish knew now (recordEnd),

@@ -1,11 +1,13 @@
 package proxy
 
 import (
+	"bufio"
 	"io"
 	"net"
 	"net/http"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -310,5 +312,99 @@ func TestFaultHalfCloseWritesNothing(t *testing.T) {
 	}
 	if rec := tp.rec.next(t); rec.Status != 499 || rec.Outcome != "client_cancel" {
 		t.Errorf("record: status %d outcome %s", rec.Status, rec.Outcome)
+	}
+}
+
+// TestFaultRequestsAnsweredAtOnce: requests that announce too much or
+// speak badly get their answer at once, as from nginx, not the read
+// timeout's 408 (a minute here: the test reads for 30 s): a Content-Length
+// over max_request_body with none of the body sent (413), a header ended
+// by bare LFs (400), a folded header line (400), a lower-case method
+// (400), HTTP/2.0 and 3.0 on the request line (505).
+func TestFaultRequestsAnsweredAtOnce(t *testing.T) {
+	var served atomic.Int64
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
+		io.Copy(io.Discard, r.Body)
+		io.WriteString(w, "ok")
+	})
+	tp := startProxyOpts(t, up.URL, nil, Options{MaxRequestBodySize: 1 << 20, RequestReadTimeout: time.Minute})
+	for _, c := range []struct {
+		name, req string
+		status    int
+	}{
+		{"Content-Length over the limit, no body", "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n", 413},
+		{"Content-Length over the limit, some body", "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\nabc", 413},
+		{"bare LF", "GET /x HTTP/1.1\nHost: x\n\n", 400},
+		{"CRLF lines, bare LF blank line", "GET /x HTTP/1.1\r\nHost: x\r\n\n", 400},
+		{"obs-fold", "GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n", 400},
+		{"obs-fold with a tab", "GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\r\n\tb\r\n\r\n", 400},
+		{"lower-case method", "get /x HTTP/1.1\r\nHost: x\r\n\r\n", 400},
+		{"HTTP/2.0", "GET /x HTTP/2.0\r\nHost: x\r\n\r\n", 505},
+		{"HTTP/3.0", "GET /x HTTP/3.0\r\nHost: x\r\n\r\n", 505},
+		{"a good one", "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\na\n\nb\n\n", 200},
+	} {
+		c2, br := rawRequest(t, tp.addr, c.req)
+		c2.SetReadDeadline(time.Now().Add(30 * time.Second))
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Errorf("%s: %v", c.name, err)
+			continue
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.status {
+			t.Errorf("%s: %d, want %d", c.name, resp.StatusCode, c.status)
+		}
+		if rec := tp.rec.next(t); rec.Status != c.status {
+			t.Errorf("%s: record status %d", c.name, rec.Status)
+		}
+	}
+	if served.Load() != 1 {
+		t.Errorf("the upstream served %d requests, want the good one", served.Load())
+	}
+}
+
+// TestHeadScanNeverRefusesAGoodRequest: kept-alive requests whose bodies
+// hold blank lines, sent one byte per write, then pipelined, are all
+// served: the bare-LF check reads headers only.
+func TestHeadScanNeverRefusesAGoodRequest(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		w.Write(b)
+	})
+	tp := startProxy(t, up.URL, nil)
+	body := "x\n\ny\r\n\r\n\n\nz"
+	one := "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: " + itoa(len(body)) + "\r\n\r\n" + body
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	br := bufio.NewReader(c)
+	read := func(i int) {
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(got) != body {
+			t.Fatalf("request %d: %d %q", i, resp.StatusCode, got)
+		}
+	}
+	for i := range 3 {
+		for j := range len(one) {
+			if _, err := c.Write([]byte{one[j]}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		read(i)
+	}
+	io.WriteString(c, one+one+one)
+	for i := range 3 {
+		read(3 + i)
+	}
+	for range 6 {
+		tp.rec.next(t)
 	}
 }

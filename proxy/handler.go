@@ -81,7 +81,18 @@ func (p *Proxy) requestID(dst, client []byte) []byte {
 // checkRequest refuses what the request line and headers alone make
 // unsafe to relay.
 func checkRequest(ctx *fasthttp.RequestCtx) *refusal {
+	h := &ctx.Request.Header
 	switch {
+	case !bytes.Equal(h.Protocol(), strHTTP11) && !bytes.Equal(h.Protocol(), strHTTP10):
+		return refuseVersion
+	case !upperToken(h.Method()):
+		// Methods are case-sensitive (RFC 9110 §9.1): "get" is no GET, and
+		// an upstream may read it as one. nginx answers 400.
+		return refuseMethodCase
+	case hasFold(h.RawHeaders()):
+		// A folded header line (obs-fold, RFC 9112 §5.2): refused, as
+		// nginx does; read differently by different servers.
+		return refuseFold
 	case ctx.IsConnect() || ctx.IsTrace():
 		// TRACE would echo the request, credentials included; CONNECT
 		// would open a tunnel. Neither is an inference call.
@@ -94,6 +105,55 @@ func checkRequest(ctx *fasthttp.RequestCtx) *refusal {
 		return refuseFraming
 	}
 	return nil
+}
+
+var (
+	strHTTP11 = []byte("HTTP/1.1")
+	strHTTP10 = []byte("HTTP/1.0")
+)
+
+// bodyTooLarge marks a request whose Content-Length was over the limit
+// (tooLargeToRead); a client's own copy is dropped first.
+const bodyTooLarge = "X-Tokentap-Body-Too-Large"
+
+// tooLargeToRead is the server's HeaderReceived: a request that announces
+// a body over max is answered 413 at once, before any of it is read
+// (fasthttp would first wait for up to 8 KiB of it, which a client that
+// announced 1 GB and sent nothing never sends): its body is taken as empty
+// and the connection closes after the answer.
+func tooLargeToRead(max int) func(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+	return func(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
+		if max > 0 && h.ContentLength() > max {
+			h.SetContentLength(0)
+			h.Set(bodyTooLarge, "1")
+			h.SetConnectionClose()
+		}
+		return fasthttp.RequestConfig{}
+	}
+}
+
+// upperToken reports whether a method is upper-case letters (and - or _).
+func upperToken(m []byte) bool {
+	for _, c := range m {
+		if (c < 'A' || c > 'Z') && c != '-' && c != '_' {
+			return false
+		}
+	}
+	return len(m) > 0
+}
+
+// hasFold reports a folded (continued) header line among raw headers.
+func hasFold(raw []byte) bool {
+	for {
+		i := bytes.IndexByte(raw, '\n')
+		if i < 0 || i+1 >= len(raw) {
+			return false
+		}
+		if raw[i+1] == ' ' || raw[i+1] == '\t' {
+			return true
+		}
+		raw = raw[i+1:]
+	}
 }
 
 // validHeaderNames reports whether every header name is an RFC 9110 token:

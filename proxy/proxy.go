@@ -340,6 +340,7 @@ func (p *Proxy) server() *fasthttp.Server {
 		ReadBufferSize:                16 << 10, // also the max request header size
 		WriteBufferSize:               4 << 10,  // larger writes (stream chunks) bypass it
 		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
+		HeaderReceived:                tooLargeToRead(p.opts.MaxRequestBodySize),
 		// The handler reads the body itself, in pieces that grow only as
 		// bytes arrive (exchange.readBody), after the headers identified
 		// the tenant: a Content-Length alone reserves nothing.

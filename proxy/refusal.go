@@ -45,6 +45,12 @@ var (
 		msg: "no route matches this path", close: true}
 	refuseKey = &refusal{status: fasthttp.StatusUnauthorized, outcome: metrics.OutcomeRejected, code: "invalid_api_key",
 		msg: "unknown or missing API key", close: true}
+	refuseVersion = &refusal{status: fasthttp.StatusHTTPVersionNotSupported, outcome: metrics.OutcomeBadRequest, code: "http_version_not_supported",
+		msg: "only HTTP/1.1 and HTTP/1.0 are served", close: true}
+	refuseMethodCase = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "invalid_method",
+		msg: "the method must be upper case", close: true}
+	refuseFold = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "folded_header",
+		msg: "folded header lines are not accepted", close: true}
 	refuseBodyTooLarge = &refusal{status: fasthttp.StatusRequestEntityTooLarge, outcome: metrics.OutcomeBadRequest, code: "body_too_large",
 		msg: "the request body is too large", close: true}
 	refuseBodyTimeout = &refusal{status: fasthttp.StatusRequestTimeout, outcome: metrics.OutcomeBadRequest, code: "request_timeout",
@@ -61,6 +67,8 @@ var (
 		msg: "the request cannot be parsed", close: true}
 	refuseHeadersTooLarge = &refusal{status: fasthttp.StatusRequestHeaderFieldsTooLarge, outcome: metrics.OutcomeBadRequest, code: "headers_too_large",
 		msg: "the request headers are too large", close: true}
+	refuseBareLF = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "bad_request",
+		msg: "the request's header lines must end with CRLF", close: true}
 	refuseRequestTimeout = &refusal{status: fasthttp.StatusRequestTimeout, outcome: metrics.OutcomeBadRequest, code: "request_timeout",
 		msg: "the request was not received in time", close: true}
 )
@@ -75,6 +83,8 @@ func parseRefusal(err error) *refusal {
 		return refuseBodyTooLarge
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		return refuseHeadersTooLarge
+	case errors.Is(err, errBareLF):
+		return refuseBareLF
 	case isTimeout(err):
 		return refuseRequestTimeout
 	}
