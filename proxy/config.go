@@ -402,6 +402,7 @@ const (
 	defaultMaxDecodedBytes    = 64 << 20
 	defaultMaxOutput          = 1024
 	defaultMaxRequestBodySize = 32 << 20
+	defaultMaxBufferedBodies  = 512 << 20
 	defaultClientWriteTimeout = 60 * time.Second
 	defaultRequestReadTimeout = 2 * time.Minute
 	defaultIdleTimeout        = 2 * time.Minute
@@ -431,6 +432,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxRequestBodySize <= 0 {
 		o.MaxRequestBodySize = defaultMaxRequestBodySize
+	}
+	if o.MaxBufferedBodies <= 0 {
+		o.MaxBufferedBodies = defaultMaxBufferedBodies
 	}
 	if o.ClientWriteTimeout <= 0 {
 		o.ClientWriteTimeout = defaultClientWriteTimeout

@@ -55,6 +55,7 @@ type exchange struct {
 	decTimes      []chunkTimes // compressed chunks not yet decoded, from decBase on
 	decBase       int
 	contentLength int
+	bodyHeld      int64 // request body bytes counted in Proxy.bodies (holdBody)
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 	injected      []byte // the request body with include_usage injected
 	path          []byte // the normalised request path
@@ -280,12 +281,20 @@ func (x *exchange) readBody(ctx *fasthttp.RequestCtx, limit int) ([]byte, *refus
 	}
 	r := ctx.RequestBodyStream()
 	buf := x.reqBody[:0]
+	if !x.holdBody(int64(cap(buf))) {
+		return nil, refuseBodiesBusy
+	}
 	for cl < 0 || len(buf) < cl {
 		if len(buf) == cap(buf) {
-			// Double as bytes arrive; never past what is declared.
+			// Double as bytes arrive; never past what is declared, nor
+			// past the budget of all requests' bodies.
 			next := max(2*cap(buf), 16<<10)
 			if cl >= 0 {
 				next = min(next, cl)
+			}
+			if !x.holdBody(int64(next)) {
+				x.reqBody = buf[:0]
+				return nil, refuseBodiesBusy
 			}
 			grown := make([]byte, len(buf), next)
 			copy(grown, buf)
@@ -310,6 +319,19 @@ func (x *exchange) readBody(ctx *fasthttp.RequestCtx, limit int) ([]byte, *refus
 	}
 	x.reqBody = buf
 	return buf, nil
+}
+
+// holdBody counts n bytes of body buffer as this request's in the budget
+// of all requests' bodies (Options.MaxBufferedBodies), in place of what it
+// held; false, holding nothing more, when that would pass the budget.
+func (x *exchange) holdBody(n int64) bool {
+	p := x.p
+	if p.bodies.Add(n-x.bodyHeld) > p.opts.MaxBufferedBodies && n > x.bodyHeld {
+		p.bodies.Add(x.bodyHeld - n)
+		return false
+	}
+	x.bodyHeld = n
+	return true
 }
 
 // admit runs admission control for the identified tenant, waiting in its
@@ -524,9 +546,11 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 		if r.allow != "" {
 			ctx.Response.Header.Set("Allow", r.allow)
 		}
-		if r.rateLimited {
+		if r.rateLimited || r.retryAfter > 0 {
 			secs := int64((r.retryAfter + time.Second - 1) / time.Second)
 			ctx.Response.Header.Set("Retry-After", strconv.FormatInt(max(secs, 1), 10))
+		}
+		if r.rateLimited {
 			setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
 		}
 	}
@@ -1096,6 +1120,11 @@ func (x *exchange) finish(writeErr error) {
 		return
 	}
 	x.finished = true
+	if x.bodyHeld > 0 {
+		// The body was sent (or never will be): out of the budget.
+		x.p.bodies.Add(-x.bodyHeld)
+		x.bodyHeld = 0
+	}
 	now := x.p.now()
 	if x.mem != nil {
 		x.mem.inflight.Add(-1)

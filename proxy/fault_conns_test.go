@@ -240,3 +240,56 @@ func TestFaultNeverReadingClient(t *testing.T) {
 		t.Fatal("the upstream was not cancelled")
 	}
 }
+
+// TestFaultBufferedBodiesBounded: clients part-way through large bodies
+// cannot make tokentap hold more body bytes than max_buffered_bodies in
+// all: a request whose body would pass it gets 503 at once (with
+// Retry-After), the others go on, and once they end the budget is free.
+// One client after the other, each sending 600 KiB of a 1 MiB body and
+// stalling: each held one grows its buffer to 1 MiB, so two fit in 2 MiB.
+func TestFaultBufferedBodiesBounded(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		io.WriteString(w, "ok")
+	})
+	const budget, size, sent = 2 << 20, 1 << 20, 600 << 10
+	tp := startProxyOpts(t, up.URL, nil, Options{MaxRequestBodySize: size, MaxBufferedBodies: budget, RequestReadTimeout: time.Minute})
+	var held, refused int
+	var conns []net.Conn
+	for i := range 6 {
+		c, br := rawRequest(t, tp.addr, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: "+itoa(size)+"\r\n\r\n")
+		conns = append(conns, c)
+		answered := make(chan int, 1)
+		go func() {
+			io.WriteString(c, strings.Repeat("x", sent)) // then stalls
+			c.SetReadDeadline(time.Now().Add(time.Minute))
+			if resp, err := http.ReadResponse(br, nil); err == nil && resp.Header.Get("Retry-After") != "" {
+				answered <- resp.StatusCode
+			}
+			close(answered)
+		}()
+		waitUntil(t, func() bool { return tp.p.bodies.Load() == int64(held+1)*size || len(answered) > 0 })
+		if b := tp.p.bodies.Load(); b > budget {
+			t.Fatalf("client %d: %d body bytes held, budget %d", i, b, budget)
+		}
+		select {
+		case status := <-answered:
+			if status != 503 {
+				t.Fatalf("client %d: %d", i, status)
+			}
+			refused++
+		default:
+			held++
+		}
+	}
+	if held != 2 || refused != 4 {
+		t.Fatalf("%d held, %d refused; want 2 and 4", held, refused)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	waitUntil(t, func() bool { return tp.p.bodies.Load() == 0 })
+	if status, _ := getBody(t, tp.url, "POST", "/x"); status != 200 {
+		t.Fatalf("after the slow clients left: %d", status)
+	}
+}

@@ -57,6 +57,11 @@ type Options struct {
 	Now func() time.Time
 	// MaxRequestBodySize bounds a request body (default 32 MiB).
 	MaxRequestBodySize int
+	// MaxBufferedBodies bounds the request body bytes all requests hold
+	// from the first byte read to the response's end (default 512 MiB): a request whose body
+	// would pass it gets 503 at once. Slow clients part-way through large
+	// bodies cannot add up to more.
+	MaxBufferedBodies int64
 	// ClientWriteTimeout bounds each write to a client, so a client that
 	// stops reading cannot hold a stream forever (default 60 s).
 	ClientWriteTimeout time.Duration
@@ -91,6 +96,7 @@ type Proxy struct {
 
 	caps     *connCaps    // client connections opened through Listen
 	inflight atomic.Int64 // exchanges begun and not finished
+	bodies   atomic.Int64 // request body bytes held (Options.MaxBufferedBodies)
 	cutting  atomic.Bool  // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64

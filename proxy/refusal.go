@@ -53,6 +53,8 @@ var (
 		msg: "folded header lines are not accepted", close: true}
 	refuseBodyTooLarge = &refusal{status: fasthttp.StatusRequestEntityTooLarge, outcome: metrics.OutcomeBadRequest, code: "body_too_large",
 		msg: "the request body is too large", close: true}
+	refuseBodiesBusy = &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeRejected, code: "busy",
+		msg: "too many request bodies are being received: try again", close: true, retryAfter: time.Second}
 	refuseBodyTimeout = &refusal{status: fasthttp.StatusRequestTimeout, outcome: metrics.OutcomeBadRequest, code: "request_timeout",
 		msg: "the request body was not received in time", close: true}
 	refuseBodyUnreadable = &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "bad_request",

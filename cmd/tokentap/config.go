@@ -289,6 +289,7 @@ type fileTimeouts struct {
 
 type fileLimits struct {
 	MaxRequestBody       int64    `yaml:"max_request_body"`
+	MaxBufferedBodies    int64    `yaml:"max_buffered_bodies"`
 	MaxEventBytes        int      `yaml:"max_event_bytes"`
 	ClientWriteTimeout   duration `yaml:"client_write_timeout"`
 	RequestReadTimeout   duration `yaml:"request_read_timeout"`
@@ -502,6 +503,10 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		return nil, fmt.Errorf("%s: must be between 0 and 2147483647", where("limits.max_request_body"))
 	}
 	s.opts.MaxRequestBodySize = int(fc.Limits.MaxRequestBody)
+	if fc.Limits.MaxBufferedBodies < 0 {
+		return nil, fmt.Errorf("%s: must not be negative", where("limits.max_buffered_bodies"))
+	}
+	s.opts.MaxBufferedBodies = fc.Limits.MaxBufferedBodies
 	for _, d := range []struct {
 		name string
 		v    duration
