@@ -132,7 +132,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f(two+"    shadow: {upstream: c}\n", nil, "routes[0].shadow.sample", "above 0")
 	f(two+"    failover: {on: [timeout]}\n", nil, "routes[0].failover.on[0]", "connect, status_5xx or first_token_timeout")
 	f(two+"    failover: {on: [first_token_timeout]}\n", nil, "routes[0].failover.first_token_timeout", "positive")
-	f(two+"    guard: {candidate: c, baseline: s, max_e2e_p95_increase: lots}\n", nil, ":5:", "routes[0].guard.max_e2e_p95_increase", "share")
+	f(two+"    guard: {candidate: c, baseline: s, max_e2e_p95_increase: lots}\n", nil, ":5:", "routes[0].guard.max_e2e_p95_increase", "is not an increase")
 	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {p99: 1s}\n", nil, ":5:", "routes[0].slo", "unknown field p99")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    ttft: [1, 0.5]\n", nil, ":4:", "metrics.buckets.ttft", "increasing")
 	f("upstream: http://x\nmetrics:\n  buckets:\n    latency: [1]\n", nil, ":4:", "metrics.buckets.latency", "unknown measure")
