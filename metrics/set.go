@@ -170,10 +170,22 @@ func newSeries(route, upstream, model string, buckets func(string) []float64, sl
 		x.judged = durable.GetOrCreateCounter("tokentap_slo_judged_requests_total{" + l + "}")
 		x.good = durable.GetOrCreateCounter("tokentap_goodput_requests_total{" + l + "}")
 		for i, n := range SLONames {
+			if SLOMisses(1<<i) == SLOUnacked {
+				continue // rare: made at its first use (missedCounter), as request counters are
+			}
 			x.missed[i] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_slo_missed_total{%s,slo=%q}`, l, n))
 		}
 	}
 	return x
+}
+
+// missedCounter is the counter of misses of objective i, made at its first
+// use when it was not made with the series.
+func (x *Series) missedCounter(i int) *vm.Counter {
+	if c := x.missed[i]; c != nil {
+		return c
+	}
+	return durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_slo_missed_total{%s,slo=%q}`, x.labels, SLONames[i]))
 }
 
 func (x *Series) histogram(measure string) *vm.PrometheusHistogram {
@@ -281,7 +293,7 @@ func (s *Set) Observe(r *Record) {
 		}
 		for i := range NumSLO {
 			if r.SLOMisses.Has(i) {
-				x.missed[i].Inc()
+				x.missedCounter(i).Inc()
 			}
 		}
 	}

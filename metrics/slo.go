@@ -55,21 +55,24 @@ func (s SLO) Over(o SLO) SLO {
 type SLOMisses uint8
 
 // The objectives a request can miss; SLOFailed is a request that did not
-// succeed at all.
+// succeed at all, SLOUnacked one whose client did not acknowledge all of
+// its response (judged on the client's times only: what the client did
+// not receive is not good, whatever tokentap's own clock says).
 const (
 	SLOTTFT SLOMisses = 1 << iota
 	SLOTTFA
 	SLOTPOT
 	SLOE2E
 	SLOFailed
+	SLOUnacked
 )
 
 // SLONames are the names of the objectives, in bit order: the label slo
 // of tokentap_slo_missed_total, the access log's slo_missed, and /stats.
-var SLONames = []string{"ttft", "ttfa", "tpot", "e2e", "failed"}
+var SLONames = []string{"ttft", "ttfa", "tpot", "e2e", "failed", "unacked"}
 
 // NumSLO is len(SLONames).
-const NumSLO = 5
+const NumSLO = 6
 
 // Has reports whether bit i (an index into SLONames) is set.
 func (m SLOMisses) Has(i int) bool { return m&(1<<i) != 0 }
@@ -107,6 +110,9 @@ func (s SLO) Judge(r *Record) {
 	ttft, ttfa, e2e := r.TTFT, r.TTFA, r.E2E
 	if s.Measure != MeasureProxy {
 		ttft, ttfa, e2e = either(r.ClientTTFT, ttft), either(r.ClientTTFA, ttfa), either(r.ClientE2E, e2e)
+		if r.Unacked {
+			m |= SLOUnacked
+		}
 	}
 	over(SLOTTFT, s.TTFT, ttft)
 	over(SLOTTFA, s.TTFA, ttfa)

@@ -326,9 +326,11 @@ func (x *exchange) fillClient() {
 		return t + d.minRTT
 	}
 	rec.ClientTTFT, rec.ClientTTFA = plus(rec.TTFT), plus(rec.TTFA)
-	if rec.E2E >= 0 {
+	if rec.E2E >= 0 && !rec.Unacked {
 		// The last write was accepted E2E after arrival; its bytes left
-		// then, or when the kernel was seen to have sent them.
+		// then, or when the kernel was seen to have sent them. A response
+		// the client did not acknowledge whole has no client E2E: when it
+		// got the end, if ever, is unknown.
 		var held time.Duration
 		if !d.departed.IsZero() {
 			held = max(d.departed.Sub(x.m.arrival)-rec.E2E, 0)

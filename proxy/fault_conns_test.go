@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"fmt"
+	"github.com/tokentap/tokentap/metrics"
 	"io"
 	"net"
 	"net/http"
@@ -291,5 +292,39 @@ func TestFaultBufferedBodiesBounded(t *testing.T) {
 	waitUntil(t, func() bool { return tp.p.bodies.Load() == 0 })
 	if status, _ := getBody(t, tp.url, "POST", "/x"); status != 200 {
 		t.Fatalf("after the slow clients left: %d", status)
+	}
+}
+
+// TestFaultUnreadResponseIsNotGood: a client that never reads a response
+// that fits in the sockets' buffers: tokentap's writes all succeed, but
+// the client did not acknowledge the end, so its record says so (unacked,
+// no client E2E) and it is not good against the client-side SLO; the
+// tokens the backend produced are still charged.
+func TestFaultUnreadResponseIsNotGood(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for range 75 {
+			io.WriteString(w, chatChunk(strings.Repeat("x", 4000)))
+		}
+		io.WriteString(w, `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":75}}`+"\n\ndata: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, func(c *Config) { c.SLO = metrics.SLO{E2E: time.Minute, Target: 0.99} })
+	c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+	c.(*net.TCPConn).SetReadBuffer(4 << 10) // and never reads
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeOK {
+		t.Skipf("the response did not fit in the sockets' buffers here (outcome %s): nothing to judge", rec.Outcome)
+	}
+	if !rec.Unacked || rec.BytesAcked >= rec.BytesWire || rec.ClientE2E != metrics.Absent {
+		t.Errorf("unacked %v, %d of %d bytes acknowledged, client e2e %v", rec.Unacked, rec.BytesAcked, rec.BytesWire, rec.ClientE2E)
+	}
+	if !rec.SLOJudged || rec.Good() || rec.SLOMisses != metrics.SLOUnacked {
+		t.Errorf("judged %v good %v missed %s: a response the client did not receive is not good", rec.SLOJudged, rec.Good(), rec.SLOMisses)
+	}
+	if rec.OutputTokens != 75 {
+		t.Errorf("%d output tokens charged, the backend made 75", rec.OutputTokens)
+	}
+	if n := promValue(t, `tokentap_slo_missed_total{route="default",model="other",slo="unacked"}`); n < 1 {
+		t.Errorf("the unacked miss is not counted: %v", n)
 	}
 }
