@@ -55,7 +55,7 @@ type exchange struct {
 	decTimes      []chunkTimes // compressed chunks not yet decoded, from decBase on
 	decBase       int
 	contentLength int
-	bodyHeld      int64 // request body bytes counted in Proxy.bodies (holdBody)
+	bodyHeld      int64  // request body bytes counted in Proxy.bodies (holdBody)
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 	injected      []byte // the request body with include_usage injected
 	path          []byte // the normalised request path
