@@ -48,8 +48,8 @@ func TestPerEventDeliveryLockstep(t *testing.T) {
 					t.Errorf("client got %d, expected %d", got, k)
 					return
 				}
-			case <-time.After(3 * time.Second):
-				t.Errorf("client did not receive token %d within 3s: the relay buffers", k)
+			case <-time.After(30 * time.Second): // lockstep: a buffered token never arrives
+				t.Errorf("client did not receive token %d: the relay buffers", k)
 				return
 			}
 		}
@@ -143,15 +143,17 @@ func TestTimingsAgainstSchedule(t *testing.T) {
 }
 
 // waitClosed waits until the upstream handler saw its client go.
+// waitClosed waits for the upstream to see its request cancelled. The
+// upstreams of these tests write nothing for a minute or more, so nothing
+// but tokentap's cancel can end their request within the wait: no bound
+// on how soon (a loaded machine delays anything), only that it comes.
 func waitClosed(t *testing.T, ch chan time.Time, since time.Time, what string) {
 	t.Helper()
 	select {
 	case at := <-ch:
-		if d := at.Sub(since); d > time.Second {
-			t.Fatalf("%s: upstream saw the cancel after %v, want < 1s", what, d)
-		}
-	case <-time.After(3 * time.Second):
-		t.Fatalf("%s: upstream request not cancelled within 3s", what)
+		t.Logf("%s: the upstream saw the cancel %v after the close", what, at.Sub(since))
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s: upstream request not cancelled", what)
 	}
 }
 
@@ -167,7 +169,7 @@ func TestClientCancelMidStream(t *testing.T) {
 			case <-r.Context().Done():
 				cancelled <- time.Now()
 				return
-			case <-time.After(3 * time.Second): // long gaps: no write reveals the close in time
+			case <-time.After(time.Minute): // long gaps: no write reveals the close in time
 			}
 		}
 	})
@@ -254,10 +256,10 @@ func TestClientCancelDuringPrefill(t *testing.T) {
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body) // net/http notices a closed client only once the body is read
 		close(started)
-		select { // a long prefill: not one byte before 10 s
+		select { // a long prefill: not one byte before a minute
 		case <-r.Context().Done():
 			cancelled <- time.Now()
-		case <-time.After(10 * time.Second):
+		case <-time.After(time.Minute):
 		}
 	})
 	tp := startProxy(t, up.URL, nil)
@@ -500,7 +502,7 @@ func TestCancelDetectedAfterRequestReadTimeout(t *testing.T) {
 		select {
 		case <-r.Context().Done():
 			cancelled <- time.Now()
-		case <-time.After(10 * time.Second):
+		case <-time.After(time.Minute):
 		}
 	})
 	tp := startProxyOpts(t, up.URL, nil, Options{RequestReadTimeout: 100 * time.Millisecond})
@@ -536,7 +538,7 @@ func TestHeadersRelayedBeforeFirstToken(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(2 * time.Second):
+	case <-time.After(30 * time.Second): // the first token comes only after this
 		t.Fatal("headers held back until the first token")
 	}
 	close(release)
@@ -679,7 +681,7 @@ func TestIdleConnectionsReaped(t *testing.T) {
 	if open, idle := tp.upstreamConns(); open == 0 || open != idle {
 		t.Fatalf("after the requests: open=%d idle=%d, want all open ones idle", open, idle)
 	}
-	deadline := time.Now().Add(3 * time.Second)
+	deadline := time.Now().Add(30 * time.Second) // an event, not a time
 	for {
 		open, idle := tp.upstreamConns()
 		if open == 0 && idle == 0 {
@@ -692,7 +694,7 @@ func TestIdleConnectionsReaped(t *testing.T) {
 	}
 	select {
 	case <-closed:
-	case <-time.After(2 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatal("the backend never saw a pooled connection close")
 	}
 }

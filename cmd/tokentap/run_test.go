@@ -156,10 +156,12 @@ func TestReload(t *testing.T) {
 
 	// A long stream in flight across the reload.
 	streamDone := make(chan string, 1)
+	admitted := make(chan struct{})
 	go func() {
 		req, _ := http.NewRequest("POST", "http://"+listen+"/v1/chat/completions", strings.NewReader(`{"stream":true,"max_tokens":20}`))
 		req.Header.Set("Authorization", "Bearer k")
 		resp, err := http.DefaultClient.Do(req)
+		close(admitted) // its header came: it was admitted, it counts
 		if err != nil {
 			streamDone <- err.Error()
 			return
@@ -172,7 +174,7 @@ func TestReload(t *testing.T) {
 		}
 		streamDone <- string(b)
 	}()
-	time.Sleep(50 * time.Millisecond)
+	<-admitted
 
 	write("routes:\n  - name: a\n    prefix: /v1/\n    upstream: " + up + "\n  - name: b\n    prefix: /other\n    strip_prefix: true\n    upstream: " + up + "\n" +
 		"tenants:\n  - name: t\n    keys: [k]\n    requests_per_second: 0.01\n    burst: 4\n")
