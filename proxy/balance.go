@@ -42,23 +42,28 @@ type member struct {
 // pick chooses the upstream of a request of route r. With Sticky, the
 // tenant or the header's value maps to one upstream, the same each time
 // while the weights stay, and users spread by the weights.
-func (r *route) pick(tenant string, h *fasthttp.RequestHeader) *member {
+//
+// key is the sticky key's hash and keyed whether there was one: the guard
+// counts the distinct keys behind each side (a client that chooses its
+// side must not decide alone).
+func (r *route) pick(tenant string, h *fasthttp.RequestHeader) (m *member, key uint64, keyed bool) {
 	if len(r.members) == 1 {
-		return r.members[0]
+		return r.members[0], 0, false
 	}
-	var key []byte
+	var sticky []byte
 	switch {
 	case r.Sticky == "tenant":
-		key = []byte(tenant)
+		sticky = []byte(tenant)
 	case strings.HasPrefix(r.Sticky, "header:"):
-		key = h.Peek(r.Sticky[len("header:"):])
+		sticky = h.Peek(r.Sticky[len("header:"):])
 	}
 	total := 0
 	for _, m := range r.members {
 		total += r.weight(m)
 	}
-	if len(key) > 0 {
-		return r.byWeight(int(maphash.Bytes(stickySeed, key) % uint64(total)))
+	if len(sticky) > 0 {
+		key = maphash.Bytes(stickySeed, sticky)
+		return r.byWeight(int(key % uint64(total))), key, true
 	}
 	if r.Balance == BalanceLeastInflight {
 		var best *member
@@ -72,9 +77,9 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) *member {
 				best, bestN = m, n
 			}
 		}
-		return best
+		return best, 0, false
 	}
-	return r.byWeight(rand.IntN(total))
+	return r.byWeight(rand.IntN(total)), 0, false
 }
 
 // weight is m's share of new requests now: its configured weight, or 0

@@ -367,6 +367,8 @@ func (r *Route) validUpstreams(field func(string) string) error {
 			return fieldErr(field("guard.window"), "must be 1m, 5m, 15m or 1h, got %q", g.Window)
 		case g.MinRequests < 0:
 			return fieldErr(field("guard.min_requests"), "must not be negative")
+		case g.MinKeys < 0:
+			return fieldErr(field("guard.min_keys"), "must not be negative")
 		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
 			return fieldErr(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
 		}

@@ -56,6 +56,8 @@ type exchange struct {
 	decBase       int
 	contentLength int
 	bodyHeld      int64  // request body bytes counted in Proxy.bodies (holdBody)
+	stickyKey     uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
+	stickyKeyed   bool
 	head          []byte // the response header of an HTTP/1.0 hijacked relay
 	injected      []byte // the request body with include_usage injected
 	path          []byte // the normalised request path
@@ -222,7 +224,7 @@ func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
 		x.tenant, rec.Tenant = tenant, tenant
 		rec.TenantSeries = snap.metrics.Tenant(tenant)
 	}
-	x.mem = r.pick(x.tenant, &ctx.Request.Header)
+	x.mem, x.stickyKey, x.stickyKeyed = r.pick(x.tenant, &ctx.Request.Header)
 	x.mem.inflight.Add(1)
 	x.up, rec.Upstream = x.mem.up, x.mem.name
 	rec.Series = snap.metrics.Series(x.mem.row, snap.metrics.OtherIndex())
@@ -1250,7 +1252,11 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	}
 	x.p.stats.Observe(rec, x.m.gaps)
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
-		x.p.checkGuard(x.rt, x.p.statsNow())
+		now := x.p.statsNow()
+		if x.stickyKeyed {
+			x.rt.guard.noteKey(x.mem.name, x.stickyKey, now)
+		}
+		x.p.checkGuard(x.rt, now)
 	}
 	for _, s := range x.p.opts.Sinks {
 		s.Observe(rec)

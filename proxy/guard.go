@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -24,7 +25,16 @@ type Guard struct {
 	// MaxErrorRateIncrease is in points of error rate (0.01: one point).
 	// 0 leaves that check out.
 	MaxTTFTP95Increase, MaxE2EP95Increase, MaxErrorRateIncrease float64
+	// MinKeys: on a route whose sticky key a client chooses (sticky
+	// tenant or header), a side is weighed only once requests of at least
+	// this many distinct keys are in its window (default 10), so that no
+	// one client decides. Without a sticky key the split is random and no
+	// client can choose its side: it does not apply.
+	MinKeys int
 }
+
+// defaultGuardMinKeys is Guard.MinKeys when unset.
+const defaultGuardMinKeys = 10
 
 // guardState is a route's guard at run time.
 type guardState struct {
@@ -33,6 +43,64 @@ type guardState struct {
 	tripped   atomic.Pointer[GuardStatus] // nil: not tripped
 	lastCheck atomic.Int64                // unix nanos of the last check
 	armedAt   atomic.Int64                // unix nanos: checks begin a window after it
+	// keys are the sticky keys seen on each side (candidate, baseline).
+	keys [2]keySet
+}
+
+// keySet is when each sticky key (its hash) was last seen on a side,
+// bounded: past maxGuardKeys it makes room by forgetting keys outside the
+// window, and otherwise does not grow (it holds more than any MinKeys).
+type keySet struct {
+	mu   sync.Mutex
+	last map[uint64]int64 // key hash → unix nanos
+}
+
+// maxGuardKeys bounds a side's keySet.
+const maxGuardKeys = 4096
+
+func (k *keySet) note(key uint64, now, window int64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.last == nil {
+		k.last = map[uint64]int64{}
+	}
+	if _, ok := k.last[key]; !ok && len(k.last) >= maxGuardKeys {
+		for h, t := range k.last {
+			if t < now-window {
+				delete(k.last, h)
+			}
+		}
+		if len(k.last) >= maxGuardKeys {
+			return
+		}
+	}
+	k.last[key] = now
+}
+
+// distinct counts the keys seen since from, up to enough.
+func (k *keySet) distinct(from int64, enough int) int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	n := 0
+	for _, t := range k.last {
+		if t >= from {
+			if n++; n >= enough {
+				break
+			}
+		}
+	}
+	return n
+}
+
+// noteKey records that a request of the sticky key (its hash) went to
+// upstream, when that is the guard's candidate or baseline.
+func (g *guardState) noteKey(upstream string, key uint64, now time.Time) {
+	switch upstream {
+	case g.Candidate:
+		g.keys[0].note(key, now.UnixNano(), int64(g.windowLen()))
+	case g.Baseline:
+		g.keys[1].note(key, now.UnixNano(), int64(g.windowLen()))
+	}
 }
 
 // windowLen is the length of a guard window.
@@ -65,6 +133,14 @@ func (p *Proxy) checkGuard(r *route, now time.Time) {
 	last := g.lastCheck.Load()
 	if now.UnixNano()-last < int64(guardInterval) || !g.lastCheck.CompareAndSwap(last, now.UnixNano()) {
 		return
+	}
+	if r.Sticky != "" {
+		// A client chooses its side: each side needs the requests of
+		// enough distinct keys in its window.
+		from := now.UnixNano() - int64(g.windowLen())
+		if g.keys[0].distinct(from, g.MinKeys) < g.MinKeys || g.keys[1].distinct(from, g.MinKeys) < g.MinKeys {
+			return
+		}
 	}
 	c := p.stats.Summarize(r.Name, g.Candidate, g.Window)
 	b := p.stats.Summarize(r.Name, g.Baseline, g.Window)

@@ -1,7 +1,10 @@
 package proxy
 
 import (
+	"fmt"
+
 	"bytes"
+	"github.com/valyala/fasthttp"
 	"strings"
 	"testing"
 	"time"
@@ -83,5 +86,55 @@ func TestCanaryGuard(t *testing.T) {
 		if !seen["canary"] {
 			t.Errorf("after the reset the canary took no request: %v", seen)
 		}
+	}
+}
+
+// TestGuardNotSteeredByOneKey: with sticky: header:X-User a client chooses
+// its side. One user whose every request goes to the canary (and finds it
+// slow) cannot trip the guard alone: a side is weighed only with the
+// requests of min_keys (10) distinct users in its window. When as slow a
+// canary is seen by twelve users, it trips.
+func TestGuardNotSteeredByOneKey(t *testing.T) {
+	clk := &offsetClock{}
+	fast := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
+	slow := startMock(t, mockllm.Options{PrefillBase: 50 * time.Millisecond, TokenGap: time.Millisecond})
+	tp := startProxyOpts(t, "", func(c *Config) {
+		c.Routes = []Route{{Name: "steered", Prefix: "/", Timeouts: DefaultTimeouts, Sticky: "header:X-User",
+			Upstreams: []Upstream{{Name: "stable", URL: fast, Weight: 1}, {Name: "canary", URL: slow, Weight: 1}},
+			Guard:     &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 1}}}
+	}, Options{StatsNow: clk.now})
+	// Users that the sticky hash sends to each side.
+	users := map[string][]string{}
+	rt := tp.p.snap.Load().routes[0]
+	for i := 0; len(users["canary"]) < 12 || len(users["stable"]) < 12; i++ {
+		var h fasthttp.RequestHeader
+		u := fmt.Sprintf("user-%d", i)
+		h.Set("X-User", u)
+		m, _, _ := rt.pick("", &h)
+		users[m.name] = append(users[m.name], u)
+	}
+	send := func(n int, who []string) {
+		for i := range n {
+			chat(t, tp.url, "X-User", who[i%len(who)])
+			tp.rec.next(t)
+		}
+	}
+	check := func() {
+		// The guard weighs at most once a second of its clock.
+		clk.jump(2 * time.Second)
+		send(1, users["stable"])
+	}
+	clk.jump(50 * time.Second) // a whole window after the config, as TestCanaryGuard
+	send(40, users["stable"])
+	send(40, users["canary"][:1]) // one user, all of the canary's requests
+	clk.jump(15 * time.Second)
+	check()
+	if g := tp.p.Guards(); len(g) != 0 {
+		t.Fatalf("one user tripped the guard: %+v", g)
+	}
+	send(40, users["canary"])
+	check()
+	if g := tp.p.Guards(); len(g) != 1 || g[0].Candidate != "canary" {
+		t.Fatalf("twelve users saw the slow canary, the guard did not trip: %+v", g)
 	}
 }

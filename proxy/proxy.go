@@ -199,6 +199,9 @@ func (p *Proxy) Apply(cfg Config) error {
 			if g.MinRequests == 0 {
 				g.MinRequests = 200
 			}
+			if g.MinKeys == 0 {
+				g.MinKeys = defaultGuardMinKeys
+			}
 			g.candidate = rt.member(g.Candidate)
 			g.armedAt.Store(p.statsNow().UnixNano())
 			rt.guard = g

@@ -134,7 +134,7 @@ func (f *fileGuard) guard() *proxy.Guard {
 	if f == nil {
 		return nil
 	}
-	return &proxy.Guard{Candidate: f.Candidate, Baseline: f.Baseline, Window: f.Window, MinRequests: f.MinRequests,
+	return &proxy.Guard{Candidate: f.Candidate, Baseline: f.Baseline, Window: f.Window, MinRequests: f.MinRequests, MinKeys: f.MinKeys,
 		MaxTTFTP95Increase: float64(f.MaxTTFTP95Increase), MaxE2EP95Increase: float64(f.MaxE2EP95Increase),
 		MaxErrorRateIncrease: float64(f.MaxErrorRateIncrease)}
 }
@@ -158,6 +158,7 @@ type fileGuard struct {
 	Baseline             string   `yaml:"baseline"`
 	Window               string   `yaml:"window"`
 	MinRequests          int64    `yaml:"min_requests"`
+	MinKeys              int      `yaml:"min_keys"`
 	MaxTTFTP95Increase   increase `yaml:"max_ttft_p95_increase"`
 	MaxE2EP95Increase    increase `yaml:"max_e2e_p95_increase"`
 	MaxErrorRateIncrease share    `yaml:"max_error_rate_increase"`
