@@ -35,9 +35,7 @@ func TestFaultSecretsNeverInBodiesOrLogs(t *testing.T) {
 		time.Sleep(300 * time.Millisecond)
 		return false
 	})
-	dead, _ := net.Listen("tcp", "127.0.0.1:0")
-	deadAddr := dead.Addr().String()
-	dead.Close()
+	deadAddr := deadAddr(t)
 
 	var logBuf, alogBuf syncBuffer
 	logger := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewDevelopmentEncoderConfig()), zapcore.AddSync(&logBuf), zapcore.DebugLevel))

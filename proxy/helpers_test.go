@@ -102,6 +102,21 @@ func startUpstream(t *testing.T, h http.HandlerFunc) *httptest.Server {
 	return s
 }
 
+// deadAddr is an address where nothing listens, on 127.0.0.2: the port
+// of a closed listener on 127.0.0.1 could be handed to a later listener of
+// the test (the proxy itself once, which then forwarded to itself until
+// its headers were too large), never on another address.
+func deadAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.2:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
 // rawRequest sends a request on a fresh raw connection and returns it with
 // a reader positioned at the response.
 func rawRequest(t *testing.T, addr, req string) (net.Conn, *bufio.Reader) {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"io"
-	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -91,9 +90,7 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 			io.WriteString(w, `{"usage":{"prompt_tokens":1,"completion_tokens":2}}`)
 		}
 	})
-	dead, _ := net.Listen("tcp", "127.0.0.1:0")
-	deadURL := "http://" + dead.Addr().String()
-	dead.Close()
+	deadURL := "http://" + deadAddr(t)
 
 	logBuf := &syncBuffer{}
 	alog := metrics.NewAccessLog(zapcore.AddSync(logBuf), 0)
