@@ -113,7 +113,8 @@ var (
 )
 
 // bodyTooLarge marks a request whose Content-Length was over the limit
-// (tooLargeToRead); a client's own copy is dropped first.
+// (tooLargeToRead). A client that sends it itself only gets its own 413;
+// dropOwn keeps it from ever reaching an upstream.
 const bodyTooLarge = "X-Tokentap-Body-Too-Large"
 
 // tooLargeToRead is the server's HeaderReceived: a request that announces
