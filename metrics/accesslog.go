@@ -373,6 +373,9 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("client_ttft_ms", r.ClientTTFT)
 	ms("client_ttfa_ms", r.ClientTTFA)
 	ms("client_e2e_ms", r.ClientE2E)
+	if r.ClientStall > 0 {
+		ms("client_stall_ms", r.ClientStall)
+	}
 	ms("server_queue_ms", r.ServerQueue)
 	ms("server_load_ms", r.ServerLoad)
 	ms("server_prefill_ms", r.ServerPrefill)

@@ -98,6 +98,11 @@ type Record struct {
 	ClientTTFT   time.Duration // client sent its request → first token reached it
 	ClientTTFA   time.Duration // → first answer token reached it
 	ClientE2E    time.Duration // → last byte reached it
+	// ClientStall is how long writes to the client waited for it to take
+	// bytes (its receive window was full: it read slowly), and
+	// ClientStallTTFT the part of it before the first token was delivered:
+	// time the client caused, which the canary guard leaves out.
+	ClientStall, ClientStallTTFT time.Duration
 
 	// Server-side timings, when the backend reports them.
 	ServerQueue   time.Duration

@@ -40,9 +40,10 @@ import (
 type delivery struct {
 	ok             bool
 	minRTT, srtt   time.Duration
-	notsent        int64     // bytes written and not yet sent, at the last reading
-	departed       time.Time // when the last byte left (notsent seen at 0)
-	wire           int64     // this response's bytes written
+	notsent        int64         // bytes written and not yet sent, at the last reading
+	departed       time.Time     // when the last byte left (notsent seen at 0)
+	wire           int64         // this response's bytes written
+	stall          time.Duration // how long its writes waited for the client
 	retrans        int
 	watched        bool // acked was read until all was acknowledged or the wait ran out
 	unknown        bool // the connection closed before its count could be read
@@ -97,8 +98,16 @@ func pathRTT(minRTT, syn time.Duration) time.Duration {
 // startDelivery notes where the response begins on the client connection.
 func (x *exchange) startDelivery() {
 	if cc, ok := x.client.(*clientConn); ok {
-		x.cc, x.sentFrom = cc, cc.sent
+		x.cc, x.sentFrom, x.stallFrom = cc, cc.sent, cc.stall
 	}
+}
+
+// stalled is how long this response's writes waited for the client so far.
+func (x *exchange) stalled() time.Duration {
+	if x.cc == nil {
+		return 0
+	}
+	return x.cc.stall - x.stallFrom
 }
 
 // readDelivery reads TCP_INFO at the end of the response, on the
@@ -108,7 +117,7 @@ func (x *exchange) startDelivery() {
 func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	cc := x.cc
 	d := &x.deliv
-	*d = delivery{}
+	*d = delivery{stall: x.stalled()}
 	if cc == nil || cc.ackBase < 0 || !x.ti.read(cc.sys) {
 		return false
 	}
@@ -307,6 +316,7 @@ func (w *ackWatch) run(now func() time.Time) {
 // and the delivery.
 func (x *exchange) fillClient() {
 	d, rec := &x.deliv, &x.rec
+	rec.ClientStall = d.stall
 	if !d.ok {
 		return
 	}

@@ -178,11 +178,16 @@ type clientConn struct {
 	head   [3]byte
 	headN  int
 
-	sys     syscall.RawConn // for TCP_INFO (nil: not available)
-	sent    int64           // bytes written to the connection
-	ackBase int64           // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
-	retrans uint32          // tcpi_total_retrans at the last reading
-	synRTT  time.Duration   // the handshake's RTT sample (tcpi_min_rtt when accepted)
+	sys  syscall.RawConn // for TCP_INFO (nil: not available)
+	sent int64           // bytes written to the connection
+	// stall is how long writes waited for the client to take bytes (its
+	// socket buffer was full: a client that reads slowly): each write
+	// that took longer than stallMin, whole, and each wait of a relay
+	// loop for writability.
+	stall   time.Duration
+	ackBase int64         // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
+	retrans uint32        // tcpi_total_retrans at the last reading
+	synRTT  time.Duration // the handshake's RTT sample (tcpi_min_rtt when accepted)
 	// closedAcked is tcpi_bytes_acked read just before the close (0: not
 	// read), for a record still waiting for the client's acknowledgement.
 	closedAcked atomic.Int64
@@ -328,7 +333,8 @@ func (c *clientConn) Write(b []byte) (int, error) {
 			return n + len(bareLastChunk), err
 		}
 	}
-	if now := time.Now(); now.Sub(c.setAt) > c.d/100 {
+	now := time.Now()
+	if now.Sub(c.setAt) > c.d/100 {
 		if err := c.TCPConn.SetWriteDeadline(now.Add(c.d)); err != nil {
 			return 0, err
 		}
@@ -336,5 +342,13 @@ func (c *clientConn) Write(b []byte) (int, error) {
 	}
 	n, err := c.rxConn.Write(b)
 	c.sent += int64(n)
+	if d := time.Since(now); d > stallMin {
+		c.stall += d
+	}
 	return n, err
 }
+
+// stallMin is the shortest write counted as waiting for the client: one
+// that does not wait takes microseconds (a loopback write, which also runs
+// the receiver's side of TCP, up to some tens).
+const stallMin = 500 * time.Microsecond

@@ -227,8 +227,12 @@ func (d *sideDecoder) close(consume func()) bool {
 	}
 }
 
-// chunkTimes are when a compressed chunk was read and delivered.
-type chunkTimes struct{ read, flush time.Time }
+// chunkTimes are when a compressed chunk was read and delivered, and how
+// long writes had waited for the client by its delivery.
+type chunkTimes struct {
+	read, flush time.Time
+	stall       time.Duration
+}
 
 // zstdDecoders keeps zstd decoders between responses. A decoder holds a
 // window of the size its frame declares (8 MiB for most encoders'

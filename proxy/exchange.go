@@ -102,12 +102,13 @@ type exchange struct {
 	shadow bool // a copy sent to the route's shadow upstream (shadow.go)
 
 	// The client connection's delivery (clientside.go).
-	cc       *clientConn
-	sentFrom int64
-	ti       tcpInfo
-	deliv    delivery
-	end      ending // what finish knew, while the record waits (ackWatch)
-	endSent  bool   // the body's last chunk went out with its data (passScan)
+	cc        *clientConn
+	sentFrom  int64
+	stallFrom time.Duration // the client connection's stall when the response began
+	ti        tcpInfo
+	deliv     delivery
+	end       ending // what finish knew, while the record waits (ackWatch)
+	endSent   bool   // the body's last chunk went out with its data (passScan)
 }
 
 type parseMode uint8
@@ -897,9 +898,10 @@ func (x *exchange) flushed(t time.Time) {
 		// Its tokens are stamped once decoded (takeDecoded); a read relayed
 		// whole can have fed the decoder several chunks.
 		for i := len(x.decTimes) - 1; i >= 0 && x.decTimes[i].flush.IsZero(); i-- {
-			x.decTimes[i].flush = t
+			x.decTimes[i].flush, x.decTimes[i].stall = t, x.stalled()
 		}
 	}
+	x.m.stall = x.stalled()
 	x.m.flushed(t)
 }
 
@@ -1007,6 +1009,7 @@ func (x *exchange) takeDecoded(final bool) {
 		x.parse(part.b, ct.read)
 		switch {
 		case !ct.flush.IsZero():
+			x.m.stall = ct.stall
 			x.m.deliver(ct.flush)
 		case final:
 			x.m.drop() // its write failed: never delivered

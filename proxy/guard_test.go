@@ -1,16 +1,25 @@
 package proxy
 
 import (
-	"fmt"
-
+	"bufio"
 	"bytes"
-	"github.com/valyala/fasthttp"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"slices"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/valyala/fasthttp"
 )
 
 // TestCanaryGuard: a canary whose first token comes 40 ms later than its
@@ -137,4 +146,163 @@ func TestGuardNotSteeredByOneKey(t *testing.T) {
 	if g := tp.p.Guards(); len(g) != 1 || g[0].Candidate != "canary" {
 		t.Fatalf("twelve users saw the slow canary, the guard did not trip: %+v", g)
 	}
+}
+
+// TestGuardLeavesOutClientTime: two equal backends, and every client of
+// the canary is slow on its own side of the wire: it takes 150 ms to send
+// its request's body, and once the response's header is in it stops
+// reading for 300 ms, while the 2.5 MB stream fills the socket buffers
+// between them. What those users lived (ttft_ms, e2e_ms) is far worse
+// than the baseline's, but none of it is the canary's doing: the guard
+// weighs TTFT and E2E without the upload, the admission queue and the
+// writes that waited for the client (client_stall_ms), and does not trip.
+// The same slow clients in front of a canary that is really 5x slower to
+// its first token do trip it.
+func TestGuardLeavesOutClientTime(t *testing.T) {
+	event := "data: " + `{"choices":[{"delta":{"content":"` + strings.Repeat("x", 960) + `"}}]}` + "\n\n"
+	stream := []byte(strings.Repeat(event, 2500))
+	backend := func(prefill time.Duration) string {
+		return startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.ReadAll(r.Body)
+			w.Header().Set("Content-Type", "text/event-stream")
+			time.Sleep(prefill)
+			_, _ = w.Write(stream)
+		}).URL
+	}
+	for _, slowCanary := range []bool{false, true} {
+		clk := &offsetClock{}
+		base, canary := backend(10*time.Millisecond), backend(10*time.Millisecond)
+		if slowCanary {
+			canary = backend(50 * time.Millisecond)
+		}
+		rec := newRecorder()
+		p, err := New(Config{Routes: []Route{{Name: "slowclients", Prefix: "/", Timeouts: DefaultTimeouts, Sticky: "header:X-User",
+			Upstreams: []Upstream{{Name: "stable", URL: base, Weight: 1}, {Name: "canary", URL: canary, Weight: 1}},
+			Guard: &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30,
+				MaxTTFTP95Increase: 1, MaxE2EP95Increase: 1}}}}, Options{StatsNow: clk.now, Sinks: []metrics.Sink{rec}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Client connections inherit the listener's send buffer: 256 KiB,
+		// not the megabytes loopback grows it to, so a client that does not
+		// read holds tokentap's writes.
+		lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+			return c.Control(func(fd uintptr) { _ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF, 128<<10) })
+		}}
+		ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { _ = p.Serve(ln) }()
+		t.Cleanup(func() { _ = p.Shutdown(context.Background()); p.Close() })
+		tp := &testProxy{p: p, addr: ln.Addr().String(), rec: rec}
+		users := map[string][]string{}
+		rt := tp.p.snap.Load().routes[0]
+		for i := 0; len(users["canary"]) < 12 || len(users["stable"]) < 12; i++ {
+			var h fasthttp.RequestHeader
+			u := fmt.Sprintf("user-%d", i)
+			h.Set("X-User", u)
+			m, _, _ := rt.pick("", &h)
+			users[m.name] = append(users[m.name], u)
+		}
+		clk.jump(50 * time.Second) // a whole window after the config (TestCanaryGuard)
+		var wg sync.WaitGroup
+		for w := range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := w; i < 40; i += 4 {
+					if err := streamClient(tp.addr, users["stable"][i%12], 0, 0); err != nil {
+						t.Error(err)
+					}
+					if err := streamClient(tp.addr, users["canary"][i%12], 150*time.Millisecond, 300*time.Millisecond); err != nil {
+						t.Error(err)
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		if t.Failed() {
+			t.FailNow()
+		}
+		e2e := map[string][]time.Duration{}
+		stalled := 0
+		for range 80 {
+			r := tp.rec.next(t)
+			e2e[r.Upstream] = append(e2e[r.Upstream], r.E2E)
+			if r.Upstream == "canary" && os.Getenv("TOKENTAP_GUARD_DEBUG") != "" {
+				t.Logf("canary: ttft %v e2e %v upload %v stall %v (%v before the first token)", r.TTFT, r.E2E, r.Upload, r.ClientStall, r.ClientStallTTFT)
+			}
+			if r.Upstream == "canary" && r.ClientStall >= 100*time.Millisecond && r.Upload >= 100*time.Millisecond {
+				stalled++
+			}
+		}
+		// The users' own figures: the slow clients made the canary's look
+		// far worse (else this test would not test).
+		if c, b := p95(e2e["canary"]), p95(e2e["stable"]); stalled < 30 || c < 2*b {
+			t.Fatalf("slow clients: %d of 40 records with a stall and a slow upload; e2e p95 canary %v, stable %v", stalled, c, b)
+		}
+		clk.jump(15 * time.Second)
+		for i := range 2 {
+			// The guard weighs at most once a second of its clock.
+			clk.jump(2 * time.Second)
+			if err := streamClient(tp.addr, users["stable"][i], 0, 0); err != nil {
+				t.Fatal(err)
+			}
+			tp.rec.next(t)
+		}
+		g := tp.p.Guards()
+		switch {
+		case !slowCanary && len(g) != 0:
+			t.Fatalf("slow clients tripped the guard of an equal canary: %+v", g)
+		case slowCanary && (len(g) != 1 || !strings.Contains(g[0].Reason, "TTFT p95")):
+			t.Fatalf("a canary 5x slower to its first token, behind slow clients, did not trip the guard on TTFT: %+v", g)
+		}
+	}
+}
+
+// streamClient sends one streamed chat as user, its body upload after its
+// header, and once the response's header is in stops reading for pause.
+func streamClient(addr, user string, upload, pause time.Duration) error {
+	// A receive buffer of its own size: the kernel's would grow to hold
+	// the whole stream on loopback.
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		return c.Control(func(fd uintptr) { _ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 128<<10) })
+	}}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	const body = `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
+	req := postJSON("/v1/chat/completions", body, "X-User: "+user)
+	head := req[:len(req)-len(body)]
+	if _, err := io.WriteString(c, head); err != nil {
+		return err
+	}
+	time.Sleep(upload)
+	if _, err := io.WriteString(c, body); err != nil {
+		return err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(time.Minute))
+	br := bufio.NewReaderSize(c, 4096)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return err
+	}
+	time.Sleep(pause)
+	n, err := io.Copy(io.Discard, resp.Body)
+	if err != nil || resp.StatusCode != 200 {
+		return fmt.Errorf("status %d after %d bytes: %v", resp.StatusCode, n, err)
+	}
+	return nil
+}
+
+func p95(v []time.Duration) time.Duration {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[(len(s)*95+99)/100-1]
 }

@@ -371,6 +371,7 @@ func (l *relayLoop) write(s *loopStream) {
 	}
 	if s.blocked {
 		s.blocked, s.readAt = false, time.Now()
+		s.cc.stall += s.readAt.Sub(s.since)
 		l.interest(s, unix.EPOLLIN)
 		if s.idle > 0 {
 			l.expect(s.readAt.Add(s.idle))

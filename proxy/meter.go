@@ -27,6 +27,11 @@ type meter struct {
 	firstAnswerFlush                time.Time
 	lastTokenFlush, lastFlush       time.Time
 
+	// stall is how long writes had waited for the client when the
+	// delivery being stamped went out (the exchange sets it before
+	// flushed or deliver); stallTTFT is its value at the first token.
+	stall, stallTTFT time.Duration
+
 	chunkTokens  int // token events observed and not yet delivered
 	chunkAnswers int // of which answers
 	gaps         []time.Duration
@@ -116,7 +121,7 @@ func (m *meter) deliver(t time.Time) {
 	m.chunkAnswers = 0
 	for ; m.chunkTokens > 0; m.chunkTokens-- {
 		if m.firstTokenFlush.IsZero() {
-			m.firstTokenFlush = t
+			m.firstTokenFlush, m.stallTTFT = t, m.stall
 		} else {
 			gap := t.Sub(m.lastTokenFlush)
 			if len(m.gaps) < maxGaps {
@@ -183,6 +188,7 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	}
 	if streamed && !m.firstTokenFlush.IsZero() {
 		rec.TTFT = m.firstTokenFlush.Sub(m.arrival)
+		rec.ClientStallTTFT = m.stallTTFT
 		if rec.OutputTokens > 1 {
 			rec.TPOT = (rec.E2E - rec.TTFT) / time.Duration(rec.OutputTokens-1)
 		}

@@ -17,7 +17,10 @@ type TrippedGuard struct {
 }
 
 // Summary is one upstream of a route over a window, every model and
-// tenant together: what a canary guard weighs.
+// tenant together: what a canary guard weighs. Its TTFT and E2E leave out
+// the time clients caused (the request's upload, the admission queue,
+// writes that waited for a slow reader): that is the backend's and
+// tokentap's time, which a client cannot draw out.
 type Summary struct {
 	Count, Errors int64
 	TTFTP95       float64 // ms; 0 without streamed requests
@@ -46,5 +49,5 @@ func (e *Engine) Summarize(route, upstream, window string) Summary {
 			g.mu.Unlock()
 		}
 	}
-	return Summary{Count: a.count, Errors: a.errors, TTFTP95: a.d[mTTFT].quantile(0.95), E2EP95: a.d[mE2E].quantile(0.95)}
+	return Summary{Count: a.count, Errors: a.errors, TTFTP95: a.d[mBackendTTFT].quantile(0.95), E2EP95: a.d[mBackendE2E].quantile(0.95)}
 }
