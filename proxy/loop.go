@@ -228,7 +228,7 @@ func (l *relayLoop) turn(uintptr) bool {
 			case ev.Pad == 1 && ev.Events&unix.EPOLLRDHUP != 0 && s.rdhup:
 				l.clientClosed(s)
 			case ev.Pad == 0 && !s.blocked:
-				l.read(s)
+				l.read(s, ev.Events)
 			}
 		}
 		l.free = append(l.free, l.freed...)
@@ -285,7 +285,7 @@ func (l *relayLoop) takePosted() {
 			l.slots = append(l.slots, nil)
 		}
 		s.slot, s.readAt, s.rdhup = slot, now, true
-		up := unix.EpollEvent{Events: unix.EPOLLIN, Fd: slot}
+		up := unix.EpollEvent{Events: upEvents, Fd: slot}
 		// The client's socket: its peer's close (the peer watch's job on
 		// the goroutine path), hang-ups and errors, until it is written to.
 		cl := unix.EpollEvent{Events: s.clientEvents(), Fd: slot, Pad: 1}
@@ -308,8 +308,22 @@ func (l *relayLoop) takePosted() {
 	l.taken = l.taken[:0]
 }
 
-// read relays one read of the upstream socket.
-func (l *relayLoop) read(s *loopStream) {
+// upEvents is what the loop waits for on a stream's upstream socket: its
+// data, and its end (EPOLLRDHUP), so that a read can tell whether the end
+// is still waiting behind the bytes it took.
+const upEvents = unix.EPOLLIN | unix.EPOLLRDHUP
+
+// read relays one read of the upstream socket, reported ready with events.
+//
+// A socket that is still readable after its read (its end, or a reset,
+// waits behind the bytes taken) must be looked at again before the loop
+// parks: the set is level-triggered, so the next epoll_wait reports it,
+// but the runtime's poller watches the epoll descriptor edge-triggered, and
+// a socket that stays ready makes no new edge. Only an event that arrives
+// wakes a parked loop: the end of a stream that came with its last bytes
+// (an upstream that wrote and reset at once) was left unread until the
+// idle timeout, its record with it.
+func (l *relayLoop) read(s *loopStream, events uint32) {
 	x := s.x
 	rx := x.conn.rx
 	room := x.buf[x.keep:]
@@ -326,7 +340,7 @@ func (l *relayLoop) read(s *loopStream) {
 	default:
 		x.conn.stamp()
 		s.readAt = time.Now()
-		if n == len(room) {
+		if n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 			l.again = true
 		}
 	}
@@ -372,7 +386,7 @@ func (l *relayLoop) write(s *loopStream) {
 	if s.blocked {
 		s.blocked, s.readAt = false, time.Now()
 		s.cc.stall += s.readAt.Sub(s.since)
-		l.interest(s, unix.EPOLLIN)
+		l.interest(s, upEvents)
 		if s.idle > 0 {
 			l.expect(s.readAt.Add(s.idle))
 		}
