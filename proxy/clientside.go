@@ -31,9 +31,10 @@ import (
 // ACKs, up to 40 ms a sample; a later minimum below the handshake's is
 // mostly a sample taken from TCP timestamps, whose clock ticks in
 // milliseconds (measured over the netsim link: 0.7–1 ms low at 100 ms one
-// way). What the estimate cannot
-// see: a segment lost and sent again (the client waited one retransmission
-// more; counted in client_retrans) and time in the client's own stack.
+// way). What the RTT cannot see: a queue on the way to the client, a
+// segment lost and sent again (counted in client_retrans), time in the
+// client's own stack. For the first token and the first answer token the
+// client's acknowledgement of their bytes shows the first two (tokenack.go).
 
 // delivery is what TCP_INFO said of the client connection at the end of a
 // response, and the acknowledgement of its last bytes.
@@ -99,6 +100,67 @@ func pathRTT(minRTT, syn time.Duration) time.Duration {
 func (x *exchange) startDelivery() {
 	if cc, ok := x.client.(*clientConn); ok {
 		x.cc, x.sentFrom, x.stallFrom = cc, cc.sent, cc.stall
+	}
+}
+
+// sent is the client connection's count of bytes written (0: unknown).
+func (x *exchange) sent() int64 {
+	if x.cc == nil {
+		return 0
+	}
+	return x.cc.sent
+}
+
+// markAcks watches for the client's acknowledgement of the bytes that
+// carried the stream's first token (and first answer token) when the
+// delivery at t, with the connection's count at sent, was the first of
+// one: tok and ans say the meter had none before it.
+func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
+	cc := x.cc
+	if !x.streamed || cc == nil || cc.sys == nil || cc.ackBase < 0 {
+		return
+	}
+	if tok && !x.m.firstTokenFlush.IsZero() {
+		x.tokMark = newAckMark(cc.sys, cc.ackBase+sent, t, cc.synRTT)
+		x.p.marks.add(x.tokMark, x.p.now)
+	}
+	if ans && !x.m.firstAnswerFlush.IsZero() {
+		if x.tokMark != nil && x.tokMark.flush.Equal(t) {
+			x.ansMark = x.tokMark
+			return
+		}
+		x.ansMark = newAckMark(cc.sys, cc.ackBase+sent, t, cc.synRTT)
+		x.p.marks.add(x.ansMark, x.p.now)
+	}
+}
+
+// byAck is a client-side time estimated by the round trip (est), or by
+// the acknowledgement of its bytes (acked, zero: none usable) since the
+// request's arrival when the two differ by more than ackAgree: within it
+// the round trip's is the more precise (an acknowledgement is looked for
+// every half millisecond, and the way back of one packet is not the way in
+// of another).
+func byAck(est time.Duration, acked, arrival time.Time) time.Duration {
+	if est < 0 || acked.IsZero() {
+		return est
+	}
+	if a := acked.Sub(arrival); a > est+ackAgree || a < est-ackAgree {
+		return a
+	}
+	return est
+}
+
+// ackAgree is how far apart the two estimates of a client-side time may
+// be before the acknowledgement's is taken.
+const ackAgree = time.Millisecond
+
+// laterBytes tells the marks waiting for their acknowledgement that bytes
+// after theirs were written at t.
+func (x *exchange) laterBytes(t time.Time) {
+	for _, m := range [2]*ackMark{x.tokMark, x.ansMark} {
+		if m != nil && m.flush.Before(t) && m.later.Load() == 0 {
+			m.later.Store(t.UnixNano())
+		}
 	}
 }
 
@@ -317,6 +379,17 @@ func (w *ackWatch) run(now func() time.Time) {
 func (x *exchange) fillClient() {
 	d, rec := &x.deliv, &x.rec
 	rec.ClientStall = d.stall
+	var tokAck, ansAck time.Time
+	if x.tokMark != nil {
+		if at, ok := x.tokMark.take(); ok {
+			tokAck = at
+		}
+	}
+	if x.ansMark != nil {
+		if at, ok := x.ansMark.take(); ok {
+			ansAck = at
+		}
+	}
 	if !d.ok {
 		return
 	}
@@ -336,6 +409,12 @@ func (x *exchange) fillClient() {
 		return t + d.minRTT
 	}
 	rec.ClientTTFT, rec.ClientTTFA = plus(rec.TTFT), plus(rec.TTFA)
+	// The client's acknowledgement of the token's bytes, where one was
+	// usable and says otherwise: what the path added beyond its minimum (a
+	// queue, a segment sent again) shows in it, and a round trip measured
+	// through a queue (a handshake that met one) does not.
+	rec.ClientTTFT = byAck(rec.ClientTTFT, tokAck, x.m.arrival)
+	rec.ClientTTFA = byAck(rec.ClientTTFA, ansAck, x.m.arrival)
 	if rec.E2E >= 0 && !rec.Unacked {
 		// The last write was accepted E2E after arrival; its bytes left
 		// then, or when the kernel was seen to have sent them. A response

@@ -232,6 +232,7 @@ func (d *sideDecoder) close(consume func()) bool {
 type chunkTimes struct {
 	read, flush time.Time
 	stall       time.Duration
+	sent        int64 // the client connection's bytes written by its delivery
 }
 
 // zstdDecoders keeps zstd decoders between responses. A decoder holds a

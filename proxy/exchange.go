@@ -102,13 +102,16 @@ type exchange struct {
 	shadow bool // a copy sent to the route's shadow upstream (shadow.go)
 
 	// The client connection's delivery (clientside.go).
-	cc        *clientConn
-	sentFrom  int64
-	stallFrom time.Duration // the client connection's stall when the response began
-	ti        tcpInfo
-	deliv     delivery
-	end       ending // what finish knew, while the record waits (ackWatch)
-	endSent   bool   // the body's last chunk went out with its data (passScan)
+	cc       *clientConn
+	sentFrom int64
+	// The acknowledgement of the bytes that carried the first token and
+	// the first answer token (the same mark when one write carried both).
+	tokMark, ansMark *ackMark
+	stallFrom        time.Duration // the client connection's stall when the response began
+	ti               tcpInfo
+	deliv            delivery
+	end              ending // what finish knew, while the record waits (ackWatch)
+	endSent          bool   // the body's last chunk went out with its data (passScan)
 }
 
 type parseMode uint8
@@ -898,11 +901,14 @@ func (x *exchange) flushed(t time.Time) {
 		// Its tokens are stamped once decoded (takeDecoded); a read relayed
 		// whole can have fed the decoder several chunks.
 		for i := len(x.decTimes) - 1; i >= 0 && x.decTimes[i].flush.IsZero(); i-- {
-			x.decTimes[i].flush, x.decTimes[i].stall = t, x.stalled()
+			x.decTimes[i].flush, x.decTimes[i].stall, x.decTimes[i].sent = t, x.stalled(), x.sent()
 		}
 	}
 	x.m.stall = x.stalled()
+	tok, ans := x.m.firstTokenFlush.IsZero(), x.m.firstAnswerFlush.IsZero()
 	x.m.flushed(t)
+	x.laterBytes(t)
+	x.markAcks(tok, ans, t, x.sent())
 }
 
 // serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
@@ -1010,7 +1016,9 @@ func (x *exchange) takeDecoded(final bool) {
 		switch {
 		case !ct.flush.IsZero():
 			x.m.stall = ct.stall
+			tok, ans := x.m.firstTokenFlush.IsZero(), x.m.firstAnswerFlush.IsZero()
 			x.m.deliver(ct.flush)
+			x.markAcks(tok, ans, ct.flush, ct.sent)
 		case final:
 			x.m.drop() // its write failed: never delivered
 		default:

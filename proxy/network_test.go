@@ -34,6 +34,12 @@ type clientTimes struct {
 	ttft, e2e time.Duration
 	start     time.Time
 	port      uint16
+	// Where the request, the first token and the response's last byte are
+	// in the connection's streams (0: its first byte), and how many bytes
+	// each way the exchange took: the link finds when they crossed the
+	// client's device (netsim.Link.WireTime).
+	reqOff, tokOff, endOff int64
+	sent, got              int64
 }
 
 // streamOver sends one streamed chat on c and measures, from just before
@@ -43,7 +49,7 @@ func streamOver(c net.Conn, id string) (clientTimes, error) {
 	body := `{"model":"m","stream":true,"max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`
 	req := "POST /v1/chat/completions HTTP/1.1\r\nHost: tokentap\r\nContent-Type: application/json\r\nX-Request-Id: " + id +
 		"\r\nContent-Length: " + itoa(len(body)) + "\r\n\r\n" + body
-	ct := clientTimes{port: uint16(c.LocalAddr().(*net.TCPAddr).Port)}
+	ct := clientTimes{port: uint16(c.LocalAddr().(*net.TCPAddr).Port), sent: int64(len(req))}
 	start := time.Now()
 	ct.start = start
 	if _, err := c.Write([]byte(req)); err != nil {
@@ -56,18 +62,39 @@ func streamOver(c net.Conn, id string) (clientTimes, error) {
 		n, err := c.Read(buf)
 		at := time.Since(start)
 		got = append(got, buf[:n]...)
-		// The first token: mockllm's first chunk has an empty content, its
-		// tokens a word after a space.
-		if ct.ttft == 0 && bytes.Contains(got, []byte(`"content":" `)) {
-			ct.ttft = at
+		// The first token: the first chunk with a content that is not
+		// empty (mockllm's first chunk has an empty one), as tokentap's
+		// dialect counts it.
+		if ct.ttft == 0 {
+			if i := firstContent(got); i >= 0 {
+				ct.ttft, ct.tokOff = at, int64(i)
+			}
 		}
 		if bytes.HasSuffix(got, []byte("\r\n0\r\n\r\n")) {
 			ct.e2e = at
+			ct.endOff, ct.got = int64(len(got)-1), int64(len(got))
 			return ct, nil
 		}
 		if err != nil {
 			return ct, fmt.Errorf("after %d bytes: %w", len(got), err)
 		}
+	}
+}
+
+// firstContent returns where the first non-empty "content" string begins
+// in b, or -1.
+func firstContent(b []byte) int {
+	key := []byte(`"content":"`)
+	for off := 0; ; {
+		i := bytes.Index(b[off:], key)
+		if i < 0 {
+			return -1
+		}
+		at := off + i + len(key)
+		if at < len(b) && b[at] != '"' {
+			return at
+		}
+		off = at
 	}
 }
 
@@ -104,8 +131,10 @@ func serveNetClients() {
 			runtime.LockOSThread()
 			netsim.Realtime()
 			var c net.Conn
+			var sent, got int64 // on c so far
 			for i := range per {
 				if c == nil {
+					sent, got = 0, 0
 					var err error
 					if c, err = net.Dial("tcp", addr); err != nil {
 						fmt.Fprintln(os.Stderr, "netclients:", err)
@@ -120,8 +149,10 @@ func serveNetClients() {
 					failed = true
 					return
 				}
+				ct.reqOff, ct.tokOff, ct.endOff = sent, got+ct.tokOff, got+ct.endOff
+				sent, got = sent+ct.sent, got+ct.got
 				mu.Lock()
-				fmt.Printf("%s %d %d %d %d\n", id, ct.ttft, ct.e2e, ct.start.UnixNano(), ct.port)
+				fmt.Printf("%s %d %d %d %d %d %d %d\n", id, ct.ttft, ct.e2e, ct.start.UnixNano(), ct.port, ct.reqOff, ct.tokOff, ct.endOff)
 				mu.Unlock()
 				if fresh {
 					c.Close()
@@ -160,13 +191,14 @@ func runNetClients(t *testing.T, ns *netsim.NS, addr string, workers, per int, f
 	}
 	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
 		var id string
-		var ttft, e2e, start int64
+		var ttft, e2e, start, reqOff, tokOff, endOff int64
 		var port uint16
-		if _, err := fmt.Sscan(line, &id, &ttft, &e2e, &start, &port); err != nil {
+		if _, err := fmt.Sscan(line, &id, &ttft, &e2e, &start, &port, &reqOff, &tokOff, &endOff); err != nil {
 			t.Errorf("clients printed %q: %v", line, err)
 			continue
 		}
-		got[id] = clientTimes{time.Duration(ttft), time.Duration(e2e), time.Unix(0, start), port}
+		got[id] = clientTimes{ttft: time.Duration(ttft), e2e: time.Duration(e2e), start: time.Unix(0, start), port: port,
+			reqOff: reqOff, tokOff: tokOff, endOff: endOff}
 	}
 	return got
 }
@@ -190,6 +222,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 	up := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: 4 * time.Millisecond})
 	strict := os.Getenv("TOKENTAP_NETWORK_STRICT") != ""
 	type row struct {
+		link                   string
 		delay                  time.Duration
 		loss                   float64
 		conn                   string
@@ -205,9 +238,20 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		ttft99OnTime, e2e99OnTime float64
 	}
 	var rows []row
+	var links []netsim.Options
 	for _, delay := range []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 100 * time.Millisecond} {
 		for _, loss := range []float64{0, 0.01} {
-			link, err := netsim.New(netsim.Options{Delay: delay, Loss: loss, Seed: uint64(delay) + 1})
+			links = append(links, netsim.Options{Delay: delay, Loss: loss, Seed: uint64(delay) + 1})
+		}
+	}
+	// A path slower than its minimum: jitter both ways, and a bottleneck
+	// towards the clients (32 KiB/s) that their own streams fill, so their
+	// tokens queue for up to tens of milliseconds.
+	links = append(links, netsim.Options{Delay: 10 * time.Millisecond, Jitter: 500 * time.Microsecond, Rate: 32 << 10, Seed: 99})
+	for _, lo := range links {
+		{
+			delay, loss := lo.Delay, lo.Loss
+			link, err := netsim.New(lo)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -256,22 +300,17 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 			ttftSeen := map[string][]float64{}
 			naive := map[string][]float64{} // |ttft_ms − the client's TTFT|: the error without the network
 			retrans, unacked := map[string]int{}, map[string]int{}
+			var recs []metrics.Record
 			for range len(measured) {
 				r := rec.next(t)
-				ct, ok := measured[r.RequestID]
-				if !ok {
+				if _, ok := measured[r.RequestID]; !ok {
 					t.Fatalf("record of an unknown request %q", r.RequestID)
 				}
 				k := kindOf(r.RequestID)
 				if r.ClientTTFT < 0 || r.ClientE2E < 0 || r.ClientRTT < 2*delay {
 					t.Fatalf("%s: client_ttft %v client_e2e %v client_rtt %v over a %v link", r.RequestID, r.ClientTTFT, r.ClientE2E, r.ClientRTT, 2*delay)
 				}
-				if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
-					t.Logf("%v loss%v %s %s: ttft est-client %+.2f ms, e2e %+.2f ms, rtt %v srtt %v held %v ttft %v e2e %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT, r.ClientE2E-r.E2E-r.ClientRTT, r.TTFT, r.E2E)
-				}
-				samples[k] = append(samples[k], sample{ct, math.Abs(ms(r.ClientTTFT) - ms(ct.ttft)), math.Abs(ms(r.ClientE2E) - ms(ct.e2e))})
-				ttftSeen[k] = append(ttftSeen[k], ms(ct.ttft))
-				naive[k] = append(naive[k], math.Abs(ms(r.TTFT)-ms(ct.ttft)))
+				recs = append(recs, r)
 				if r.ClientRetrans > 0 {
 					retrans[k]++
 				}
@@ -285,6 +324,30 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 			_ = p.Shutdown(context.Background())
 			p.Close()
 			link.Close()
+			// The truth is the client's device: when the request's first
+			// byte left it, and when the first token's and the last byte
+			// reached it (the client's own clock, which a busy machine's
+			// scheduling delays, where the link did not see them).
+			wired := 0
+			for _, r := range recs {
+				ct, k := measured[r.RequestID], kindOf(r.RequestID)
+				left, ok1 := link.WireTime(ct.port, false, ct.reqOff)
+				tok, ok2 := link.WireTime(ct.port, true, ct.tokOff)
+				end, ok3 := link.WireTime(ct.port, true, ct.endOff)
+				if ok1 && ok2 && ok3 {
+					ct.ttft, ct.e2e = tok.Sub(left), end.Sub(left)
+					wired++
+				}
+				if os.Getenv("TOKENTAP_NETWORK_DEBUG") != "" {
+					t.Logf("%v loss%v %s %s: ttft est-wire %+.2f ms (est %v wire %v), e2e %+.2f ms, rtt %v srtt %v held %v ttft %v e2e %v", delay, loss, k, r.RequestID, ms(r.ClientTTFT)-ms(ct.ttft), r.ClientTTFT, ct.ttft, ms(r.ClientE2E)-ms(ct.e2e), r.ClientRTT, r.ClientSRTT, r.ClientE2E-r.E2E-r.ClientRTT, r.TTFT, r.E2E)
+				}
+				samples[k] = append(samples[k], sample{ct, math.Abs(ms(r.ClientTTFT) - ms(ct.ttft)), math.Abs(ms(r.ClientE2E) - ms(ct.e2e))})
+				ttftSeen[k] = append(ttftSeen[k], ms(ct.ttft))
+				naive[k] = append(naive[k], math.Abs(ms(r.TTFT)-ms(ct.ttft)))
+			}
+			if wired < len(recs)*9/10 {
+				t.Errorf("%v: the link saw the packets of %d requests of %d", lo, wired, len(recs))
+			}
 			for _, k := range []string{"fresh", "kept-alive"} {
 				var all, onTime [2][]float64 // TTFT and E2E errors
 				late := 0
@@ -307,7 +370,14 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 				slices.Sort(ttftSeen[k])
 				slices.Sort(naive[k])
 				q := func(v []float64, p float64) float64 { return v[int(math.Ceil(p*float64(len(v))))-1] }
-				r := row{delay, loss, k, len(all[0]), q(all[0], .5), q(all[0], .99), q(all[1], .5), q(all[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
+				name := delay.String()
+				if lo.Jitter > 0 {
+					name += " ± " + lo.Jitter.String()
+				}
+				if lo.Rate > 0 {
+					name += fmt.Sprintf(", %d KiB/s", lo.Rate>>10)
+				}
+				r := row{name, delay, loss, k, len(all[0]), q(all[0], .5), q(all[0], .99), q(all[1], .5), q(all[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
 					late, math.NaN(), math.NaN()}
 				if len(onTime[0]) > 0 {
 					r.ttft99OnTime, r.e2e99OnTime = q(onTime[0], .99), q(onTime[1], .99)
@@ -317,10 +387,10 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		}
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "| one-way delay | loss | connections | requests | client TTFT p50 | \\|Δ TTFT\\| p50 | p99 | \\|Δ E2E\\| p50 | p99 | with retransmissions | link late | \\|Δ TTFT\\| p99, link on time | \\|Δ E2E\\| p99, link on time |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "| one-way delay (jitter, bandwidth to the client) | loss | connections | requests | client TTFT p50 | \\|Δ TTFT\\| p50 | p99 | \\|Δ E2E\\| p50 | p99 | with retransmissions | link late | \\|Δ TTFT\\| p99, link on time | \\|Δ E2E\\| p99, link on time |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rows {
 		fmt.Fprintf(&b, "| %v | %.0f%% | %s | %d | %.1f ms | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %d | %d | %.2f ms | %.2f ms |\n",
-			r.delay, 100*r.loss, r.conn, r.n, r.clientTTFT50, r.ttft50, r.ttft99, r.e2e50, r.e2e99, r.retransmitted, r.late, r.ttft99OnTime, r.e2e99OnTime)
+			r.link, 100*r.loss, r.conn, r.n, r.clientTTFT50, r.ttft50, r.ttft99, r.e2e50, r.e2e99, r.retransmitted, r.late, r.ttft99OnTime, r.e2e99OnTime)
 		// Without the network, ttft_ms alone is off by the round trip (10
 		// ms and more here): the estimate must be nearer the client's own
 		// clock, whatever the machine's load does to both. The 2 ms p99

@@ -46,6 +46,12 @@ type Options struct {
 	Jitter time.Duration
 	// Loss is the share of packets dropped (0 … 1).
 	Loss float64
+	// Rate is the bandwidth from A to B in bytes per second (0:
+	// unlimited), the way a server's responses take: each packet takes its
+	// size over Rate to go out, and packets queue behind those still going
+	// out (a bottleneck's queue, up to 8,192 packets), before the delay.
+	// From B to A (requests, acknowledgements) there is no such limit.
+	Rate int64
 	// Seed seeds jitter and loss (0: a fixed seed).
 	Seed uint64
 }
@@ -75,6 +81,44 @@ type Link struct {
 	// their due time (a machine too busy to run it at once), set by Close.
 	// On those packets the link was slower than its Options say.
 	Late []Late
+	// Wire is every TCP packet with data (or a SYN) as B's device saw
+	// it: when it left B, or when it reached B from A. Set by Close.
+	Wire []Seen
+}
+
+// Seen is one TCP packet on B's device.
+type Seen struct {
+	At               time.Time
+	ToB              bool // from A to B (else from B to A)
+	SrcPort, DstPort uint16
+	Seq              uint32
+	Len              int
+	SYN              bool
+}
+
+// WireTime returns when the byte at offset (from 0, the first data byte
+// of the connection) of the direction toB of B's connection on port left
+// or reached B's device: the first packet that carried it and got through.
+func (l *Link) WireTime(port uint16, toB bool, offset int64) (time.Time, bool) {
+	var isn uint32
+	found := false
+	for _, p := range l.Wire {
+		if p.ToB != toB || (toB && p.DstPort != port) || (!toB && p.SrcPort != port) {
+			continue
+		}
+		if p.SYN {
+			isn, found = p.Seq, true
+			continue
+		}
+		if !found {
+			continue
+		}
+		from := int64(p.Seq - isn - 1)
+		if from <= offset && offset < from+int64(p.Len) {
+			return p.At, true
+		}
+	}
+	return time.Time{}, false
 }
 
 // LateBy is how late a packet's release must be to count as Late: about
@@ -148,7 +192,7 @@ const envForwarder = "TOKENTAP_NETSIM_FORWARDER"
 
 func (l *Link) startForwarder() error {
 	cmd := exec.Command(os.Args[0])
-	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%d,%d,%g,%d", envForwarder, l.o.Delay, l.o.Jitter, l.o.Loss, l.o.Seed), "GOMAXPROCS=4")
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%d,%d,%g,%d,%d", envForwarder, l.o.Delay, l.o.Jitter, l.o.Loss, l.o.Seed, l.o.Rate), "GOMAXPROCS=4")
 	cmd.ExtraFiles = []*os.File{l.A.tun, l.B.tun}
 	cmd.Stdout = &l.out
 	cmd.Stderr = os.Stderr
@@ -179,7 +223,7 @@ func ServeForwarder() {
 	}
 	var o Options
 	var delay, jitter int64
-	if _, err := fmt.Sscanf(strings.ReplaceAll(spec, ",", " "), "%d %d %g %d", &delay, &jitter, &o.Loss, &o.Seed); err != nil {
+	if _, err := fmt.Sscanf(strings.ReplaceAll(spec, ",", " "), "%d %d %g %d %d", &delay, &jitter, &o.Loss, &o.Seed, &o.Rate); err != nil {
 		fmt.Fprintln(os.Stderr, "netsim forwarder:", err)
 		os.Exit(2)
 	}
@@ -190,17 +234,26 @@ func ServeForwarder() {
 	}
 	var dropped, forwarded atomic.Int64
 	var late lateLog
+	var wire wireLog
 	for i, dir := range [][2]int{{3, 4}, {4, 3}} {
 		for _, fd := range dir {
 			_ = unix.SetNonblock(fd, false)
 		}
-		go forward(o, dir[0], dir[1], rand.New(rand.NewPCG(seed, uint64(i+1))), &dropped, &forwarded, &late)
+		od := o
+		if i == 1 {
+			od.Rate = 0 // B to A
+		}
+		go forward(od, dir[0], dir[1], i == 0, rand.New(rand.NewPCG(seed, uint64(i+1))), &dropped, &forwarded, &late, &wire)
 	}
 	_, _ = io.Copy(io.Discard, os.Stdin) // until the link closes
 	fmt.Printf("%d %d\n", dropped.Load(), forwarded.Load())
 	late.mu.Lock() // held to the exit: the writers may still note packets
 	for _, p := range late.p {
 		fmt.Printf("%d %d %d %d\n", p.Due.UnixNano(), p.By, p.SrcPort, p.DstPort)
+	}
+	wire.mu.Lock()
+	for _, p := range wire.p {
+		fmt.Printf("w %t %d %d %d %d %d %t\n", p.ToB, p.At.UnixNano(), p.SrcPort, p.DstPort, p.Seq, p.Len, p.SYN)
 	}
 	os.Exit(0)
 }
@@ -351,6 +404,39 @@ func (g *lateLog) note(b []byte, due time.Time, by time.Duration) {
 	g.mu.Unlock()
 }
 
+// wireLog collects the TCP packets with data, and SYNs, on B's device.
+type wireLog struct {
+	mu sync.Mutex
+	p  []Seen
+}
+
+// maxWire bounds the packets a forwarder keeps.
+const maxWire = 1 << 20
+
+func (g *wireLog) note(b []byte, at time.Time, toB bool) {
+	if len(b) < 20 || b[0]>>4 != 4 || b[9] != unix.IPPROTO_TCP {
+		return
+	}
+	h := int(b[0]&0x0f) * 4
+	if len(b) < h+20 {
+		return
+	}
+	t := b[h:]
+	total := int(b[2])<<8 | int(b[3])
+	n := total - h - int(t[12]>>4)*4
+	syn := t[13]&0x02 != 0
+	if n <= 0 && !syn {
+		return
+	}
+	s := Seen{At: at, ToB: toB, SrcPort: uint16(t[0])<<8 | uint16(t[1]), DstPort: uint16(t[2])<<8 | uint16(t[3]),
+		Seq: uint32(t[4])<<24 | uint32(t[5])<<16 | uint32(t[6])<<8 | uint32(t[7]), Len: max(n, 0), SYN: syn}
+	g.mu.Lock()
+	if len(g.p) < maxWire {
+		g.p = append(g.p, s)
+	}
+	g.mu.Unlock()
+}
+
 // tcpPorts returns the ports of an IPv4 TCP packet, or zeros.
 func tcpPorts(b []byte) (src, dst uint16) {
 	if len(b) < 20 || b[0]>>4 != 4 || b[9] != unix.IPPROTO_TCP {
@@ -366,7 +452,7 @@ func tcpPorts(b []byte) (src, dst uint16) {
 // forward moves packets from one TUN device to the other, each held until
 // its due time. A thread reads, another writes, each locked and sleeping in
 // the kernel, so reading never waits for a held packet.
-func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic.Int64, late *lateLog) {
+func forward(o Options, from, to int, toB bool, rng *rand.Rand, dropped, forwarded *atomic.Int64, late *lateLog, wire *wireLog) {
 	q := make(chan packet, 8192)
 	go func() {
 		runtime.LockOSThread()
@@ -382,6 +468,9 @@ func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic
 			for time.Now().Before(p.due) {
 			}
 			_, _ = unix.Write(to, p.b)
+			if toB {
+				wire.note(p.b, time.Now(), true)
+			}
 			if by := time.Since(p.due); by > LateBy {
 				late.note(p.b, p.due, by)
 			}
@@ -389,7 +478,7 @@ func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic
 	}()
 	runtime.LockOSThread()
 	Realtime()
-	var last time.Time
+	var last, sent time.Time // the last due time; when the bottleneck is free
 	buf := make([]byte, 65536)
 	for {
 		n, err := unix.Read(from, buf)
@@ -400,6 +489,9 @@ func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic
 			close(q)
 			return
 		}
+		if !toB {
+			wire.note(buf[:n], time.Now(), false)
+		}
 		if o.Loss > 0 && rng.Float64() < o.Loss {
 			dropped.Add(1)
 			continue
@@ -408,7 +500,17 @@ func forward(o Options, from, to int, rng *rand.Rand, dropped, forwarded *atomic
 		if o.Jitter > 0 {
 			delay += time.Duration((2*rng.Float64() - 1) * float64(o.Jitter))
 		}
-		due := time.Now().Add(max(delay, 0))
+		now := time.Now()
+		if o.Rate > 0 {
+			// Out of the bottleneck once those ahead of it are, and its
+			// own bytes went out.
+			if sent.Before(now) {
+				sent = now
+			}
+			sent = sent.Add(time.Duration(int64(n) * int64(time.Second) / o.Rate))
+			now = sent
+		}
+		due := now.Add(max(delay, 0))
 		if due.Before(last) {
 			due = last // keep the order
 		}
@@ -429,6 +531,15 @@ func (l *Link) readCounts() {
 	lines := strings.Split(strings.TrimSpace(l.out.String()), "\n")
 	fmt.Sscan(lines[0], &l.Dropped, &l.Forwarded)
 	for _, line := range lines[1:] {
+		if strings.HasPrefix(line, "w ") {
+			var s Seen
+			var at int64
+			if _, err := fmt.Sscan(line[2:], &s.ToB, &at, &s.SrcPort, &s.DstPort, &s.Seq, &s.Len, &s.SYN); err == nil {
+				s.At = time.Unix(0, at)
+				l.Wire = append(l.Wire, s)
+			}
+			continue
+		}
 		var due, by int64
 		var sp, dp uint16
 		if _, err := fmt.Sscan(line, &due, &by, &sp, &dp); err == nil {

@@ -164,3 +164,63 @@ func TestLateOn(t *testing.T) {
 		}
 	}
 }
+
+// TestLinkQueues: 64 KiB a server in A sends at once over a 1 MiB/s link
+// reach its client in B in about 64 ms more than the delay: they queue
+// behind the bottleneck. The way back has no such limit.
+func TestLinkQueues(t *testing.T) {
+	need(t)
+	l, err := New(Options{Delay: 5 * time.Millisecond, Rate: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	ln, err := l.A.Listen("tcp", "10.77.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		b := make([]byte, 1)
+		for {
+			if _, err := io.ReadFull(c, b); err != nil {
+				return
+			}
+			n := 1
+			if b[0] == 2 {
+				n = 64 << 10
+			}
+			if _, err := c.Write(make([]byte, n)); err != nil {
+				return
+			}
+		}
+	}()
+	c, err := l.B.Dial(context.Background(), "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	b := make([]byte, 64<<10)
+	for range 3 { // warm windows
+		c.Write([]byte{1})
+		if _, err := io.ReadFull(c, b[:1]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	start := time.Now()
+	c.Write([]byte{2})
+	if _, err := io.ReadFull(c, b); err != nil {
+		t.Fatal(err)
+	}
+	d := time.Since(start)
+	// 64 KiB at 1 MiB/s is 62.5 ms on the wire, whatever the window does.
+	if d < 60*time.Millisecond {
+		t.Fatalf("64 KiB over a 1 MiB/s link in %v: not queued", d)
+	}
+	t.Logf("64 KiB over a 1 MiB/s link, 5 ms one way: %v after the request", d)
+}

@@ -1,0 +1,217 @@
+package proxy
+
+import (
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// The client's acknowledgement of a token. client_ttft_ms estimated as
+// ttft_ms + RTT misses what the path added beyond its minimum: a queue on
+// the way to the client (a bottleneck that other streams fill), a segment
+// lost and sent again. The client's kernel acknowledges the bytes that
+// carried the first token when they reach it, and the acknowledgement
+// travels back the way the request came, so
+//
+//	client TTFT ≈ the acknowledgement's arrival − the request's arrival
+//
+// (the request's way in and the acknowledgement's way back cancel, as far
+// as the path is the same both times). A mark watches for that
+// acknowledgement on the client connection's TCP_INFO (tcpi_bytes_acked)
+// after the write that carried the token: looks every lookEvery at most
+// from a little before a round trip has passed, then every lookLater
+// once a round trip and 10 ms passed (a queue on the path, or a client
+// that delays its acknowledgements), until the bytes are acknowledged or
+// a round trip and ackGiveUp passed.
+//
+// An acknowledgement that also covers bytes written after the token's
+// may be the client acknowledging the later ones (a receiver delays its
+// ACK until a second segment comes, or for up to 40 ms, unless it reads
+// at once): it counts only when it came before the later bytes could have
+// been acknowledged, less than a round trip after they were written.
+// Without a usable acknowledgement the estimate stays ttft_ms + RTT, and
+// it is never made earlier than that.
+type ackMark struct {
+	mu     sync.Mutex // held by the watch during a look, and by the record to end it
+	sys    syscall.RawConn
+	target int64     // tcpi_bytes_acked once the token's bytes are acknowledged
+	flush  time.Time // when the write that carried them returned
+	rtt    time.Duration
+	every  time.Duration
+	// later is when the next bytes were written after the token's (Unix
+	// ns, 0: none yet): the response's goroutine sets it.
+	later atomic.Int64
+	next  time.Time // the next look
+	prev  time.Time // the last look that found them unacknowledged
+	until time.Time // no look after it
+	ti    tcpInfo
+
+	over    bool      // the watch is done: seen, given up, or the record took it
+	ackedAt time.Time // between prev and the look that saw it: its middle (zero: not seen)
+	exact   bool      // the acknowledgement covered these bytes and none written later
+}
+
+// lookEvery bounds the time between two looks at a mark while its
+// acknowledgement is due, and lookLater after: half of it is the
+// estimate's own error.
+const (
+	lookEvery = 500 * time.Microsecond
+	lookLater = 2 * time.Millisecond
+)
+
+// ackGiveUp is how long after a round trip a mark is watched: a queue
+// that holds a token longer is not measured (the estimate stays ttft_ms
+// + RTT).
+const ackGiveUp = 250 * time.Millisecond
+
+// newAckMark watches for the acknowledgement of the first target bytes of
+// the connection (tcpi_bytes_acked's count), written by flush, on a path
+// whose round trip is about rtt.
+func newAckMark(sys syscall.RawConn, target int64, flush time.Time, rtt time.Duration) *ackMark {
+	m := &ackMark{sys: sys, target: target, flush: flush, rtt: rtt}
+	m.every = min(max(rtt/20, 100*time.Microsecond), lookEvery)
+	// No acknowledgement can come before a round trip: look first a
+	// little before one.
+	m.next = flush.Add(rtt * 3 / 4)
+	m.prev = flush
+	m.until = flush.Add(rtt + ackGiveUp)
+	return m
+}
+
+// look reads TCP_INFO once at now; it reports whether the watch is over.
+// The watch's goroutine calls it with m.mu held.
+func (m *ackMark) look(now time.Time) bool {
+	if m.over {
+		return true
+	}
+	if !m.ti.read(m.sys) {
+		m.over = true
+		return true
+	}
+	acked := int64(m.ti.info.Bytes_acked)
+	switch {
+	case acked >= m.target:
+		m.ackedAt = m.prev.Add(now.Sub(m.prev) / 2)
+		// Later bytes acknowledged too: usable only if this came before
+		// their own acknowledgement could (a round trip after them; the
+		// handshake's may be a little above the path's minimum). And only
+		// when the look before was recent: an acknowledgement already there
+		// at the first look came sooner than a round trip (a handshake
+		// that met a queue made the round trip look longer), at a time
+		// the looks cannot tell.
+		later := m.later.Load()
+		m.exact = (acked == m.target || later > 0 && now.Before(time.Unix(0, later).Add(m.rtt*9/10))) &&
+			now.Sub(m.prev) <= 2*lookLater
+		m.over = true
+	case !now.Before(m.until):
+		m.over = true
+	default:
+		m.prev = now
+		m.next = now.Add(m.every)
+		if now.After(m.flush.Add(m.rtt + 10*time.Millisecond)) {
+			m.next = now.Add(lookLater)
+		}
+	}
+	return m.over
+}
+
+// take ends the watch and returns when the token's bytes reached the
+// client's kernel by its acknowledgement, or false when no usable one came.
+func (m *ackMark) take() (time.Time, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.over = true
+	return m.ackedAt, m.exact && !m.ackedAt.IsZero()
+}
+
+// markWatch looks at every mark due, from one goroutine that runs while
+// marks wait (as ackWatch does for the acknowledgement of a response's
+// end).
+type markWatch struct {
+	mu      sync.Mutex
+	waiting []*ackMark
+	running bool
+	wakeAt  time.Time
+	wake    chan struct{}
+	due     []*ackMark // the goroutine's own
+}
+
+// add watches m.
+func (w *markWatch) add(m *ackMark, now func() time.Time) {
+	w.mu.Lock()
+	w.waiting = append(w.waiting, m)
+	start, signal := !w.running, w.running && m.next.Before(w.wakeAt)
+	if start {
+		w.running = true
+		if w.wake == nil {
+			w.wake = make(chan struct{}, 1)
+		}
+	}
+	w.mu.Unlock()
+	switch {
+	case start:
+		go w.run(now)
+	case signal:
+		select {
+		case w.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (w *markWatch) run(now func() time.Time) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		t := now()
+		w.mu.Lock()
+		keep, next := w.waiting[:0], time.Time{}
+		for _, m := range w.waiting {
+			if !m.next.After(t) {
+				w.due = append(w.due, m)
+				continue
+			}
+			keep = append(keep, m)
+			if next.IsZero() || m.next.Before(next) {
+				next = m.next
+			}
+		}
+		clear(w.waiting[len(keep):])
+		w.waiting = keep
+		if len(w.due) == 0 && len(keep) == 0 {
+			w.running = false
+			w.mu.Unlock()
+			return
+		}
+		w.wakeAt = next
+		if len(w.due) > 0 {
+			w.wakeAt = t
+		}
+		w.mu.Unlock()
+		if len(w.due) > 0 {
+			var again []*ackMark
+			for i, m := range w.due {
+				w.due[i] = nil
+				m.mu.Lock()
+				over := m.look(now())
+				m.mu.Unlock()
+				if !over {
+					again = append(again, m)
+				}
+			}
+			w.due = w.due[:0]
+			if len(again) > 0 {
+				w.mu.Lock()
+				w.waiting = append(w.waiting, again...)
+				w.mu.Unlock()
+			}
+			continue
+		}
+		timer.Reset(next.Sub(t))
+		select {
+		case <-timer.C:
+		case <-w.wake:
+		}
+	}
+}
