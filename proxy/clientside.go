@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"sync"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -273,20 +272,8 @@ func (x *exchange) ackLook() (over bool) {
 }
 
 // ackWatch looks at the acknowledgements of every response whose record
-// waits for one, from one goroutine, and records each when its wait is
-// over. A goroutine per response cost its creation, a sleep per look and
-// the growth of a fresh stack under the record (3% of the CPU on short
-// streams); here one wake-up serves every look that is due. The goroutine
-// runs while records wait and ends when none do.
-type ackWatch struct {
-	mu      sync.Mutex
-	waiting []*exchange
-	running bool
-	wakeAt  time.Time     // when the goroutine looks next
-	wake    chan struct{} // an earlier look is due than wakeAt
-	due     []*exchange   // the goroutine's own: looks due, and those to
-	again   []*exchange   // look at again
-}
+// waits for one (lookWatch), and records each when its wait is over.
+type ackWatch struct{ lookWatch }
 
 // add hands x to the watch once readDelivery said its record waits (x.end
 // holds what record needs).
@@ -295,83 +282,18 @@ func (w *ackWatch) add(x *exchange) {
 		x.recordEnd()
 		return
 	}
-	w.mu.Lock()
-	w.waiting = append(w.waiting, x)
-	start, signal := !w.running, w.running && x.deliv.next.Before(w.wakeAt)
-	if start {
-		w.running = true
-		if w.wake == nil {
-			w.wake = make(chan struct{}, 1)
-		}
-	}
-	w.mu.Unlock()
-	switch {
-	case start:
-		go w.run(x.p.now)
-	case signal:
-		select {
-		case w.wake <- struct{}{}:
-		default:
-		}
-	}
+	w.lookWatch.add(x, x.p.now)
 }
 
-func (w *ackWatch) run(now func() time.Time) {
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		t := now()
-		w.mu.Lock()
-		keep, next := w.waiting[:0], time.Time{}
-		for _, x := range w.waiting {
-			switch {
-			case !x.deliv.next.After(t):
-				w.due = append(w.due, x)
-			default:
-				keep = append(keep, x)
-				if next.IsZero() || x.deliv.next.Before(next) {
-					next = x.deliv.next
-				}
-			}
-		}
-		clear(w.waiting[len(keep):])
-		w.waiting = keep
-		if len(w.due) == 0 && len(keep) == 0 {
-			w.running = false
-			w.mu.Unlock()
-			return
-		}
-		w.wakeAt = next
-		if len(w.due) > 0 {
-			w.wakeAt = t // looking now: every add wakes the next round early
-		}
-		w.mu.Unlock()
+// nextLook and lookNow make a waiting record a looker of ackWatch.
+func (x *exchange) nextLook() time.Time { return x.deliv.next }
 
-		if len(w.due) > 0 {
-			for i, x := range w.due {
-				w.due[i] = nil
-				if x.ackLook() || x.ackSchedule(now()) {
-					x.recordEnd()
-					continue
-				}
-				w.again = append(w.again, x)
-			}
-			w.due = w.due[:0]
-			if len(w.again) > 0 {
-				w.mu.Lock()
-				w.waiting = append(w.waiting, w.again...)
-				w.mu.Unlock()
-				clear(w.again)
-				w.again = w.again[:0]
-			}
-			continue
-		}
-		timer.Reset(next.Sub(t))
-		select {
-		case <-timer.C:
-		case <-w.wake:
-		}
+func (x *exchange) lookNow(now time.Time) bool {
+	if x.ackLook() || x.ackSchedule(now) {
+		x.recordEnd()
+		return true
 	}
+	return false
 }
 
 // fillClient derives the client's side of the record from its timings

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"io"
 	"math"
 	"net/http"
 	"os"
@@ -32,19 +31,7 @@ func TestCompressedTTFTMatchesClientClock(t *testing.T) {
 	strict := os.Getenv("TOKENTAP_TIMING_STRICT") != ""
 	for _, enc := range []string{"gzip", "deflate", "br", "zstd"} {
 		t.Run(enc, func(t *testing.T) {
-			newWriter := streamEncoders[enc]
-			var whole bytes.Buffer
-			zw := newWriter(&whole)
-			var chunks [][]byte
-			var ends []int
-			for k := 0; k < events; k++ {
-				io.WriteString(zw, chatChunk("tok"))
-				zw.Flush()
-				chunks = append(chunks, bytes.Clone(whole.Bytes()[sum(ends):]))
-				ends = append(ends, whole.Len())
-			}
-			zw.Close()
-			tail := bytes.Clone(whole.Bytes()[ends[events-1]:])
+			whole, chunks, ends, tail := compressedEvents(streamEncoders[enc], events)
 			sentSecond := make(chan time.Time, 1)
 			up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 				w.Header().Set("Content-Type", "text/event-stream")

@@ -45,18 +45,7 @@ func TestFaultCompressedStreamsOnTime(t *testing.T) {
 		t.Run(enc, func(t *testing.T) {
 			// The compressed bytes of each event, made before the request so
 			// the client knows where each event ends.
-			var whole bytes.Buffer
-			zw := newWriter(&whole)
-			var chunks [][]byte
-			var ends []int
-			for k := 0; k < events; k++ {
-				io.WriteString(zw, chatChunk("tok"))
-				zw.Flush()
-				chunks = append(chunks, bytes.Clone(whole.Bytes()[sum(ends):]))
-				ends = append(ends, whole.Len())
-			}
-			zw.Close()
-			tail := bytes.Clone(whole.Bytes()[ends[events-1]:])
+			whole, chunks, ends, tail := compressedEvents(newWriter, events)
 			held := make(chan int, events) // the client holds event k
 			stalled := make(chan int, 1)
 			up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
@@ -125,6 +114,22 @@ func TestFaultCompressedStreamsOnTime(t *testing.T) {
 			}
 		})
 	}
+}
+
+// compressedEvents compresses events chat chunks, one flushed block each:
+// the whole stream, each event's compressed bytes, where each ends in the
+// stream, and the bytes that close it.
+func compressedEvents(newWriter func(io.Writer) flushWriter, events int) (whole *bytes.Buffer, chunks [][]byte, ends []int, tail []byte) {
+	whole = &bytes.Buffer{}
+	zw := newWriter(whole)
+	for range events {
+		io.WriteString(zw, chatChunk("tok"))
+		zw.Flush()
+		chunks = append(chunks, bytes.Clone(whole.Bytes()[sum(ends):]))
+		ends = append(ends, whole.Len())
+	}
+	zw.Close()
+	return whole, chunks, ends, bytes.Clone(whole.Bytes()[ends[events-1]:])
 }
 
 func sum(ends []int) int {

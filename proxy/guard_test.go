@@ -112,16 +112,7 @@ func TestGuardNotSteeredByOneKey(t *testing.T) {
 			Upstreams: []Upstream{{Name: "stable", URL: fast, Weight: 1}, {Name: "canary", URL: slow, Weight: 1}},
 			Guard:     &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 1}}}
 	}, Options{StatsNow: clk.now})
-	// Users that the sticky hash sends to each side.
-	users := map[string][]string{}
-	rt := tp.p.snap.Load().routes[0]
-	for i := 0; len(users["canary"]) < 12 || len(users["stable"]) < 12; i++ {
-		var h fasthttp.RequestHeader
-		u := fmt.Sprintf("user-%d", i)
-		h.Set("X-User", u)
-		m, _, _ := rt.pick("", &h)
-		users[m.name] = append(users[m.name], u)
-	}
+	users := usersBySide(tp, 12)
 	send := func(n int, who []string) {
 		for i := range n {
 			chat(t, tp.url, "X-User", who[i%len(who)])
@@ -196,15 +187,7 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		go func() { _ = p.Serve(ln) }()
 		t.Cleanup(func() { _ = p.Shutdown(context.Background()); p.Close() })
 		tp := &testProxy{p: p, addr: ln.Addr().String(), rec: rec}
-		users := map[string][]string{}
-		rt := tp.p.snap.Load().routes[0]
-		for i := 0; len(users["canary"]) < 12 || len(users["stable"]) < 12; i++ {
-			var h fasthttp.RequestHeader
-			u := fmt.Sprintf("user-%d", i)
-			h.Set("X-User", u)
-			m, _, _ := rt.pick("", &h)
-			users[m.name] = append(users[m.name], u)
-		}
+		users := usersBySide(tp, 12)
 		clk.jump(50 * time.Second) // a whole window after the config (TestCanaryGuard)
 		var wg sync.WaitGroup
 		for w := range 4 {
@@ -307,4 +290,19 @@ func p95(v []time.Duration) time.Duration {
 	s := slices.Clone(v)
 	slices.Sort(s)
 	return s[(len(s)*95+99)/100-1]
+}
+
+// usersBySide returns n X-User values that the first route's sticky hash
+// sends to each of its upstreams "stable" and "canary".
+func usersBySide(tp *testProxy, n int) map[string][]string {
+	users := map[string][]string{}
+	rt := tp.p.snap.Load().routes[0]
+	for i := 0; len(users["canary"]) < n || len(users["stable"]) < n; i++ {
+		var h fasthttp.RequestHeader
+		u := fmt.Sprintf("user-%d", i)
+		h.Set("X-User", u)
+		m, _, _ := rt.pick("", &h)
+		users[m.name] = append(users[m.name], u)
+	}
+	return users
 }

@@ -102,7 +102,7 @@ type Proxy struct {
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
 	acks     ackWatch  // records waiting for the client's acknowledgement
-	marks    markWatch // the first tokens' bytes waiting for the client's acknowledgement
+	marks    lookWatch // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
 	stats    *stats.Engine
 	statsNow func() time.Time
 }

@@ -125,93 +125,12 @@ func (m *ackMark) take() (time.Time, bool) {
 	return m.ackedAt, m.exact && !m.ackedAt.IsZero()
 }
 
-// markWatch looks at every mark due, from one goroutine that runs while
-// marks wait (as ackWatch does for the acknowledgement of a response's
-// end).
-type markWatch struct {
-	mu      sync.Mutex
-	waiting []*ackMark
-	running bool
-	wakeAt  time.Time
-	wake    chan struct{}
-	due     []*ackMark // the goroutine's own
-}
+// nextLook and lookNow make a mark a looker of the proxy's marks watch
+// (lookWatch).
+func (m *ackMark) nextLook() time.Time { return m.next }
 
-// add watches m.
-func (w *markWatch) add(m *ackMark, now func() time.Time) {
-	w.mu.Lock()
-	w.waiting = append(w.waiting, m)
-	start, signal := !w.running, w.running && m.next.Before(w.wakeAt)
-	if start {
-		w.running = true
-		if w.wake == nil {
-			w.wake = make(chan struct{}, 1)
-		}
-	}
-	w.mu.Unlock()
-	switch {
-	case start:
-		go w.run(now)
-	case signal:
-		select {
-		case w.wake <- struct{}{}:
-		default:
-		}
-	}
-}
-
-func (w *markWatch) run(now func() time.Time) {
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		t := now()
-		w.mu.Lock()
-		keep, next := w.waiting[:0], time.Time{}
-		for _, m := range w.waiting {
-			if !m.next.After(t) {
-				w.due = append(w.due, m)
-				continue
-			}
-			keep = append(keep, m)
-			if next.IsZero() || m.next.Before(next) {
-				next = m.next
-			}
-		}
-		clear(w.waiting[len(keep):])
-		w.waiting = keep
-		if len(w.due) == 0 && len(keep) == 0 {
-			w.running = false
-			w.mu.Unlock()
-			return
-		}
-		w.wakeAt = next
-		if len(w.due) > 0 {
-			w.wakeAt = t
-		}
-		w.mu.Unlock()
-		if len(w.due) > 0 {
-			var again []*ackMark
-			for i, m := range w.due {
-				w.due[i] = nil
-				m.mu.Lock()
-				over := m.look(now())
-				m.mu.Unlock()
-				if !over {
-					again = append(again, m)
-				}
-			}
-			w.due = w.due[:0]
-			if len(again) > 0 {
-				w.mu.Lock()
-				w.waiting = append(w.waiting, again...)
-				w.mu.Unlock()
-			}
-			continue
-		}
-		timer.Reset(next.Sub(t))
-		select {
-		case <-timer.C:
-		case <-w.wake:
-		}
-	}
+func (m *ackMark) lookNow(now time.Time) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.look(now)
 }

@@ -67,7 +67,7 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 	if _, err := s.Write(make([]byte, 10)); err != nil {
 		t.Fatal(err)
 	}
-	var w markWatch
+	var w lookWatch
 	m2 := newAckMark(sys, base+310, time.Now(), 50*time.Microsecond)
 	w.add(m2, time.Now)
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Millisecond) {
