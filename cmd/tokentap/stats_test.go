@@ -314,8 +314,11 @@ func TestPrometheusRules(t *testing.T) {
 }
 
 // TestCompareEndToEnd: a route split 50/50 between two simulated backends
-// whose prefill differs by 10%: /stats?compare and `tokentap compare`
-// find the TTFT difference outside the noise, with its interval.
+// whose prefill differs by 50%: /stats?compare and `tokentap compare`
+// find the TTFT difference outside the noise, with its interval. (At 10%
+// a machine running many test suites at once added enough to both sides
+// to hide it, once in about 40 runs; the verdict's power on small
+// differences is measured in metrics/stats, without a machine's load.)
 func TestCompareEndToEnd(t *testing.T) {
 	start := func(prefill time.Duration) string {
 		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond, Jitter: 0.05})}
@@ -327,7 +330,7 @@ func TestCompareEndToEnd(t *testing.T) {
 		t.Cleanup(func() { srv.Close() })
 		return "http://" + ln.Addr().String()
 	}
-	a, b := start(40*time.Millisecond), start(44*time.Millisecond)
+	a, b := start(40*time.Millisecond), start(60*time.Millisecond)
 	route := fmt.Sprintf("cmp%d", statsRuns.Add(1))
 	cfg := writeFile(t, fmt.Sprintf("routes:\n  - name: %s\n    prefix: /\n    upstreams:\n      - {name: stable, url: %q}\n      - {name: canary, url: %q}\n", route, a, b))
 	listen, admin := freeAddr(t), freeAddr(t)
@@ -354,7 +357,7 @@ func TestCompareEndToEnd(t *testing.T) {
 	wg.Wait()
 	base := "http://" + admin
 	var c stats.Comparison
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) { // an event, not a time
 		getJSON(t, base+"/stats?route="+route+"&compare=stable,canary&window=all", &c)
 		if c.CountA+c.CountB == 240 || time.Now().After(deadline) {
 			break
@@ -369,8 +372,8 @@ func TestCompareEndToEnd(t *testing.T) {
 			p50 = d
 		}
 	}
-	if !p50.Significant || p50.RelativeDiff < 0.04 || p50.RelativeDiff > 0.2 || p50.CILow <= 0 {
-		t.Errorf("TTFT p50: %+v, want about +10%% outside the noise", p50)
+	if !p50.Significant || p50.RelativeDiff < 0.15 || p50.RelativeDiff > 0.8 || p50.CILow <= 0 {
+		t.Errorf("TTFT p50: %+v, want about +50%% outside the noise", p50)
 	}
 	var out strings.Builder
 	if err := runCompare(context.Background(), []string{"-admin", base, "-route", route, "-window", "all", "stable", "canary"}, &out); err != nil {
