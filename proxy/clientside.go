@@ -111,25 +111,21 @@ func (x *exchange) sent() int64 {
 }
 
 // markAcks watches for the client's acknowledgement of the bytes that
-// carried the stream's first token (and first answer token) when the
-// delivery at t, with the connection's count at sent, was the first of
-// one: tok and ans say the meter had none before it.
+// carried the stream's first token (tok) and first answer token (ans),
+// delivered at t with the connection's count at sent; one mark serves
+// both when one delivery carried them.
 func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
 	cc := x.cc
-	if !x.streamed || cc == nil || cc.sys == nil || cc.ackBase < 0 {
+	if !tok && !ans || !x.streamed || cc == nil || cc.sys == nil || cc.ackBase < 0 {
 		return
 	}
-	if tok && !x.m.firstTokenFlush.IsZero() {
-		x.tokMark = newAckMark(cc.sys, cc.ackBase+sent, t, cc.synRTT)
-		x.p.marks.add(x.tokMark, x.p.now)
+	m := newAckMark(cc.sys, cc.ackBase+sent, t, cc.synRTT)
+	x.p.marks.add(m, x.p.now)
+	if tok {
+		x.tokMark = m
 	}
-	if ans && !x.m.firstAnswerFlush.IsZero() {
-		if x.tokMark != nil && x.tokMark.flush.Equal(t) {
-			x.ansMark = x.tokMark
-			return
-		}
-		x.ansMark = newAckMark(cc.sys, cc.ackBase+sent, t, cc.synRTT)
-		x.p.marks.add(x.ansMark, x.p.now)
+	if ans {
+		x.ansMark = m
 	}
 }
 
@@ -301,17 +297,7 @@ func (x *exchange) lookNow(now time.Time) bool {
 func (x *exchange) fillClient() {
 	d, rec := &x.deliv, &x.rec
 	rec.ClientStall = d.stall
-	var tokAck, ansAck time.Time
-	if x.tokMark != nil {
-		if at, ok := x.tokMark.take(); ok {
-			tokAck = at
-		}
-	}
-	if x.ansMark != nil {
-		if at, ok := x.ansMark.take(); ok {
-			ansAck = at
-		}
-	}
+	tokAck, ansAck := x.tokMark.take(), x.ansMark.take()
 	if !d.ok {
 		return
 	}

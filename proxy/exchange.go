@@ -905,8 +905,7 @@ func (x *exchange) flushed(t time.Time) {
 		}
 	}
 	x.m.stall = x.stalled()
-	tok, ans := x.m.firstTokenFlush.IsZero(), x.m.firstAnswerFlush.IsZero()
-	x.m.flushed(t)
+	tok, ans := x.m.flushed(t)
 	x.laterBytes(t)
 	x.markAcks(tok, ans, t, x.sent())
 }
@@ -1016,8 +1015,7 @@ func (x *exchange) takeDecoded(final bool) {
 		switch {
 		case !ct.flush.IsZero():
 			x.m.stall = ct.stall
-			tok, ans := x.m.firstTokenFlush.IsZero(), x.m.firstAnswerFlush.IsZero()
-			x.m.deliver(ct.flush)
+			tok, ans := x.m.deliver(ct.flush)
 			x.markAcks(tok, ans, ct.flush, ct.sent)
 		case final:
 			x.m.drop() // its write failed: never delivered

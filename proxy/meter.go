@@ -102,26 +102,30 @@ func (m *meter) observe(o dialect.Obs, t time.Time) {
 }
 
 // flushed marks a chunk written to the client at t, and the delivery of
-// the token events observed since the last delivery.
-func (m *meter) flushed(t time.Time) {
+// the token events observed since the last delivery (see deliver for
+// what it reports).
+func (m *meter) flushed(t time.Time) (firstToken, firstAnswer bool) {
 	m.lastFlush = t
 	if m.firstByteFlush.IsZero() {
 		m.firstByteFlush = t
 	}
-	m.deliver(t)
+	return m.deliver(t)
 }
 
 // deliver stamps the delivery at t of the token events observed since the
 // last delivery. Events delivered together are gaps of 0: that is what the
 // client saw.
-func (m *meter) deliver(t time.Time) {
+//
+// It reports whether this delivery stamped the response's first token and
+// its first answer token.
+func (m *meter) deliver(t time.Time) (firstToken, firstAnswer bool) {
 	if m.chunkAnswers > 0 && m.firstAnswerFlush.IsZero() {
-		m.firstAnswerFlush = t
+		m.firstAnswerFlush, firstAnswer = t, true
 	}
 	m.chunkAnswers = 0
 	for ; m.chunkTokens > 0; m.chunkTokens-- {
 		if m.firstTokenFlush.IsZero() {
-			m.firstTokenFlush, m.stallTTFT = t, m.stall
+			m.firstTokenFlush, m.stallTTFT, firstToken = t, m.stall, true
 		} else {
 			gap := t.Sub(m.lastTokenFlush)
 			if len(m.gaps) < maxGaps {
@@ -134,6 +138,7 @@ func (m *meter) deliver(t time.Time) {
 		}
 		m.lastTokenFlush = t
 	}
+	return firstToken, firstAnswer
 }
 
 // drop forgets token events observed and never delivered (their chunk's

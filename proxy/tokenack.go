@@ -30,8 +30,8 @@ import (
 // ACK until a second segment comes, or for up to 40 ms, unless it reads
 // at once): it counts only when it came before the later bytes could have
 // been acknowledged, less than a round trip after they were written.
-// Without a usable acknowledgement the estimate stays ttft_ms + RTT, and
-// it is never made earlier than that.
+// Without a usable acknowledgement the estimate stays ttft_ms + RTT
+// (byAck decides between the two).
 type ackMark struct {
 	mu     sync.Mutex // held by the watch during a look, and by the record to end it
 	sys    syscall.RawConn
@@ -47,9 +47,10 @@ type ackMark struct {
 	until time.Time // no look after it
 	ti    tcpInfo
 
-	over    bool      // the watch is done: seen, given up, or the record took it
-	ackedAt time.Time // between prev and the look that saw it: its middle (zero: not seen)
-	exact   bool      // the acknowledgement covered these bytes and none written later
+	over bool // the watch is done: seen, given up, or the record took it
+	// ackedAt is when the bytes were acknowledged, the middle of the last
+	// two looks, where that is usable (zero: none usable).
+	ackedAt time.Time
 }
 
 // lookEvery bounds the time between two looks at a mark while its
@@ -92,7 +93,6 @@ func (m *ackMark) look(now time.Time) bool {
 	acked := int64(m.ti.info.Bytes_acked)
 	switch {
 	case acked >= m.target:
-		m.ackedAt = m.prev.Add(now.Sub(m.prev) / 2)
 		// Later bytes acknowledged too: usable only if this came before
 		// their own acknowledgement could (a round trip after them; the
 		// handshake's may be a little above the path's minimum). And only
@@ -101,8 +101,10 @@ func (m *ackMark) look(now time.Time) bool {
 		// that met a queue made the round trip look longer), at a time
 		// the looks cannot tell.
 		later := m.later.Load()
-		m.exact = (acked == m.target || later > 0 && now.Before(time.Unix(0, later).Add(m.rtt*9/10))) &&
-			now.Sub(m.prev) <= 2*lookLater
+		if (acked == m.target || later > 0 && now.Before(time.Unix(0, later).Add(m.rtt*9/10))) &&
+			now.Sub(m.prev) <= 2*lookLater {
+			m.ackedAt = m.prev.Add(now.Sub(m.prev) / 2)
+		}
 		m.over = true
 	case !now.Before(m.until):
 		m.over = true
@@ -117,12 +119,16 @@ func (m *ackMark) look(now time.Time) bool {
 }
 
 // take ends the watch and returns when the token's bytes reached the
-// client's kernel by its acknowledgement, or false when no usable one came.
-func (m *ackMark) take() (time.Time, bool) {
+// client's kernel by its acknowledgement, or zero when no usable one came
+// (or there is no mark).
+func (m *ackMark) take() time.Time {
+	if m == nil {
+		return time.Time{}
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.over = true
-	return m.ackedAt, m.exact && !m.ackedAt.IsZero()
+	return m.ackedAt
 }
 
 // nextLook and lookNow make a mark a looker of the proxy's marks watch

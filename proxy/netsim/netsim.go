@@ -428,7 +428,8 @@ func (g *wireLog) note(b []byte, at time.Time, toB bool) {
 	if n <= 0 && !syn {
 		return
 	}
-	s := Seen{At: at, ToB: toB, SrcPort: uint16(t[0])<<8 | uint16(t[1]), DstPort: uint16(t[2])<<8 | uint16(t[3]),
+	sp, dp := tcpPorts(b)
+	s := Seen{At: at, ToB: toB, SrcPort: sp, DstPort: dp,
 		Seq: uint32(t[4])<<24 | uint32(t[5])<<16 | uint32(t[6])<<8 | uint32(t[7]), Len: max(n, 0), SYN: syn}
 	g.mu.Lock()
 	if len(g.p) < maxWire {
