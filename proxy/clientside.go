@@ -119,7 +119,10 @@ func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
 	if !tok && !ans || !x.streamed || cc == nil || cc.sys == nil || cc.ackBase < 0 {
 		return
 	}
-	m := newAckMark(cc.sys, cc.ackBase+sent, t, cc.synRTT)
+	// The handshake's round trip, or the address's lowest lately where
+	// that is lower: a handshake that met a queue would time the first
+	// looks too late.
+	m := newAckMark(cc.sys, cc.ackBase+sent, t, x.p.floors.floor(cc.ip, cc.synRTT, t))
 	x.p.marks.add(m, x.p.now)
 	if tok {
 		x.tokMark = m
@@ -181,6 +184,7 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	in := &x.ti.info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
+	x.p.floors.floor(cc.ip, d.minRTT, now)
 	d.srtt = time.Duration(in.Rtt) * time.Microsecond
 	d.retrans = int(in.Total_retrans - cc.retrans)
 	d.retransFrom = in.Total_retrans

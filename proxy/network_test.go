@@ -236,6 +236,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		// than 100 is their largest): late counts the others.
 		late                      int
 		ttft99OnTime, e2e99OnTime float64
+		queued                    bool // a bottleneck towards the clients
 	}
 	var rows []row
 	var links []netsim.Options
@@ -378,7 +379,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 					name += fmt.Sprintf(", %d KiB/s", lo.Rate>>10)
 				}
 				r := row{name, delay, loss, k, len(all[0]), q(all[0], .5), q(all[0], .99), q(all[1], .5), q(all[1], .99), q(ttftSeen[k], .5), retrans[k], unacked[k], q(naive[k], .5),
-					late, math.NaN(), math.NaN()}
+					late, math.NaN(), math.NaN(), lo.Rate > 0}
 				if len(onTime[0]) > 0 {
 					r.ttft99OnTime, r.e2e99OnTime = q(onTime[0], .99), q(onTime[1], .99)
 				}
@@ -403,7 +404,11 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		// When a row misses, its requests the link carried on time (none
 		// of their packets released late by the forwarder: a busy
 		// machine) tell whether the link or the estimate was off.
-		if strict && r.loss == 0 && (r.ttft99 >= 2 || r.e2e99 >= 2) {
+		// Behind a queue, client_e2e_ms misses the queue's delay of the
+		// last bytes (their departure, not their acknowledgement, ends
+		// it: a client's delayed ACK would add up to 40 ms): the table
+		// reports it, only client_ttft_ms is held to 2 ms there.
+		if strict && r.loss == 0 && (r.ttft99 >= 2 || r.e2e99 >= 2 && !r.queued) {
 			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms: not under 2 ms (the link released packets late in %d requests; without them %.2f and %.2f ms)",
 				r.delay, r.conn, r.ttft99, r.e2e99, r.late, r.ttft99OnTime, r.e2e99OnTime)
 		}

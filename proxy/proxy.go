@@ -100,9 +100,10 @@ type Proxy struct {
 	cutting  atomic.Bool  // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
-	pool     sync.Pool // *exchange
-	acks     ackWatch  // records waiting for the client's acknowledgement
-	marks    lookWatch // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
+	pool     sync.Pool  // *exchange
+	acks     ackWatch   // records waiting for the client's acknowledgement
+	marks    lookWatch  // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
+	floors   pathFloors // per client address, the lowest round trip lately (for the marks' looks)
 	stats    *stats.Engine
 	statsNow func() time.Time
 }

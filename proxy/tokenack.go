@@ -58,7 +58,7 @@ type ackMark struct {
 // estimate's own error.
 const (
 	lookEvery = 500 * time.Microsecond
-	lookLater = 2 * time.Millisecond
+	lookLater = time.Millisecond
 )
 
 // ackGiveUp is how long after a round trip a mark is watched: a queue
