@@ -46,6 +46,7 @@ var help = map[string]string{
 
 	"tokentap_upstream_conns_discarded_total": "Pooled upstream connections closed instead of reused, by reason.",
 	"tokentap_upstream_retries_total":         "Requests sent again on a new connection because the backend provably never received them.",
+	"tokentap_relay_loop_errors_total":        "Failed epoll calls of the relay loops, by op (add: the stream stayed on its goroutine; modify: the stream ended; remove: the slot retired).",
 	"tokentap_accept_errors_total":            "Failed accepts of client connections (the listener backs off and goes on).",
 	"tokentap_client_conns_refused_total":     "Client connections closed at once because a connection cap was reached, by cap.",
 	"tokentap_client_conns":                   "Open client connections.",

@@ -26,6 +26,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	UpstreamConnDiscarded(DiscardExpired)
 	UpstreamRetry()
 	AcceptError()
+	RelayLoopError("add")
 	ConnRefused("total")
 	ClientConnsGauge(func() float64 { return 3 })
 	Failover(route, "a", "connect")

@@ -22,7 +22,14 @@ var (
 	}
 	upstreamRetries = vm.NewCounter("tokentap_upstream_retries_total")
 	acceptErrors    = vm.NewCounter("tokentap_accept_errors_total")
-	connsRefused    = map[string]*vm.Counter{
+	relayLoopErrors = map[string]*vm.Counter{
+		"create": vm.NewCounter(`tokentap_relay_loop_errors_total{op="create"}`),
+		"add":    vm.NewCounter(`tokentap_relay_loop_errors_total{op="add"}`),
+		"modify": vm.NewCounter(`tokentap_relay_loop_errors_total{op="modify"}`),
+		"remove": vm.NewCounter(`tokentap_relay_loop_errors_total{op="remove"}`),
+		"wait":   vm.NewCounter(`tokentap_relay_loop_errors_total{op="wait"}`),
+	}
+	connsRefused = map[string]*vm.Counter{
 		"total":  vm.NewCounter(`tokentap_client_conns_refused_total{reason="total"}`),
 		"per_ip": vm.NewCounter(`tokentap_client_conns_refused_total{reason="per_ip"}`),
 	}
@@ -39,6 +46,11 @@ func UpstreamRetry() { upstreamRetries.Inc() }
 // AcceptError counts a failed accept (out of descriptors, for instance),
 // after which the listener backs off and accepts again.
 func AcceptError() { acceptErrors.Inc() }
+
+// RelayLoopError counts a relay loop's failed epoll call, by op: create,
+// add (the stream stays on its goroutine), modify (the stream ends with
+// the error), remove (the slot is never used again), wait.
+func RelayLoopError(op string) { relayLoopErrors[op].Inc() }
 
 // ConnRefused counts a client connection closed at once because a cap on
 // open connections was reached; reason is "total" or "per_ip".

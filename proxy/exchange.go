@@ -89,6 +89,7 @@ type exchange struct {
 	keep      int    // passChunks: bytes of a held size line at the front of buf
 	chunks    chunkScanner
 	loop      loopStream // the stream while a relay loop relays it (loop.go)
+	turn      passTurn   // the read the relay loop relays (passloop.go)
 	stray     bool       // bytes came after the end of the response
 	finished  bool
 

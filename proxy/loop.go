@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"errors"
-	"io"
 	"net"
 	"os"
 	"runtime"
@@ -12,12 +11,13 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/tokentap/tokentap/metrics"
 	"golang.org/x/sys/unix"
 )
 
 // relayLoop relays established chunked streams (passChunks once the
 // response header is out) for many exchanges on one goroutine, driven by
-// an epoll set of its own, level-triggered.
+// an epoll set of its own (poller), level-triggered.
 //
 // On the goroutine path every relayed event costs a wake-up of the
 // exchange's goroutine and two reads of the upstream socket: the runtime's
@@ -34,29 +34,37 @@ import (
 // until its stream ends, then hands the connection back to the server as
 // before.
 //
-// The loop uses the connections' own descriptors, so nothing may close
-// them while it holds them: the two paths that close a connection from
-// another goroutine (a client that left: cancelState.fire; a drain cut
-// short: clientConn.Close) only shut the socket down then, which the loop
-// sees at once (the upstream reads its end, the client's socket reports a
-// hang-up), and the close waits for the stream to leave the loop.
-// (Duplicating the descriptors instead would double what each stream
-// holds: 9,000 idle streams ran out of the process's 20,000.)
+// The loop sees a stream only through relayed (what to read, what to
+// write, how it ended) and its two descriptors. It uses the connections'
+// own descriptors, so nothing may close them while it holds them: the two
+// paths that close a connection from another goroutine (a client that
+// left: cancelState.fire; a drain cut short: clientConn.Close) only shut
+// the socket down then, which the loop sees at once (the upstream reads
+// its end, the client's socket reports a hang-up), and the close waits for
+// the stream to leave the loop. (Duplicating the descriptors instead would
+// double what each stream holds: 9,000 idle streams ran out of the
+// process's 20,000.)
 //
 // Timeouts are the goroutine path's: the upstream's idle gap between reads
-// and the client's write timeout. The loop wakes for them only when the
-// earliest can have passed (an epoll set has no timers: a read deadline
-// on its file does it), never per event.
+// and the client's write timeout, on the proxy's clock. The loop wakes for
+// them only when the earliest can have passed (an epoll set has no timers:
+// a read deadline on its file does it), never per event.
+//
+// The loops belong to a Proxy (loopSet): Serve starts them, Shutdown and
+// Close stop them, which ends the streams still in them and closes their
+// descriptors.
 type relayLoop struct {
-	epfd   int
-	efd    int // eventfd: streams posted to the loop
+	poll   *poller
+	efd    int // eventfd: streams posted to the loop, and the stop
 	file   *os.File
 	raw    syscall.RawConn
+	now    func() time.Time
 	turnFn func(fd uintptr) bool
 	events []unix.EpollEvent
 	efdBuf [8]byte
 	mu     sync.Mutex
 	posted []*loopStream
+	stop   bool // under mu: no more posts; the loop ends its streams and exits
 	taken  []*loopStream
 	slots  []*loopStream // by slot; nil: free
 	free   []int32
@@ -68,10 +76,36 @@ type relayLoop struct {
 	// none); armed is the epoll file's read deadline, which wakes the loop.
 	// A stream's activity only moves its timeouts later, so due is a
 	// bound, renewed by each check (scan).
-	due   time.Time
-	armed time.Time
-	again bool // a read filled the buffer: look again before parking
-	more  bool // events are left after a batch: yield, then serve them
+	due     time.Time
+	armed   time.Time
+	again   bool          // a read filled the buffer: look again before parking
+	more    bool          // events are left after a batch: yield, then serve them
+	exiting bool          // the loop's own: stop was seen
+	exited  chan struct{} // closed when the goroutine has closed the descriptors and returned
+}
+
+// relayed is a stream as a relay loop sees it. The loop calls its methods
+// on its own goroutine only, while the stream is in it.
+type relayed interface {
+	// relayRead reads the upstream socket fd once. wait: nothing was
+	// waiting (EAGAIN). Otherwise out is what to write to the client
+	// (possibly nothing), got says bytes came, again that the socket may
+	// still be readable (the buffer filled, or its end waits).
+	relayRead(fd int, events uint32) (out []byte, wait, got, again bool)
+	// relayWritten: out was written whole; end says whether the stream is
+	// over, err why (nil: the body's end).
+	relayWritten() (end bool, err error)
+	// relayFailed: the stream ends with err, a failed write, a stop or a
+	// timeout; keepRead says whether the read being relayed keeps its own
+	// error (false: err is the read's, an idle upstream).
+	relayFailed(err error, keepRead bool)
+	// relaySent counts n bytes written to the client; relayStalled the time
+	// a write waited for the client's socket.
+	relaySent(n int)
+	relayStalled(d time.Duration)
+	// relayCancel: the client left (its socket reported its close with
+	// nothing waiting).
+	relayCancel()
 }
 
 // loopBatch is how many ready events a loop serves before it lets other
@@ -84,8 +118,7 @@ const efdSlot = -1
 // loopStream is one stream while the loop relays it. It lives in its
 // exchange and is reused by the exchange's next stream.
 type loopStream struct {
-	x      *exchange
-	cc     *clientConn
+	r      relayed
 	slot   int32
 	upFd   int // the connections' descriptors, held open for the loop
 	clFd   int
@@ -93,64 +126,100 @@ type loopStream struct {
 	idle   time.Duration
 	wtime  time.Duration
 	readAt time.Time // when reading began or last returned bytes, for the idle timeout
-	// The read being relayed: what of x.buf is still to be written, the
-	// end of the bytes read, the data bytes found, the read's error.
+	// pending is what of the read being relayed is still to be written.
 	pending []byte
 	since   time.Time // when pending met a full socket buffer
 	blocked bool      // waiting for the client socket to take pending
 	rdhup   bool      // the client's close is watched (see clientClosed)
-	last    int
-	data    int
-	wrote   bool
-	readErr error
 }
 
-var (
-	loopsOnce   sync.Once
-	loops       []*relayLoop
-	loopNext    atomic.Uint32
-	loopStreams atomic.Uint64 // streams handed to a relay loop
-)
+// loopStreams counts the streams handed to a relay loop, for tests.
+var loopStreams atomic.Uint64
 
-// pickLoop returns a relay loop (one per processor the runtime had when
-// the first stream came), or nil when the system has none to give.
-func pickLoop() *relayLoop {
-	loopsOnce.Do(func() {
-		for range runtime.GOMAXPROCS(0) {
-			l, err := newRelayLoop()
-			if err != nil {
-				break
-			}
-			loops = append(loops, l)
-			go l.run()
+// errNoLoop says the loop could not take a stream (its epoll set refused
+// the sockets, or the loop is stopping): the stream stays on its goroutine.
+var errNoLoop = errors.New("relay loop: cannot watch the stream's sockets")
+
+// errLoopStopped ends a stream still in a loop when the proxy closes.
+var errLoopStopped = &net.OpError{Op: "write", Net: "tcp", Err: errors.New("the relay loop stopped")}
+
+var clientHungUp = &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", unix.EPIPE)}
+
+// loopSet is a Proxy's relay loops: one per processor, started by Serve,
+// stopped by Shutdown or Close.
+type loopSet struct {
+	mu      sync.Mutex // start and stop
+	running atomic.Pointer[[]*relayLoop]
+	next    atomic.Uint32
+}
+
+// start starts n loops on the clock now, unless they run already; loops
+// the system cannot give are done without (their streams stay on their
+// goroutines).
+func (ls *loopSet) start(n int, now func() time.Time) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.running.Load() != nil {
+		return
+	}
+	loops := make([]*relayLoop, 0, n)
+	for range n {
+		l, err := newRelayLoop(now)
+		if err != nil {
+			break
 		}
-	})
-	if len(loops) == 0 {
+		loops = append(loops, l)
+		go l.run()
+	}
+	ls.running.Store(&loops)
+}
+
+// pick returns a running loop, or nil.
+func (ls *loopSet) pick() *relayLoop {
+	loops := ls.running.Load()
+	if loops == nil || len(*loops) == 0 {
 		return nil
 	}
-	return loops[int(loopNext.Add(1))%len(loops)]
+	return (*loops)[int(ls.next.Add(1))%len(*loops)]
 }
 
-func newRelayLoop() (*relayLoop, error) {
-	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+// stop stops every loop and waits until each has ended its streams,
+// closed its descriptors and returned. A later start starts new ones.
+func (ls *loopSet) stop() {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	loops := ls.running.Swap(nil)
+	if loops == nil {
+		return
+	}
+	for _, l := range *loops {
+		l.halt()
+	}
+	for _, l := range *loops {
+		<-l.exited
+	}
+}
+
+func newRelayLoop(now func() time.Time) (*relayLoop, error) {
+	poll, err := newPoller()
 	if err != nil {
 		return nil, err
 	}
 	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 	if err != nil {
-		unix.Close(epfd)
+		metrics.RelayLoopError("create")
+		unix.Close(poll.fd)
 		return nil, err
 	}
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: efdSlot}
-	if err = unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, efd, &ev); err == nil {
-		err = unix.SetNonblock(epfd, true)
+	if err = poll.add(efd, unix.EPOLLIN, efdSlot, sideUp); err == nil {
+		err = unix.SetNonblock(poll.fd, true)
 	}
 	if err != nil {
 		unix.Close(efd)
-		unix.Close(epfd)
+		unix.Close(poll.fd)
 		return nil, err
 	}
-	f := os.NewFile(uintptr(epfd), "relay-loop")
+	f := os.NewFile(uintptr(poll.fd), "relay-loop")
 	raw, err := f.SyscallConn()
 	if err != nil {
 		f.Close()
@@ -161,28 +230,42 @@ func newRelayLoop() (*relayLoop, error) {
 		// Not in the runtime's poller: the loop could not park on it.
 		f.Close()
 		unix.Close(efd)
+		metrics.RelayLoopError("create")
 		return nil, errors.New("epoll descriptor is not pollable")
 	}
-	l := &relayLoop{epfd: epfd, efd: efd, file: f, raw: raw, events: make([]unix.EpollEvent, loopBatch)}
+	l := &relayLoop{poll: poll, efd: efd, file: f, raw: raw, now: now, events: make([]unix.EpollEvent, loopBatch),
+		exited: make(chan struct{})}
 	l.turnFn = l.turn
 	return l, nil
 }
 
-// run serves the loop for the life of the process. Between turns it
-// checks the open streams' timeouts when the earliest is due, and moves
-// the epoll file's read deadline, which wakes the loop, to the next one.
+// run serves the loop until it is stopped. Between turns it checks the
+// open streams' timeouts when the earliest is due, and moves the epoll
+// file's read deadline, which wakes the loop, to the next one.
 func (l *relayLoop) run() {
+	defer close(l.exited)
 	for {
 		_ = l.raw.Read(l.turnFn) // a deadline: a timeout may be due
+		if l.exiting {
+			_ = l.file.Close()
+			_ = unix.Close(l.efd)
+			return
+		}
 		if l.more {
 			l.more = false
 			runtime.Gosched()
 		}
-		if !l.due.IsZero() && !time.Now().Before(l.due) {
-			l.scan(time.Now())
+		if now := l.now(); !l.due.IsZero() && !now.Before(l.due) {
+			l.scan(now)
 		}
 		if !l.armed.Equal(l.due) {
-			_ = l.file.SetReadDeadline(l.due)
+			// The file's deadline is on the runtime's clock: the time left
+			// on the proxy's.
+			at := l.due
+			if !at.IsZero() {
+				at = time.Now().Add(l.due.Sub(l.now()))
+			}
+			_ = l.file.SetReadDeadline(at)
 			l.armed = l.due
 		}
 	}
@@ -197,20 +280,16 @@ func (l *relayLoop) expect(t time.Time) {
 
 // turn serves the ready events, a batch at a time (false: none left, park
 // until the epoll set is readable); it returns true when more are ready
-// after a batch (more), when the streams' timeouts are due or when the
-// deadline that checks them must change.
+// after a batch (more), when the streams' timeouts are due, when the
+// deadline that checks them must change, or when the loop stops.
 func (l *relayLoop) turn(uintptr) bool {
 	for {
-		n, _, e := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, uintptr(l.epfd), uintptr(unsafe.Pointer(&l.events[0])),
-			uintptr(len(l.events)), 0, 0, 0)
+		n, e := l.poll.wait(l.events)
 		if e != 0 {
-			if e == unix.EINTR {
-				continue
-			}
 			return true
 		}
 		l.again = false
-		for i := range int(n) {
+		for i := range n {
 			ev := &l.events[i]
 			if ev.Fd == efdSlot {
 				l.takePosted()
@@ -221,22 +300,25 @@ func (l *relayLoop) turn(uintptr) bool {
 				continue // ended earlier in this batch
 			}
 			switch {
-			case ev.Pad == 1 && s.blocked && ev.Events&unix.EPOLLOUT != 0:
+			case ev.Pad == sideClient && s.blocked && ev.Events&unix.EPOLLOUT != 0:
 				l.write(s)
-			case ev.Pad == 1 && ev.Events&(unix.EPOLLHUP|unix.EPOLLERR) != 0:
+			case ev.Pad == sideClient && ev.Events&(unix.EPOLLHUP|unix.EPOLLERR) != 0:
 				l.end(s, clientHungUp)
-			case ev.Pad == 1 && ev.Events&unix.EPOLLRDHUP != 0 && s.rdhup:
+			case ev.Pad == sideClient && ev.Events&unix.EPOLLRDHUP != 0 && s.rdhup:
 				l.clientClosed(s)
-			case ev.Pad == 0 && !s.blocked:
+			case ev.Pad == sideUp && !s.blocked:
 				l.read(s, ev.Events)
 			}
 		}
 		l.free = append(l.free, l.freed...)
 		l.freed = l.freed[:0]
-		if !l.armed.Equal(l.due) || !l.due.IsZero() && !time.Now().Before(l.due) {
+		if l.exiting {
 			return true
 		}
-		if int(n) < len(l.events) && !l.again {
+		if !l.armed.Equal(l.due) || !l.due.IsZero() && !l.now().Before(l.due) {
+			return true
+		}
+		if n < len(l.events) && !l.again {
 			return false
 		}
 		// More is ready: first let the goroutines waiting for the
@@ -248,17 +330,30 @@ func (l *relayLoop) turn(uintptr) bool {
 	}
 }
 
-// errNoLoop says the loop could not take a stream (its epoll set refused
-// the sockets): the stream stays on its goroutine.
-var errNoLoop = errors.New("relay loop: cannot watch the stream's sockets")
-
-var clientHungUp = &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", unix.EPIPE)}
-
-// post hands s to the loop.
-func (l *relayLoop) post(s *loopStream) {
+// post hands s to the loop; false when the loop is stopping (the stream
+// stays on its goroutine).
+func (l *relayLoop) post(s *loopStream) bool {
 	l.mu.Lock()
+	if l.stop {
+		l.mu.Unlock()
+		return false
+	}
 	l.posted = append(l.posted, s)
 	l.mu.Unlock()
+	l.wake()
+	return true
+}
+
+// halt makes the loop end its streams (errLoopStopped), close its
+// descriptors and return; posts fail from now on.
+func (l *relayLoop) halt() {
+	l.mu.Lock()
+	l.stop = true
+	l.mu.Unlock()
+	l.wake()
+}
+
+func (l *relayLoop) wake() {
 	one := [8]byte{1}
 	for {
 		_, err := unix.Write(l.efd, one[:])
@@ -268,13 +363,15 @@ func (l *relayLoop) post(s *loopStream) {
 	}
 }
 
-// takePosted registers the streams posted since the last turn.
+// takePosted registers the streams posted since the last turn, or ends
+// every stream when the loop stops.
 func (l *relayLoop) takePosted() {
 	_, _, _ = unix.RawSyscall(unix.SYS_READ, uintptr(l.efd), uintptr(unsafe.Pointer(&l.efdBuf[0])), 8)
 	l.mu.Lock()
 	l.taken, l.posted = l.posted, l.taken[:0]
+	stop := l.stop
 	l.mu.Unlock()
-	now := time.Now()
+	now := l.now()
 	for i, s := range l.taken {
 		l.taken[i] = nil
 		var slot int32
@@ -285,19 +382,18 @@ func (l *relayLoop) takePosted() {
 			l.slots = append(l.slots, nil)
 		}
 		s.slot, s.readAt, s.rdhup = slot, now, true
-		up := unix.EpollEvent{Events: upEvents, Fd: slot}
 		// The client's socket: its peer's close (the peer watch's job on
 		// the goroutine path), hang-ups and errors, until it is written to.
-		cl := unix.EpollEvent{Events: s.clientEvents(), Fd: slot, Pad: 1}
-		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.upFd, &up); err != nil {
+		if l.poll.add(s.upFd, upEvents, slot, sideUp) != nil {
 			s.done <- errNoLoop
 			l.free = append(l.free, slot)
 			continue
 		}
-		if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, s.clFd, &cl); err != nil {
-			_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.upFd, nil)
+		if l.poll.add(s.clFd, s.clientEvents(), slot, sideClient) != nil {
+			if l.poll.remove(s.upFd) == nil {
+				l.free = append(l.free, slot)
+			}
 			s.done <- errNoLoop
-			l.free = append(l.free, slot)
 			continue
 		}
 		l.slots[slot] = s
@@ -306,6 +402,15 @@ func (l *relayLoop) takePosted() {
 		}
 	}
 	l.taken = l.taken[:0]
+	if stop {
+		for _, s := range l.slots {
+			if s != nil {
+				s.r.relayFailed(errLoopStopped, true)
+				l.end(s, errLoopStopped)
+			}
+		}
+		l.exiting = true
+	}
 }
 
 // upEvents is what the loop waits for on a stream's upstream socket: its
@@ -324,32 +429,15 @@ const upEvents = unix.EPOLLIN | unix.EPOLLRDHUP
 // (an upstream that wrote and reset at once) was left unread until the
 // idle timeout, its record with it.
 func (l *relayLoop) read(s *loopStream, events uint32) {
-	x := s.x
-	rx := x.conn.rx
-	room := x.buf[x.keep:]
-	n, errno := rx.recvFd(uintptr(s.upFd), room)
-	if errno == unix.EAGAIN {
+	out, wait, got, again := s.r.relayRead(s.upFd, events)
+	if wait {
 		return
 	}
-	var err error
-	switch {
-	case errno != 0:
-		err = &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("recvmsg", errno)}
-	case n == 0:
-		err = io.EOF
-	default:
-		x.conn.stamp()
-		s.readAt = time.Now()
-		if n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
-			l.again = true
-		}
+	if got {
+		s.readAt = l.now()
 	}
-	rawFrom, out, last, data, serr := x.passScan(n)
-	if serr != nil {
-		err = serr
-	}
-	s.last, s.data, s.readErr, s.wrote = last, data, err, out > rawFrom
-	s.pending = x.buf[rawFrom:out]
+	l.again = l.again || again
+	s.pending = out
 	l.write(s)
 }
 
@@ -361,14 +449,14 @@ func (l *relayLoop) write(s *loopStream) {
 		n, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(s.clFd), uintptr(unsafe.Pointer(&s.pending[0])), uintptr(len(s.pending)))
 		switch e {
 		case 0:
-			s.cc.sent += int64(n)
+			s.r.relaySent(int(n))
 			s.pending = s.pending[n:]
 			continue
 		case unix.EINTR:
 			continue
 		case unix.EAGAIN:
 			if !s.blocked {
-				s.blocked, s.since = true, time.Now()
+				s.blocked, s.since = true, l.now()
 				if s.wtime > 0 {
 					l.expect(s.since.Add(s.wtime))
 				}
@@ -379,35 +467,52 @@ func (l *relayLoop) write(s *loopStream) {
 			}
 			return
 		}
-		s.x.readErr = s.readErr
-		l.end(s, &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", e)})
+		err := &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", e)}
+		s.r.relayFailed(err, true)
+		l.end(s, err)
 		return
 	}
 	if s.blocked {
-		s.blocked, s.readAt = false, time.Now()
-		s.cc.stall += s.readAt.Sub(s.since)
-		l.interest(s, upEvents)
+		s.blocked, s.readAt = false, l.now()
+		s.r.relayStalled(s.readAt.Sub(s.since))
+		if !l.interest(s, upEvents) {
+			return
+		}
 		if s.idle > 0 {
 			l.expect(s.readAt.Add(s.idle))
 		}
 	}
-	if end, err := s.x.passEnd(s.data, s.wrote, s.readErr, s.last); end {
+	if end, err := s.r.relayWritten(); end {
 		l.end(s, err)
 	}
 }
 
 // interest sets what the loop waits for on s's upstream socket (up), and
-// on its client socket what s's state says (clientEvents).
-func (l *relayLoop) interest(s *loopStream, up uint32) {
-	ev := unix.EpollEvent{Events: up, Fd: s.slot}
-	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.upFd, &ev)
-	l.watchClient(s)
+// on its client socket what s's state says (clientEvents). A set that
+// refuses the change ends the stream with its error: its sockets would
+// no longer be watched as the stream needs (false).
+func (l *relayLoop) interest(s *loopStream, up uint32) bool {
+	if err := l.poll.modify(s.upFd, up, s.slot, sideUp); err != nil {
+		l.fail(s, err)
+		return false
+	}
+	return l.watchClient(s)
 }
 
 // watchClient sets what the loop waits for on s's client socket.
-func (l *relayLoop) watchClient(s *loopStream) {
-	ev := unix.EpollEvent{Events: s.clientEvents(), Fd: s.slot, Pad: 1}
-	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_MOD, s.clFd, &ev)
+func (l *relayLoop) watchClient(s *loopStream) bool {
+	if err := l.poll.modify(s.clFd, s.clientEvents(), s.slot, sideClient); err != nil {
+		l.fail(s, err)
+		return false
+	}
+	return true
+}
+
+// fail ends s because its sockets cannot be watched.
+func (l *relayLoop) fail(s *loopStream, err error) {
+	e := &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("epoll_ctl", err)}
+	s.r.relayFailed(e, true)
+	l.end(s, e)
 }
 
 // clientClosed answers the client's socket reporting its peer's close
@@ -422,9 +527,11 @@ func (l *relayLoop) watchClient(s *loopStream) {
 func (l *relayLoop) clientClosed(s *loopStream) {
 	state := peek(uintptr(s.clFd))
 	s.rdhup = false
-	l.watchClient(s)
+	if !l.watchClient(s) {
+		return
+	}
 	if state != peerData {
-		s.x.fire()
+		s.r.relayCancel()
 	}
 }
 
@@ -442,12 +549,15 @@ func (s *loopStream) clientEvents() uint32 {
 	return ev
 }
 
-// end takes s out of the loop and wakes its exchange with err.
+// end takes s out of the loop and wakes its exchange with err. A slot
+// whose sockets the set may still report (a removal it refused) is never
+// used again.
 func (l *relayLoop) end(s *loopStream, err error) {
-	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.upFd, nil)
-	_ = unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, s.clFd, nil)
+	e1, e2 := l.poll.remove(s.upFd), l.poll.remove(s.clFd)
 	l.slots[s.slot] = nil
-	l.freed = append(l.freed, s.slot)
+	if e1 == nil && e2 == nil {
+		l.freed = append(l.freed, s.slot)
+	}
 	s.pending = nil
 	s.done <- err
 }
@@ -462,89 +572,20 @@ func (l *relayLoop) scan(now time.Time) {
 		case s == nil:
 		case s.blocked && s.wtime > 0:
 			if at := s.since.Add(s.wtime); now.After(at) {
-				s.x.readErr = s.readErr
-				l.end(s, &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded})
+				err := &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded}
+				s.r.relayFailed(err, true)
+				l.end(s, err)
 			} else {
 				l.expect(at)
 			}
 		case !s.blocked && s.idle > 0:
 			if at := s.readAt.Add(s.idle); now.After(at) {
 				err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
-				s.x.readErr = err
+				s.r.relayFailed(err, false)
 				l.end(s, err)
 			} else {
 				l.expect(at)
 			}
 		}
-	}
-}
-
-// loopable reports whether a passChunks stream can move to a relay loop
-// once nothing is buffered or framed by the server: not when the relay
-// loops are off, on a connection that is not a plain socket with receive
-// stamps, or for a compressed body (its side decoder could hold the loop
-// up).
-func (x *exchange) loopable() bool {
-	cc, _ := x.client.(*clientConn)
-	c := x.conn
-	return !x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
-		c.up.tls == nil && x.dec == nil
-}
-
-// passLoop relays the rest of a passChunks stream on a relay loop, and
-// reports false when it cannot (the stream then stays on its goroutine).
-func (x *exchange) passLoop() (bool, error) {
-	cc, c := x.client.(*clientConn), x.conn
-	l := pickLoop()
-	if l == nil {
-		return false, nil
-	}
-	upFd, clFd := sockFd(c.rx.raw), sockFd(cc.raw)
-	if upFd < 0 || clFd < 0 || !x.cancel.enterLoop() {
-		return false, nil
-	}
-	if !cc.enterLoop() {
-		x.cancel.leaveLoop()
-		return false, nil
-	}
-	s := &x.loop
-	if s.done == nil {
-		s.done = make(chan error, 1)
-	}
-	s.x, s.cc, s.upFd, s.clFd = x, cc, upFd, clFd
-	s.idle, s.wtime = c.timeout, cc.d
-	// The loop watches the client's close itself (clientClosed): the peer
-	// watch, its goroutine and its timers end here (most streams whose
-	// first byte came within watchDelay never start it).
-	x.watch.stop()
-	l.post(s)
-	err := <-s.done
-	s.x, s.cc, s.readErr = nil, nil, nil
-	cc.leaveLoop()
-	x.cancel.leaveLoop()
-	if err == errNoLoop {
-		x.watch.start(x.client, x.fire)
-		return false, nil
-	}
-	loopStreams.Add(1)
-	return true, err
-}
-
-// sockFd returns the descriptor behind raw, or -1. Only a stream's own
-// goroutine calls it, and the descriptor stays open while the stream is in
-// a loop (see relayLoop).
-func sockFd(raw syscall.RawConn) int {
-	fd := -1
-	if raw.Control(func(f uintptr) { fd = int(f) }) != nil {
-		return -1
-	}
-	return fd
-}
-
-// shutdownConn shuts conn's socket down in both directions, which ends
-// a relay loop's stream on it as a close would.
-func shutdownConn(conn net.Conn) {
-	if raw := rawConn(conn); raw != nil {
-		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
 	}
 }

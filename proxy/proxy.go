@@ -32,6 +32,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -103,6 +104,7 @@ type Proxy struct {
 	pool     sync.Pool  // *exchange
 	acks     ackWatch   // records waiting for the client's acknowledgement
 	marks    lookWatch  // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
+	loops    loopSet    // the relay loops: started by Serve, stopped by Shutdown and Close
 	floors   pathFloors // per client address, the lowest round trip lately (for the marks' looks)
 	stats    *stats.Engine
 	statsNow func() time.Time
@@ -289,8 +291,10 @@ func (p *Proxy) awaitRecorded(ctx context.Context) error {
 	return nil
 }
 
-// Close releases idle upstream connections and unregisters metrics.
+// Close stops the relay loops (a stream still in one ends as a failed
+// write), releases idle upstream connections and unregisters metrics.
 func (p *Proxy) Close() {
+	p.loops.stop()
 	if s := p.snap.Load(); s != nil {
 		if s.admit != nil {
 			s.admit.Close()
@@ -316,12 +320,15 @@ func (p *Proxy) Serve(ln net.Listener) error {
 	}
 	srv := p.srv
 	p.srvMu.Unlock()
+	if !p.opts.GoroutineRelay {
+		p.loops.start(runtime.GOMAXPROCS(0), p.now)
+	}
 	return srv.Serve(ln)
 }
 
 // Shutdown stops accepting, closes idle client connections and waits for
 // the requests in flight, and their records, until ctx is done (then see
-// Cut). A record can outlive its response: it waits for the client's
+// Cut), then stops the relay loops. A record can outlive its response: it waits for the client's
 // acknowledgement of the last bytes (at most 2 s) or for the side decoder.
 func (p *Proxy) Shutdown(ctx context.Context) error {
 	p.srvMu.Lock()
@@ -333,7 +340,11 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 	if err := srv.ShutdownWithContext(ctx); err != nil {
 		return err
 	}
-	return p.awaitRecorded(ctx)
+	if err := p.awaitRecorded(ctx); err != nil {
+		return err
+	}
+	p.loops.stop()
+	return nil
 }
 
 // server is the fasthttp.Server that relays through p: streamed bodies

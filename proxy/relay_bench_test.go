@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"testing"
 	"time"
 
@@ -186,6 +187,11 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	tb.Helper()
 	p := newProxyForBench(tb)
 	p.opts.GoroutineRelay = goroutine
+	if !goroutine {
+		// The loops Serve would start.
+		p.loops.start(runtime.GOMAXPROCS(0), p.now)
+		tb.Cleanup(p.loops.stop)
+	}
 	upWrite, upRead := tcpPair(tb)
 	peer, cl := tcpPair(tb)
 	x = streamingExchange(p, nil)

@@ -1,0 +1,145 @@
+package proxy
+
+import (
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The exchange's side of a relay loop (loop.go): what moves a passChunks
+// stream into a loop, and the relayed methods through which the loop
+// reads, writes and ends it.
+
+// passTurn is the read a relay loop is relaying: the end of the bytes
+// read in the exchange's buffer, the data bytes found, whether anything is
+// to be written, and the read's error.
+type passTurn struct {
+	last  int
+	data  int
+	wrote bool
+	err   error
+}
+
+// loopable reports whether a passChunks stream can move to a relay loop
+// once nothing is buffered or framed by the server: not when the relay
+// loops are off, on a connection that is not a plain socket with receive
+// stamps, or for a compressed body (its side decoder could hold the loop
+// up).
+func (x *exchange) loopable() bool {
+	cc, _ := x.client.(*clientConn)
+	c := x.conn
+	return !x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
+		c.up.tls == nil && x.dec == nil
+}
+
+// passLoop relays the rest of a passChunks stream on a relay loop, and
+// reports false when it cannot (the stream then stays on its goroutine).
+func (x *exchange) passLoop() (bool, error) {
+	cc, c := x.client.(*clientConn), x.conn
+	l := x.p.loops.pick()
+	if l == nil {
+		return false, nil
+	}
+	upFd, clFd := sockFd(c.rx.raw), sockFd(cc.raw)
+	if upFd < 0 || clFd < 0 || !x.cancel.enterLoop() {
+		return false, nil
+	}
+	if !cc.enterLoop() {
+		x.cancel.leaveLoop()
+		return false, nil
+	}
+	s := &x.loop
+	if s.done == nil {
+		s.done = make(chan error, 1)
+	}
+	s.r, s.upFd, s.clFd = x, upFd, clFd
+	s.idle, s.wtime = c.timeout, cc.d
+	// The loop watches the client's close itself (clientClosed): the peer
+	// watch, its goroutine and its timers end here (most streams whose
+	// first byte came within watchDelay never start it).
+	x.watch.stop()
+	err := errNoLoop
+	if l.post(s) {
+		err = <-s.done
+	}
+	s.r, x.turn = nil, passTurn{}
+	cc.leaveLoop()
+	x.cancel.leaveLoop()
+	if err == errNoLoop {
+		x.watch.start(x.client, x.fire)
+		return false, nil
+	}
+	loopStreams.Add(1)
+	return true, err
+}
+
+// relayRead reads the upstream socket once for the loop and scans what
+// came (passScan).
+func (x *exchange) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
+	room := x.buf[x.keep:]
+	n, errno := x.conn.rx.recvFd(uintptr(fd), room)
+	if errno == unix.EAGAIN {
+		return nil, true, false, false
+	}
+	var err error
+	switch {
+	case errno != 0:
+		err = &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("recvmsg", errno)}
+	case n == 0:
+		err = io.EOF
+	default:
+		x.conn.stamp()
+		got = true
+		again = n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0
+	}
+	rawFrom, end, last, data, serr := x.passScan(n)
+	if serr != nil {
+		err = serr
+	}
+	x.turn = passTurn{last: last, data: data, wrote: end > rawFrom, err: err}
+	return x.buf[rawFrom:end], false, got, again
+}
+
+// relayWritten ends the read relayed once its bytes are written (passEnd).
+func (x *exchange) relayWritten() (bool, error) {
+	return x.passEnd(x.turn.data, x.turn.wrote, x.turn.err, x.turn.last)
+}
+
+// relayFailed keeps the error the server's next Read returns.
+func (x *exchange) relayFailed(err error, keepRead bool) {
+	if keepRead {
+		err = x.turn.err
+	}
+	x.readErr = err
+}
+
+// relaySent and relayStalled count on the client connection (a loop
+// takes only streams to a clientConn: loopable).
+func (x *exchange) relaySent(n int) { x.client.(*clientConn).sent += int64(n) }
+
+func (x *exchange) relayStalled(d time.Duration) { x.client.(*clientConn).stall += d }
+
+func (x *exchange) relayCancel() { x.fire() }
+
+// sockFd returns the descriptor behind raw, or -1. Only a stream's own
+// goroutine calls it, and the descriptor stays open while the stream is in
+// a loop (see relayLoop).
+func sockFd(raw syscall.RawConn) int {
+	fd := -1
+	if raw.Control(func(f uintptr) { fd = int(f) }) != nil {
+		return -1
+	}
+	return fd
+}
+
+// shutdownConn shuts conn's socket down in both directions, which ends
+// a relay loop's stream on it as a close would.
+func shutdownConn(conn net.Conn) {
+	if raw := rawConn(conn); raw != nil {
+		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+	}
+}
