@@ -28,8 +28,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	AcceptError()
 	RelayLoopError("add")
 	ConnRefused("total")
-	ClientConnsGauge(func() float64 { return 3 })
-	Failover(route, "a", "connect")
+	FailedOver(route, "a", "connect")
 	ShadowSkipped(route)
 	SetBuildInfo("v1.2.3", "abc123")
 

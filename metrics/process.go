@@ -56,15 +56,9 @@ func RelayLoopError(op string) { relayLoopErrors[op].Inc() }
 // open connections was reached; reason is "total" or "per_ip".
 func ConnRefused(reason string) { connsRefused[reason].Inc() }
 
-// ClientConnsGauge publishes the number of open client connections, read
-// from f at each scrape. Call it once per process.
-func ClientConnsGauge(f func() float64) {
-	vm.GetOrCreateGauge("tokentap_client_conns", f)
-}
-
-// Failover counts a request sent on from upstream from of route for
+// FailedOver counts a request sent on from upstream from of route for
 // reason (label values from the config and a fixed list).
-func Failover(route, from, reason string) {
+func FailedOver(route, from, reason string) {
 	vm.GetOrCreateCounter(`tokentap_failovers_total{route="` + route + `",from="` + from + `",reason="` + reason + `"}`).Inc()
 }
 

@@ -275,7 +275,7 @@ func (x *exchange) ackLook() (over bool) {
 // waits for one (lookWatch), and records each when its wait is over.
 type ackWatch struct{ lookWatch }
 
-// add hands x to the watch once readDelivery said its record waits (x.end
+// add hands x to the watch once readDelivery said its record waits (x.fin
 // holds what record needs).
 func (w *ackWatch) add(x *exchange) {
 	if x.ackSchedule(x.p.now()) {

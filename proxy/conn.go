@@ -55,7 +55,7 @@ func (l *clientListener) Accept() (net.Conn, error) {
 		ip := tc.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap()
 		if reason := l.caps.take(ip); reason != "" {
 			metrics.ConnRefused(reason)
-			refuse(tc)
+			refuseConn(tc)
 			continue
 		}
 		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
@@ -77,9 +77,9 @@ var busyResponse = func() []byte {
 		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
 }()
 
-// refuse answers 503 without reading the request and closes. The write
+// refuseConn answers 503 without reading the request and closes. The write
 // fits in the socket's send buffer; the deadline only guards the syscall.
-func refuse(c *net.TCPConn) {
+func refuseConn(c *net.TCPConn) {
 	_ = c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
 	_, _ = c.Write(busyResponse)
 	_ = c.Close()

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"context"
 	"io"
 	"net"
 	"strconv"
@@ -70,7 +69,7 @@ type exchange struct {
 	// What is measured, and whether a chunk handed to the server awaits
 	// its delivery stamp (the fixed-length path, see Read).
 	m         meter
-	unflushed bool
+	unstamped bool
 
 	// Admission control.
 	tenant    string
@@ -111,8 +110,8 @@ type exchange struct {
 	stallFrom        time.Duration // the client connection's stall when the response began
 	ti               tcpInfo
 	deliv            delivery
-	end              ending // what finish knew, while the record waits (ackWatch)
-	endSent          bool   // the body's last chunk went out with its data (passScan)
+	fin              finishing // what finish knew, while the record waits (ackWatch)
+	endSent          bool      // the body's last chunk went out with its data (passScan)
 }
 
 type parseMode uint8
@@ -165,7 +164,7 @@ const maxPooledBody = 256 << 10
 // and its refusal is answered and recorded by refuse, the one place that
 // does so. After relay the server reads the body through the exchange.
 func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
-	if r := x.route(ctx); r != nil {
+	if r := x.pickRoute(ctx); r != nil {
 		return r
 	}
 	if r := x.readRequest(ctx); r != nil {
@@ -186,10 +185,10 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	return nil
 }
 
-// route checks what the headers say and finds the request's route, dialect
+// pickRoute checks what the headers say and finds the request's route, dialect
 // and tenant, before a byte of the body is read: a refused request costs no
 // more than its headers.
-func (x *exchange) route(ctx *fasthttp.RequestCtx) *refusal {
+func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 	rec, snap := &x.rec, x.snap
 	rawPath := ctx.Request.Header.RequestURI()
 	if i := bytes.IndexByte(rawPath, '?'); i >= 0 {
@@ -436,7 +435,9 @@ func (x *exchange) forwardResult(err error) *refusal {
 func (x *exchange) roundTrip(head bool) error {
 	up := x.up
 	for attempt := 0; ; attempt++ {
-		c, err := up.get(context.Background(), attempt > 0)
+		// A client that leaves during a dial stops it (the peer watch
+		// runs from admission on).
+		c, err := up.get(goneCtx{x.cancel.doneChan()}, attempt > 0)
 		if err != nil {
 			x.connectFailed = true
 			return err
@@ -634,7 +635,7 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 			if werr != nil {
 				return written, werr
 			}
-			x.flushed(x.p.now())
+			x.wrote(x.p.now())
 		}
 		if err == io.EOF {
 			return written, nil
@@ -773,7 +774,7 @@ func (x *exchange) passRead(w io.Writer) (end bool, err error) {
 			return true, werr
 		}
 	}
-	return x.passEnd(data, out > rawFrom, err, last)
+	return x.passDone(data, out > rawFrom, err, last)
 }
 
 // passScan follows the framing of the n bytes just read into x.buf (after
@@ -852,15 +853,15 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 	return rawFrom, out, last, data, err
 }
 
-// passEnd ends a relayed read whose bytes were written (data bytes of
+// passDone ends a relayed read whose bytes were written (data bytes of
 // it, and whether anything went out: its delivery is stamped): end is true
 // when the body ended (err nil) or the read failed (err says how);
 // otherwise the held size line moves to the front of the buffer for the
 // next read.
-func (x *exchange) passEnd(data int, wrote bool, err error, last int) (end bool, _ error) {
+func (x *exchange) passDone(data int, wrote bool, err error, last int) (end bool, _ error) {
 	if data > 0 || wrote {
 		x.bytesOut += int64(data)
-		x.flushed(x.p.now())
+		x.wrote(x.p.now())
 	}
 	if x.upDone {
 		x.readErr = io.EOF
@@ -884,20 +885,20 @@ func (x *exchange) SupportsBodyWriteTo() bool { return true }
 // length; their chunks are only flushed at the end, so the start of the next
 // Read is when the previous chunk was handed to the server.
 func (x *exchange) Read(b []byte) (int, error) {
-	if x.unflushed {
-		x.flushed(x.p.now())
+	if x.unstamped {
+		x.wrote(x.p.now())
 	}
 	n, err := x.pull(b)
 	if n > 0 {
 		x.bytesOut += int64(n)
-		x.unflushed = true
+		x.unstamped = true
 	}
 	return n, err
 }
 
-// flushed stamps the delivery of the last chunk handed to the server.
-func (x *exchange) flushed(t time.Time) {
-	x.unflushed = false
+// wrote stamps the delivery of the last chunk handed to the server.
+func (x *exchange) wrote(t time.Time) {
+	x.unstamped = false
 	if x.dec != nil {
 		// Its tokens are stamped once decoded (takeDecoded); a read relayed
 		// whole can have fed the decoder several chunks.
@@ -906,7 +907,7 @@ func (x *exchange) flushed(t time.Time) {
 		}
 	}
 	x.m.stall = x.stalled()
-	tok, ans := x.m.flushed(t)
+	tok, ans := x.m.wrote(t)
 	x.laterBytes(t)
 	x.markAcks(tok, ans, t, x.sent())
 }
@@ -1023,7 +1024,7 @@ func (x *exchange) takeDecoded(final bool) {
 		default:
 			// Its chunk came in the read being relayed (several chunks in
 			// one read) and is not written yet: its tokens are delivered
-			// with that write (flushed).
+			// with that write (wrote).
 		}
 	}
 	if n := len(parts); n > 0 {
@@ -1143,9 +1144,9 @@ func (x *exchange) finish(writeErr error) {
 	}
 
 	complete := x.upDone || (x.contentLength >= 0 && x.bytesOut == int64(x.contentLength))
-	if x.unflushed && writeErr == nil {
+	if x.unstamped && writeErr == nil {
 		// The last chunk went out with the end of the response.
-		x.flushed(now)
+		x.wrote(now)
 	}
 	x.watch.stop()
 	gone := x.cancel.isGone()
@@ -1177,12 +1178,12 @@ func (x *exchange) finish(writeErr error) {
 	}
 	// The record is made later, with what finish knew now (recordEnd),
 	// when it waits for the side decoder or the client's ACK.
-	x.end = ending{now, writeErr, gone, complete}
+	x.fin = finishing{now, writeErr, gone, complete}
 	if x.dec != nil {
 		go x.recordLater(wait)
 		return
 	}
-	x.settleBody(now, complete)
+	x.accountBody(now, complete)
 	if wait {
 		x.p.acks.add(x)
 		return
@@ -1190,25 +1191,25 @@ func (x *exchange) finish(writeErr error) {
 	x.recordEnd()
 }
 
-// ending is what finish knew, kept for a record made later (recordLater,
+// finishing is what finish knew, kept for a record made later (recordLater,
 // ackWatch).
-type ending struct {
+type finishing struct {
 	now            time.Time
 	writeErr       error
 	gone, complete bool
 }
 
-// recordEnd records with what finish kept in x.end.
+// recordEnd records with what finish kept in x.fin.
 func (x *exchange) recordEnd() {
-	e := x.end
-	x.end = ending{}
+	e := x.fin
+	x.fin = finishing{}
 	x.record(e.now, e.writeErr, e.gone, e.complete)
 }
 
 // recordLater records once the side decoder is done and, with wait, the
 // client acknowledged the response (or the wait ran out).
 func (x *exchange) recordLater(wait bool) {
-	x.settleBody(x.end.now, x.end.complete) // once the decoder is done, before the wait
+	x.accountBody(x.fin.now, x.fin.complete) // once the decoder is done, before the wait
 	if wait {
 		x.awaitAcked()
 	}
@@ -1219,7 +1220,7 @@ func (x *exchange) recordLater(wait bool) {
 // timings; then the sinks, and the exchange goes back to the pool.
 func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	rec := &x.rec
-	// Everything the body says is known (settleBody) before the outcome
+	// Everything the body says is known (accountBody) before the outcome
 	// is decided.
 
 	// The outcome, upstream faults before client faults. Error texts are
@@ -1277,14 +1278,14 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.p.releaseExchange(x)
 }
 
-// settleBody makes everything the body says known to the meter: what the
+// accountBody makes everything the body says known to the meter: what the
 // side decoder has left of a compressed body (once it is done), and a
 // complete body read whole (not streamed): its usage, its error. Then the
 // admission ticket goes back with the tokens used: before the record,
 // which may wait a round trip for the client's ACK, or a client that sends
 // its next request as soon as a response ended would find its own slot
 // still taken. Called once per exchange, before record.
-func (x *exchange) settleBody(now time.Time, complete bool) {
+func (x *exchange) accountBody(now time.Time, complete bool) {
 	if x.dec != nil {
 		clean := x.dec.close(func() { x.takeDecoded(true) })
 		if !clean && complete || x.dec.over || x.dec.dropped {

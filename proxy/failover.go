@@ -87,7 +87,7 @@ func (x *exchange) failover(reason string) bool {
 		return false
 	}
 	now := x.p.now()
-	metrics.Failover(x.rt.Name, x.mem.name, reason)
+	metrics.FailedOver(x.rt.Name, x.mem.name, reason)
 	if x.conn != nil {
 		x.up.discard(x.conn) // closing it cancels the backend's work
 		x.conn = nil

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"golang.org/x/sys/unix"
 )
 
 // rawUpstream is a scripted HTTP/1.1 backend on loopback that answers each
@@ -385,5 +386,63 @@ func TestFaultResetWithLastBytes(t *testing.T) {
 		case <-time.After(time.Minute): // an event, not a time: a minute is a hang
 			t.Fatalf("response %d: no record within a minute", i)
 		}
+	}
+}
+
+// stalledDialAddr returns a 127.0.0.1 address whose listener never
+// accepts and whose accept queue is full: a dial to it sends its SYN
+// again and again and never completes before its timeout.
+func stalledDialAddr(t *testing.T) string {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Close(fd) })
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", sa.(*unix.SockaddrInet4).Port)
+	// Fill the accept queue: the kernel then drops the SYNs that follow.
+	for range 4 {
+		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		if err != nil {
+			break
+		}
+		t.Cleanup(func() { c.Close() })
+	}
+	return addr
+}
+
+// A client that leaves while tokentap is still connecting to the backend
+// stops the dial: the request is recorded as a client cancel at once, not
+// when the connect timeout (30 s here) runs out, and nothing is sent.
+func TestFaultClientLeavesDuringDial(t *testing.T) {
+	addr := stalledDialAddr(t)
+	tp := startProxy(t, "http://"+addr, func(c *Config) {
+		c.Routes[0].Timeouts.Connect = 30 * time.Second
+	})
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	body := `{"model":"m","stream":true}`
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	time.Sleep(300 * time.Millisecond) // the dial is under way
+	c.Close()
+	rec := tp.rec.next(t)
+	if rec.Outcome != metrics.OutcomeClientCancel {
+		t.Fatalf("outcome %q, want client_cancel", rec.Outcome)
+	}
+	if d := time.Since(start); d >= 15*time.Second {
+		t.Fatalf("recorded %v after the request: the dial ran on after the client left", d)
 	}
 }

@@ -167,3 +167,10 @@ var relayPaths = []struct {
 	name      string
 	goroutine bool
 }{{"loop", false}, {"goroutine", true}}
+
+// counts returns an upstream's open and idle connection counts.
+func (up *upstream) counts() (open, idle int) {
+	up.mu.Lock()
+	defer up.mu.Unlock()
+	return up.open, len(up.idle)
+}

@@ -16,7 +16,7 @@ import (
 //
 // The relay drives it in this order: arrived, then sent, then for each
 // chunk read (the kernel's receive time) and the observations parsed from
-// it (observe), then flushed once the chunk was written to the client; fill
+// it (observe), then wrote once the chunk was written to the client; fill
 // at the end.
 type meter struct {
 	arrival, written                time.Time
@@ -29,7 +29,7 @@ type meter struct {
 
 	// stall is how long writes had waited for the client when the
 	// delivery being stamped went out (the exchange sets it before
-	// flushed or deliver); stallTTFT is its value at the first token.
+	// wrote or deliver); stallTTFT is its value at the first token.
 	stall, stallTTFT time.Duration
 
 	chunkTokens  int // token events observed and not yet delivered
@@ -71,7 +71,7 @@ func (m *meter) read(t time.Time) {
 }
 
 // observe merges one observation of an event read at t. Its tokens count
-// as delivered at the next flushed (or deliver).
+// as delivered at the next wrote (or deliver).
 func (m *meter) observe(o dialect.Obs, t time.Time) {
 	if o.Token {
 		m.events++
@@ -101,10 +101,10 @@ func (m *meter) observe(o dialect.Obs, t time.Time) {
 	}
 }
 
-// flushed marks a chunk written to the client at t, and the delivery of
+// wrote marks a chunk written to the client at t, and the delivery of
 // the token events observed since the last delivery (see deliver for
 // what it reports).
-func (m *meter) flushed(t time.Time) (firstToken, firstAnswer bool) {
+func (m *meter) wrote(t time.Time) (firstToken, firstAnswer bool) {
 	m.lastFlush = t
 	if m.firstByteFlush.IsZero() {
 		m.firstByteFlush = t

@@ -51,7 +51,7 @@ func runMeter(steps []step, queue time.Duration, streamed bool) metrics.Record {
 		case "usage":
 			m.observe(dialect.Obs{HasIn: true, In: 7, HasOut: true, Out: s.n}, t)
 		case "flush":
-			m.flushed(t)
+			m.wrote(t)
 		}
 	}
 	m.fill(&rec, end, streamed)
@@ -166,7 +166,7 @@ func TestMeterDroppedChunk(t *testing.T) {
 	m.reset(base)
 	m.observe(dialect.Obs{Token: true}, base.Add(time.Millisecond))
 	m.drop()
-	m.flushed(base.Add(2 * time.Millisecond))
+	m.wrote(base.Add(2 * time.Millisecond))
 	var rec metrics.Record
 	rec.Reset()
 	m.fill(&rec, base.Add(3*time.Millisecond), true)
@@ -210,7 +210,7 @@ func replayFixture(want fixture, pieces [][]byte) fixture {
 	event := func(o dialect.Obs) {
 		at := base.Add(time.Duration(got.Events) * time.Millisecond)
 		m.observe(o, at)
-		m.flushed(at)
+		m.wrote(at)
 		got.Events++
 	}
 	streamed := want.Framing != "body"

@@ -24,7 +24,7 @@ import (
 
 	"github.com/tokentap/tokentap/examples/mockllm"
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/netsim"
+	"github.com/tokentap/tokentap/proxy/internal/netsim"
 	"github.com/tokentap/tokentap/ratelimit"
 )
 

@@ -104,9 +104,9 @@ func (x *exchange) relayRead(fd int, events uint32) (out []byte, wait, got, agai
 	return x.buf[rawFrom:end], false, got, again
 }
 
-// relayWritten ends the read relayed once its bytes are written (passEnd).
+// relayWritten ends the read relayed once its bytes are written (passDone).
 func (x *exchange) relayWritten() (bool, error) {
-	return x.passEnd(x.turn.data, x.turn.wrote, x.turn.err, x.turn.last)
+	return x.passDone(x.turn.data, x.turn.wrote, x.turn.err, x.turn.last)
 }
 
 // relayFailed keeps the error the server's next Read returns.

@@ -524,13 +524,6 @@ func (up *upstream) closeIdle() {
 	}
 }
 
-// counts returns the open and idle connection counts, for tests and gauges.
-func (up *upstream) counts() (open, idle int) {
-	up.mu.Lock()
-	defer up.mu.Unlock()
-	return up.open, len(up.idle)
-}
-
 // smallRequest is the largest body written upstream without a write
 // deadline (the kernel's default send buffer is 16 KiB, headers included).
 const smallRequest = 8 << 10
