@@ -355,17 +355,10 @@ func TestLoopStopEndsStreamsAndClosesDescriptors(t *testing.T) {
 func TestShutdownStopsRelayLoops(t *testing.T) {
 	polls, loopRoutines := epollDescriptors(t), relayLoopGoroutines()
 	up := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
-	p, err := New(Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: up, Timeouts: DefaultTimeouts}}}, Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := p.Listen("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = p.Serve(ln) }()
+	tp := startProxy(t, up, nil)
+	p := tp.p
 	before := loopStreams.Load()
-	resp, err := http.Post("http://"+ln.Addr().String()+"/v1/chat/completions", "application/json", strings.NewReader(streamChat))
+	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(streamChat))
 	if err != nil {
 		t.Fatal(err)
 	}
