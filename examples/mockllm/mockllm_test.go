@@ -34,17 +34,26 @@ func TestPrefillAndPrefixCache(t *testing.T) {
 		return `{"stream":true,"messages":[{"role":"user","content":"` + long + suffix + `"}]}`
 	}
 	fresh := ttft(t, s.URL, body("a"))
-	cached := ttft(t, s.URL, body("b"))
+	// A busy machine only adds: the cached prefill is the fastest of three.
+	cached := time.Hour
+	for _, suffix := range []string{"b", "c", "d"} {
+		cached = min(cached, ttft(t, s.URL, body(suffix)))
+	}
 	if fresh < 100*time.Millisecond || cached > fresh/3 {
 		t.Fatalf("fresh prefill %v, cached %v", fresh, cached)
 	}
 }
 
-// With a batch slowdown, concurrency raises per-user latency.
+// With a batch slowdown, concurrency raises per-user latency: 8 at once
+// make a prefill up to 9x slower (BatchSlowdown 1). A busy machine only
+// adds to each measure: the request alone is the fastest of five.
 func TestBatchSlowdown(t *testing.T) {
-	s := httptest.NewServer(New(Options{PrefillBase: 20 * time.Millisecond, TokenGap: 5 * time.Millisecond, BatchSlowdown: 0.5, MaxTokens: 2}))
+	s := httptest.NewServer(New(Options{PrefillBase: 20 * time.Millisecond, TokenGap: 5 * time.Millisecond, BatchSlowdown: 1, MaxTokens: 2}))
 	defer s.Close()
-	alone := ttft(t, s.URL, `{"stream":true}`)
+	alone := time.Hour
+	for range 5 {
+		alone = min(alone, ttft(t, s.URL, `{"stream":true}`))
+	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	var worst time.Duration
