@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"net"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -95,40 +96,67 @@ func pathRTT(minRTT, syn time.Duration) time.Duration {
 	return minRTT
 }
 
-// startDelivery notes where the response begins on the client connection.
-func (x *exchange) startDelivery() {
-	if cc, ok := x.client.(*clientConn); ok {
-		x.cc, x.sentFrom, x.stallFrom = cc, cc.sent, cc.stall
+// clientSide is the response's delivery to the client connection: where
+// it began on the connection, the marks waiting for the acknowledgement of
+// the first tokens' bytes, and what TCP_INFO said at its end and while
+// the record waits for the client's acknowledgement. Owner: the
+// exchange's serving goroutine until the response ends; then the
+// proxy's ackWatch while the record waits (ackWatch.add hands it over),
+// and the record.
+type clientSide struct {
+	cc        *clientConn // nil: not a connection tokentap accepted
+	sentFrom  int64       // the connection's count when the response began
+	stallFrom time.Duration
+	// The acknowledgement of the bytes that carried the first token and
+	// the first answer token (the same mark when one write carried both).
+	tokMark, ansMark *ackMark
+	ti               tcpInfo
+	deliv            delivery
+}
+
+// kept is the part's next life in a pooled exchange.
+func (cs *clientSide) kept() clientSide { return clientSide{ti: cs.ti} }
+
+// start notes where the response begins on the client connection c.
+func (cs *clientSide) start(c net.Conn) {
+	if cc, ok := c.(*clientConn); ok {
+		cs.cc, cs.sentFrom, cs.stallFrom = cc, cc.sent, cc.stall
 	}
 }
 
 // sent is the client connection's count of bytes written (0: unknown).
-func (x *exchange) sent() int64 {
-	if x.cc == nil {
+func (cs *clientSide) sent() int64 {
+	if cs.cc == nil {
 		return 0
 	}
-	return x.cc.sent
+	return cs.cc.sent
 }
 
 // markAcks watches for the client's acknowledgement of the bytes that
 // carried the stream's first token (tok) and first answer token (ans),
 // delivered at t with the connection's count at sent; one mark serves
-// both when one delivery carried them.
+// both when one delivery carried them. Only streams are marked.
 func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
-	cc := x.cc
-	if !tok && !ans || !x.streamed || cc == nil || cc.sys == nil || cc.ackBase < 0 {
+	if x.tap.streamed {
+		x.cs.mark(x.p, tok, ans, t, sent)
+	}
+}
+
+func (cs *clientSide) mark(p *Proxy, tok, ans bool, t time.Time, sent int64) {
+	cc := cs.cc
+	if !tok && !ans || cc == nil || cc.sys == nil || cc.ackBase < 0 {
 		return
 	}
 	// The handshake's round trip, or the address's lowest lately where
 	// that is lower: a handshake that met a queue would time the first
 	// looks too late.
-	m := newAckMark(cc.sys, cc.ackBase+sent, t, x.p.floors.floor(cc.ip, cc.synRTT, t))
-	x.p.marks.add(m, x.p.now)
+	m := newAckMark(cc.sys, cc.ackBase+sent, t, p.floors.floor(cc.ip, cc.synRTT, t))
+	p.marks.add(m, p.now)
 	if tok {
-		x.tokMark = m
+		cs.tokMark = m
 	}
 	if ans {
-		x.ansMark = m
+		cs.ansMark = m
 	}
 }
 
@@ -154,8 +182,8 @@ const ackAgree = time.Millisecond
 
 // laterBytes tells the marks waiting for their acknowledgement that bytes
 // after theirs were written at t.
-func (x *exchange) laterBytes(t time.Time) {
-	for _, m := range [2]*ackMark{x.tokMark, x.ansMark} {
+func (cs *clientSide) laterBytes(t time.Time) {
+	for _, m := range [2]*ackMark{cs.tokMark, cs.ansMark} {
 		if m != nil && m.flush.Before(t) && m.later.Load() == 0 {
 			m.later.Store(t.UnixNano())
 		}
@@ -163,33 +191,33 @@ func (x *exchange) laterBytes(t time.Time) {
 }
 
 // stalled is how long this response's writes waited for the client so far.
-func (x *exchange) stalled() time.Duration {
-	if x.cc == nil {
+func (cs *clientSide) stalled() time.Duration {
+	if cs.cc == nil {
 		return 0
 	}
-	return x.cc.stall - x.stallFrom
+	return cs.cc.stall - cs.stallFrom
 }
 
-// readDelivery reads TCP_INFO at the end of the response, on the
+// read reads TCP_INFO at the end of the response, on the
 // handler's goroutine. It reports whether the record should wait for the
 // client's acknowledgement of the last bytes (watch: the connection is
 // healthy, so the wait can tell).
-func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
-	cc := x.cc
-	d := &x.deliv
-	*d = delivery{stall: x.stalled()}
-	if cc == nil || cc.ackBase < 0 || !x.ti.read(cc.sys) {
+func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors) (wait bool) {
+	cc := cs.cc
+	d := &cs.deliv
+	*d = delivery{stall: cs.stalled()}
+	if cc == nil || cc.ackBase < 0 || !cs.ti.read(cc.sys) {
 		return false
 	}
-	in := &x.ti.info
+	in := &cs.ti.info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
-	x.p.floors.floor(cc.ip, d.minRTT, now)
+	floors.floor(cc.ip, d.minRTT, now)
 	d.srtt = time.Duration(in.Rtt) * time.Microsecond
 	d.retrans = int(in.Total_retrans - cc.retrans)
 	d.retransFrom = in.Total_retrans
 	cc.retrans = in.Total_retrans
-	d.wire = cc.sent - x.sentFrom
+	d.wire = cc.sent - cs.sentFrom
 	d.total = cc.sent
 	d.note(in, cc.ackBase, now)
 	if d.ackedAt >= d.total || d.wire == 0 || !watch {
@@ -204,27 +232,27 @@ func (x *exchange) readDelivery(watch bool, now time.Time) (wait bool) {
 	return true
 }
 
-// awaitAcked polls TCP_INFO until the client acknowledged the response or
-// the wait ran out (ackSchedule, ackLook), sleeping between looks. It is
+// await polls TCP_INFO until the client acknowledged the response or
+// the wait ran out (schedule, look), sleeping between looks. It is
 // for a record that waits on its own goroutine anyway (a compressed body's
 // side decoder); the others wait on the proxy's ackWatch.
-func (x *exchange) awaitAcked() {
-	for !x.ackSchedule(x.p.now()) {
-		time.Sleep(x.deliv.next.Sub(x.p.now()))
-		if x.ackLook() {
+func (cs *clientSide) await(now func() time.Time) {
+	for !cs.schedule(now()) {
+		time.Sleep(cs.deliv.next.Sub(now()))
+		if cs.look(now()) {
 			return
 		}
 	}
 }
 
-// ackSchedule decides when to look at the client's acknowledgement next
+// schedule decides when to look at the client's acknowledgement next
 // (d.next): every half millisecond while bytes wait unsent (their departure
 // ends the client's E2E), then each time twice as long after the last
 // (from half a millisecond). It reports true when the wait is over
 // instead: its time ran out, drawn out while the kernel resends lost
 // segments.
-func (x *exchange) ackSchedule(now time.Time) (over bool) {
-	d := &x.deliv
+func (cs *clientSide) schedule(now time.Time) (over bool) {
+	d := &cs.deliv
 	left := d.waitUntil.Sub(now)
 	if left <= 0 && d.recovering && d.waitUntil.Before(d.waitCap) {
 		// The kernel is still sending lost segments again: their ACK
@@ -248,22 +276,22 @@ func (x *exchange) ackSchedule(now time.Time) (over bool) {
 	return false
 }
 
-// ackLook reads TCP_INFO once; true when the client acknowledged all or the
+// look reads TCP_INFO once; true when the client acknowledged all or the
 // connection closed meanwhile (it left its last count in closedAcked).
-func (x *exchange) ackLook() (over bool) {
-	d := &x.deliv
-	if !x.ti.read(x.cc.sys) {
-		if acked := x.cc.closedAcked.Load(); acked > 0 {
-			d.ackedAt, d.watched = acked-x.cc.ackBase, true
+func (cs *clientSide) look(now time.Time) (over bool) {
+	d := &cs.deliv
+	if !cs.ti.read(cs.cc.sys) {
+		if acked := cs.cc.closedAcked.Load(); acked > 0 {
+			d.ackedAt, d.watched = acked-cs.cc.ackBase, true
 			if d.departed.IsZero() && d.ackedAt >= d.total {
-				d.departed = x.p.now() // a bound: it left before the close
+				d.departed = now // a bound: it left before the close
 			}
 		} else {
 			d.unknown = true
 		}
 		return true
 	}
-	d.note(&x.ti.info, x.cc.ackBase, x.p.now())
+	d.note(&cs.ti.info, cs.cc.ackBase, now)
 	if d.ackedAt >= d.total {
 		d.watched = true
 		return true
@@ -278,7 +306,7 @@ type ackWatch struct{ lookWatch }
 // add hands x to the watch once readDelivery said its record waits (x.fin
 // holds what record needs).
 func (w *ackWatch) add(x *exchange) {
-	if x.ackSchedule(x.p.now()) {
+	if x.cs.schedule(x.p.now()) {
 		x.recordEnd()
 		return
 	}
@@ -286,22 +314,22 @@ func (w *ackWatch) add(x *exchange) {
 }
 
 // nextLook and lookNow make a waiting record a looker of ackWatch.
-func (x *exchange) nextLook() time.Time { return x.deliv.next }
+func (x *exchange) nextLook() time.Time { return x.cs.deliv.next }
 
 func (x *exchange) lookNow(now time.Time) bool {
-	if x.ackLook() || x.ackSchedule(now) {
+	if x.cs.look(x.p.now()) || x.cs.schedule(now) {
 		x.recordEnd()
 		return true
 	}
 	return false
 }
 
-// fillClient derives the client's side of the record from its timings
-// and the delivery.
-func (x *exchange) fillClient() {
-	d, rec := &x.deliv, &x.rec
+// fill derives the client's side of rec from its timings and the
+// delivery of a request that arrived at arrival.
+func (cs *clientSide) fill(rec *metrics.Record, arrival time.Time) {
+	d := &cs.deliv
 	rec.ClientStall = d.stall
-	tokAck, ansAck := x.tokMark.take(), x.ansMark.take()
+	tokAck, ansAck := cs.tokMark.take(), cs.ansMark.take()
 	if !d.ok {
 		return
 	}
@@ -325,8 +353,8 @@ func (x *exchange) fillClient() {
 	// usable and says otherwise: what the path added beyond its minimum (a
 	// queue, a segment sent again) shows in it, and a round trip measured
 	// through a queue (a handshake that met one) does not.
-	rec.ClientTTFT = byAck(rec.ClientTTFT, tokAck, x.m.arrival)
-	rec.ClientTTFA = byAck(rec.ClientTTFA, ansAck, x.m.arrival)
+	rec.ClientTTFT = byAck(rec.ClientTTFT, tokAck, arrival)
+	rec.ClientTTFA = byAck(rec.ClientTTFA, ansAck, arrival)
 	if rec.E2E >= 0 && !rec.Unacked {
 		// The last write was accepted E2E after arrival; its bytes left
 		// then, or when the kernel was seen to have sent them. A response
@@ -334,7 +362,7 @@ func (x *exchange) fillClient() {
 		// got the end, if ever, is unknown.
 		var held time.Duration
 		if !d.departed.IsZero() {
-			held = max(d.departed.Sub(x.m.arrival)-rec.E2E, 0)
+			held = max(d.departed.Sub(arrival)-rec.E2E, 0)
 		}
 		rec.ClientE2E = plus(rec.E2E) + held
 	}

@@ -37,11 +37,11 @@ func TestPathRTT(t *testing.T) {
 func TestAckSchedule(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	x := &exchange{}
-	d := &x.deliv
+	d := &x.cs.deliv
 	d.waitUntil, d.waitCap = t0.Add(10*time.Millisecond), t0.Add(maxAckWait)
 	now := t0
 	var gaps []time.Duration
-	for !x.ackSchedule(now) {
+	for !x.cs.schedule(now) {
 		gaps = append(gaps, d.next.Sub(now))
 		now = d.next
 	}
@@ -52,7 +52,7 @@ func TestAckSchedule(t *testing.T) {
 
 	*d = delivery{waitUntil: t0.Add(10 * time.Millisecond), waitCap: t0.Add(maxAckWait), notsent: 100}
 	for i := range 3 {
-		if x.ackSchedule(t0) || d.next.Sub(t0) != 500*time.Microsecond {
+		if x.cs.schedule(t0) || d.next.Sub(t0) != 500*time.Microsecond {
 			t.Fatalf("unsent bytes, look %d: next in %v", i, d.next.Sub(t0))
 		}
 	}
@@ -60,14 +60,14 @@ func TestAckSchedule(t *testing.T) {
 	// Past the wait while the kernel resends: an RTO and an RTT more, not
 	// past the cap.
 	*d = delivery{waitUntil: t0, waitCap: t0.Add(300 * time.Millisecond), recovering: true, rto: 200 * time.Millisecond, srtt: 40 * time.Millisecond}
-	if x.ackSchedule(t0) || d.waitUntil != t0.Add(240*time.Millisecond) {
+	if x.cs.schedule(t0) || d.waitUntil != t0.Add(240*time.Millisecond) {
 		t.Fatalf("resending: over, or the wait ends %v after", d.waitUntil.Sub(t0))
 	}
 	now = t0.Add(240 * time.Millisecond)
-	if x.ackSchedule(now) || d.waitUntil != t0.Add(300*time.Millisecond) {
+	if x.cs.schedule(now) || d.waitUntil != t0.Add(300*time.Millisecond) {
 		t.Fatalf("still resending: the wait ends %v after, want the cap", d.waitUntil.Sub(t0))
 	}
-	if !x.ackSchedule(t0.Add(300*time.Millisecond)) || !d.watched {
+	if !x.cs.schedule(t0.Add(300*time.Millisecond)) || !d.watched {
 		t.Fatal("at the cap the wait is over")
 	}
 }

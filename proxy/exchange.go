@@ -9,7 +9,6 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/ratelimit"
-	"github.com/tokentap/tokentap/sse"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 )
@@ -40,19 +39,9 @@ type exchange struct {
 	cancel  cancelState
 	fire    func() // cancel.fire, made once per pooled exchange
 
-	// What the body is and how it is parsed.
-	streamed      bool // text/event-stream or NDJSON: measured event by event
-	mode          parseMode
-	parser        *sse.Parser
-	lines         *sse.Lines
-	whole         []byte       // a non-streamed body, kept up to MaxEventBytes
-	dec           *sideDecoder // decompresses a copy of a compressed body
-	buf           []byte       // WriteTo's read buffer
-	strip         bool         // drop the usage-only chunk tokentap asked for
-	held          []byte       // strip: bytes of an event not yet complete
-	stripped      []byte       // strip: the bytes of the last read to relay
-	decTimes      []chunkTimes // compressed chunks not yet decoded, from decBase on
-	decBase       int
+	// What the body is, how it is parsed and measured (tap.go).
+	tap           tap
+	buf           []byte // WriteTo's read buffer
 	contentLength int
 	bodyHeld      int64  // request body bytes counted in Proxy.bodies (holdBody)
 	stickyKey     uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
@@ -66,9 +55,8 @@ type exchange struct {
 	stream        bool   // the request asks for a stream
 	scratch       []byte // header values being built
 
-	// What is measured, and whether a chunk handed to the server awaits
-	// its delivery stamp (the fixed-length path, see Read).
-	m         meter
+	// Whether a chunk handed to the server awaits its delivery stamp (the
+	// fixed-length path, see Read).
 	unstamped bool
 
 	// Admission control.
@@ -101,27 +89,10 @@ type exchange struct {
 
 	shadow bool // a copy sent to the route's shadow upstream (shadow.go)
 
-	// The client connection's delivery (clientside.go).
-	cc       *clientConn
-	sentFrom int64
-	// The acknowledgement of the bytes that carried the first token and
-	// the first answer token (the same mark when one write carried both).
-	tokMark, ansMark *ackMark
-	stallFrom        time.Duration // the client connection's stall when the response began
-	ti               tcpInfo
-	deliv            delivery
-	fin              finishing // what finish knew, while the record waits (ackWatch)
-	endSent          bool      // the body's last chunk went out with its data (passScan)
+	cs      clientSide // the response's delivery to the client connection (clientside.go)
+	fin     finishing  // what finish knew, while the record waits (ackWatch)
+	endSent bool       // the body's last chunk went out with its data (passScan)
 }
-
-type parseMode uint8
-
-const (
-	parseNone parseMode = iota
-	parseSSE
-	parseLines
-	parseBody
-)
 
 func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	x, _ := p.pool.Get().(*exchange)
@@ -130,7 +101,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 		x.fire = x.cancel.fire
 	}
 	x.snap = s
-	x.m.reset(arrival)
+	x.tap.m.reset(arrival)
 	x.rec.Reset()
 	x.rec.Tenant = "default"
 	x.rec.Outcome = metrics.OutcomeOK
@@ -145,10 +116,10 @@ func (p *Proxy) releaseExchange(x *exchange) {
 		body = nil // a large body's buffer goes with its request
 	}
 	*x = exchange{
-		p: p, id: x.id[:0], tried: x.tried[:0], head: x.head[:0], parser: x.parser, lines: x.lines, buf: x.buf,
-		heldOut: x.heldOut[:0], held: x.held[:0], stripped: x.stripped[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
-		whole: x.whole[:0], m: meter{gaps: x.m.gaps[:0]}, decTimes: x.decTimes[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
-		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, ti: x.ti,
+		p: p, id: x.id[:0], tried: x.tried[:0], head: x.head[:0], buf: x.buf, tap: x.tap.kept(),
+		heldOut: x.heldOut[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
+		req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
+		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, cs: x.cs.kept(),
 		loop: loopStream{done: x.loop.done},
 	}
 	p.pool.Put(x)
@@ -173,7 +144,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	// From here on a client that goes away cancels the request, queued or
 	// upstream.
 	x.client = ctx.Conn()
-	x.startDelivery()
+	x.cs.start(x.client)
 	x.watch.start(x.client, x.fire)
 	if r := x.admit(); r != nil {
 		return r
@@ -247,8 +218,8 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	// A request whose bytes came in over time (a slow upload, a large
 	// body) kept tokentap waiting for the client: that is not overhead.
 	if cc, ok := ctx.Conn().(*clientConn); ok && cc.rx != 0 {
-		if last := received(cc.rx, x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.m.arrival) {
-			x.m.upload = last.Sub(x.m.arrival)
+		if last := received(cc.rx, x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.tap.m.arrival) {
+			x.tap.m.upload = last.Sub(x.tap.m.arrival)
 		}
 	}
 	x.body0 = body
@@ -257,10 +228,10 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	rec.Model = boundedString(model, maxLoggedModel)
 	rec.Stream = req.Stream
 	x.stream = req.Stream
-	x.m.items = req.Items
+	x.tap.m.items = req.Items
 	x.modelIdx = snap.metrics.ModelIndex(model)
 	rec.Series = snap.metrics.Series(x.mem.row, x.modelIdx)
-	x.m.live = rec.Series
+	x.tap.m.live = rec.Series
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		return refuseModel
 	}
@@ -400,7 +371,7 @@ func (x *exchange) attempt(ctx *fasthttp.RequestCtx) error {
 			x.injected = b
 			x.req.SetBodyRaw(b)
 			x.req.Header.Del("Accept-Encoding")
-			x.strip = true
+			x.tap.strip = true
 		}
 	}
 	return x.roundTrip(ctx.IsHead())
@@ -452,7 +423,7 @@ func (x *exchange) roundTrip(head bool) error {
 		}
 		c.headerLimit = x.firstByteLimit
 		written, err := c.send(x.req, x.resp, head)
-		x.m.written = written
+		x.tap.m.written = written
 		if err == nil {
 			x.conn = c
 			// The response can reach the socket before the write is stamped.
@@ -482,7 +453,7 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 	rec.Status = resp.StatusCode()
 	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
 		if t := hr.Header(resp.Header.Peek); t.Set {
-			x.m.timings = t
+			x.tap.m.timings = t
 		}
 	}
 	copyResponseHeader(resp, &ctx.Response.Header, x.id)
@@ -502,7 +473,7 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 	x.body = body
 	x.startParsing(resp)
 	cl := resp.Header.ContentLength()
-	if x.streamed || cl < 0 {
+	if x.tap.streamed || cl < 0 {
 		// Unknown length: chunked to the client, each upstream read flushed
 		// as its own chunk. A known length would make fasthttp buffer until
 		// 4 KiB are ready, holding back the first events.
@@ -513,7 +484,7 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
 	}
 	x.contentLength = cl
-	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.strip && x.client != nil {
+	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.client != nil {
 		// Chunked in, chunked out: the framing goes through as it came
 		// (passChunks), written to the connection after the header. Body
 		// bytes that came with the header go out with it instead, framed
@@ -614,18 +585,18 @@ func (x *exchange) WriteTo(w io.Writer) (int64, error) {
 	}
 	var written int64
 	for {
-		stripping := x.strip // parseStrip may give up during this read
+		stripping := x.tap.strip // parseStrip may give up during this read
 		n, err := x.pull(x.buf)
 		out := x.buf[:n]
 		if stripping {
 			if n == 0 {
-				x.stripped = x.stripped[:0]
+				x.tap.stripped = x.tap.stripped[:0]
 			}
-			out = x.stripped
+			out = x.tap.stripped
 			if err != nil {
 				// The stream ends: what is held goes out as it is.
-				out = append(out, x.held...)
-				x.held = x.held[:0]
+				out = append(out, x.tap.held...)
+				x.tap.held = x.tap.held[:0]
 			}
 		}
 		if len(out) > 0 {
@@ -681,7 +652,7 @@ func (x *exchange) passChunks(w io.Writer) (_ int64, err error) {
 			// The body's end went out already (passScan): the server's
 			// own, written only after a body relayed without error, is
 			// dropped.
-			x.cc.endSent = true
+			x.cs.cc.endSent = true
 		}
 	}()
 	loop := x.loopable()
@@ -705,7 +676,7 @@ func (x *exchange) passChunks(w io.Writer) (_ int64, err error) {
 // chunk is dropped later: endSent). Short streams, errors and answers a
 // backend had ready come this way: one write instead of three.
 func (x *exchange) passWhole(w io.Writer) error {
-	cc := x.cc
+	cc := x.cs.cc
 	cc.hold = &x.heldOut
 	_, err := w.Write(x.gathered)
 	cc.hold = nil
@@ -831,7 +802,7 @@ func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
 			if x.chunks.done() {
 				x.upDone, x.stray = true, off < last
 				x.cancel.settle()
-				if endHere && x.cc != nil && bytes.Equal(x.buf[start:off], bareLastChunk) {
+				if endHere && x.cs.cc != nil && bytes.Equal(x.buf[start:off], bareLastChunk) {
 					switch {
 					case wasFramed && len(x.gathered) > 0:
 						rawFrom, out, x.wholeRead, x.endSent = last, last, true, true
@@ -899,17 +870,9 @@ func (x *exchange) Read(b []byte) (int, error) {
 // wrote stamps the delivery of the last chunk handed to the server.
 func (x *exchange) wrote(t time.Time) {
 	x.unstamped = false
-	if x.dec != nil {
-		// Its tokens are stamped once decoded (takeDecoded); a read relayed
-		// whole can have fed the decoder several chunks.
-		for i := len(x.decTimes) - 1; i >= 0 && x.decTimes[i].flush.IsZero(); i-- {
-			x.decTimes[i].flush, x.decTimes[i].stall, x.decTimes[i].sent = t, x.stalled(), x.sent()
-		}
-	}
-	x.m.stall = x.stalled()
-	tok, ans := x.m.wrote(t)
-	x.laterBytes(t)
-	x.markAcks(tok, ans, t, x.sent())
+	tok, ans := x.tap.wrote(t, x.cs.stalled(), x.cs.sent())
+	x.cs.laterBytes(t)
+	x.markAcks(tok, ans, t, x.cs.sent())
 }
 
 // serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
@@ -944,172 +907,18 @@ func (x *exchange) relayRaw(c net.Conn) {
 	x.finish(err)
 }
 
-// --- Measuring the body on the way. ---
+// --- Measuring the body on the way (the tap, tap.go). ---
 
 // startParsing chooses how the body is measured from its Content-Type and
-// Content-Encoding.
+// Content-Encoding (tap.start).
 func (x *exchange) startParsing(resp *fasthttp.Response) {
-	ct := resp.Header.ContentType()
-	if i := bytes.IndexByte(ct, ';'); i >= 0 {
-		ct = ct[:i]
-	}
-	ct = bytes.TrimSpace(ct)
-	switch {
-	case bytes.EqualFold(ct, []byte("text/event-stream")):
-		x.streamed, x.mode = true, parseSSE
-	case bytes.EqualFold(ct, []byte("application/x-ndjson")), bytes.EqualFold(ct, []byte("application/jsonl")),
-		bytes.EqualFold(ct, []byte("application/json-seq")):
-		x.streamed, x.mode = true, parseLines
-	default:
-		x.mode = parseBody
-	}
-	x.rec.Stream = x.streamed
-	if enc := resp.Header.ContentEncoding(); len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
-		// The compressed bytes pass through untouched; the parser reads a
-		// decompressed copy.
-		if x.dec = newSideDecoder(enc, x.snap.cfg.MaxDecodedBytes); x.dec == nil {
-			x.mode = parseNone
-			x.rec.Partial = true
-		}
-	}
-	if x.strip && (x.mode != parseSSE || x.dec != nil) {
-		x.strip = false // only a plain SSE stream can have the chunk removed
-	}
-	max := x.snap.cfg.MaxEventBytes
-	switch x.mode {
-	case parseSSE:
-		if x.parser == nil {
-			x.parser = sse.NewParser(max)
-		}
-		x.parser.Reset()
-	case parseLines:
-		if x.lines == nil {
-			x.lines = sse.NewLines(max)
-		}
-		x.lines.Reset()
-	}
+	x.tap.acks = x
+	x.tap.start(resp.Header.ContentType(), resp.Header.ContentEncoding(), x.dialect, x.snap.cfg.MaxEventBytes, x.snap.cfg.MaxDecodedBytes)
+	x.rec.Stream = x.tap.streamed
 }
 
-// observe feeds one upstream read, read at t, to the parser (through the
-// decompressor when the body is compressed).
-func (x *exchange) observe(b []byte, t time.Time) {
-	x.m.read(t)
-	if x.dec != nil {
-		// What was decoded of earlier chunks is measured first, with their
-		// own times; this chunk's events are measured once decoded.
-		x.takeDecoded(false)
-		x.dec.feed(b)
-		x.decTimes = append(x.decTimes, chunkTimes{read: t})
-		return
-	}
-	x.parse(b, t)
-}
-
-// takeDecoded parses what the side decoder produced since the last call,
-// each part stamped with the read and delivery times of the chunk it came
-// in. Tokens of a chunk that was never delivered (the client write failed)
-// are counted as events but not as delivered.
-func (x *exchange) takeDecoded(final bool) {
-	parts := x.dec.take()
-	for _, part := range parts {
-		ct := x.decTimes[part.seq-x.decBase]
-		x.parse(part.b, ct.read)
-		switch {
-		case !ct.flush.IsZero():
-			x.m.stall = ct.stall
-			tok, ans := x.m.deliver(ct.flush)
-			x.markAcks(tok, ans, ct.flush, ct.sent)
-		case final:
-			x.m.drop() // its write failed: never delivered
-		default:
-			// Its chunk came in the read being relayed (several chunks in
-			// one read) and is not written yet: its tokens are delivered
-			// with that write (wrote).
-		}
-	}
-	if n := len(parts); n > 0 {
-		// Later parts come from this chunk or later ones.
-		keep := parts[n-1].seq - x.decBase
-		x.decTimes = append(x.decTimes[:0], x.decTimes[keep:]...)
-		x.decBase += keep
-	}
-}
-
-// parse reads body bytes read at t.
-func (x *exchange) parse(b []byte, t time.Time) {
-	switch x.mode {
-	case parseSSE:
-		if x.strip {
-			x.parseStrip(b, t)
-			return
-		}
-		x.parser.Feed(b)
-		for x.parser.Next() {
-			ev := x.parser.Event()
-			if ev.Truncated {
-				x.rec.Partial = true
-			}
-			x.m.observe(x.dialect.Event(ev.Type, ev.Data), t)
-		}
-	case parseLines:
-		x.lines.Feed(b)
-		for x.lines.Next() {
-			if x.lines.Truncated() {
-				x.rec.Partial = true
-			}
-			x.m.observe(x.dialect.Event(nil, x.lines.Line()), t)
-		}
-	case parseBody:
-		if len(x.whole)+len(b) <= x.snap.cfg.MaxEventBytes {
-			x.whole = append(x.whole, b...)
-		} else {
-			x.rec.Partial = true
-			x.mode = parseNone
-		}
-	}
-}
-
-// parseStrip parses like parse and also leaves in x.stripped the bytes to
-// relay: everything but the usage-only chunk that tokentap itself asked for
-// (stream_options.include_usage injected into the request). Bytes of an
-// event still incomplete are held back until it completes, so an event is
-// relayed in the write of the read that completed it, as without stripping.
-func (x *exchange) parseStrip(b []byte, t time.Time) {
-	out := x.stripped[:0]
-	start := 0
-	x.parser.Feed(b)
-	for x.parser.Next() {
-		end := x.parser.Offset()
-		ev := x.parser.Event()
-		if ev.Truncated {
-			x.rec.Partial = true
-		}
-		x.m.observe(x.dialect.Event(ev.Type, ev.Data), t)
-		if !dialect.UsageOnly(ev.Data) {
-			out = append(out, x.held...)
-			out = append(out, b[start:end]...)
-		}
-		x.held = x.held[:0]
-		start = end
-	}
-	rest := b[start:]
-	switch {
-	case !x.parser.Pending():
-		// Between events (comments, blank lines): nothing to decide later.
-		out = append(out, x.held...)
-		out = append(out, rest...)
-		x.held = x.held[:0]
-	case len(x.held)+len(rest) > x.snap.cfg.MaxEventBytes:
-		// An event too large to hold: stop stripping, relay as it comes.
-		out = append(out, x.held...)
-		out = append(out, rest...)
-		x.held = x.held[:0]
-		x.strip = false
-	default:
-		x.held = append(x.held, rest...)
-	}
-	x.stripped = out
-}
+// observe feeds one upstream read, read at t, to the tap.
+func (x *exchange) observe(b []byte, t time.Time) { x.tap.observe(b, t) }
 
 // --- The end. ---
 
@@ -1170,7 +979,7 @@ func (x *exchange) finish(writeErr error) {
 	}
 	wait := false
 	if x.client != nil {
-		wait = x.readDelivery(writeErr == nil && !gone, now)
+		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors)
 		if cc, ok := x.client.(*clientConn); ok {
 			cc.expectHead() // the next bytes begin the next request
 		}
@@ -1179,7 +988,7 @@ func (x *exchange) finish(writeErr error) {
 	// The record is made later, with what finish knew now (recordEnd),
 	// when it waits for the side decoder or the client's ACK.
 	x.fin = finishing{now, writeErr, gone, complete}
-	if x.dec != nil {
+	if x.tap.dec != nil {
 		go x.recordLater(wait)
 		return
 	}
@@ -1211,7 +1020,7 @@ func (x *exchange) recordEnd() {
 func (x *exchange) recordLater(wait bool) {
 	x.accountBody(x.fin.now, x.fin.complete) // once the decoder is done, before the wait
 	if wait {
-		x.awaitAcked()
+		x.cs.await(x.p.now)
 	}
 	x.recordEnd()
 }
@@ -1246,22 +1055,22 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		if writeErr != nil {
 			rec.Error = "cannot write to client: " + describeStreamError(writeErr)
 		}
-	case rec.Status >= 500 || x.m.streamError:
+	case rec.Status >= 500 || x.tap.m.streamError:
 		rec.Outcome = metrics.OutcomeUpstreamError
-		if x.m.streamError {
+		if x.tap.m.streamError {
 			rec.Error = "error reported inside the response"
 		}
 	}
 
 	x.fillRecord(now)
-	x.fillClient()
+	x.cs.fill(&x.rec, x.tap.m.arrival)
 	if !x.shadow {
 		// A copy counts in its upstream's /stats group and the access
 		// log only: never in goodput, the route's series or its guard.
 		x.judge()
 		x.snap.metrics.Observe(rec)
 	}
-	x.p.stats.Observe(rec, x.m.gaps)
+	x.p.stats.Observe(rec, x.tap.m.gaps)
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
 		if x.stickyKeyed {
@@ -1286,26 +1095,15 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 // its next request as soon as a response ended would find its own slot
 // still taken. Called once per exchange, before record.
 func (x *exchange) accountBody(now time.Time, complete bool) {
-	if x.dec != nil {
-		clean := x.dec.close(func() { x.takeDecoded(true) })
-		if !clean && complete || x.dec.over || x.dec.dropped {
-			x.rec.Partial = true // the copy did not decode (or past a limit); the relay was unaffected
-		}
-		x.dec = nil
-	}
-	if x.mode == parseBody && complete && len(x.whole) > 0 {
-		o := x.dialect.Body(x.whole)
-		o.Token, o.Answer = false, false
-		x.m.observe(o, now)
-	}
-	x.whole = x.whole[:0]
+	x.tap.settle(now, complete)
 	x.releaseTicket()
 }
 
 // fillRecord derives the record's timings from the meter.
 func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.bytesOut
-	x.m.fill(&x.rec, now, x.streamed)
+	x.rec.Partial = x.rec.Partial || x.tap.partial
+	x.tap.m.fill(&x.rec, now, x.tap.streamed)
 }
 
 // judge judges the finished record against its route's SLO, under the
@@ -1330,12 +1128,12 @@ func (x *exchange) releaseTicket() {
 		return
 	}
 	var actual int64
-	if x.responded && (x.rec.Status < 400 || x.m.usage.hasIn || x.m.usage.hasOut) {
+	if x.responded && (x.rec.Status < 400 || x.tap.m.usage.hasIn || x.tap.m.usage.hasOut) {
 		in := x.estIn
-		if x.m.usage.hasIn {
-			in = int64(x.m.usage.in)
+		if x.tap.m.usage.hasIn {
+			in = int64(x.tap.m.usage.in)
 		}
-		out, _ := x.m.outputTokens(x.streamed)
+		out, _ := x.tap.m.outputTokens(x.tap.streamed)
 		actual = in + int64(out)
 	}
 	x.ticket.Release(actual)

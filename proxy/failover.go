@@ -67,7 +67,7 @@ func (x *exchange) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Durati
 		resp.Header.ContentLength() == 0 || c.br.Buffered() > 0 {
 		return true
 	}
-	left := timeout - x.p.now().Sub(x.m.written)
+	left := timeout - x.p.now().Sub(x.tap.m.written)
 	if left <= 0 {
 		return false
 	}
@@ -95,7 +95,7 @@ func (x *exchange) failover(reason string) bool {
 	x.cancel.detach()
 	x.req.Reset()
 	x.resp.Reset()
-	x.m.lost += now.Sub(x.attemptAt)
+	x.tap.m.lost += now.Sub(x.attemptAt)
 	x.attemptAt = now
 	x.tried = append(x.tried, x.mem)
 	x.mem.inflight.Add(-1)
@@ -105,7 +105,7 @@ func (x *exchange) failover(reason string) bool {
 	x.rec.Upstream = next.name
 	x.rec.Series = x.snap.metrics.Series(next.row, x.modelIdx)
 	x.rec.Attempts++
-	x.connectFailed, x.strip = false, false
+	x.connectFailed, x.tap.strip = false, false
 	return true
 }
 

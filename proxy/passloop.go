@@ -33,7 +33,7 @@ func (x *exchange) loopable() bool {
 	cc, _ := x.client.(*clientConn)
 	c := x.conn
 	return !x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
-		c.up.tls == nil && x.dec == nil
+		c.up.tls == nil && x.tap.dec == nil
 }
 
 // passLoop relays the rest of a passChunks stream on a relay loop, and

@@ -44,14 +44,15 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 	x.rt = x.snap.routes[0]
 	x.rec.Series = x.snap.metrics.Series(0, 0)
 	x.dialect = dialect.OpenAI
-	x.streamed, x.mode = true, parseSSE
-	if x.parser == nil {
-		x.parser = sse.NewParser(1 << 20)
+	x.tap.streamed, x.tap.mode = true, parseSSE
+	x.tap.dialect, x.tap.acks, x.tap.maxEvent = x.dialect, x, 1<<20 // as startParsing does
+	if x.tap.parser == nil {
+		x.tap.parser = sse.NewParser(1 << 20)
 	}
-	x.parser.Reset()
+	x.tap.parser.Reset()
 	x.body = body
 	x.contentLength = -1
-	x.m.written = time.Now()
+	x.tap.m.written = time.Now()
 	return x
 }
 
@@ -60,13 +61,13 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 func TestRelayNoAllocsPerEvent(t *testing.T) {
 	x := streamingExchange(newProxyForBench(t), &repeatReader{benchEvent})
 	buf := make([]byte, 4096)
-	x.m.gaps = make([]time.Duration, 0, 1024)
+	x.tap.m.gaps = make([]time.Duration, 0, 1024)
 	x.Read(buf)
 	if a := testing.AllocsPerRun(500, func() { x.Read(buf) }); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.m.events < 500 {
-		t.Fatalf("events = %d: the benchmark relays nothing", x.m.events)
+	if x.tap.m.events < 500 {
+		t.Fatalf("events = %d: the benchmark relays nothing", x.tap.m.events)
 	}
 }
 
@@ -115,7 +116,7 @@ func (r *countingReader) Read(p []byte) (int, error) {
 // upstream read, parse and flushed client write per event.
 func BenchmarkRelayWriteTo(b *testing.B) {
 	x := streamingExchange(newProxyForBench(b), &countingReader{chunk: benchEvent, n: b.N})
-	x.m.gaps = make([]time.Duration, 0, maxGaps)
+	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	b.ReportAllocs()
 	b.SetBytes(int64(len(benchEvent)))
 	b.ResetTimer()
@@ -139,7 +140,7 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
 	x.client, x.pass = cl, true
 	x.buf = make([]byte, 8<<10)
-	x.m.gaps = make([]time.Duration, 0, maxGaps)
+	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite
 }
 
@@ -161,8 +162,8 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 	if a := testing.AllocsPerRun(500, step); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.m.events < 500 || x.bytesOut < 500*int64(len(benchEvent)) {
-		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.m.events, x.bytesOut)
+	if x.tap.m.events < 500 || x.bytesOut < 500*int64(len(benchEvent)) {
+		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.m.events, x.bytesOut)
 	}
 }
 
@@ -201,7 +202,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.client = &clientConn{rxConn: cl, d: time.Minute, ackBase: -1}
 	x.pass = true
 	x.buf = make([]byte, 8<<10)
-	x.m.gaps = make([]time.Duration, 0, maxGaps)
+	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite, peer
 }
 
@@ -243,8 +244,8 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	if loopStreams.Load() == before {
 		t.Fatal("the stream was not relayed by a relay loop")
 	}
-	if x.m.events != 502 || x.bytesOut != 502*int64(len(benchEvent)) || !x.upDone {
-		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.m.events, x.bytesOut, x.upDone)
+	if x.tap.m.events != 502 || x.bytesOut != 502*int64(len(benchEvent)) || !x.upDone {
+		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.tap.m.events, x.bytesOut, x.upDone)
 	}
 }
 
