@@ -26,71 +26,131 @@ import (
 // With -serve it then keeps the traffic going and serves the admin
 // listener (the dashboard at /) until ctx ends.
 func runDemo(ctx context.Context, args []string, out io.Writer) error {
+	d := &demo{out: out}
+	if err := d.parse(args); err != nil {
+		return err
+	}
+	defer d.close()
+	if err := d.start(); err != nil {
+		return err
+	}
+	d.burst()
+	d.report()
+	if d.adminLn == nil {
+		fmt.Fprintln(out, "Per-request records: add -access-log -. A live dashboard: add -serve 127.0.0.1:9090.")
+		return nil
+	}
+	d.serve(ctx)
+	return nil
+}
+
+// demo is one run of the demo: its flags, what it started (closed in
+// reverse order) and its traffic.
+type demo struct {
+	out                 io.Writer
+	n, conc, liveConc   int
+	logPath             string
+	serveAddr           string
+	canary              bool
+	adminLn             net.Listener
+	upstream, canaryURL string
+	p                   *proxy.Proxy
+	col                 *counter
+	base                string
+	client              *http.Client
+	next, failed        atomic.Int64
+	wall                time.Duration
+	closers             []func()
+}
+
+func (d *demo) parse(args []string) error {
 	fs := flag.NewFlagSet("tokentap demo", flag.ContinueOnError)
-	n := fs.Int("requests", 120, "requests to send")
-	conc := fs.Int("concurrency", 12, "requests in flight at once")
-	logPath := fs.String("access-log", "", "also write the access log here (- for stdout)")
-	serve := fs.String("serve", "", "then keep sending traffic and serve the dashboard and /stats on this admin address (e.g. 127.0.0.1:9090) until interrupted")
-	liveConc := fs.Int("live", -1, "with -serve: requests in flight while serving (default: -concurrency; 0: none)")
-	canary := fs.Bool("canary", false, "split the chat route 90/10 between the backend and a canary that batches harder (longer prefill, faster decode) and print the verdict")
+	fs.IntVar(&d.n, "requests", 120, "requests to send")
+	fs.IntVar(&d.conc, "concurrency", 12, "requests in flight at once")
+	fs.StringVar(&d.logPath, "access-log", "", "also write the access log here (- for stdout)")
+	fs.StringVar(&d.serveAddr, "serve", "", "then keep sending traffic and serve the dashboard and /stats on this admin address (e.g. 127.0.0.1:9090) until interrupted")
+	fs.IntVar(&d.liveConc, "live", -1, "with -serve: requests in flight while serving (default: -concurrency; 0: none)")
+	fs.BoolVar(&d.canary, "canary", false, "split the chat route 90/10 between the backend and a canary that batches harder (longer prefill, faster decode) and print the verdict")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if *liveConc < 0 {
-		*liveConc = *conc
+	if d.liveConc < 0 {
+		d.liveConc = d.conc
 	}
-	if *n <= 0 || *conc <= 0 {
+	if d.n <= 0 || d.conc <= 0 {
 		return fmt.Errorf("-requests and -concurrency must be positive")
 	}
-	var adminLn net.Listener
-	if *serve != "" {
-		var err error
-		if adminLn, err = net.Listen("tcp", *serve); err != nil {
+	return nil
+}
+
+// close stops what start started, last first.
+func (d *demo) close() {
+	for i := len(d.closers) - 1; i >= 0; i-- {
+		d.closers[i]()
+	}
+}
+
+// start opens the admin listener (with -serve), the backends and tokentap.
+func (d *demo) start() error {
+	if d.serveAddr != "" {
+		ln, err := net.Listen("tcp", d.serveAddr)
+		if err != nil {
 			return fmt.Errorf("-serve: %w", err)
 		}
-		defer adminLn.Close()
-	}
-
-	backendLn, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
+		d.adminLn = ln
+		d.closers = append(d.closers, func() { ln.Close() })
 	}
 	// Continuous batching: more streams at once raise throughput and
 	// every stream's latency, as on a real server.
-	backend := &http.Server{Handler: mockllm.New(mockllm.Options{
+	var err error
+	if d.upstream, err = d.backend(mockllm.Options{
 		PrefillBase: 30 * time.Millisecond, PrefillPerToken: 50 * time.Microsecond, TokenGap: 8 * time.Millisecond, BatchSlowdown: 0.03,
-	})}
-	go func() { _ = backend.Serve(backendLn) }()
-	defer backend.Close()
-	upstream := "http://" + backendLn.Addr().String()
-	chat := proxy.Route{Name: "chat", Prefix: "/v1/chat/", Upstream: upstream, Timeouts: proxy.DefaultTimeouts, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond}}
-	if *canary {
+	}); err != nil {
+		return err
+	}
+	if d.canary {
 		// Batching harder: prefill waits for a fuller batch, decode runs
 		// more tokens per step.
-		canaryLn, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
+		if d.canaryURL, err = d.backend(mockllm.Options{
+			PrefillBase: 45 * time.Millisecond, PrefillPerToken: 50 * time.Microsecond, TokenGap: 7 * time.Millisecond, BatchSlowdown: 0.03,
+		}); err != nil {
 			return err
 		}
-		cb := &http.Server{Handler: mockllm.New(mockllm.Options{
-			PrefillBase: 45 * time.Millisecond, PrefillPerToken: 50 * time.Microsecond, TokenGap: 7 * time.Millisecond, BatchSlowdown: 0.03,
-		})}
-		go func() { _ = cb.Serve(canaryLn) }()
-		defer cb.Close()
+	}
+	return d.startProxy()
+}
+
+// backend starts a simulated backend on loopback and returns its URL.
+func (d *demo) backend(o mockllm.Options) (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	srv := &http.Server{Handler: mockllm.New(o)}
+	go func() { _ = srv.Serve(ln) }()
+	d.closers = append(d.closers, func() { srv.Close() })
+	return "http://" + ln.Addr().String(), nil
+}
+
+// startProxy starts tokentap on loopback in front of the backends, with
+// the demo's routes and SLOs.
+func (d *demo) startProxy() error {
+	chat := proxy.Route{Name: "chat", Prefix: "/v1/chat/", Upstream: d.upstream, Timeouts: proxy.DefaultTimeouts, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond}}
+	if d.canary {
 		chat.Upstream = ""
-		chat.Upstreams = []proxy.Upstream{{Name: "stable", URL: upstream, Weight: 90}, {Name: "canary", URL: "http://" + canaryLn.Addr().String(), Weight: 10}}
+		chat.Upstreams = []proxy.Upstream{{Name: "stable", URL: d.upstream, Weight: 90}, {Name: "canary", URL: d.canaryURL, Weight: 10}}
 		// The guard weighs a minute of traffic once a whole minute passed
 		// (with -serve): a canary 20% worse on TTFT or E2E p95 is stopped.
 		chat.Guard = &proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 0.2, MaxE2EP95Increase: 0.2}
 	}
-
-	col := &counter{}
-	sinks := []metrics.Sink{col}
-	if *logPath != "" {
-		alog, err := metrics.OpenAccessLog(*logPath, 0)
+	d.col = &counter{}
+	sinks := []metrics.Sink{d.col}
+	if d.logPath != "" {
+		alog, err := metrics.OpenAccessLog(d.logPath, 0)
 		if err != nil {
 			return err
 		}
-		defer alog.Close()
+		d.closers = append(d.closers, func() { alog.Close() })
 		sinks = append(sinks, alog)
 	}
 	t := proxy.DefaultTimeouts
@@ -98,9 +158,9 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 		Routes: []proxy.Route{
 			// Chat users expect the first word fast.
 			chat,
-			{Name: "completions", Prefix: "/v1/completions", Upstream: upstream, Timeouts: t},
-			{Name: "anthropic", Prefix: "/v1/messages", Upstream: upstream, Timeouts: t},
-			{Name: "ollama", Prefix: "/api/", Upstream: upstream, Timeouts: t},
+			{Name: "completions", Prefix: "/v1/completions", Upstream: d.upstream, Timeouts: t},
+			{Name: "anthropic", Prefix: "/v1/messages", Upstream: d.upstream, Timeouts: t},
+			{Name: "ollama", Prefix: "/api/", Upstream: d.upstream, Timeouts: t},
 		},
 		Models: []string{"demo-small", "demo-large"},
 		SLO:    metrics.SLO{TTFT: 300 * time.Millisecond, TPOT: 25 * time.Millisecond, E2E: 5 * time.Second, Target: 0.95},
@@ -108,23 +168,25 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer p.Close()
+	d.p = p
+	d.closers = append(d.closers, p.Close)
 	ln, err := p.Listen("127.0.0.1:0")
 	if err != nil {
 		return err
 	}
 	go func() { _ = p.Serve(ln) }()
-	defer func() { _ = p.Shutdown(context.Background()) }()
-	base := "http://" + ln.Addr().String()
-	fmt.Fprintf(out, "simulated backend on %s, tokentap on %s\n"+
-		"SLOs: TTFT 300 ms (chat: 150 ms), TPOT 25 ms, E2E 5 s; goodput target 95%%\n"+
-		"sending %d requests, %d at a time...\n\n", upstream, base, *n, *conc)
+	d.closers = append(d.closers, func() { _ = p.Shutdown(context.Background()) })
+	d.base = "http://" + ln.Addr().String()
+	d.client = &http.Client{Timeout: time.Minute, Transport: &http.Transport{MaxIdleConnsPerHost: d.conc}}
+	return nil
+}
 
-	// The mix: short chats, long prompts with short answers, long outputs,
-	// a reasoning model, non-streamed chats, streamed completions, and the
-	// Anthropic and Ollama dialects.
+// demoMix is the traffic: short chats, long prompts with short answers,
+// long outputs, a reasoning model, non-streamed chats, streamed
+// completions, and the Anthropic and Ollama dialects.
+var demoMix = func() []struct{ path, body string } {
 	long := strings.Repeat("lorem ipsum dolor sit amet ", 400)
-	mix := []struct{ path, body string }{
+	return []struct{ path, body string }{
 		{"/v1/chat/completions", `{"model":"demo-small","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}`},
 		{"/v1/chat/completions", `{"model":"demo-large","stream":true,"max_tokens":8,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"` + long + `"}]}`},
 		{"/v1/chat/completions", `{"model":"demo-large","stream":true,"max_tokens":64,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"write"}]}`},
@@ -134,47 +196,58 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 		{"/v1/messages", `{"model":"demo-large","stream":true,"max_tokens":24,"mock_reasoning_tokens":8,"messages":[{"role":"user","content":"hi"}]}`},
 		{"/api/chat", `{"model":"demo-small","options":{"num_predict":24},"messages":[{"role":"user","content":"hi"}]}`},
 	}
-	client := &http.Client{Timeout: time.Minute, Transport: &http.Transport{MaxIdleConnsPerHost: *conc}}
-	send := func(i int64) bool {
-		m := mix[i%int64(len(mix))]
-		resp, err := client.Post(base+m.path, "application/json", strings.NewReader(m.body))
-		if err != nil {
-			return false
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-		return true
+}()
+
+// send sends the mix's request i and reads its response whole.
+func (d *demo) send(i int64) bool {
+	m := demoMix[i%int64(len(demoMix))]
+	resp, err := d.client.Post(d.base+m.path, "application/json", strings.NewReader(m.body))
+	if err != nil {
+		return false
 	}
-	var next atomic.Int64
-	var failed atomic.Int64
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	return true
+}
+
+// burst sends the n requests, conc at a time, and waits for their records.
+func (d *demo) burst() {
+	fmt.Fprintf(d.out, "simulated backend on %s, tokentap on %s\n"+
+		"SLOs: TTFT 300 ms (chat: 150 ms), TPOT 25 ms, E2E 5 s; goodput target 95%%\n"+
+		"sending %d requests, %d at a time...\n\n", d.upstream, d.base, d.n, d.conc)
 	var wg sync.WaitGroup
 	start := time.Now()
-	for range *conc {
+	for range d.conc {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for {
-				i := next.Add(1) - 1
-				if i >= int64(*n) {
+				i := d.next.Add(1) - 1
+				if i >= int64(d.n) {
 					return
 				}
-				if !send(i) {
-					failed.Add(1)
+				if !d.send(i) {
+					d.failed.Add(1)
 				}
 			}
 		}()
 	}
 	wg.Wait()
-	wall := time.Since(start)
-	col.wait(*n - int(failed.Load()))
+	d.wall = time.Since(start)
+	d.col.wait(d.n - int(d.failed.Load()))
+}
+
+// report prints what tokentap measured, and the canary's verdict.
+func (d *demo) report() {
+	out := d.out
 	groupBy := []string{"route"}
-	if *canary {
+	if d.canary {
 		groupBy = append(groupBy, "upstream")
 	}
-	printStats(out, p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy}))
-	if *canary {
+	printStats(out, d.p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy}))
+	if d.canary {
 		fmt.Fprintln(out)
-		c, err := p.Stats().Compare("chat", "stable", "canary", "all", 0)
+		c, err := d.p.Stats().Compare("chat", "stable", "canary", "all", 0)
 		if err != nil {
 			fmt.Fprintln(out, "no verdict:", err)
 		} else {
@@ -185,23 +258,22 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). Times in ms at tokentap's client side; TTFT is the first\n"+
 		"token of any kind, TTFA the first answer token (reasoning models wait between the two); ITL is every\n"+
 		"gap between tokens. Goodput: the share of requests that met every SLO of their route.\n",
-		*n, wall.Round(time.Millisecond), failed.Load())
-	if adminLn == nil {
-		fmt.Fprintln(out, "Per-request records: add -access-log -. A live dashboard: add -serve 127.0.0.1:9090.")
-		return nil
-	}
+		d.n, d.wall.Round(time.Millisecond), d.failed.Load())
+}
 
-	// Serve: the dashboard, /stats and /metrics, with traffic going on.
-	logger := zap.NewNop()
-	a := &admin{logger: logger, p: p, running: &settings{}}
+// serve serves the dashboard, /stats and /metrics with traffic going on,
+// until ctx ends.
+func (d *demo) serve(ctx context.Context) {
+	a := &admin{logger: zap.NewNop(), p: d.p, running: &settings{}}
 	a.ready.Store(true)
 	srv := a.server()
-	go func() { _ = srv.Serve(newAdminListener(adminLn)) }()
+	go func() { _ = srv.Serve(newAdminListener(d.adminLn)) }()
 	defer func() { _ = srv.Shutdown() }()
-	fmt.Fprintf(out, "\ndashboard: http://%s/   stats: http://%s/stats   metrics: http://%s/metrics\n"+
-		"traffic keeps flowing (up to %d at a time, rising and falling); Ctrl-C stops.\n", adminLn.Addr(), adminLn.Addr(), adminLn.Addr(), *liveConc)
+	addr := d.adminLn.Addr()
+	fmt.Fprintf(d.out, "\ndashboard: http://%s/   stats: http://%s/stats   metrics: http://%s/metrics\n"+
+		"traffic keeps flowing (up to %d at a time, rising and falling); Ctrl-C stops.\n", addr, addr, addr, d.liveConc)
 	var live sync.WaitGroup
-	for w := range *liveConc {
+	for w := range d.liveConc {
 		live.Add(1)
 		go func() {
 			defer live.Done()
@@ -215,14 +287,13 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 					}
 					continue
 				}
-				send(next.Add(1))
+				d.send(d.next.Add(1))
 			}
 		}()
 	}
 	<-ctx.Done()
-	client.CloseIdleConnections()
+	d.client.CloseIdleConnections()
 	live.Wait()
-	return nil
 }
 
 // counter counts the demo's records, to wait for the last.

@@ -1,0 +1,287 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy"
+	"github.com/tokentap/tokentap/ratelimit"
+)
+
+// buildSettings merges the file (may be nil) and the flags, applies the
+// defaults and validates the result, one section at a time. Errors name
+// the field, and the file's line where there is one.
+func buildSettings(fc *fileConfig, f flags) (*settings, error) {
+	if fc == nil {
+		fc = &fileConfig{}
+	}
+	b := &settingsBuilder{fc: fc, f: f,
+		s: &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-", drainTimeout: 10 * time.Minute}}
+	for _, step := range []func() error{b.listeners, b.drain, b.routes, b.observing, b.limits, b.admission, b.validate} {
+		if err := step(); err != nil {
+			return nil, err
+		}
+	}
+	return b.s, nil
+}
+
+// settingsBuilder carries the sections' converters: the file and flags in,
+// the settings out.
+type settingsBuilder struct {
+	fc       *fileConfig
+	f        flags
+	s        *settings
+	upstream string         // the catch-all upstream, from -upstream or the file's key
+	base     proxy.Timeouts // the file's timeouts over the defaults
+}
+
+// where names field with the file's line, when it has one.
+func (b *settingsBuilder) where(field string) string {
+	if line, ok := b.fc.lines[field]; ok && b.f.config != "" {
+		return fmt.Sprintf("%s:%d: %s", b.f.config, line, field)
+	}
+	return field
+}
+
+// fileErr gives a *FieldError the file line of its field.
+func (b *settingsBuilder) fileErr(err error) error {
+	var fe interface{ Field() string }
+	if errors.As(err, &fe) {
+		if line, ok := b.fc.lines[fe.Field()]; ok && b.f.config != "" {
+			return fmt.Errorf("%s:%d: %w", b.f.config, line, err)
+		}
+	}
+	return err
+}
+
+// listeners: the proxy's and the admin's addresses, the access log and the
+// admin's token and hosts. The file's value counts where the file sets one
+// (an empty access_log or admin too: it turns them off), then the flag's.
+func (b *settingsBuilder) listeners() error {
+	fc, f, s := b.fc, b.f, b.s
+	pick := func(dst *string, file string, inFile bool, flagName, flagVal string) {
+		if inFile {
+			*dst = file
+		}
+		if f.set[flagName] {
+			*dst = flagVal
+		}
+	}
+	pick(&s.listen, fc.Listen, fc.Listen != "", "listen", f.listen)
+	pick(&s.admin, fc.Admin.Listen, fc.Admin.set, "admin", f.admin)
+	pick(&s.accessLog, ptrOr(fc.AccessLog), fc.AccessLog != nil, "access-log", f.accessLog)
+	pick(&b.upstream, fc.Upstream, fc.Upstream != "", "upstream", f.upstream)
+	if err := checkAddr(s.listen); err != nil {
+		return fmt.Errorf("%s: %w", b.where("listen"), err)
+	}
+	if s.admin != "" {
+		if err := checkAddr(s.admin); err != nil {
+			return fmt.Errorf("%s: %w", b.where("admin"), err)
+		}
+	}
+	s.adminTokenFile, s.adminHosts = fc.Admin.TokenFile, fc.Admin.Hosts
+	if s.adminTokenFile != "" {
+		if _, err := readToken(s.adminTokenFile); err != nil {
+			return fmt.Errorf("%s: %w", b.where("admin.token_file"), err)
+		}
+	}
+	return nil
+}
+
+// drain: how a shutdown drains, and which relay streams take.
+func (b *settingsBuilder) drain() error {
+	fc, s := b.fc, b.s
+	for _, d := range []struct {
+		name string
+		v    duration
+		dst  *time.Duration
+	}{{"drain_timeout", fc.DrainTimeout, &s.drainTimeout}, {"drain_delay", fc.DrainDelay, &s.drainDelay}} {
+		if !d.v.set {
+			continue
+		}
+		if d.v.d <= 0 && d.name == "drain_timeout" {
+			return fmt.Errorf("%s: must be positive", b.where(d.name))
+		}
+		*d.dst = d.v.d
+	}
+	switch fc.Relay {
+	case "", "loop":
+	case "goroutine":
+		s.opts.GoroutineRelay = true
+	default:
+		return fmt.Errorf("%s: %q is not loop or goroutine", b.where("relay"), fc.Relay)
+	}
+	return nil
+}
+
+// routes: the file's routes with their timeouts, and the catch-all
+// upstream.
+func (b *settingsBuilder) routes() error {
+	fc, s := b.fc, b.s
+	b.base = applyTimeouts(proxy.DefaultTimeouts, &fc.Timeouts)
+	if err := b.base.Validate("timeouts"); err != nil {
+		return b.fileErr(err)
+	}
+	for i, r := range fc.Routes {
+		t := b.base
+		if r.Timeouts != nil {
+			t = applyTimeouts(b.base, r.Timeouts)
+			if err := t.Validate(fmt.Sprintf("routes[%d].timeouts", i)); err != nil {
+				return b.fileErr(err)
+			}
+		}
+		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
+			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
+			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
+			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(),
+		})
+	}
+	return b.catchAll()
+}
+
+// catchAll adds the upstream given beside routes (or alone) as the route
+// for prefix /: -upstream retargets a route with prefix /, the file's key
+// stands back for one; without such a route either adds it.
+func (b *settingsBuilder) catchAll() error {
+	s, up := b.s, b.upstream
+	if len(s.proxy.Routes) == 0 {
+		if up == "" {
+			return errors.New("upstream: no routes configured: give -upstream URL or routes in -config")
+		}
+		s.proxy.Routes = []proxy.Route{{Name: "default", Prefix: "/", Upstream: up, Timeouts: b.base}}
+		return nil
+	}
+	if up == "" {
+		return nil
+	}
+	found := false
+	for i := range s.proxy.Routes {
+		if s.proxy.Routes[i].Prefix == "/" {
+			found = true
+			if b.f.set["upstream"] {
+				s.proxy.Routes[i].Upstream = up
+			}
+		}
+	}
+	if !found {
+		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{Name: "default", Prefix: "/", Upstream: up, Timeouts: b.base})
+	}
+	return nil
+}
+
+// observing: the SLO, the metrics' buckets, the live warnings and the
+// models allowed.
+func (b *settingsBuilder) observing() error {
+	fc, s := b.fc, b.s
+	s.proxy.SLO = fc.SLO.slo()
+	s.proxy.Buckets = fc.Metrics.Buckets
+	w := fc.Warnings
+	if w.MinRequests < 0 || w.TrendThroughput < 0 || w.TrendTTFT < 0 {
+		return fmt.Errorf("%s: thresholds must not be negative", b.where("warnings"))
+	}
+	s.proxy.Warn = stats.WarnOptions{MinRequests: w.MinRequests, OverheadP95: w.OverheadP95.d, QueueShare: float64(w.QueueShare),
+		TrendThroughput: w.TrendThroughput, TrendTTFT: w.TrendTTFT}
+	s.proxy.Models = fc.Models.Allow
+	s.proxy.EnforceModels = fc.Models.Enforce
+	return nil
+}
+
+// limits: the bounds on bodies, events, timeouts and connections.
+func (b *settingsBuilder) limits() error {
+	l, s := &b.fc.Limits, b.s
+	s.proxy.MaxEventBytes = l.MaxEventBytes
+	if l.MaxRequestBody < 0 || l.MaxRequestBody > 1<<31-1 {
+		return fmt.Errorf("%s: must be between 0 and 2147483647", b.where("limits.max_request_body"))
+	}
+	s.opts.MaxRequestBodySize = int(l.MaxRequestBody)
+	if l.MaxBufferedBodies < 0 {
+		return fmt.Errorf("%s: must not be negative", b.where("limits.max_buffered_bodies"))
+	}
+	s.opts.MaxBufferedBodies = l.MaxBufferedBodies
+	for _, d := range []struct {
+		name string
+		v    duration
+		dst  *time.Duration
+	}{
+		{"limits.client_write_timeout", l.ClientWriteTimeout, &s.opts.ClientWriteTimeout},
+		{"limits.request_read_timeout", l.RequestReadTimeout, &s.opts.RequestReadTimeout},
+		{"limits.client_idle_timeout", l.ClientIdleTimeout, &s.opts.IdleTimeout},
+	} {
+		if d.v.set && d.v.d <= 0 {
+			return fmt.Errorf("%s: must be positive (leave it out for the default)", b.where(d.name))
+		}
+		*d.dst = d.v.d
+	}
+	if l.MaxClientConns < 0 {
+		return fmt.Errorf("%s: must not be negative", b.where("limits.max_client_conns"))
+	}
+	if l.MaxClientConnsPerIP < 0 {
+		return fmt.Errorf("%s: must not be negative", b.where("limits.max_client_conns_per_ip"))
+	}
+	s.opts.MaxConns, s.opts.MaxConnsPerIP = l.MaxClientConns, l.MaxClientConnsPerIP
+	s.proxy.MaxDecodedBytes = l.DecodedBytesPerReply
+	return nil
+}
+
+// admission: the tenants with their limits and SLOs, and how requests
+// over a limit are treated.
+func (b *settingsBuilder) admission() error {
+	fc, s := b.fc, b.s
+	if len(fc.Tenants) == 0 {
+		if fc.lines["admission"] > 0 {
+			return fmt.Errorf("%s: admission needs a tenants section", b.where("admission"))
+		}
+		return nil
+	}
+	ad := &ratelimit.Config{
+		Mode: ratelimit.Mode(fc.Admission.Mode), MaxQueue: 100, MaxWait: 2 * time.Second,
+		UnknownKey: fc.Admission.UnknownKey, TrustedTenantHeader: fc.Admission.TrustedTenantHeader,
+		IdleTTL: fc.Admission.IdleTTL.d,
+	}
+	if ad.Mode == "" {
+		ad.Mode = ratelimit.ModeReject
+	}
+	if fc.Admission.MaxQueue != nil {
+		ad.MaxQueue = *fc.Admission.MaxQueue
+	}
+	if fc.Admission.MaxWait.set {
+		ad.MaxWait = fc.Admission.MaxWait.d
+	}
+	for _, t := range fc.Tenants {
+		rt := ratelimit.Tenant{Name: t.Name, Keys: t.Keys, KeySHA256: t.KeySHA256, Limits: t.limits()}
+		if len(t.Routes) > 0 {
+			rt.Routes = map[string]ratelimit.Limits{}
+			for route, l := range t.Routes {
+				rt.Routes[route] = l.limits()
+			}
+		}
+		ad.Tenants = append(ad.Tenants, rt)
+		if t.SLO != nil {
+			if s.proxy.TenantSLOs == nil {
+				s.proxy.TenantSLOs = map[string]metrics.SLO{}
+			}
+			s.proxy.TenantSLOs[t.Name] = t.SLO.slo()
+		}
+	}
+	s.proxy.Admission = ad
+	s.proxy.DefaultMaxOutput = fc.Admission.DefaultMaxOutput
+	return nil
+}
+
+// validate checks the whole proxy configuration. A fault in the route
+// made from the catch-all upstream alone is named after the upstream key
+// (its field, not its text, says so).
+func (b *settingsBuilder) validate() error {
+	err := b.s.proxy.Validate()
+	var fe *proxy.FieldError
+	if len(b.fc.Routes) == 0 && errors.As(err, &fe) && fe.Path == "routes[0].upstream" {
+		return &proxy.FieldError{Path: "upstream", Msg: fe.Msg}
+	}
+	if err != nil {
+		return b.fileErr(err)
+	}
+	return nil
+}
