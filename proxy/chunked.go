@@ -64,8 +64,7 @@ func (s *chunkScanner) next(p []byte) (data []byte, n int, err error) {
 			return nil, n, nil
 		}
 		c := p[n]
-		n++
-		s.line++
+		n, s.line = n+1, s.line+1
 		if s.line > maxChunkLine {
 			return nil, n, errBadChunk
 		}
@@ -113,38 +112,46 @@ func (s *chunkScanner) next(p []byte) (data []byte, n int, err error) {
 				s.state = chunkData
 			}
 			return nil, n, nil // a size line ends: the caller can tell the last chunk's
-		case chunkDataCR:
-			if c != '\r' {
+		case chunkDataCR, chunkDataLF: // CR, then LF, after the data
+			if want := "\r\n"[s.state-chunkDataCR]; c != want {
 				return nil, n, errBadChunk
 			}
-			s.state = chunkDataLF
-		case chunkDataLF:
-			if c != '\n' {
-				return nil, n, errBadChunk
+			if s.state++; s.state > chunkDataLF {
+				s.state, s.line = chunkSize, 0
+				return nil, n, nil // a size line starts here
 			}
-			s.state, s.line = chunkSize, 0
-			return nil, n, nil // a size line starts here
-		case chunkTrailer:
-			s.trailer++
-			switch {
-			case c == '\r':
-				s.state = chunkTrailerLF
-			case c == '\n' || s.trailer > maxTrailer:
-				return nil, n, errBadChunk
+		case chunkTrailer, chunkTrailerLF:
+			if err := s.trailerByte(c); err != nil || s.state == chunkDone {
+				return nil, n, err
 			}
-		case chunkTrailerLF:
-			s.trailer++
-			if c != '\n' || s.trailer > maxTrailer {
-				return nil, n, errBadChunk
-			}
-			if s.line == 2 {
-				s.state = chunkDone // the empty line: the body ends here
-				return nil, n, nil
-			}
-			s.state, s.line = chunkTrailer, 0
 		}
 	}
 	return nil, n, nil
+}
+
+// trailerByte takes byte c of the trailer section (after the last chunk's
+// size line): a trailer line, or the empty line that ends the body
+// (chunkDone).
+func (s *chunkScanner) trailerByte(c byte) error {
+	s.trailer++
+	if s.state == chunkTrailer {
+		switch {
+		case c == '\r':
+			s.state = chunkTrailerLF
+		case c == '\n' || s.trailer > maxTrailer:
+			return errBadChunk
+		}
+		return nil
+	}
+	if c != '\n' || s.trailer > maxTrailer {
+		return errBadChunk
+	}
+	if s.line == 2 {
+		s.state = chunkDone // the empty line: the body ends here
+		return nil
+	}
+	s.state, s.line = chunkTrailer, 0
+	return nil
 }
 
 // done reports whether the body ended.

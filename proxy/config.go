@@ -198,8 +198,41 @@ func fieldErr(path, format string, args ...any) error {
 // Validate checks every rule of c; its errors are *FieldError (or
 // *ratelimit.FieldError for admission).
 func (c *Config) Validate() error {
+	names, err := c.validRoutes()
+	if err != nil {
+		return err
+	}
+	if err := c.validModelsAndSLOs(); err != nil {
+		return err
+	}
+	if c.MaxDecodedBytes < 0 {
+		return fieldErr("limits.max_decoded_bytes", "must not be negative")
+	}
+	if c.MaxEventBytes < 0 {
+		return fieldErr("limits.max_event_bytes", "must not be negative")
+	}
+	if c.DefaultMaxOutput < 0 {
+		return fieldErr("admission.default_max_output", "must not be negative")
+	}
+	if c.Admission != nil {
+		if err := c.Admission.Validate(); err != nil {
+			return err
+		}
+		for i, t := range c.Admission.Tenants {
+			for route := range t.Routes {
+				if !names[route] {
+					return fieldErr(fmt.Sprintf("tenants[%d].routes.%s", i, route), "no route has this name")
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// validRoutes checks each route and returns their names.
+func (c *Config) validRoutes() (map[string]bool, error) {
 	if len(c.Routes) == 0 {
-		return fieldErr("routes", "at least one route is required (or give -upstream)")
+		return nil, fieldErr("routes", "at least one route is required (or give -upstream)")
 	}
 	names := map[string]bool{}
 	prefixes := map[string]bool{}
@@ -207,35 +240,41 @@ func (c *Config) Validate() error {
 		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
 		switch {
 		case r.Name == "":
-			return fieldErr(field("name"), "must not be empty")
+			return nil, fieldErr(field("name"), "must not be empty")
 		case r.Name == metrics.UnmatchedRoute:
-			return fieldErr(field("name"), "%q is reserved for requests that match no route", r.Name)
+			return nil, fieldErr(field("name"), "%q is reserved for requests that match no route", r.Name)
 		case names[r.Name]:
-			return fieldErr(field("name"), "duplicate route name %q", r.Name)
+			return nil, fieldErr(field("name"), "duplicate route name %q", r.Name)
 		case r.Prefix == "" || r.Prefix[0] != '/':
-			return fieldErr(field("prefix"), "must start with /, got %q", r.Prefix)
+			return nil, fieldErr(field("prefix"), "must start with /, got %q", r.Prefix)
 		case prefixes[r.Prefix]:
-			return fieldErr(field("prefix"), "duplicate prefix %q", r.Prefix)
+			return nil, fieldErr(field("prefix"), "duplicate prefix %q", r.Prefix)
 		}
 		// Requests are matched in normal form, so a prefix in any other
 		// form would never match.
 		if norm, err := normalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
-			return fieldErr(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
+			return nil, fieldErr(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
 		}
 		names[r.Name], prefixes[r.Prefix] = true, true
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
-			return fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
+			return nil, fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
 		}
 		if err := r.Timeouts.Validate(field("timeouts")); err != nil {
-			return err
+			return nil, err
 		}
 		if err := validSLO(field("slo"), r.SLO); err != nil {
-			return err
+			return nil, err
 		}
 		if err := r.validUpstreams(field); err != nil {
-			return err
+			return nil, err
 		}
 	}
+	return names, nil
+}
+
+// validModelsAndSLOs checks the models allowed, the SLOs and the metrics'
+// buckets.
+func (c *Config) validModelsAndSLOs() error {
 	if c.EnforceModels && len(c.Models) == 0 {
 		return fieldErr("models.enforce", "enforce needs a non-empty models.allow list")
 	}
@@ -266,27 +305,6 @@ func (c *Config) Validate() error {
 		}
 		if err := validSLO("tenants."+name+".slo", s); err != nil {
 			return err
-		}
-	}
-	if c.MaxDecodedBytes < 0 {
-		return fieldErr("limits.max_decoded_bytes", "must not be negative")
-	}
-	if c.MaxEventBytes < 0 {
-		return fieldErr("limits.max_event_bytes", "must not be negative")
-	}
-	if c.DefaultMaxOutput < 0 {
-		return fieldErr("admission.default_max_output", "must not be negative")
-	}
-	if c.Admission != nil {
-		if err := c.Admission.Validate(); err != nil {
-			return err
-		}
-		for i, t := range c.Admission.Tenants {
-			for route := range t.Routes {
-				if !names[route] {
-					return fieldErr(fmt.Sprintf("tenants[%d].routes.%s", i, route), "no route has this name")
-				}
-			}
 		}
 	}
 	return nil
@@ -334,6 +352,12 @@ func (r *Route) validUpstreams(field func(string) string) error {
 	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && (!ok || !validToken(h)) {
 		return fieldErr(field("sticky"), "must be tenant or header:NAME, got %q", r.Sticky)
 	}
+	return r.validSplit(field, names)
+}
+
+// validSplit checks what a route with several upstreams does with them:
+// shadow, failover and guard, against the upstreams' names.
+func (r *Route) validSplit(field func(string) string, names map[string]bool) error {
 	if sh := r.Shadow; sh != nil {
 		switch {
 		case !names[sh.Upstream]:

@@ -33,51 +33,32 @@ type exchange struct {
 	req     *fasthttp.Request
 	resp    *fasthttp.Response
 	conn    *upConn
-	body    io.Reader
 	client  net.Conn
 	watch   peerWatch
 	cancel  cancelState
 	fire    func() // cancel.fire, made once per pooled exchange
 
-	// What the body is, how it is parsed and measured (tap.go).
-	tap           tap
-	buf           []byte // WriteTo's read buffer
-	contentLength int
-	bodyHeld      int64  // request body bytes counted in Proxy.bodies (holdBody)
-	stickyKey     uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
-	stickyKeyed   bool
-	head          []byte // the response header of an HTTP/1.0 hijacked relay
-	injected      []byte // the request body with include_usage injected
-	path          []byte // the normalised request path
-	query         []byte // the raw query, with its "?", a view of the request
-	reqBody       []byte // the buffer the request body is read into
-	body0         []byte // the request body (reqBody, or fasthttp's own)
-	stream        bool   // the request asks for a stream
-	scratch       []byte // header values being built
+	tap   tap        // what the body is, how it is parsed and measured (tap.go)
+	relay bodyRelay  // the body's way to the client (relay.go)
+	cs    clientSide // the response's delivery to the client connection (clientside.go)
+	fin   finishing  // what finish knew, while the record waits (ackWatch)
 
-	// Whether a chunk handed to the server awaits its delivery stamp (the
-	// fixed-length path, see Read).
-	unstamped bool
+	bodyHeld    int64  // request body bytes counted in Proxy.bodies (holdBody)
+	stickyKey   uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
+	stickyKeyed bool
+	injected    []byte // the request body with include_usage injected
+	path        []byte // the normalised request path
+	query       []byte // the raw query, with its "?", a view of the request
+	reqBody     []byte // the buffer the request body is read into
+	body0       []byte // the request body (reqBody, or fasthttp's own)
+	stream      bool   // the request asks for a stream
+	scratch     []byte // header values being built
 
 	// Admission control.
 	tenant    string
 	ticket    *ratelimit.Ticket
 	estIn     int64 // estimated input tokens
 	responded bool  // the upstream answered with headers
-
-	bytesOut  int64
-	readErr   error  // an upstream read error, returned again on every Read
-	upDone    bool   // the upstream body was read to its end
-	pass      bool   // the body is relayed with the upstream's chunk framing (passChunks)
-	framed    bool   // passChunks: the server frames what is written, until a chunk boundary
-	gathered  []byte // passChunks: the data bytes of a framed read
-	wholeRead bool   // passChunks: the body came whole with the header (see passWhole)
-	heldOut   []byte // passWhole: the header and the body, held for one write
-	keep      int    // passChunks: bytes of a held size line at the front of buf
-	chunks    chunkScanner
-	loop      loopStream // the stream while a relay loop relays it (loop.go)
-	turn      passTurn   // the read the relay loop relays (passloop.go)
-	stray     bool       // bytes came after the end of the response
 	finished  bool
 
 	// Failover (failover.go).
@@ -88,10 +69,6 @@ type exchange struct {
 	firstByteLimit time.Duration // bounds the wait for the response header (failover)
 
 	shadow bool // a copy sent to the route's shadow upstream (shadow.go)
-
-	cs      clientSide // the response's delivery to the client connection (clientside.go)
-	fin     finishing  // what finish knew, while the record waits (ackWatch)
-	endSent bool       // the body's last chunk went out with its data (passScan)
 }
 
 func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
@@ -99,6 +76,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	if x == nil {
 		x = &exchange{p: p, req: new(fasthttp.Request), resp: new(fasthttp.Response)}
 		x.fire = x.cancel.fire
+		x.relay.x = x
 	}
 	x.snap = s
 	x.tap.m.reset(arrival)
@@ -116,11 +94,9 @@ func (p *Proxy) releaseExchange(x *exchange) {
 		body = nil // a large body's buffer goes with its request
 	}
 	*x = exchange{
-		p: p, id: x.id[:0], tried: x.tried[:0], head: x.head[:0], buf: x.buf, tap: x.tap.kept(),
-		heldOut: x.heldOut[:0], gathered: x.gathered[:0], injected: x.injected[:0], scratch: x.scratch[:0],
-		req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
-		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire, cs: x.cs.kept(),
-		loop: loopStream{done: x.loop.done},
+		p: p, id: x.id[:0], tried: x.tried[:0], tap: x.tap.kept(), relay: x.relay.kept(), cs: x.cs.kept(),
+		injected: x.injected[:0], scratch: x.scratch[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
+		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)
 }
@@ -152,7 +128,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	if r := x.forward(ctx); r != nil {
 		return r
 	}
-	x.relay(ctx)
+	x.respond(ctx)
 	return nil
 }
 
@@ -444,10 +420,10 @@ func (x *exchange) roundTrip(head bool) error {
 	}
 }
 
-// relay passes the response headers on and hands the body to the server,
+// respond passes the response headers on and hands the body to the server,
 // which reads it through the exchange (WriteTo, Read) and then calls
 // CloseWithError.
-func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
+func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 	rec, resp := &x.rec, x.resp
 	x.responded = true
 	rec.Status = resp.StatusCode()
@@ -463,14 +439,14 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 	body := resp.BodyStream()
 	if body == nil {
 		// No body (HEAD, 204, 304): the exchange is over.
-		x.upDone = true
+		x.relay.upDone = true
 		if ctx.IsHead() {
 			ctx.Response.SkipBody = true
 		}
 		x.finish(nil)
 		return
 	}
-	x.body = body
+	x.relay.body = body
 	x.startParsing(resp)
 	cl := resp.Header.ContentLength()
 	if x.tap.streamed || cl < 0 {
@@ -483,19 +459,19 @@ func (x *exchange) relay(ctx *fasthttp.RequestCtx) {
 		// with the first chunk instead, in one write.
 		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
 	}
-	x.contentLength = cl
+	x.relay.contentLength = cl
 	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.client != nil {
 		// Chunked in, chunked out: the framing goes through as it came
 		// (passChunks), written to the connection after the header. Body
 		// bytes that came with the header go out with it instead, framed
 		// by the server, in one write.
-		x.pass, x.framed = true, !ctx.Response.ImmediateHeaderFlush
+		x.relay.pass, x.relay.framed = true, !ctx.Response.ImmediateHeaderFlush
 	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
 		x.serveHTTP10(ctx)
 		return
 	}
-	ctx.Response.SetBodyStream(x, cl)
+	ctx.Response.SetBodyStream(&x.relay, cl)
 }
 
 // refuse answers a request tokentap refuses itself, with a short JSON error
@@ -538,159 +514,6 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 
 // --- Relaying the body (the server reads it through these). ---
 
-// pull reads the upstream once into b and feeds what it read to the
-// parser. An upstream error is kept and returned again on every later call;
-// when bytes came with it, they are returned first, without the error.
-func (x *exchange) pull(b []byte) (int, error) {
-	if x.readErr != nil {
-		return 0, x.readErr
-	}
-	n, err := x.body.Read(b)
-	if n > 0 {
-		x.observe(b[:n], x.readTime())
-	}
-	if err != nil {
-		if err == io.EOF {
-			x.upDone = true
-			x.cancel.settle()
-		}
-		x.readErr = err
-		if n > 0 {
-			return n, nil
-		}
-	}
-	return n, err
-}
-
-// readTime is when the bytes of the last upstream read arrived: the
-// kernel's receive time where there is one (time they waited in the socket
-// is time tokentap added), else now.
-func (x *exchange) readTime() time.Time {
-	if x.conn != nil && !x.conn.readAt.IsZero() {
-		return x.conn.readAt
-	}
-	return x.p.now()
-}
-
-// WriteTo relays the body to the client, one write per upstream read. The
-// server frames each write as a chunk and flushes it before Write returns,
-// so the delivery of a chunk's tokens is stamped right after its Write.
-// fasthttp uses WriteTo for chunked responses (see SupportsBodyWriteTo).
-func (x *exchange) WriteTo(w io.Writer) (int64, error) {
-	if x.buf == nil {
-		x.buf = make([]byte, 8<<10)
-	}
-	if x.pass {
-		return x.passChunks(w)
-	}
-	var written int64
-	for {
-		stripping := x.tap.strip // parseStrip may give up during this read
-		n, err := x.pull(x.buf)
-		out := x.buf[:n]
-		if stripping {
-			if n == 0 {
-				x.tap.stripped = x.tap.stripped[:0]
-			}
-			out = x.tap.stripped
-			if err != nil {
-				// The stream ends: what is held goes out as it is.
-				out = append(out, x.tap.held...)
-				x.tap.held = x.tap.held[:0]
-			}
-		}
-		if len(out) > 0 {
-			m, werr := w.Write(out)
-			written += int64(m)
-			x.bytesOut += int64(m)
-			if werr != nil {
-				return written, werr
-			}
-			x.wrote(x.p.now())
-		}
-		if err == io.EOF {
-			return written, nil
-		}
-		if err != nil {
-			return written, err
-		}
-	}
-}
-
-// passChunks relays a chunked upstream body to a chunked client with its
-// framing as it came: each read of the upstream socket lands in the
-// exchange's buffer and goes to the client's socket in one write, its data
-// bytes handed to the parser on the way. (fasthttp's body stream would
-// decode each chunk and frame it again: a copy through its buffer, and a
-// read and a write per chunk where several came in one read.)
-//
-// The response header was flushed before the body (ImmediateHeaderFlush),
-// so the server's buffer is empty and writing to the connection keeps the
-// order. The server ends every chunked body itself once WriteTo returns,
-// after the exchange finished, in a write of its own; trailers were never
-// relayed. A bare last chunk (0, no trailers) that came in one read with
-// the data before it goes out in the same write instead, and the server's
-// copy is dropped (clientConn.endSent): one write and one segment less per
-// response, and the response is whole on the wire when its record is
-// made. A size line cut by the end of a read is held, at the front of the
-// buffer, until it ends: only then can the last chunk be told apart.
-//
-// When body bytes came with the response header, the header is still in
-// the server's buffer: the data of the reads up to the first chunk
-// boundary is written through w, which frames it and flushes it with the
-// header in one write; the framing goes through as it came from there on.
-// A body that came whole with the header goes out with it in one write
-// (passWhole).
-func (x *exchange) passChunks(w io.Writer) (_ int64, err error) {
-	up, cl := x.conn.rx, clientRx(x.client)
-	setDirect(up, true)
-	setDirect(cl, true)
-	defer func() {
-		setDirect(up, false)
-		setDirect(cl, false)
-		if x.endSent && err == nil {
-			// The body's end went out already (passScan): the server's
-			// own, written only after a body relayed without error, is
-			// dropped.
-			x.cs.cc.endSent = true
-		}
-	}()
-	loop := x.loopable()
-	for {
-		if loop && !x.framed && x.conn.br.Buffered() == 0 {
-			if moved, err := x.passLoop(); moved {
-				return x.bytesOut, err
-			}
-			loop = false
-		}
-		if end, err := x.passRead(w); end {
-			return x.bytesOut, err
-		}
-	}
-}
-
-// passWhole writes a body that came whole with its response header, bare
-// last chunk included: the server frames the data as one chunk after the
-// header, the client connection holds what the server writes, and all of
-// it goes out with the last chunk in one write (the server's own last
-// chunk is dropped later: endSent). Short streams, errors and answers a
-// backend had ready come this way: one write instead of three.
-func (x *exchange) passWhole(w io.Writer) error {
-	cc := x.cs.cc
-	cc.hold = &x.heldOut
-	_, err := w.Write(x.gathered)
-	cc.hold = nil
-	if err == nil {
-		x.heldOut = append(x.heldOut, bareLastChunk...)
-		_, err = cc.Write(x.heldOut)
-	}
-	x.heldOut = x.heldOut[:0]
-	if cap(x.heldOut) > maxPooledOut {
-		x.heldOut = nil
-	}
-	return err
-}
-
 // maxPooledOut is the largest passWhole buffer kept for the next response.
 const maxPooledOut = 32 << 10
 
@@ -712,169 +535,6 @@ func setDirect(c *rxConn, on bool) {
 	}
 }
 
-// passRead relays one read of passChunks; end is true when the body ended
-// or failed (err says which).
-func (x *exchange) passRead(w io.Writer) (end bool, err error) {
-	var n int
-	if x.conn.br.Buffered() > 0 {
-		n, err = x.conn.br.Read(x.buf[x.keep:]) // what came with the header
-	} else {
-		n, err = x.conn.Read(x.buf[x.keep:])
-	}
-	rawFrom, out, last, data, serr := x.passScan(n)
-	if serr != nil {
-		err = serr
-	}
-	if len(x.gathered) > 0 {
-		// Framed by the server, and flushed with the header.
-		var werr error
-		if x.wholeRead {
-			werr = x.passWhole(w)
-		} else {
-			_, werr = w.Write(x.gathered)
-		}
-		x.gathered = x.gathered[:0]
-		if werr != nil {
-			x.readErr = err
-			return true, werr
-		}
-	}
-	if out > rawFrom {
-		if _, werr := x.client.Write(x.buf[rawFrom:out]); werr != nil {
-			x.readErr = err
-			return true, werr
-		}
-	}
-	return x.passDone(data, out > rawFrom, err, last)
-}
-
-// passScan follows the framing of the n bytes just read into x.buf (after
-// the x.keep bytes of a size line held from the read before), hands their
-// data bytes to the parser and says what to write as it came:
-// x.buf[rawFrom:out], up to the start of the last chunk, or of a size line
-// the read cut (held for the next read: x.keep), or of a framing error
-// (err); in the trailers, nothing. last is the end of the bytes read; data
-// counts the data bytes. While framed, the data bytes are gathered for the
-// server to frame instead.
-func (x *exchange) passScan(n int) (rawFrom, out, last, data int, err error) {
-	keep := x.keep
-	last = keep + n
-	if x.framed {
-		rawFrom = last
-	}
-	out, start := last, keep-x.chunks.line
-	if x.chunks.lastChunk() {
-		out = 0
-	}
-	// The body's end goes out with the read that brought it, when it is
-	// the bare last chunk (no trailers): in that read's write when the
-	// header is out before it (see endSent), or with the header, the body
-	// and all, when they came together (passWhole). While the header waits,
-	// every data byte of the read is gathered, and those after the first
-	// chunk boundary are dropped again unless the body ends here.
-	wasFramed, endHere, gatheredAt := x.framed, false, -1
-	if n > 0 {
-		at := x.readTime()
-		for off := keep; off < last; {
-			if in, l := x.chunks.inSizeLine(); in {
-				start = off - l
-			}
-			d, k, serr := x.chunks.next(x.buf[off:last])
-			off += k
-			if len(d) > 0 {
-				data += len(d)
-				x.observe(d, at)
-				if wasFramed {
-					x.gathered = append(x.gathered, d...)
-				}
-			}
-			if serr != nil {
-				err, out = serr, min(out, off)
-				break
-			}
-			if x.framed && x.chunks.atBoundary() {
-				// A chunk boundary: from here on the bytes go as they came.
-				x.framed, rawFrom, gatheredAt = false, off, len(x.gathered)
-			}
-			if x.chunks.lastChunk() && out == last {
-				out, endHere = start, true
-			}
-			if x.chunks.done() {
-				x.upDone, x.stray = true, off < last
-				x.cancel.settle()
-				if endHere && x.cs.cc != nil && bytes.Equal(x.buf[start:off], bareLastChunk) {
-					switch {
-					case wasFramed && len(x.gathered) > 0:
-						rawFrom, out, x.wholeRead, x.endSent = last, last, true, true
-					case !wasFramed && start >= rawFrom:
-						out, x.endSent = off, true
-					}
-				}
-				break
-			}
-		}
-	}
-	if gatheredAt >= 0 && !x.wholeRead {
-		x.gathered = x.gathered[:gatheredAt]
-	}
-	x.keep = 0
-	if in, l := x.chunks.inSizeLine(); in && out == last && !x.framed {
-		out, x.keep = last-l, l
-	}
-	return rawFrom, out, last, data, err
-}
-
-// passDone ends a relayed read whose bytes were written (data bytes of
-// it, and whether anything went out: its delivery is stamped): end is true
-// when the body ended (err nil) or the read failed (err says how);
-// otherwise the held size line moves to the front of the buffer for the
-// next read.
-func (x *exchange) passDone(data int, wrote bool, err error, last int) (end bool, _ error) {
-	if data > 0 || wrote {
-		x.bytesOut += int64(data)
-		x.wrote(x.p.now())
-	}
-	if x.upDone {
-		x.readErr = io.EOF
-		return true, nil
-	}
-	if err != nil {
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF // the body ended before its last chunk
-		}
-		x.readErr = err
-		return true, err
-	}
-	copy(x.buf, x.buf[last-x.keep:last])
-	return false, nil
-}
-
-// SupportsBodyWriteTo tells fasthttp that WriteTo does what Read does.
-func (x *exchange) SupportsBodyWriteTo() bool { return true }
-
-// Read relays one upstream read. fasthttp uses it for bodies of known
-// length; their chunks are only flushed at the end, so the start of the next
-// Read is when the previous chunk was handed to the server.
-func (x *exchange) Read(b []byte) (int, error) {
-	if x.unstamped {
-		x.wrote(x.p.now())
-	}
-	n, err := x.pull(b)
-	if n > 0 {
-		x.bytesOut += int64(n)
-		x.unstamped = true
-	}
-	return n, err
-}
-
-// wrote stamps the delivery of the last chunk handed to the server.
-func (x *exchange) wrote(t time.Time) {
-	x.unstamped = false
-	tok, ans := x.tap.wrote(t, x.cs.stalled(), x.cs.sent())
-	x.cs.laterBytes(t)
-	x.markAcks(tok, ans, t, x.cs.sent())
-}
-
 // serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
 // cannot read chunked encoding: the body goes out unframed on a hijacked
 // connection, ended by closing it. fasthttp would send chunked encoding.
@@ -883,28 +543,9 @@ func (x *exchange) serveHTTP10(ctx *fasthttp.RequestCtx) {
 	h.SetContentLength(-2) // identity: no Content-Length, no Transfer-Encoding
 	h.SetConnectionClose()
 	h.SetProtocol([]byte("HTTP/1.0"))
-	x.head = append(x.head[:0], h.Header()...)
+	x.relay.head = append(x.relay.head[:0], h.Header()...)
 	ctx.HijackSetNoResponse(true)
-	ctx.Hijack(x.relayRaw)
-}
-
-// relayRaw writes the prepared header and then every chunk straight to the
-// client connection, each Write reaching the socket at once. On an upstream
-// failure the connection is reset, not closed cleanly, so the client can
-// tell a broken body from a complete one.
-func (x *exchange) relayRaw(c net.Conn) {
-	if _, err := c.Write(x.head); err != nil {
-		x.finish(err)
-		return
-	}
-	_, err := x.WriteTo(c)
-	if err != nil && x.readErr != nil && x.readErr != io.EOF {
-		// The upstream broke: reset rather than close cleanly.
-		if tc, ok := x.client.(interface{ SetLinger(int) error }); ok {
-			_ = tc.SetLinger(0)
-		}
-	}
-	x.finish(err)
+	ctx.Hijack(x.relay.relayRaw)
 }
 
 // --- Measuring the body on the way (the tap, tap.go). ---
@@ -921,14 +562,6 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 func (x *exchange) observe(b []byte, t time.Time) { x.tap.observe(b, t) }
 
 // --- The end. ---
-
-// CloseWithError is called by the server once the response has been
-// written (err == nil) or has failed (err is the write error, or the read
-// error Read returned). It finishes the exchange.
-func (x *exchange) CloseWithError(err error) error {
-	x.finish(err)
-	return nil
-}
 
 // finish ends the exchange exactly once: it settles the upstream
 // connection and stops the peer watch at once, then completes the record
@@ -952,10 +585,10 @@ func (x *exchange) finish(writeErr error) {
 		x.mem.inflight.Add(-1)
 	}
 
-	complete := x.upDone || (x.contentLength >= 0 && x.bytesOut == int64(x.contentLength))
-	if x.unstamped && writeErr == nil {
+	complete := x.relay.upDone || (x.relay.contentLength >= 0 && x.relay.bytesOut == int64(x.relay.contentLength))
+	if x.relay.unstamped && writeErr == nil {
 		// The last chunk went out with the end of the response.
-		x.wrote(now)
+		x.relay.wrote(now)
 	}
 	x.watch.stop()
 	gone := x.cancel.isGone()
@@ -967,7 +600,7 @@ func (x *exchange) finish(writeErr error) {
 		x.cancel.detach()
 		_ = x.resp.CloseBodyStream()
 		switch {
-		case x.stray:
+		case x.relay.stray:
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
 			x.up.discard(x.conn)
 		case complete && !gone && writeErr == nil && !x.resp.ConnectionClose():
@@ -1041,16 +674,16 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		rec.Outcome, rec.Error = metrics.OutcomeShutdown, "cut at shutdown: the drain timeout ran out"
 	case gone:
 		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "client closed the connection"
-	case x.readErr != nil && x.readErr != io.EOF:
-		if isTimeout(x.readErr) {
+	case x.relay.readErr != nil && x.relay.readErr != io.EOF:
+		if isTimeout(x.relay.readErr) {
 			rec.Outcome = metrics.OutcomeUpstreamTimeout
 		} else {
 			rec.Outcome = metrics.OutcomeUpstreamError
 		}
-		rec.Error = "upstream stream broken: " + describeStreamError(x.readErr)
-	case x.body != nil && !complete && writeErr == nil && x.contentLength >= 0:
+		rec.Error = "upstream stream broken: " + describeStreamError(x.relay.readErr)
+	case x.relay.body != nil && !complete && writeErr == nil && x.relay.contentLength >= 0:
 		rec.Outcome, rec.Error = metrics.OutcomeUpstreamError, "the upstream response ended before its Content-Length"
-	case writeErr != nil || (x.body != nil && !complete):
+	case writeErr != nil || (x.relay.body != nil && !complete):
 		rec.Outcome = metrics.OutcomeClientCancel
 		if writeErr != nil {
 			rec.Error = "cannot write to client: " + describeStreamError(writeErr)
@@ -1101,7 +734,7 @@ func (x *exchange) accountBody(now time.Time, complete bool) {
 
 // fillRecord derives the record's timings from the meter.
 func (x *exchange) fillRecord(now time.Time) {
-	x.rec.BytesOut = x.bytesOut
+	x.rec.BytesOut = x.relay.bytesOut
 	x.rec.Partial = x.rec.Partial || x.tap.partial
 	x.tap.m.fill(&x.rec, now, x.tap.streamed)
 }

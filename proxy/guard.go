@@ -33,6 +33,17 @@ type Guard struct {
 	MinKeys int
 }
 
+// withDefaults returns g with its zero fields set to their defaults.
+func (g Guard) withDefaults() Guard {
+	if g.MinRequests == 0 {
+		g.MinRequests = 200
+	}
+	if g.MinKeys == 0 {
+		g.MinKeys = defaultGuardMinKeys
+	}
+	return g
+}
+
 // defaultGuardMinKeys is Guard.MinKeys when unset.
 const defaultGuardMinKeys = 10
 

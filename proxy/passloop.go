@@ -10,12 +10,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The exchange's side of a relay loop (loop.go): what moves a passChunks
+// The body relay's side of a relay loop (loop.go): what moves a passChunks
 // stream into a loop, and the relayed methods through which the loop
 // reads, writes and ends it.
 
 // passTurn is the read a relay loop is relaying: the end of the bytes
-// read in the exchange's buffer, the data bytes found, whether anything is
+// read in the relay's buffer, the data bytes found, whether anything is
 // to be written, and the read's error.
 type passTurn struct {
 	last  int
@@ -29,48 +29,48 @@ type passTurn struct {
 // loops are off, on a connection that is not a plain socket with receive
 // stamps, or for a compressed body (its side decoder could hold the loop
 // up).
-func (x *exchange) loopable() bool {
-	cc, _ := x.client.(*clientConn)
-	c := x.conn
-	return !x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
-		c.up.tls == nil && x.tap.dec == nil
+func (r *bodyRelay) loopable() bool {
+	cc, _ := r.x.client.(*clientConn)
+	c := r.x.conn
+	return !r.x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
+		c.up.tls == nil && r.x.tap.dec == nil
 }
 
 // passLoop relays the rest of a passChunks stream on a relay loop, and
 // reports false when it cannot (the stream then stays on its goroutine).
-func (x *exchange) passLoop() (bool, error) {
-	cc, c := x.client.(*clientConn), x.conn
-	l := x.p.loops.pick()
+func (r *bodyRelay) passLoop() (bool, error) {
+	cc, c := r.x.client.(*clientConn), r.x.conn
+	l := r.x.p.loops.pick()
 	if l == nil {
 		return false, nil
 	}
 	upFd, clFd := sockFd(c.rx.raw), sockFd(cc.raw)
-	if upFd < 0 || clFd < 0 || !x.cancel.enterLoop() {
+	if upFd < 0 || clFd < 0 || !r.x.cancel.enterLoop() {
 		return false, nil
 	}
 	if !cc.enterLoop() {
-		x.cancel.leaveLoop()
+		r.x.cancel.leaveLoop()
 		return false, nil
 	}
-	s := &x.loop
+	s := &r.loop
 	if s.done == nil {
 		s.done = make(chan error, 1)
 	}
-	s.r, s.upFd, s.clFd = x, upFd, clFd
+	s.r, s.upFd, s.clFd = r, upFd, clFd
 	s.idle, s.wtime = c.timeout, cc.d
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it).
-	x.watch.stop()
+	r.x.watch.stop()
 	err := errNoLoop
 	if l.post(s) {
 		err = <-s.done
 	}
-	s.r, x.turn = nil, passTurn{}
+	s.r, r.turn = nil, passTurn{}
 	cc.leaveLoop()
-	x.cancel.leaveLoop()
+	r.x.cancel.leaveLoop()
 	if err == errNoLoop {
-		x.watch.start(x.client, x.fire)
+		r.x.watch.start(r.x.client, r.x.fire)
 		return false, nil
 	}
 	loopStreams.Add(1)
@@ -79,9 +79,9 @@ func (x *exchange) passLoop() (bool, error) {
 
 // relayRead reads the upstream socket once for the loop and scans what
 // came (passScan).
-func (x *exchange) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
-	room := x.buf[x.keep:]
-	n, errno := x.conn.rx.recvFd(uintptr(fd), room)
+func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
+	room := r.buf[r.keep:]
+	n, errno := r.x.conn.rx.recvFd(uintptr(fd), room)
 	if errno == unix.EAGAIN {
 		return nil, true, false, false
 	}
@@ -92,38 +92,38 @@ func (x *exchange) relayRead(fd int, events uint32) (out []byte, wait, got, agai
 	case n == 0:
 		err = io.EOF
 	default:
-		x.conn.stamp()
+		r.x.conn.stamp()
 		got = true
 		again = n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0
 	}
-	rawFrom, end, last, data, serr := x.passScan(n)
+	rawFrom, end, last, data, serr := r.passScan(n)
 	if serr != nil {
 		err = serr
 	}
-	x.turn = passTurn{last: last, data: data, wrote: end > rawFrom, err: err}
-	return x.buf[rawFrom:end], false, got, again
+	r.turn = passTurn{last: last, data: data, wrote: end > rawFrom, err: err}
+	return r.buf[rawFrom:end], false, got, again
 }
 
 // relayWritten ends the read relayed once its bytes are written (passDone).
-func (x *exchange) relayWritten() (bool, error) {
-	return x.passDone(x.turn.data, x.turn.wrote, x.turn.err, x.turn.last)
+func (r *bodyRelay) relayWritten() (bool, error) {
+	return r.passDone(r.turn.data, r.turn.wrote, r.turn.err, r.turn.last)
 }
 
 // relayFailed keeps the error the server's next Read returns.
-func (x *exchange) relayFailed(err error, keepRead bool) {
+func (r *bodyRelay) relayFailed(err error, keepRead bool) {
 	if keepRead {
-		err = x.turn.err
+		err = r.turn.err
 	}
-	x.readErr = err
+	r.readErr = err
 }
 
 // relaySent and relayStalled count on the client connection (a loop
 // takes only streams to a clientConn: loopable).
-func (x *exchange) relaySent(n int) { x.client.(*clientConn).sent += int64(n) }
+func (r *bodyRelay) relaySent(n int) { r.x.client.(*clientConn).sent += int64(n) }
 
-func (x *exchange) relayStalled(d time.Duration) { x.client.(*clientConn).stall += d }
+func (r *bodyRelay) relayStalled(d time.Duration) { r.x.client.(*clientConn).stall += d }
 
-func (x *exchange) relayCancel() { x.fire() }
+func (r *bodyRelay) relayCancel() { r.x.fire() }
 
 // sockFd returns the descriptor behind raw, or -1. Only a stream's own
 // goroutine calls it, and the descriptor stays open while the stream is in

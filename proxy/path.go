@@ -31,46 +31,15 @@ func normalizePath(dst, path []byte) ([]byte, error) {
 	// they end, dot segments resolved against what dst holds.
 	var segBuf [64]byte
 	seg := segBuf[:0]
-	endSegment := func(last bool) error {
-		switch {
-		case len(seg) == 0:
-			// An empty segment: a repeated slash, or the trailing one.
-			if last && len(dst) > start && dst[len(dst)-1] != '/' {
-				dst = append(dst, '/')
-			}
-		case string(seg) == ".":
-			if len(dst) == start || dst[len(dst)-1] != '/' {
-				dst = append(dst, '/')
-			}
-		case string(seg) == "..":
-			// Drop the last segment of dst, keeping its leading slash.
-			if len(dst) == start {
-				return errBadPath
-			}
-			if dst[len(dst)-1] == '/' {
-				dst = dst[:len(dst)-1]
-			}
-			i := bytes.LastIndexByte(dst[start:], '/')
-			if i < 0 {
-				return errBadPath
-			}
-			dst = dst[:start+i+1]
-		default:
-			if len(dst) == start || dst[len(dst)-1] != '/' {
-				dst = append(dst, '/')
-			}
-			dst = append(dst, seg...)
-		}
-		seg = seg[:0]
-		return nil
-	}
+	var err error
 	for i := 1; i < len(path); i++ {
 		c := path[i]
 		switch {
 		case c == '/':
-			if err := endSegment(false); err != nil {
+			if dst, err = endSegment(dst, start, seg, false); err != nil {
 				return dst[:start], err
 			}
+			seg = seg[:0]
 		case c == '%':
 			if i+2 >= len(path) {
 				return dst[:start], errBadPath
@@ -95,11 +64,47 @@ func normalizePath(dst, path []byte) ([]byte, error) {
 			seg = append(seg, c)
 		}
 	}
-	if err := endSegment(true); err != nil {
+	if dst, err = endSegment(dst, start, seg, true); err != nil {
 		return dst[:start], err
 	}
 	if len(dst) == start {
 		dst = append(dst, '/')
+	}
+	return dst, nil
+}
+
+// endSegment appends the segment seg, just ended (last: by the path's
+// end), to the path built in dst from start: a dot segment is resolved
+// against what dst holds, an empty one (a repeated slash, or the trailing
+// one) adds nothing but a trailing slash.
+func endSegment(dst []byte, start int, seg []byte, last bool) ([]byte, error) {
+	switch {
+	case len(seg) == 0:
+		if last && len(dst) > start && dst[len(dst)-1] != '/' {
+			dst = append(dst, '/')
+		}
+	case string(seg) == ".":
+		if len(dst) == start || dst[len(dst)-1] != '/' {
+			dst = append(dst, '/')
+		}
+	case string(seg) == "..":
+		// Drop the last segment of dst, keeping its leading slash.
+		if len(dst) == start {
+			return dst, errBadPath
+		}
+		if dst[len(dst)-1] == '/' {
+			dst = dst[:len(dst)-1]
+		}
+		i := bytes.LastIndexByte(dst[start:], '/')
+		if i < 0 {
+			return dst, errBadPath
+		}
+		dst = dst[:start+i+1]
+	default:
+		if len(dst) == start || dst[len(dst)-1] != '/' {
+			dst = append(dst, '/')
+		}
+		dst = append(dst, seg...)
 	}
 	return dst, nil
 }

@@ -176,39 +176,9 @@ func (p *Proxy) Apply(cfg Config) error {
 	s := &snapshot{cfg: cfg}
 	var rows []metrics.RouteRow
 	for i, r := range cfg.Routes {
-		rt := &route{Route: r, slo: cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect)}
-		specs := r.Upstreams
-		if len(specs) == 0 {
-			specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label
-		}
-		for _, u := range specs {
-			up, err := newUpstream(u.URL, r.Timeouts, p.now)
-			if err != nil {
-				return fmt.Errorf("routes[%d].upstream: %w", i, err)
-			}
-			rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(rows)})
-			rt.weights += u.Weight
-			rows = append(rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
-		}
-		if r.Shadow != nil {
-			sh := &shadowState{Shadow: *r.Shadow}
-			if sh.MaxInflight == 0 {
-				sh.MaxInflight = 16
-			}
-			sh.member = rt.member(sh.Upstream)
-			rt.shadow = sh
-		}
-		if r.Guard != nil {
-			g := &guardState{Guard: *r.Guard}
-			if g.MinRequests == 0 {
-				g.MinRequests = 200
-			}
-			if g.MinKeys == 0 {
-				g.MinKeys = defaultGuardMinKeys
-			}
-			g.candidate = rt.member(g.Candidate)
-			g.armedAt.Store(p.statsNow().UnixNano())
-			rt.guard = g
+		rt, err := p.buildRoute(i, r, cfg.SLO, &rows)
+		if err != nil {
+			return err
 		}
 		s.routes = append(s.routes, rt)
 	}
@@ -225,24 +195,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		}
 	}
 	old := p.snap.Load()
-	if cfg.Admission != nil {
-		var prev *ratelimit.Admitter
-		if old != nil {
-			prev = old.admit
-		}
-		s.admit = ratelimit.New(*cfg.Admission, p.now, prev)
-		tenants := make([]string, len(cfg.Admission.Tenants))
-		for i, t := range cfg.Admission.Tenants {
-			tenants[i] = t.Name
-		}
-		reasons := make([]string, len(ratelimit.Reasons))
-		for i, r := range ratelimit.Reasons {
-			reasons[i] = string(r)
-		}
-		s.metrics.AddTenants(tenants, reasons, s.admit.Stats)
-	} else if old != nil && old.admit != nil {
-		old.admit.Close()
-	}
+	s.admit = admitterFor(cfg, old, p.now, s.metrics)
 	s.metrics.Register()
 	p.stats.SetWarn(cfg.Warn)
 	if old := p.snap.Swap(s); old != nil {
@@ -252,6 +205,64 @@ func (p *Proxy) Apply(cfg Config) error {
 		}
 	}
 	return nil
+}
+
+// buildRoute makes route i of a new generation: its upstreams (each a
+// metric row, appended to rows), shadow and guard.
+func (p *Proxy) buildRoute(i int, r Route, slo metrics.SLO, rows *[]metrics.RouteRow) (*route, error) {
+	rt := &route{Route: r, slo: slo.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect)}
+	specs := r.Upstreams
+	if len(specs) == 0 {
+		specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label
+	}
+	for _, u := range specs {
+		up, err := newUpstream(u.URL, r.Timeouts, p.now)
+		if err != nil {
+			return nil, fmt.Errorf("routes[%d].upstream: %w", i, err)
+		}
+		rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)})
+		rt.weights += u.Weight
+		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
+	}
+	if r.Shadow != nil {
+		sh := &shadowState{Shadow: r.Shadow.withDefaults()}
+		sh.member = rt.member(sh.Upstream)
+		rt.shadow = sh
+	}
+	if r.Guard != nil {
+		g := &guardState{Guard: r.Guard.withDefaults()}
+		g.candidate = rt.member(g.Candidate)
+		g.armedAt.Store(p.statsNow().UnixNano())
+		rt.guard = g
+	}
+	return rt, nil
+}
+
+// admitterFor makes the admitter of a new generation, taking over the
+// tenants' state of the old one (nil: none), and publishes its series in
+// set; without admission it closes the old one and returns nil.
+func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.Set) *ratelimit.Admitter {
+	var prev *ratelimit.Admitter
+	if old != nil {
+		prev = old.admit
+	}
+	if cfg.Admission == nil {
+		if prev != nil {
+			prev.Close()
+		}
+		return nil
+	}
+	a := ratelimit.New(*cfg.Admission, now, prev)
+	tenants := make([]string, len(cfg.Admission.Tenants))
+	for i, t := range cfg.Admission.Tenants {
+		tenants[i] = t.Name
+	}
+	reasons := make([]string, len(ratelimit.Reasons))
+	for i, r := range ratelimit.Reasons {
+		reasons[i] = string(r)
+	}
+	set.AddTenants(tenants, reasons, a.Stats)
+	return a
 }
 
 // Stats returns the live percentile table of every request the proxy

@@ -50,8 +50,8 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 		x.tap.parser = sse.NewParser(1 << 20)
 	}
 	x.tap.parser.Reset()
-	x.body = body
-	x.contentLength = -1
+	x.relay.body = body
+	x.relay.contentLength = -1
 	x.tap.m.written = time.Now()
 	return x
 }
@@ -62,8 +62,8 @@ func TestRelayNoAllocsPerEvent(t *testing.T) {
 	x := streamingExchange(newProxyForBench(t), &repeatReader{benchEvent})
 	buf := make([]byte, 4096)
 	x.tap.m.gaps = make([]time.Duration, 0, 1024)
-	x.Read(buf)
-	if a := testing.AllocsPerRun(500, func() { x.Read(buf) }); a != 0 {
+	x.relay.Read(buf)
+	if a := testing.AllocsPerRun(500, func() { x.relay.Read(buf) }); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
 	if x.tap.m.events < 500 {
@@ -77,7 +77,7 @@ func BenchmarkRelayPerEvent(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(benchEvent)))
 	for b.Loop() {
-		x.Read(buf)
+		x.relay.Read(buf)
 	}
 }
 
@@ -92,7 +92,7 @@ func BenchmarkFinishRecord(b *testing.B) {
 	for b.Loop() {
 		x := streamingExchange(p, &repeatReader{benchEvent})
 		for range 20 {
-			x.Read(buf)
+			x.relay.Read(buf)
 		}
 		x.finish(nil)
 	}
@@ -120,7 +120,7 @@ func BenchmarkRelayWriteTo(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(benchEvent)))
 	b.ResetTimer()
-	if _, err := x.WriteTo(io.Discard); err != nil {
+	if _, err := x.relay.WriteTo(io.Discard); err != nil {
 		b.Fatal(err)
 	}
 }
@@ -138,8 +138,8 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	x.up = x.rt.members[0].up
 	x.conn = &upConn{Conn: upRead, up: x.up}
 	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
-	x.client, x.pass = cl, true
-	x.buf = make([]byte, 8<<10)
+	x.client, x.relay.pass = cl, true
+	x.relay.buf = make([]byte, 8<<10)
 	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite
 }
@@ -154,7 +154,7 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 		if _, err := up.Write(benchFrame); err != nil {
 			t.Fatal(err)
 		}
-		if end, err := x.passRead(io.Discard); end {
+		if end, err := x.relay.passRead(io.Discard); end {
 			t.Fatalf("the relay ended: %v", err)
 		}
 	}
@@ -162,8 +162,8 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 	if a := testing.AllocsPerRun(500, step); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.tap.m.events < 500 || x.bytesOut < 500*int64(len(benchEvent)) {
-		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.m.events, x.bytesOut)
+	if x.tap.m.events < 500 || x.relay.bytesOut < 500*int64(len(benchEvent)) {
+		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.m.events, x.relay.bytesOut)
 	}
 }
 
@@ -176,7 +176,7 @@ func BenchmarkPassChunks(b *testing.B) {
 	b.SetBytes(int64(len(benchEvent)))
 	for b.Loop() {
 		up.Write(benchFrame)
-		x.passRead(io.Discard)
+		x.relay.passRead(io.Discard)
 	}
 }
 
@@ -200,8 +200,8 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.conn = &upConn{Conn: upRead, up: x.up, rx: upRead, timeout: time.Minute}
 	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
 	x.client = &clientConn{rxConn: cl, d: time.Minute, ackBase: -1}
-	x.pass = true
-	x.buf = make([]byte, 8<<10)
+	x.relay.pass = true
+	x.relay.buf = make([]byte, 8<<10)
 	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite, peer
 }
@@ -224,7 +224,7 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	before := loopStreams.Load()
 	done := make(chan error, 1)
 	go func() {
-		_, err := x.passChunks(io.Discard)
+		_, err := x.relay.passChunks(io.Discard)
 		done <- err
 	}()
 	got := make([]byte, len(benchFrame))
@@ -244,8 +244,8 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	if loopStreams.Load() == before {
 		t.Fatal("the stream was not relayed by a relay loop")
 	}
-	if x.tap.m.events != 502 || x.bytesOut != 502*int64(len(benchEvent)) || !x.upDone {
-		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.tap.m.events, x.bytesOut, x.upDone)
+	if x.tap.m.events != 502 || x.relay.bytesOut != 502*int64(len(benchEvent)) || !x.relay.upDone {
+		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.tap.m.events, x.relay.bytesOut, x.relay.upDone)
 	}
 }
 
@@ -258,7 +258,7 @@ func BenchmarkRelayPath(b *testing.B) {
 			x, up, peer := relayPair(b, path.goroutine)
 			done := make(chan error, 1)
 			go func() {
-				_, err := x.passChunks(io.Discard)
+				_, err := x.relay.passChunks(io.Discard)
 				done <- err
 			}()
 			got := make([]byte, len(benchFrame))

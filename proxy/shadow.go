@@ -22,6 +22,14 @@ type Shadow struct {
 	MaxInflight int
 }
 
+// withDefaults returns s with its zero fields set to their defaults.
+func (s Shadow) withDefaults() Shadow {
+	if s.MaxInflight == 0 {
+		s.MaxInflight = 16
+	}
+	return s
+}
+
 // shadowState is a route's shadow at run time.
 type shadowState struct {
 	Shadow
@@ -78,18 +86,18 @@ func (x *exchange) runShadow(sh *shadowState) {
 	x.rec.Status = x.resp.StatusCode()
 	body := x.resp.BodyStream()
 	if body == nil {
-		x.upDone = true
+		x.relay.upDone = true
 		x.finish(nil)
 		return
 	}
-	x.body = body
+	x.relay.body = body
 	x.startParsing(x.resp)
-	if cap(x.buf) < 16<<10 {
-		x.buf = make([]byte, 16<<10)
+	if cap(x.relay.buf) < 16<<10 {
+		x.relay.buf = make([]byte, 16<<10)
 	}
-	buf := x.buf[:cap(x.buf)]
+	buf := x.relay.buf[:cap(x.relay.buf)]
 	for {
-		if _, err := x.Read(buf); err != nil {
+		if _, err := x.relay.Read(buf); err != nil {
 			break
 		}
 	}

@@ -131,44 +131,8 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 			return
 		}
 	}
-	switch path {
-	case "/healthz":
-		ctx.SetContentType("text/plain")
-		ctx.SetBodyString("ok\n")
+	if a.serveOpen(ctx, path) || !a.browserAllowed(ctx) {
 		return
-	case "/", "/dashboard", "/dashboard/":
-		// The page and its assets hold no data: they load without the
-		// token and send it (asked for on a 401) with each data request.
-		serveAsset(ctx, "index.html")
-		return
-	case "/readyz":
-		ctx.SetContentType("text/plain")
-		if !a.ready.Load() {
-			ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
-			ctx.SetBodyString("draining\n")
-			return
-		}
-		ctx.SetBodyString("ready\n")
-		return
-	}
-	if tok := a.token.Load(); tok == nil || *tok == "" {
-		// Without a token, a browser must not reach in: only Hosts that
-		// name this listener (DNS rebinding sends the page's own name),
-		// and no state change from another site's page.
-		var hosts []string
-		if h := a.hosts.Load(); h != nil {
-			hosts = *h
-		}
-		if !hostAllowed(string(ctx.Host()), hosts) {
-			ctx.SetStatusCode(fasthttp.StatusForbidden)
-			ctx.SetBodyString("this Host is not allowed: use an IP address or localhost, or list the name in admin.hosts\n")
-			return
-		}
-		if ctx.IsPost() && crossSite(ctx) {
-			ctx.SetStatusCode(fasthttp.StatusForbidden)
-			ctx.SetBodyString("a cross-site call is refused\n")
-			return
-		}
 	}
 	if name, ok := strings.CutPrefix(path, "/dashboard/"); ok {
 		serveAsset(ctx, name)
@@ -180,6 +144,60 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString("a bearer token is required\n")
 		return
 	}
+	a.serveAuthorized(ctx, path)
+}
+
+// serveOpen answers the paths that need no token (the probes, the
+// dashboard's page); false for any other.
+func (a *admin) serveOpen(ctx *fasthttp.RequestCtx, path string) bool {
+	switch path {
+	case "/healthz":
+		ctx.SetContentType("text/plain")
+		ctx.SetBodyString("ok\n")
+	case "/", "/dashboard", "/dashboard/":
+		// The page and its assets hold no data: they load without the
+		// token and send it (asked for on a 401) with each data request.
+		serveAsset(ctx, "index.html")
+	case "/readyz":
+		ctx.SetContentType("text/plain")
+		if !a.ready.Load() {
+			ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+			ctx.SetBodyString("draining\n")
+			return true
+		}
+		ctx.SetBodyString("ready\n")
+	default:
+		return false
+	}
+	return true
+}
+
+// browserAllowed refuses, without a token, what a browser must not reach:
+// a Host that does not name this listener (DNS rebinding sends the page's
+// own name), and a state change from another site's page.
+func (a *admin) browserAllowed(ctx *fasthttp.RequestCtx) bool {
+	if tok := a.token.Load(); tok != nil && *tok != "" {
+		return true
+	}
+	var hosts []string
+	if h := a.hosts.Load(); h != nil {
+		hosts = *h
+	}
+	if !hostAllowed(string(ctx.Host()), hosts) {
+		ctx.SetStatusCode(fasthttp.StatusForbidden)
+		ctx.SetBodyString("this Host is not allowed: use an IP address or localhost, or list the name in admin.hosts\n")
+		return false
+	}
+	if ctx.IsPost() && crossSite(ctx) {
+		ctx.SetStatusCode(fasthttp.StatusForbidden)
+		ctx.SetBodyString("a cross-site call is refused\n")
+		return false
+	}
+	return true
+}
+
+// serveAuthorized answers the data and control paths, once authorized.
+func (a *admin) serveAuthorized(ctx *fasthttp.RequestCtx, path string) {
 	switch path {
 	case "/stats":
 		a.serveStats(ctx)
@@ -192,41 +210,43 @@ func (a *admin) handle(ctx *fasthttp.RequestCtx) {
 	case "/debug/pprof/", "/debug/pprof/profile", "/debug/pprof/heap", "/debug/pprof/allocs", "/debug/pprof/goroutine", "/debug/pprof/trace",
 		"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/block", "/debug/pprof/mutex", "/debug/pprof/threadcreate":
 		pprofhandler.PprofHandler(ctx)
-	case "/-/guard/reset":
+	case "/-/guard/reset", "/-/reload", "/-/reopen":
 		if !ctx.IsPost() {
 			ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
 			ctx.SetBodyString("use POST\n")
 			return
 		}
+		a.control(ctx, path)
+	default:
+		ctx.SetStatusCode(fasthttp.StatusNotFound)
+		ctx.SetBodyString("not found\n")
+	}
+}
+
+// control runs a POSTed control call: a guard's reset, a reload, a
+// reopen of the access log.
+func (a *admin) control(ctx *fasthttp.RequestCtx, path string) {
+	switch path {
+	case "/-/guard/reset":
 		if !a.p.ResetGuard(string(ctx.QueryArgs().Peek("route"))) {
 			ctx.SetBodyString("no tripped guard\n")
 			return
 		}
 		ctx.SetBodyString("reset\n")
-	case "/-/reload", "/-/reopen":
-		if !ctx.IsPost() {
-			ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
-			ctx.SetBodyString("use POST\n")
+	case "/-/reopen":
+		if err := a.reopen(); err != nil {
+			ctx.SetStatusCode(fasthttp.StatusInternalServerError)
+			ctx.SetBodyString("reopen failed, still writing to the old file: " + err.Error() + "\n")
 			return
 		}
-		if path == "/-/reopen" {
-			if err := a.reopen(); err != nil {
-				ctx.SetStatusCode(fasthttp.StatusInternalServerError)
-				ctx.SetBodyString("reopen failed, still writing to the old file: " + err.Error() + "\n")
-				return
-			}
-			ctx.SetBodyString("reopened\n")
-			return
-		}
+		ctx.SetBodyString("reopened\n")
+	case "/-/reload":
 		if err := a.reload(); err != nil {
 			ctx.SetStatusCode(fasthttp.StatusBadRequest)
 			ctx.SetBodyString("reload failed, running config kept: " + err.Error() + "\n")
 			return
 		}
 		ctx.SetBodyString("reloaded\n")
-	default:
-		ctx.SetStatusCode(fasthttp.StatusNotFound)
-		ctx.SetBodyString("not found\n")
 	}
 }
 
