@@ -582,25 +582,3 @@ func TestWholeResponseInOneWrite(t *testing.T) {
 	}
 	expectQuiet(t, c, br)
 }
-
-// BenchmarkChunkScanner follows the framing of 64 events of a stream,
-// size lines, data and the last chunk, without the sockets.
-func BenchmarkChunkScanner(b *testing.B) {
-	var body []byte
-	for range 64 {
-		body = append(body, benchFrame...)
-	}
-	body = append(body, "0\r\n\r\n"...)
-	b.ReportAllocs()
-	b.SetBytes(int64(len(body)))
-	for b.Loop() {
-		var s chunkScanner
-		for off := 0; off < len(body) && !s.done(); {
-			_, k, err := s.next(body[off:])
-			if err != nil {
-				b.Fatal(err)
-			}
-			off += k
-		}
-	}
-}

@@ -13,13 +13,26 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// exchange is one request in flight. After ServeHTTP it is also the body
-// stream the server copies to the client (ctx.SetBodyStream(x, n)): each
-// Read relays one upstream read, and CloseWithError, called by the server
-// once the response is written or failed, finishes the record.
+// exchange is one request in flight: its life (serve, route, admit,
+// refuse, respond, finish) and its record. What it does on the way is
+// done by its parts, each a type with its reset (kept) and its owner:
 //
-// fasthttp calls Read and CloseWithError from the connection's goroutine,
-// the one that ran ServeHTTP; only cancel is touched by the peer watcher.
+//	in     inbound          the client's request (request.go)
+//	att    upstreamAttempt  the attempts and failover (attempt.go, failover.go)
+//	tap    tap              parsing and measuring, no I/O (tap.go)
+//	relay  bodyRelay        every path of the body to the client (relay.go,
+//	                        passloop.go); the server's body stream
+//	cs     clientSide       the delivery on the client connection, and the
+//	                        wait for its acknowledgement (clientside.go)
+//
+// Hand-overs: the connection's goroutine runs ServeHTTP and, through the
+// relay, the body and finish (fasthttp calls Read, WriteTo and
+// CloseWithError on it); a relay loop holds the relay and the tap while
+// the stream is in it (passLoop waits on its channel); the peer watch
+// touches only cancel; after finish a record that waits for the client's
+// acknowledgement belongs to the proxy's ackWatch (the cs part), a
+// compressed body's to its own goroutine; a shadow copy is an exchange of
+// its own on its own goroutine.
 type exchange struct {
 	p    *Proxy
 	snap *snapshot
@@ -27,83 +40,28 @@ type exchange struct {
 	id   []byte
 
 	rt      *route
-	mem     *member   // the upstream chosen, once routed
-	up      *upstream // mem.up
 	dialect dialect.Dialect
-	req     *fasthttp.Request
-	resp    *fasthttp.Response
-	conn    *upConn
 	client  net.Conn
 	watch   peerWatch
 	cancel  cancelState
 	fire    func() // cancel.fire, made once per pooled exchange
 
-	tap   tap        // what the body is, how it is parsed and measured (tap.go)
-	relay bodyRelay  // the body's way to the client (relay.go)
-	cs    clientSide // the response's delivery to the client connection (clientside.go)
-	fin   finishing  // what finish knew, while the record waits (ackWatch)
-
-	bodyHeld    int64  // request body bytes counted in Proxy.bodies (holdBody)
-	stickyKey   uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
-	stickyKeyed bool
-	injected    []byte // the request body with include_usage injected
-	path        []byte // the normalised request path
-	query       []byte // the raw query, with its "?", a view of the request
-	reqBody     []byte // the buffer the request body is read into
-	body0       []byte // the request body (reqBody, or fasthttp's own)
-	stream      bool   // the request asks for a stream
-	scratch     []byte // header values being built
+	in    inbound         // the client's request: its path, body, stream flag (request.go)
+	att   upstreamAttempt // the attempts against the route's upstreams (attempt.go)
+	tap   tap             // what the body is, how it is parsed and measured (tap.go)
+	relay bodyRelay       // the body's way to the client (relay.go)
+	cs    clientSide      // the response's delivery to the client connection (clientside.go)
+	fin   finishing       // what finish knew, while the record waits (ackWatch)
 
 	// Admission control.
 	tenant    string
 	ticket    *ratelimit.Ticket
 	estIn     int64 // estimated input tokens
+	modelIdx  int   // the model's metric index
 	responded bool  // the upstream answered with headers
 	finished  bool
-
-	// Failover (failover.go).
-	connectFailed  bool          // the last attempt could not connect
-	tried          []*member     // upstreams tried before the current one
-	attemptAt      time.Time     // when the current attempt began
-	modelIdx       int           // the model's metric index
-	firstByteLimit time.Duration // bounds the wait for the response header (failover)
-
-	shadow bool // a copy sent to the route's shadow upstream (shadow.go)
+	shadow    bool // a copy sent to the route's shadow upstream (shadow.go)
 }
-
-func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
-	x, _ := p.pool.Get().(*exchange)
-	if x == nil {
-		x = &exchange{p: p, req: new(fasthttp.Request), resp: new(fasthttp.Response)}
-		x.fire = x.cancel.fire
-		x.relay.x = x
-	}
-	x.snap = s
-	x.tap.m.reset(arrival)
-	x.rec.Reset()
-	x.rec.Tenant = "default"
-	x.rec.Outcome = metrics.OutcomeOK
-	return x
-}
-
-func (p *Proxy) releaseExchange(x *exchange) {
-	x.req.Reset()
-	x.resp.Reset()
-	body := x.reqBody[:0]
-	if cap(body) > maxPooledBody {
-		body = nil // a large body's buffer goes with its request
-	}
-	*x = exchange{
-		p: p, id: x.id[:0], tried: x.tried[:0], tap: x.tap.kept(), relay: x.relay.kept(), cs: x.cs.kept(),
-		injected: x.injected[:0], scratch: x.scratch[:0], req: x.req, resp: x.resp, path: x.path[:0], reqBody: body,
-		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
-	}
-	p.pool.Put(x)
-}
-
-// maxPooledBody is the largest request body buffer kept for the next
-// request.
-const maxPooledBody = 256 << 10
 
 // --- The request path, step by step (ServeHTTP runs serve). ---
 
@@ -125,7 +83,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	if r := x.admit(); r != nil {
 		return r
 	}
-	if r := x.forward(ctx); r != nil {
+	if r := x.att.forward(ctx); r != nil {
 		return r
 	}
 	x.respond(ctx)
@@ -139,18 +97,18 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 	rec, snap := &x.rec, x.snap
 	rawPath := ctx.Request.Header.RequestURI()
 	if i := bytes.IndexByte(rawPath, '?'); i >= 0 {
-		rawPath, x.query = rawPath[:i], rawPath[i:]
+		rawPath, x.in.query = rawPath[:i], rawPath[i:]
 	}
 	if r := checkRequest(ctx); r != nil {
 		rec.Path = boundedString(rawPath, maxLoggedPath)
 		return r
 	}
-	path, err := normalizePath(x.path[:0], rawPath)
+	path, err := normalizePath(x.in.path[:0], rawPath)
 	if err != nil {
 		rec.Path = boundedString(rawPath, maxLoggedPath)
 		return refusePath
 	}
-	x.path = path
+	x.in.path = path
 	rec.Path = boundedString(path, maxLoggedPath)
 
 	r := snap.match(path)
@@ -175,10 +133,10 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 		x.tenant, rec.Tenant = tenant, tenant
 		rec.TenantSeries = snap.metrics.Tenant(tenant)
 	}
-	x.mem, x.stickyKey, x.stickyKeyed = r.pick(x.tenant, &ctx.Request.Header)
-	x.mem.inflight.Add(1)
-	x.up, rec.Upstream = x.mem.up, x.mem.name
-	rec.Series = snap.metrics.Series(x.mem.row, snap.metrics.OtherIndex())
+	x.att.mem, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, &ctx.Request.Header)
+	x.att.mem.inflight.Add(1)
+	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
+	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
 	return nil
 }
 
@@ -186,7 +144,7 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 // series), whether it streams, how many items it holds.
 func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	rec, snap := &x.rec, x.snap
-	body, r := x.readBody(ctx, x.p.opts.MaxRequestBodySize)
+	body, r := x.in.readBody(ctx, x.p.opts.MaxRequestBodySize, x.p)
 	rec.BytesIn = int64(len(body))
 	if r != nil {
 		return r
@@ -198,93 +156,21 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 			x.tap.m.upload = last.Sub(x.tap.m.arrival)
 		}
 	}
-	x.body0 = body
-	req := x.dialect.Request(x.path, body)
+	x.in.body0 = body
+	req := x.dialect.Request(x.in.path, body)
 	model := req.Model
 	rec.Model = boundedString(model, maxLoggedModel)
 	rec.Stream = req.Stream
-	x.stream = req.Stream
+	x.in.stream = req.Stream
 	x.tap.m.items = req.Items
 	x.modelIdx = snap.metrics.ModelIndex(model)
-	rec.Series = snap.metrics.Series(x.mem.row, x.modelIdx)
+	rec.Series = snap.metrics.Series(x.att.mem.row, x.modelIdx)
 	x.tap.m.live = rec.Series
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		return refuseModel
 	}
 	rec.Queue = 0
 	return nil
-}
-
-// readBody reads the request body into the exchange's own buffer, which
-// grows only as bytes arrive: a Content-Length announces, it reserves
-// nothing. The server streams request bodies (StreamRequestBody) and has
-// read at most 8 KiB of one before the handler runs. A body declared or
-// found larger than limit is refused with 413.
-func (x *exchange) readBody(ctx *fasthttp.RequestCtx, limit int) ([]byte, *refusal) {
-	if len(ctx.Request.Header.Peek(bodyTooLarge)) > 0 {
-		// Its Content-Length was over the limit (tooLargeToRead).
-		return nil, refuseBodyTooLarge
-	}
-	if !ctx.Request.IsBodyStream() {
-		return ctx.Request.Body(), nil
-	}
-	cl := ctx.Request.Header.ContentLength()
-	if cl > limit {
-		return nil, refuseBodyTooLarge
-	}
-	r := ctx.RequestBodyStream()
-	buf := x.reqBody[:0]
-	if !x.holdBody(int64(cap(buf))) {
-		return nil, refuseBodiesBusy
-	}
-	for cl < 0 || len(buf) < cl {
-		if len(buf) == cap(buf) {
-			// Double as bytes arrive; never past what is declared, nor
-			// past the budget of all requests' bodies.
-			next := max(2*cap(buf), 16<<10)
-			if cl >= 0 {
-				next = min(next, cl)
-			}
-			if !x.holdBody(int64(next)) {
-				x.reqBody = buf[:0]
-				return nil, refuseBodiesBusy
-			}
-			grown := make([]byte, len(buf), next)
-			copy(grown, buf)
-			buf = grown
-		}
-		n, err := r.Read(buf[len(buf):cap(buf)])
-		buf = buf[:len(buf)+n]
-		if len(buf) > limit {
-			x.reqBody = buf[:0]
-			return nil, refuseBodyTooLarge
-		}
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			x.reqBody = buf[:0]
-			if isTimeout(err) {
-				return buf, refuseBodyTimeout
-			}
-			return buf, refuseBodyUnreadable
-		}
-	}
-	x.reqBody = buf
-	return buf, nil
-}
-
-// holdBody counts n bytes of body buffer as this request's in the budget
-// of all requests' bodies (Options.MaxBufferedBodies), in place of what it
-// held; false, holding nothing more, when that would pass the budget.
-func (x *exchange) holdBody(n int64) bool {
-	p := x.p
-	if p.bodies.Add(n-x.bodyHeld) > p.opts.MaxBufferedBodies && n > x.bodyHeld {
-		p.bodies.Add(x.bodyHeld - n)
-		return false
-	}
-	x.bodyHeld = n
-	return true
 }
 
 // admit runs admission control for the identified tenant, waiting in its
@@ -295,7 +181,7 @@ func (x *exchange) admit() *refusal {
 		return nil
 	}
 	var total int64
-	x.estIn, total = estimate(x.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
+	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
 	start := x.p.now()
 	ticket, refused := a.Admit(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total)
 	x.rec.Queue = x.p.now().Sub(start)
@@ -312,119 +198,11 @@ func (x *exchange) admit() *refusal {
 		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, rateLimited: true}
 }
 
-// forward builds the upstream request and sends it, up to the response
-// headers.
-func (x *exchange) forward(ctx *fasthttp.RequestCtx) *refusal {
-	x.startShadow(ctx)
-	x.attemptAt = x.p.now()
-	x.rec.Attempts = 1
-	if fo := x.rt.Failover; fo != nil && fo.FirstTokenTimeout > 0 && fo.on(FailoverFirstToken) {
-		x.firstByteLimit = fo.FirstTokenTimeout
-	}
-	for {
-		err := x.attempt(ctx)
-		reason := x.failoverReason(ctx, err)
-		if reason == "" || x.cancel.isGone() || !x.failover(reason) {
-			return x.forwardResult(err)
-		}
-	}
-}
-
-// attempt builds the upstream request for the chosen upstream and sends
-// it, up to the response headers.
-func (x *exchange) attempt(ctx *fasthttp.RequestCtx) error {
-	r, body := x.rt, x.body0
-	// prepareRequest drops inbound X-Tokentap-* headers, the tenant's too.
-	x.scratch = prepareRequest(ctx, x.req, r, x.up, x.path, x.query, body, x.id, x.scratch)
-	if x.tenant != "" {
-		x.req.Header.Set(tenantHeader, x.tenant)
-	}
-	if r.InjectUsage && x.dialect == dialect.OpenAI && x.stream {
-		if b, ok := dialect.InjectIncludeUsage(x.injected[:0], body); ok {
-			// The one case where tokentap changes bytes: the upstream is
-			// asked for usage, and the usage chunk it adds is removed from
-			// the stream. Compression is declined so the chunk can be found.
-			x.injected = b
-			x.req.SetBodyRaw(b)
-			x.req.Header.Del("Accept-Encoding")
-			x.tap.strip = true
-		}
-	}
-	return x.roundTrip(ctx.IsHead())
-}
-
-// forwardResult turns the last attempt's error into the request's
-// refusal, or nil.
-func (x *exchange) forwardResult(err error) *refusal {
-	switch {
-	case err == nil:
-		return nil
-	case x.cancel.isGone():
-		return refuseGone
-	case isTimeout(err):
-		return &refusal{status: fasthttp.StatusGatewayTimeout, outcome: metrics.OutcomeUpstreamTimeout, code: "upstream_timeout", msg: describeUpstreamError(err)}
-	default:
-		return &refusal{status: fasthttp.StatusBadGateway, outcome: metrics.OutcomeUpstreamError, code: "upstream_unavailable", msg: describeUpstreamError(err)}
-	}
-}
-
-// roundTrip sends the request on a pooled or new connection.
-//
-// A request is sent again, on a new connection, only when the backend
-// provably never received it: the connection was reused, no response byte
-// came, the failure is a close or reset (not a timeout), and the backend's
-// kernel acknowledged none of the request's bytes (TCP_INFO
-// tcpi_bytes_acked unchanged since before the write, see ackedBefore). A
-// socket the backend had already closed answers data with a reset and
-// acknowledges nothing; one whose backend read the request has
-// acknowledged it, and sending it again would run (and bill) the
-// generation twice.
-func (x *exchange) roundTrip(head bool) error {
-	up := x.up
-	for attempt := 0; ; attempt++ {
-		// A client that leaves during a dial stops it (the peer watch
-		// runs from admission on).
-		c, err := up.get(goneCtx{x.cancel.doneChan()}, attempt > 0)
-		if err != nil {
-			x.connectFailed = true
-			return err
-		}
-		if !x.cancel.attach(c.Conn) {
-			up.discard(c)
-			return errCancelled
-		}
-		acked := int64(-1)
-		if c.reused {
-			acked = c.ackedBefore()
-		}
-		c.headerLimit = x.firstByteLimit
-		written, err := c.send(x.req, x.resp, head)
-		x.tap.m.written = written
-		if err == nil {
-			x.conn = c
-			// The response can reach the socket before the write is stamped.
-			x.rec.UpstreamTTFB = max(c.first.Sub(written), 0)
-			return nil
-		}
-		unread := c.reused && acked >= 0 && c.first.IsZero() && !isTimeout(err) && isConnReset(err) &&
-			c.bytesAcked() == acked
-		up.discard(c)
-		x.cancel.detach()
-		if x.cancel.isGone() {
-			return errCancelled
-		}
-		if !unread || attempt > 0 {
-			return err
-		}
-		metrics.UpstreamRetry()
-	}
-}
-
 // respond passes the response headers on and hands the body to the server,
 // which reads it through the exchange (WriteTo, Read) and then calls
 // CloseWithError.
 func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
-	rec, resp := &x.rec, x.resp
+	rec, resp := &x.rec, x.att.resp
 	x.responded = true
 	rec.Status = resp.StatusCode()
 	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
@@ -457,7 +235,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		// Headers go out at once, so a client sees them during a long
 		// prefill; when body bytes came with them, they go out together
 		// with the first chunk instead, in one write.
-		ctx.Response.ImmediateHeaderFlush = x.conn.br.Buffered() == 0
+		ctx.Response.ImmediateHeaderFlush = x.att.conn.br.Buffered() == 0
 	}
 	x.relay.contentLength = cl
 	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.client != nil {
@@ -468,7 +246,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		x.relay.pass, x.relay.framed = true, !ctx.Response.ImmediateHeaderFlush
 	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
-		x.serveHTTP10(ctx)
+		x.relay.serveHTTP10(ctx)
 		return
 	}
 	ctx.Response.SetBodyStream(&x.relay, cl)
@@ -512,42 +290,6 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 	x.finish(nil)
 }
 
-// --- Relaying the body (the server reads it through these). ---
-
-// maxPooledOut is the largest passWhole buffer kept for the next response.
-const maxPooledOut = 32 << 10
-
-// bareLastChunk ends a chunked body that has no trailers.
-var bareLastChunk = []byte("0\r\n\r\n")
-
-// clientRx returns the client connection's rxConn, or nil.
-func clientRx(c net.Conn) *rxConn {
-	if cc, ok := c.(*clientConn); ok {
-		return cc.rxConn
-	}
-	return nil
-}
-
-// setDirect turns the relay loop's direct socket calls on or off.
-func setDirect(c *rxConn, on bool) {
-	if c != nil {
-		c.direct = on
-	}
-}
-
-// serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
-// cannot read chunked encoding: the body goes out unframed on a hijacked
-// connection, ended by closing it. fasthttp would send chunked encoding.
-func (x *exchange) serveHTTP10(ctx *fasthttp.RequestCtx) {
-	h := &ctx.Response.Header
-	h.SetContentLength(-2) // identity: no Content-Length, no Transfer-Encoding
-	h.SetConnectionClose()
-	h.SetProtocol([]byte("HTTP/1.0"))
-	x.relay.head = append(x.relay.head[:0], h.Header()...)
-	ctx.HijackSetNoResponse(true)
-	ctx.Hijack(x.relay.relayRaw)
-}
-
 // --- Measuring the body on the way (the tap, tap.go). ---
 
 // startParsing chooses how the body is measured from its Content-Type and
@@ -575,14 +317,14 @@ func (x *exchange) finish(writeErr error) {
 		return
 	}
 	x.finished = true
-	if x.bodyHeld > 0 {
+	if x.in.bodyHeld > 0 {
 		// The body was sent (or never will be): out of the budget.
-		x.p.bodies.Add(-x.bodyHeld)
-		x.bodyHeld = 0
+		x.p.bodies.Add(-x.in.bodyHeld)
+		x.in.bodyHeld = 0
 	}
 	now := x.p.now()
-	if x.mem != nil {
-		x.mem.inflight.Add(-1)
+	if x.att.mem != nil {
+		x.att.mem.inflight.Add(-1)
 	}
 
 	complete := x.relay.upDone || (x.relay.contentLength >= 0 && x.relay.bytesOut == int64(x.relay.contentLength))
@@ -596,19 +338,19 @@ func (x *exchange) finish(writeErr error) {
 	// The upstream connection goes back to the pool only after a complete,
 	// clean response; anything else closes it, which also cancels the
 	// request at the backend.
-	if x.conn != nil {
+	if x.att.conn != nil {
 		x.cancel.detach()
-		_ = x.resp.CloseBodyStream()
+		_ = x.att.resp.CloseBodyStream()
 		switch {
 		case x.relay.stray:
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
-			x.up.discard(x.conn)
-		case complete && !gone && writeErr == nil && !x.resp.ConnectionClose():
-			x.up.put(x.conn, x.resp.Header.ContentLength() < 0)
+			x.att.up.discard(x.att.conn)
+		case complete && !gone && writeErr == nil && !x.att.resp.ConnectionClose():
+			x.att.up.put(x.att.conn, x.att.resp.Header.ContentLength() < 0)
 		default:
-			x.up.discard(x.conn)
+			x.att.up.discard(x.att.conn)
 		}
-		x.conn = nil
+		x.att.conn = nil
 	}
 	wait := false
 	if x.client != nil {
@@ -706,8 +448,8 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.p.stats.Observe(rec, x.tap.m.gaps)
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
-		if x.stickyKeyed {
-			x.rt.guard.noteKey(x.mem.name, x.stickyKey, now)
+		if x.in.stickyKeyed {
+			x.rt.guard.noteKey(x.att.mem.name, x.in.stickyKey, now)
 		}
 		x.p.checkGuard(x.rt, now)
 	}

@@ -36,23 +36,23 @@ func (f *Failover) on(reason string) bool { return f != nil && slices.Contains(f
 // failoverReason says why the attempt that ended with err should fail
 // over, or "". On success it may wait for the first body byte
 // (first_token_timeout).
-func (x *exchange) failoverReason(ctx *fasthttp.RequestCtx, err error) string {
-	fo := x.rt.Failover
-	if fo == nil || len(x.rt.members) < 2 {
+func (a *upstreamAttempt) failoverReason(ctx *fasthttp.RequestCtx, err error) string {
+	fo := a.x.rt.Failover
+	if fo == nil || len(a.x.rt.members) < 2 {
 		return ""
 	}
 	switch {
-	case err != nil && x.connectFailed:
+	case err != nil && a.connectFailed:
 		if fo.on(FailoverConnect) {
 			return FailoverConnect
 		}
-	case err != nil && isTimeout(err) && x.conn == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0:
+	case err != nil && isTimeout(err) && a.conn == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0:
 		return FailoverFirstToken // no response header within the timeout
-	case err == nil && x.resp.StatusCode() >= 500:
+	case err == nil && a.resp.StatusCode() >= 500:
 		if fo.on(FailoverStatus5xx) {
 			return FailoverStatus5xx
 		}
-	case err == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0 && !x.firstByteWithin(ctx, fo.FirstTokenTimeout):
+	case err == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0 && !a.firstByteWithin(ctx, fo.FirstTokenTimeout):
 		return FailoverFirstToken
 	}
 	return ""
@@ -61,13 +61,13 @@ func (x *exchange) failoverReason(ctx *fasthttp.RequestCtx, err error) string {
 // firstByteWithin waits until the response body's first byte is in, at
 // most until timeout after the request was written. A response without a
 // body passes at once.
-func (x *exchange) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Duration) bool {
-	c, resp := x.conn, x.resp
+func (a *upstreamAttempt) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Duration) bool {
+	c, resp := a.conn, a.resp
 	if ctx.IsHead() || resp.StatusCode() < 200 || resp.StatusCode() == 204 || resp.StatusCode() == 304 ||
 		resp.Header.ContentLength() == 0 || c.br.Buffered() > 0 {
 		return true
 	}
-	left := timeout - x.p.now().Sub(x.tap.m.written)
+	left := timeout - a.x.p.now().Sub(a.x.tap.m.written)
 	if left <= 0 {
 		return false
 	}
@@ -81,42 +81,42 @@ func (x *exchange) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Durati
 // failover moves the request to the route's next upstream not tried yet
 // (in the route's order, among those taking requests). It reports false
 // when there is none.
-func (x *exchange) failover(reason string) bool {
-	next := x.nextMember()
+func (a *upstreamAttempt) failover(reason string) bool {
+	next := a.nextMember()
 	if next == nil {
 		return false
 	}
-	now := x.p.now()
-	metrics.FailedOver(x.rt.Name, x.mem.name, reason)
-	if x.conn != nil {
-		x.up.discard(x.conn) // closing it cancels the backend's work
-		x.conn = nil
+	now := a.x.p.now()
+	metrics.FailedOver(a.x.rt.Name, a.mem.name, reason)
+	if a.conn != nil {
+		a.up.discard(a.conn) // closing it cancels the backend's work
+		a.conn = nil
 	}
-	x.cancel.detach()
-	x.req.Reset()
-	x.resp.Reset()
-	x.tap.m.lost += now.Sub(x.attemptAt)
-	x.attemptAt = now
-	x.tried = append(x.tried, x.mem)
-	x.mem.inflight.Add(-1)
-	x.mem = next
+	a.x.cancel.detach()
+	a.req.Reset()
+	a.resp.Reset()
+	a.x.tap.m.lost += now.Sub(a.attemptAt)
+	a.attemptAt = now
+	a.tried = append(a.tried, a.mem)
+	a.mem.inflight.Add(-1)
+	a.mem = next
 	next.inflight.Add(1)
-	x.up = next.up
-	x.rec.Upstream = next.name
-	x.rec.Series = x.snap.metrics.Series(next.row, x.modelIdx)
-	x.rec.Attempts++
-	x.connectFailed, x.tap.strip = false, false
+	a.up = next.up
+	a.x.rec.Upstream = next.name
+	a.x.rec.Series = a.x.snap.metrics.Series(next.row, a.x.modelIdx)
+	a.x.rec.Attempts++
+	a.connectFailed, a.x.tap.strip = false, false
 	return true
 }
 
 // nextMember returns the upstream after the current one in the route's
 // order that was not tried and takes requests, or nil.
-func (x *exchange) nextMember() *member {
-	ms := x.rt.members
-	at := slices.Index(ms, x.mem)
+func (a *upstreamAttempt) nextMember() *member {
+	ms := a.x.rt.members
+	at := slices.Index(ms, a.mem)
 	for i := 1; i < len(ms); i++ {
 		m := ms[(at+i)%len(ms)]
-		if x.rt.weight(m) > 0 && !slices.Contains(x.tried, m) {
+		if a.x.rt.weight(m) > 0 && !slices.Contains(a.tried, m) {
 			return m
 		}
 	}

@@ -266,3 +266,29 @@ func isConnReset(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed)
 }
+
+// acquireExchange takes a pooled exchange for a request of generation s
+// that began to arrive at arrival; releaseExchange gives it back, keeping
+// its parts' buffers.
+func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
+	x, _ := p.pool.Get().(*exchange)
+	if x == nil {
+		x = &exchange{p: p, att: upstreamAttempt{req: new(fasthttp.Request), resp: new(fasthttp.Response)}}
+		x.fire = x.cancel.fire
+		x.relay.x, x.att.x = x, x
+	}
+	x.snap = s
+	x.tap.m.reset(arrival)
+	x.rec.Reset()
+	x.rec.Tenant = "default"
+	x.rec.Outcome = metrics.OutcomeOK
+	return x
+}
+
+func (p *Proxy) releaseExchange(x *exchange) {
+	*x = exchange{
+		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.kept(), relay: x.relay.kept(), cs: x.cs.kept(),
+		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
+	}
+	p.pool.Put(x)
+}

@@ -31,7 +31,7 @@ type passTurn struct {
 // up).
 func (r *bodyRelay) loopable() bool {
 	cc, _ := r.x.client.(*clientConn)
-	c := r.x.conn
+	c := r.x.att.conn
 	return !r.x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
 		c.up.tls == nil && r.x.tap.dec == nil
 }
@@ -39,7 +39,7 @@ func (r *bodyRelay) loopable() bool {
 // passLoop relays the rest of a passChunks stream on a relay loop, and
 // reports false when it cannot (the stream then stays on its goroutine).
 func (r *bodyRelay) passLoop() (bool, error) {
-	cc, c := r.x.client.(*clientConn), r.x.conn
+	cc, c := r.x.client.(*clientConn), r.x.att.conn
 	l := r.x.p.loops.pick()
 	if l == nil {
 		return false, nil
@@ -81,7 +81,7 @@ func (r *bodyRelay) passLoop() (bool, error) {
 // came (passScan).
 func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
 	room := r.buf[r.keep:]
-	n, errno := r.x.conn.rx.recvFd(uintptr(fd), room)
+	n, errno := r.x.att.conn.rx.recvFd(uintptr(fd), room)
 	if errno == unix.EAGAIN {
 		return nil, true, false, false
 	}
@@ -92,7 +92,7 @@ func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, aga
 	case n == 0:
 		err = io.EOF
 	default:
-		r.x.conn.stamp()
+		r.x.att.conn.stamp()
 		got = true
 		again = n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0
 	}

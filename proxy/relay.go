@@ -5,6 +5,8 @@ import (
 	"io"
 	"net"
 	"time"
+
+	"github.com/valyala/fasthttp"
 )
 
 // bodyRelay is the response body's way from the upstream to the client,
@@ -78,8 +80,8 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 // kernel's receive time where there is one (time they waited in the socket
 // is time tokentap added), else now.
 func (r *bodyRelay) readTime() time.Time {
-	if r.x.conn != nil && !r.x.conn.readAt.IsZero() {
-		return r.x.conn.readAt
+	if r.x.att.conn != nil && !r.x.att.conn.readAt.IsZero() {
+		return r.x.att.conn.readAt
 	}
 	return r.x.p.now()
 }
@@ -154,7 +156,7 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 // A body that came whole with the header goes out with it in one write
 // (passWhole).
 func (r *bodyRelay) passChunks(w io.Writer) (_ int64, err error) {
-	up, cl := r.x.conn.rx, clientRx(r.x.client)
+	up, cl := r.x.att.conn.rx, clientRx(r.x.client)
 	setDirect(up, true)
 	setDirect(cl, true)
 	defer func() {
@@ -169,7 +171,7 @@ func (r *bodyRelay) passChunks(w io.Writer) (_ int64, err error) {
 	}()
 	loop := r.loopable()
 	for {
-		if loop && !r.framed && r.x.conn.br.Buffered() == 0 {
+		if loop && !r.framed && r.x.att.conn.br.Buffered() == 0 {
 			if moved, err := r.passLoop(); moved {
 				return r.bytesOut, err
 			}
@@ -207,10 +209,10 @@ func (r *bodyRelay) passWhole(w io.Writer) error {
 // or failed (err says which).
 func (r *bodyRelay) passRead(w io.Writer) (end bool, err error) {
 	var n int
-	if r.x.conn.br.Buffered() > 0 {
-		n, err = r.x.conn.br.Read(r.buf[r.keep:]) // what came with the header
+	if r.x.att.conn.br.Buffered() > 0 {
+		n, err = r.x.att.conn.br.Read(r.buf[r.keep:]) // what came with the header
 	} else {
-		n, err = r.x.conn.Read(r.buf[r.keep:])
+		n, err = r.x.att.conn.Read(r.buf[r.keep:])
 	}
 	rawFrom, out, last, data, serr := r.passScan(n)
 	if serr != nil {
@@ -391,4 +393,38 @@ func (r *bodyRelay) relayRaw(c net.Conn) {
 func (r *bodyRelay) CloseWithError(err error) error {
 	r.x.finish(err)
 	return nil
+}
+
+// maxPooledOut is the largest passWhole buffer kept for the next response.
+const maxPooledOut = 32 << 10
+
+// bareLastChunk ends a chunked body that has no trailers.
+var bareLastChunk = []byte("0\r\n\r\n")
+
+// clientRx returns the client connection's rxConn, or nil.
+func clientRx(c net.Conn) *rxConn {
+	if cc, ok := c.(*clientConn); ok {
+		return cc.rxConn
+	}
+	return nil
+}
+
+// setDirect turns the relay loop's direct socket calls on or off.
+func setDirect(c *rxConn, on bool) {
+	if c != nil {
+		c.direct = on
+	}
+}
+
+// serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
+// cannot read chunked encoding: the body goes out unframed on a hijacked
+// connection, ended by closing it. fasthttp would send chunked encoding.
+func (r *bodyRelay) serveHTTP10(ctx *fasthttp.RequestCtx) {
+	h := &ctx.Response.Header
+	h.SetContentLength(-2) // identity: no Content-Length, no Transfer-Encoding
+	h.SetConnectionClose()
+	h.SetProtocol([]byte("HTTP/1.0"))
+	r.head = append(r.head[:0], h.Header()...)
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(r.relayRaw)
 }

@@ -135,9 +135,9 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	clPeer, cl := tcpPair(tb)
 	go io.Copy(io.Discard, clPeer)
 	x := streamingExchange(p, nil)
-	x.up = x.rt.members[0].up
-	x.conn = &upConn{Conn: upRead, up: x.up}
-	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
+	x.att.up = x.rt.members[0].up
+	x.att.conn = &upConn{Conn: upRead, up: x.att.up}
+	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
 	x.client, x.relay.pass = cl, true
 	x.relay.buf = make([]byte, 8<<10)
 	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
@@ -196,9 +196,9 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	upWrite, upRead := tcpPair(tb)
 	peer, cl := tcpPair(tb)
 	x = streamingExchange(p, nil)
-	x.up = x.rt.members[0].up
-	x.conn = &upConn{Conn: upRead, up: x.up, rx: upRead, timeout: time.Minute}
-	x.conn.br = bufio.NewReaderSize(x.conn, 8<<10)
+	x.att.up = x.rt.members[0].up
+	x.att.conn = &upConn{Conn: upRead, up: x.att.up, rx: upRead, timeout: time.Minute}
+	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
 	x.client = &clientConn{rxConn: cl, d: time.Minute, ackBase: -1}
 	x.relay.pass = true
 	x.relay.buf = make([]byte, 8<<10)
@@ -272,5 +272,27 @@ func BenchmarkRelayPath(b *testing.B) {
 				b.Fatal(err)
 			}
 		})
+	}
+}
+
+// BenchmarkChunkScanner follows the framing of 64 events of a stream,
+// size lines, data and the last chunk, without the sockets.
+func BenchmarkChunkScanner(b *testing.B) {
+	var body []byte
+	for range 64 {
+		body = append(body, benchFrame...)
+	}
+	body = append(body, "0\r\n\r\n"...)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		var s chunkScanner
+		for off := 0; off < len(body) && !s.done(); {
+			_, k, err := s.next(body[off:])
+			if err != nil {
+				b.Fatal(err)
+			}
+			off += k
+		}
 	}
 }

@@ -52,8 +52,8 @@ func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
 	}
 	s := x.p.acquireExchange(x.snap, x.p.now())
 	s.shadow = true
-	s.rt, s.mem, s.up, s.dialect, s.stream = x.rt, sh.member, sh.member.up, x.dialect, x.stream
-	s.mem.inflight.Add(1)
+	s.rt, s.att.mem, s.att.up, s.dialect, s.in.stream = x.rt, sh.member, sh.member.up, x.dialect, x.in.stream
+	s.att.mem.inflight.Add(1)
 	s.id = append(append(s.id[:0], x.id...), "-shadow"...)
 	rec, src := &s.rec, &x.rec
 	rec.RequestID, rec.Route, rec.Upstream, rec.Shadow = string(s.id), src.Route, sh.member.name, true
@@ -62,10 +62,10 @@ func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
 	rec.Series = x.snap.metrics.Series(sh.member.row, x.modelIdx)
 	// The copy goes without the usage injection: it is measured as it
 	// comes, its tokens counted.
-	s.scratch = prepareRequest(ctx, s.req, x.rt, s.up, x.path, x.query, nil, s.id, s.scratch)
-	s.req.SetBody(x.body0)
+	s.in.scratch = prepareRequest(ctx, s.att.req, x.rt, s.att.up, x.in.path, x.in.query, nil, s.id, s.in.scratch)
+	s.att.req.SetBody(x.in.body0)
 	if x.tenant != "" {
-		s.req.Header.Set(tenantHeader, x.tenant)
+		s.att.req.Header.Set(tenantHeader, x.tenant)
 	}
 	go s.runShadow(sh)
 }
@@ -74,24 +74,24 @@ func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
 // as if a client read each chunk the moment it came, then records it.
 func (x *exchange) runShadow(sh *shadowState) {
 	defer sh.inflight.Add(-1)
-	x.attemptAt = x.p.now()
+	x.att.attemptAt = x.p.now()
 	x.rec.Attempts = 1
-	if err := x.roundTrip(false); err != nil {
-		r := x.forwardResult(err)
+	if err := x.att.roundTrip(false); err != nil {
+		r := x.att.forwardResult(err)
 		x.rec.Status, x.rec.Outcome, x.rec.Error = r.status, r.outcome, r.msg
 		x.finish(nil)
 		return
 	}
 	x.responded = true
-	x.rec.Status = x.resp.StatusCode()
-	body := x.resp.BodyStream()
+	x.rec.Status = x.att.resp.StatusCode()
+	body := x.att.resp.BodyStream()
 	if body == nil {
 		x.relay.upDone = true
 		x.finish(nil)
 		return
 	}
 	x.relay.body = body
-	x.startParsing(x.resp)
+	x.startParsing(x.att.resp)
 	if cap(x.relay.buf) < 16<<10 {
 		x.relay.buf = make([]byte, 16<<10)
 	}

@@ -1,0 +1,152 @@
+package proxy
+
+import (
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/sse/dialect"
+	"github.com/valyala/fasthttp"
+)
+
+// upstreamAttempt is the request's attempts against its route's
+// upstreams: the one chosen now, the connection and the upstream request
+// and response of the current attempt, and those tried before (failover).
+// Owner: the serving goroutine (a shadow copy's: its own goroutine).
+type upstreamAttempt struct {
+	x              *exchange // the exchange it is the attempts of
+	mem            *member   // the upstream chosen, once routed
+	up             *upstream // mem.up
+	conn           *upConn
+	req            *fasthttp.Request
+	resp           *fasthttp.Response
+	connectFailed  bool          // the last attempt could not connect
+	tried          []*member     // upstreams tried before the current one
+	attemptAt      time.Time     // when the current attempt began
+	firstByteLimit time.Duration // bounds the wait for the response header (failover)
+}
+
+// kept is the part's next life in a pooled exchange: the request and
+// response objects, reset, and the list's room.
+func (a *upstreamAttempt) kept() upstreamAttempt {
+	a.req.Reset()
+	a.resp.Reset()
+	return upstreamAttempt{x: a.x, req: a.req, resp: a.resp, tried: a.tried[:0]}
+}
+
+// forward is the loop of attempts: one against the chosen upstream, up to
+// its response headers, then one against the route's next upstream for
+// as long as failoverReason names a failure the route fails over on and
+// the client is still there (failover: never after a byte reached the
+// client). Within an attempt, roundTrip sends the request again on a new
+// connection only by mayResend's rule. The last attempt's result is the
+// request's.
+func (a *upstreamAttempt) forward(ctx *fasthttp.RequestCtx) *refusal {
+	a.x.startShadow(ctx)
+	a.attemptAt = a.x.p.now()
+	a.x.rec.Attempts = 1
+	if fo := a.x.rt.Failover; fo != nil && fo.FirstTokenTimeout > 0 && fo.on(FailoverFirstToken) {
+		a.firstByteLimit = fo.FirstTokenTimeout
+	}
+	for {
+		err := a.attempt(ctx)
+		reason := a.failoverReason(ctx, err)
+		if reason == "" || a.x.cancel.isGone() || !a.failover(reason) {
+			return a.forwardResult(err)
+		}
+	}
+}
+
+// attempt builds the upstream request for the chosen upstream and sends
+// it, up to the response headers.
+func (a *upstreamAttempt) attempt(ctx *fasthttp.RequestCtx) error {
+	r, body := a.x.rt, a.x.in.body0
+	// prepareRequest drops inbound X-Tokentap-* headers, the tenant's too.
+	a.x.in.scratch = prepareRequest(ctx, a.req, r, a.up, a.x.in.path, a.x.in.query, body, a.x.id, a.x.in.scratch)
+	if a.x.tenant != "" {
+		a.req.Header.Set(tenantHeader, a.x.tenant)
+	}
+	if r.InjectUsage && a.x.dialect == dialect.OpenAI && a.x.in.stream {
+		if b, ok := dialect.InjectIncludeUsage(a.x.in.injected[:0], body); ok {
+			// The one case where tokentap changes bytes: the upstream is
+			// asked for usage, and the usage chunk it adds is removed from
+			// the stream. Compression is declined so the chunk can be found.
+			a.x.in.injected = b
+			a.req.SetBodyRaw(b)
+			a.req.Header.Del("Accept-Encoding")
+			a.x.tap.strip = true
+		}
+	}
+	return a.roundTrip(ctx.IsHead())
+}
+
+// forwardResult turns the last attempt's error into the request's
+// refusal, or nil.
+func (a *upstreamAttempt) forwardResult(err error) *refusal {
+	switch {
+	case err == nil:
+		return nil
+	case a.x.cancel.isGone():
+		return refuseGone
+	case isTimeout(err):
+		return &refusal{status: fasthttp.StatusGatewayTimeout, outcome: metrics.OutcomeUpstreamTimeout, code: "upstream_timeout", msg: describeUpstreamError(err)}
+	default:
+		return &refusal{status: fasthttp.StatusBadGateway, outcome: metrics.OutcomeUpstreamError, code: "upstream_unavailable", msg: describeUpstreamError(err)}
+	}
+}
+
+// roundTrip sends the request on a pooled or new connection, and once
+// more on a new one where mayResend allows.
+func (a *upstreamAttempt) roundTrip(head bool) error {
+	up := a.up
+	for attempt := 0; ; attempt++ {
+		// A client that leaves during a dial stops it (the peer watch
+		// runs from admission on).
+		c, err := up.get(goneCtx{a.x.cancel.doneChan()}, attempt > 0)
+		if err != nil {
+			a.connectFailed = true
+			return err
+		}
+		if !a.x.cancel.attach(c.Conn) {
+			up.discard(c)
+			return errCancelled
+		}
+		acked := int64(-1)
+		if c.reused {
+			acked = c.ackedBefore()
+		}
+		c.headerLimit = a.firstByteLimit
+		written, err := c.send(a.req, a.resp, head)
+		a.x.tap.m.written = written
+		if err == nil {
+			a.conn = c
+			// The response can reach the socket before the write is stamped.
+			a.x.rec.UpstreamTTFB = max(c.first.Sub(written), 0)
+			return nil
+		}
+		unread := mayResend(c, acked, err)
+		up.discard(c)
+		a.x.cancel.detach()
+		if a.x.cancel.isGone() {
+			return errCancelled
+		}
+		if !unread || attempt > 0 {
+			return err
+		}
+		metrics.UpstreamRetry()
+	}
+}
+
+// mayResend is the rule for sending a request again, on a new connection,
+// after its attempt on c failed with err: only when the backend provably
+// never received it. The connection was reused, no response byte came,
+// the failure is a close or reset (not a timeout), and the backend's
+// kernel acknowledged none of the request's bytes (TCP_INFO
+// tcpi_bytes_acked unchanged since before the write: ackedBefore, -1 when
+// unknown). A socket the backend had already closed answers data with a
+// reset and acknowledges nothing; one whose backend read the request has
+// acknowledged it, and sending it again would run (and bill) the
+// generation twice.
+func mayResend(c *upConn, ackedBefore int64, err error) bool {
+	return c.reused && ackedBefore >= 0 && c.first.IsZero() && !isTimeout(err) && isConnReset(err) &&
+		c.bytesAcked() == ackedBefore
+}
