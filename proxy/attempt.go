@@ -111,16 +111,16 @@ func (a *upstreamAttempt) roundTrip(head bool) error {
 			return errCancelled
 		}
 		acked := int64(-1)
-		if c.reused {
+		if c.wasReused() {
 			acked = c.ackedBefore()
 		}
-		c.headerLimit = a.firstByteLimit
+		c.limitHeaderWait(a.firstByteLimit)
 		written, err := c.send(a.req, a.resp, head)
 		a.x.tap.m.written = written
 		if err == nil {
 			a.conn = c
 			// The response can reach the socket before the write is stamped.
-			a.x.rec.UpstreamTTFB = max(c.first.Sub(written), 0)
+			a.x.rec.UpstreamTTFB = max(c.firstByte().Sub(written), 0)
 			return nil
 		}
 		unread := mayResend(c, acked, err)
@@ -147,6 +147,6 @@ func (a *upstreamAttempt) roundTrip(head bool) error {
 // acknowledged it, and sending it again would run (and bill) the
 // generation twice.
 func mayResend(c *upConn, ackedBefore int64, err error) bool {
-	return c.reused && ackedBefore >= 0 && c.first.IsZero() && !isTimeout(err) && isConnReset(err) &&
+	return c.wasReused() && ackedBefore >= 0 && c.firstByte().IsZero() && !isTimeout(err) && isConnReset(err) &&
 		c.bytesAcked() == ackedBefore
 }

@@ -235,7 +235,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		// Headers go out at once, so a client sees them during a long
 		// prefill; when body bytes came with them, they go out together
 		// with the first chunk instead, in one write.
-		ctx.Response.ImmediateHeaderFlush = x.att.conn.br.Buffered() == 0
+		ctx.Response.ImmediateHeaderFlush = x.att.conn.buffered() == 0
 	}
 	x.relay.contentLength = cl
 	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.client != nil {

@@ -64,18 +64,14 @@ func (a *upstreamAttempt) failoverReason(ctx *fasthttp.RequestCtx, err error) st
 func (a *upstreamAttempt) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Duration) bool {
 	c, resp := a.conn, a.resp
 	if ctx.IsHead() || resp.StatusCode() < 200 || resp.StatusCode() == 204 || resp.StatusCode() == 304 ||
-		resp.Header.ContentLength() == 0 || c.br.Buffered() > 0 {
+		resp.Header.ContentLength() == 0 || c.buffered() > 0 {
 		return true
 	}
 	left := timeout - a.x.p.now().Sub(a.x.tap.m.written)
 	if left <= 0 {
 		return false
 	}
-	idle := c.timeout
-	c.timeout = left
-	_, err := c.br.Peek(1)
-	c.timeout = idle
-	return err == nil
+	return c.byteWithin(left)
 }
 
 // failover moves the request to the route's next upstream not tried yet

@@ -1,9 +1,11 @@
 package proxy
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -15,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/examples/mockllm"
 	"golang.org/x/sys/unix"
 )
 
@@ -202,6 +203,11 @@ func TestLoopRelaysManyStreamsAndReusesSlots(t *testing.T) {
 func TestLoopWaitsForAFullClientSocket(t *testing.T) {
 	_, l := startLoop(t)
 	c := newLoopCase(t, time.Minute, time.Minute)
+	// The smallest buffer towards the client: each 8 KiB read meets a full
+	// socket unless the client happens to be reading at that very moment.
+	if err := unix.SetsockoptInt(c.s.clFd, unix.SOL_SOCKET, unix.SO_SNDBUF, 1); err != nil {
+		t.Fatal(err)
+	}
 	l.post(&c.s)
 	want := bytes.Repeat([]byte("0123456789abcdef"), 256<<10) // 4 MiB: far beyond the sockets' buffers
 	go func() {
@@ -354,16 +360,43 @@ func TestLoopStopEndsStreamsAndClosesDescriptors(t *testing.T) {
 // goroutine and no epoll descriptor remains.
 func TestShutdownStopsRelayLoops(t *testing.T) {
 	polls, loopRoutines := epollDescriptors(t), relayLoopGoroutines()
-	up := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
-	tp := startProxy(t, up, nil)
+	// In lockstep: the rest of the stream comes only once the client holds
+	// its first event, so the stream is in a loop (passChunks moves it
+	// right after that write) before the rest can be read.
+	first, rest := chatChunk("first"), chatChunk("rest")
+	next := make(chan struct{})
+	up := startRawUpstream(t, func(c net.Conn, _ *http.Request) bool {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		fmt.Fprintf(c, "%x\r\n%s\r\n", len(first), first)
+		<-next
+		_, err := fmt.Fprintf(c, "%x\r\n%s\r\n0\r\n\r\n", len(rest), rest)
+		return err == nil
+	})
+	tp := startProxy(t, up.url, nil)
 	p := tp.p
 	before := loopStreams.Load()
-	resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(streamChat))
+	c, err := net.Dial("tcp", tp.addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
+	defer c.Close()
+	if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(first))
+	if _, err := io.ReadFull(resp.Body, got); err != nil {
+		t.Fatal(err)
+	}
+	close(next)
+	if b, err := io.ReadAll(resp.Body); err != nil || string(got)+string(b) != first+rest {
+		t.Fatalf("the client read %q%q (%v)", got, b, err)
+	}
+	tp.rec.next(t)
 	if loopStreams.Load() == before {
 		t.Fatal("the stream did not go through a relay loop")
 	}

@@ -31,9 +31,7 @@ type passTurn struct {
 // up).
 func (r *bodyRelay) loopable() bool {
 	cc, _ := r.x.client.(*clientConn)
-	c := r.x.att.conn
-	return !r.x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && c.rx != nil && c.rx.raw != nil &&
-		c.up.tls == nil && r.x.tap.dec == nil
+	return !r.x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && r.x.att.conn.loopable() && r.x.tap.dec == nil
 }
 
 // passLoop relays the rest of a passChunks stream on a relay loop, and
@@ -44,7 +42,7 @@ func (r *bodyRelay) passLoop() (bool, error) {
 	if l == nil {
 		return false, nil
 	}
-	upFd, clFd := sockFd(c.rx.raw), sockFd(cc.raw)
+	upFd, clFd := c.loopFd(), sockFd(cc.raw)
 	if upFd < 0 || clFd < 0 || !r.x.cancel.enterLoop() {
 		return false, nil
 	}
@@ -57,7 +55,7 @@ func (r *bodyRelay) passLoop() (bool, error) {
 		s.done = make(chan error, 1)
 	}
 	s.r, s.upFd, s.clFd = r, upFd, clFd
-	s.idle, s.wtime = c.timeout, cc.d
+	s.idle, s.wtime = c.idle(), cc.d
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it).
@@ -81,7 +79,7 @@ func (r *bodyRelay) passLoop() (bool, error) {
 // came (passScan).
 func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
 	room := r.buf[r.keep:]
-	n, errno := r.x.att.conn.rx.recvFd(uintptr(fd), room)
+	n, errno := r.x.att.conn.recvFd(fd, room)
 	if errno == unix.EAGAIN {
 		return nil, true, false, false
 	}
@@ -92,7 +90,6 @@ func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, aga
 	case n == 0:
 		err = io.EOF
 	default:
-		r.x.att.conn.stamp()
 		got = true
 		again = n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0
 	}

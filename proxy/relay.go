@@ -80,8 +80,8 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 // kernel's receive time where there is one (time they waited in the socket
 // is time tokentap added), else now.
 func (r *bodyRelay) readTime() time.Time {
-	if r.x.att.conn != nil && !r.x.att.conn.readAt.IsZero() {
-		return r.x.att.conn.readAt
+	if c := r.x.att.conn; c != nil && !c.lastRead().IsZero() {
+		return c.lastRead()
 	}
 	return r.x.p.now()
 }
@@ -156,11 +156,11 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 // A body that came whole with the header goes out with it in one write
 // (passWhole).
 func (r *bodyRelay) passChunks(w io.Writer) (_ int64, err error) {
-	up, cl := r.x.att.conn.rx, clientRx(r.x.client)
-	setDirect(up, true)
+	up, cl := r.x.att.conn, clientRx(r.x.client)
+	up.setDirect(true)
 	setDirect(cl, true)
 	defer func() {
-		setDirect(up, false)
+		up.setDirect(false)
 		setDirect(cl, false)
 		if r.endSent && err == nil {
 			// The body's end went out already (passScan): the server's
@@ -171,7 +171,7 @@ func (r *bodyRelay) passChunks(w io.Writer) (_ int64, err error) {
 	}()
 	loop := r.loopable()
 	for {
-		if loop && !r.framed && r.x.att.conn.br.Buffered() == 0 {
+		if loop && !r.framed && r.x.att.conn.buffered() == 0 {
 			if moved, err := r.passLoop(); moved {
 				return r.bytesOut, err
 			}
@@ -209,8 +209,8 @@ func (r *bodyRelay) passWhole(w io.Writer) error {
 // or failed (err says which).
 func (r *bodyRelay) passRead(w io.Writer) (end bool, err error) {
 	var n int
-	if r.x.att.conn.br.Buffered() > 0 {
-		n, err = r.x.att.conn.br.Read(r.buf[r.keep:]) // what came with the header
+	if r.x.att.conn.buffered() > 0 {
+		n, err = r.x.att.conn.readBuffered(r.buf[r.keep:]) // what came with the header
 	} else {
 		n, err = r.x.att.conn.Read(r.buf[r.keep:])
 	}

@@ -188,6 +188,70 @@ type upConn struct {
 	ackBase int64 // the kernel's acknowledged count when the connection opened
 }
 
+// buffered is how many response bytes were read ahead and wait in the
+// connection's reader (those that came with the response header).
+func (c *upConn) buffered() int { return c.br.Buffered() }
+
+// readBuffered reads into b from what waits in the reader, before any
+// read of the socket itself.
+func (c *upConn) readBuffered(b []byte) (int, error) { return c.br.Read(b) }
+
+// byteWithin waits until a response body byte is in, for at most d (not
+// the connection's idle timeout); false when none came.
+func (c *upConn) byteWithin(d time.Duration) bool {
+	if c.br.Buffered() > 0 {
+		return true
+	}
+	idle := c.timeout
+	c.timeout = d
+	_, err := c.br.Peek(1)
+	c.timeout = idle
+	return err == nil
+}
+
+// idle is the longest gap allowed between two reads of the response.
+func (c *upConn) idle() time.Duration { return c.timeout }
+
+// lastRead is when the kernel received the bytes of the last read (zero:
+// not known).
+func (c *upConn) lastRead() time.Time { return c.readAt }
+
+// firstByte is when the current response's first byte came (zero: none).
+func (c *upConn) firstByte() time.Time { return c.first }
+
+// wasReused says the connection served a response before this request.
+func (c *upConn) wasReused() bool { return c.reused }
+
+// limitHeaderWait shortens the wait for the response header below the
+// upstream's first-byte timeout (a route's failover; 0: no limit).
+func (c *upConn) limitHeaderWait(d time.Duration) { c.headerLimit = d }
+
+// loopable says a relay loop can read the connection: a plain socket
+// with receive stamps (not TLS, nor a test's pipe).
+func (c *upConn) loopable() bool { return c.rx != nil && c.rx.raw != nil && c.up.tls == nil }
+
+// loopFd returns the socket's descriptor for a relay loop, or -1 (not
+// loopable).
+func (c *upConn) loopFd() int {
+	if !c.loopable() {
+		return -1
+	}
+	return sockFd(c.rx.raw)
+}
+
+// recvFd reads the socket for a relay loop that holds its descriptor fd
+// (rxConn.recvFd) and stamps the read (stamp) when bytes came.
+func (c *upConn) recvFd(fd int, b []byte) (int, syscall.Errno) {
+	n, errno := c.rx.recvFd(uintptr(fd), b)
+	if errno == 0 && n > 0 {
+		c.stamp()
+	}
+	return n, errno
+}
+
+// setDirect turns the relay loop's direct socket calls on or off.
+func (c *upConn) setDirect(on bool) { setDirect(c.rx, on) }
+
 // sentCounter counts the bytes written to a plain upstream connection.
 type sentCounter struct{ c *upConn }
 
