@@ -50,7 +50,7 @@ type delivery struct {
 	unknown        bool // the connection closed before its count could be read
 	waitUntil      time.Time
 	waitCap        time.Time     // the longest the wait may be drawn out to (maxAckWait)
-	next           time.Time     // the next look at the acknowledgement (ackSchedule)
+	next           time.Time     // the next look at the acknowledgement (clientSide.schedule)
 	pause          time.Duration // the pause before the look after it
 	recovering     bool          // the kernel was sending lost segments again at the last reading
 	rto            time.Duration // its retransmission timeout then
@@ -303,7 +303,7 @@ func (cs *clientSide) look(now time.Time) (over bool) {
 // waits for one (lookWatch), and records each when its wait is over.
 type ackWatch struct{ lookWatch }
 
-// add hands x to the watch once readDelivery said its record waits (x.fin
+// add hands x to the watch once clientSide.read said its record waits (x.fin
 // holds what record needs).
 func (w *ackWatch) add(x *exchange) {
 	if x.cs.schedule(x.p.now()) {

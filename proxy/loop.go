@@ -116,7 +116,7 @@ const loopBatch = 64
 const efdSlot = -1
 
 // loopStream is one stream while the loop relays it. It lives in its
-// exchange and is reused by the exchange's next stream.
+// body relay and is reused by the relay's next stream.
 type loopStream struct {
 	r      relayed
 	slot   int32
