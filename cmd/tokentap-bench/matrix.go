@@ -118,8 +118,16 @@ func runCompare(args []string, out io.Writer) error {
 		}
 		return fmt.Sprintf("%+6.1f%%", 100*(y-x)/x)
 	}
-	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "condition\tmetric\tbefore\tafter\tchange\t95% interval\tverdict\t")
+	// Every row first, then significance over all of them at once (Holm),
+	// as the live verdict does: a table of many rows would otherwise show
+	// a false alarm by chance.
+	type row struct {
+		cond, name, change, interval, verdict string
+		x, y                                  float64
+		p                                     float64
+		tested                                bool
+	}
+	var rows []row
 	for _, n := range names {
 		x, y := a[n], b[n]
 		var sx, sy samples
@@ -142,15 +150,34 @@ func runCompare(args []string, out io.Writer) error {
 			if math.IsNaN(m.x) || m.name == "tokens/s per request p50" && (len(m.xs) == 0 || len(m.ys) == 0) {
 				continue
 			}
-			interval, verdict := "", ""
+			r := row{cond: n, name: m.name, x: m.x, y: m.y, change: rel(m.x, m.y)}
 			if len(m.xs) > 0 && len(m.ys) > 0 {
-				// The same resampling as the live verdict (/stats?compare).
-				_, lo, hi, sig := stats.QuantileDiff(m.xs, m.ys, m.q, 1)
-				interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
-				verdict = map[bool]string{true: "outside the noise", false: "within noise"}[sig]
+				// The same method as the live verdict (/stats?compare).
+				_, lo, hi, p, tooFew := stats.QuantileDiff(m.xs, m.ys, m.q)
+				if tooFew {
+					r.verdict = fmt.Sprintf("too few requests (%d a side)", stats.Needed(m.q))
+				} else {
+					r.interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
+					r.p, r.tested = p, true
+				}
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%.2f\t%.2f\t%s\t%s\t%s\t\n", n, m.name, m.x, m.y, rel(m.x, m.y), interval, verdict)
+			rows = append(rows, r)
 		}
+	}
+	var ps []float64
+	var at []int
+	for i, r := range rows {
+		if r.tested {
+			ps, at = append(ps, r.p), append(at, i)
+		}
+	}
+	for k, sig := range stats.Holm(ps, 0.05) {
+		rows[at[k]].verdict = map[bool]string{true: "outside the noise", false: "within noise"}[sig]
+	}
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "condition\tmetric\tbefore\tafter\tchange\t95% interval\tverdict\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%.2f\t%.2f\t%s\t%s\t%s\t\n", r.cond, r.name, r.x, r.y, r.change, r.interval, r.verdict)
 	}
 	return tw.Flush()
 }

@@ -275,7 +275,7 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 			ctx.SetBodyString(`{"error":"window must be 1m, 5m, 15m, 1h or all"}` + "\n")
 			return
 		}
-		c, err := a.p.Stats().Compare(q.Route, ua, ub, q.Window, 0)
+		c, err := a.p.Stats().Compare(q.Route, ua, ub, q.Window)
 		if err != nil {
 			ctx.SetStatusCode(fasthttp.StatusNotFound)
 			writeJSON(ctx, map[string]any{"error": err.Error(), "count_a": c.CountA, "count_b": c.CountB})

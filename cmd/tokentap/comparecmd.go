@@ -76,7 +76,11 @@ func printComparison(out io.Writer, c stats.Comparison) {
 	fmt.Fprintf(tw, "measure\t%s\t%s\tdifference (95%% interval)\t\n", c.A, c.B)
 	row := func(name string, d stats.Diff) {
 		verdict := "within noise"
-		if d.Significant {
+		switch {
+		case d.TooFew:
+			fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t\n", name, d.A, d.B, tooFewText(d, c))
+			return
+		case d.Significant:
 			verdict = "outside the noise"
 		}
 		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t%s\n", name, d.A, d.B, diffText(d), verdict)
@@ -96,6 +100,21 @@ func printComparison(out io.Writer, c stats.Comparison) {
 	}
 	fmt.Fprintf(out, "goodput %s → %s; error rate %s → %s\n", pct(c.Goodput.A), pct(c.Goodput.B), pct(c.Errors.A), pct(c.Errors.B))
 	fmt.Fprintf(out, "intervals: %s\n", c.Method)
+}
+
+// tooFewText reads "too few requests (needs 66 more on canary)".
+func tooFewText(d stats.Diff, c stats.Comparison) string {
+	var need []string
+	if d.NeedA > 0 {
+		need = append(need, fmt.Sprintf("%d more on %s", d.NeedA, c.A))
+	}
+	if d.NeedB > 0 {
+		need = append(need, fmt.Sprintf("%d more on %s", d.NeedB, c.B))
+	}
+	if len(need) == 0 {
+		return "too few requests"
+	}
+	return "too few requests (needs " + strings.Join(need, " and ") + ")"
 }
 
 // diffText reads "+9% (+6% … +12%)".

@@ -247,7 +247,7 @@ func (d *demo) report() {
 	printStats(out, d.p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy}))
 	if d.canary {
 		fmt.Fprintln(out)
-		c, err := d.p.Stats().Compare("chat", "stable", "canary", "all", 0)
+		c, err := d.p.Stats().Compare("chat", "stable", "canary", "all")
 		if err != nil {
 			fmt.Fprintln(out, "no verdict:", err)
 		} else {

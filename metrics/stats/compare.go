@@ -9,8 +9,11 @@ import (
 
 // Comparison is the verdict on two upstreams of a route over one window
 // (GET /stats?route=R&compare=A,B): each measure's p50, p95 and p99 side
-// by side with the relative difference (b − a) / a and its 95% confidence
-// interval, marked significant when the interval excludes 0.
+// by side with the relative difference (b − a) / a and its 95% interval,
+// marked significant when the row's test passes Holm's method at 5% for
+// the verdict as a whole (verdict.go). A row whose quantile the requests
+// at hand cannot bound says so (TooFew), with the requests each side
+// still needs.
 type Comparison struct {
 	Route  string `json:"route"`
 	Window string `json:"window"`
@@ -32,11 +35,22 @@ type Diff struct {
 	Quantile string  `json:"quantile,omitempty"`
 	A        float64 `json:"a"`
 	B        float64 `json:"b"`
-	// RelativeDiff is (b − a) / a; CILow and CIHigh bound it at 95%.
+	// RelativeDiff is (b − a) / a; CILow and CIHigh bound it at 95% (for
+	// this row alone).
 	RelativeDiff float64 `json:"relative_diff"`
 	CILow        float64 `json:"ci_low"`
 	CIHigh       float64 `json:"ci_high"`
-	Significant  bool    `json:"significant"`
+	// PValue is the row's test; Significant says it passed Holm's method
+	// across the verdict's rows (at most a 5% chance of any false alarm in
+	// the whole verdict).
+	PValue      float64 `json:"p_value"`
+	Significant bool    `json:"significant"`
+	// TooFew: a side has fewer requests than this quantile takes; NeedA
+	// and NeedB are how many more each side needs. The row then has no
+	// interval and is never significant.
+	TooFew bool  `json:"too_few,omitempty"`
+	NeedA  int64 `json:"need_a,omitempty"`
+	NeedB  int64 `json:"need_b,omitempty"`
 	// N is the samples on each side (a measure's count).
 	NA int64 `json:"n_a"`
 	NB int64 `json:"n_b"`
@@ -48,19 +62,16 @@ type PairValue struct {
 	B *float64 `json:"b"`
 }
 
-// replicates is the bootstrap's resample count.
-const replicates = 2000
-
 // CompareMethod describes the intervals.
-const CompareMethod = "bootstrap, 2000 resamples per side: a quantile's resample is the order statistic of its rank, drawn as Beta(r, n−r+1) and read through the side's sketch; a mean's is normal with the sample's variance; 95% percentile interval of (b − a) / a"
+const CompareMethod = "two-sample quantile test (Mood's, exact: hypergeometric count of A at or below the pooled quantile); 95% interval of (b − a) / a by inverting it under a change of scale; rows with fewer requests than the quantile takes (p50 7, p95 86, p99 436 a side) are too few; significance by Holm's step-down method at 5% across the verdict's rows; throughput is the median of each request's output tokens per second"
 
 // ErrNoSuchUpstream is returned when a compared upstream saw no request
 // in the window.
 var ErrNoSuchUpstream = errors.New("no request of that upstream in the window")
 
 // Compare compares upstreams a and b of route over window (every model
-// and tenant together). seed seeds the resampling (0: fixed).
-func (e *Engine) Compare(route, a, b, window string, seed uint64) (Comparison, error) {
+// and tenant together).
+func (e *Engine) Compare(route, a, b, window string) (Comparison, error) {
 	if window == "" {
 		window = "5m"
 	}
@@ -86,36 +97,31 @@ func (e *Engine) Compare(route, a, b, window string, seed uint64) (Comparison, e
 	if sideA.count == 0 || sideB.count == 0 {
 		return c, ErrNoSuchUpstream
 	}
-	rng := rand.New(rand.NewPCG(seed, 7))
 	for m := range numPublic {
 		da, db := &sideA.d[m], &sideB.d[m]
 		if da.n == 0 || db.n == 0 {
 			continue
 		}
+		ca, cb := cdfOfDist(da), cdfOfDist(db)
 		for _, q := range []struct {
 			name string
 			q    float64
 		}{{"p50", 0.5}, {"p95", 0.95}, {"p99", 0.99}} {
-			d := Diff{Name: measureJSONName(m), Quantile: q.name, A: round3(da.quantile(q.q)), B: round3(db.quantile(q.q)), NA: da.n, NB: db.n}
-			d.RelativeDiff, d.CILow, d.CIHigh = relDiffCI(da.quantile(q.q), db.quantile(q.q), func() (float64, float64) {
-				return resampleQuantile(rng, da, q.q), resampleQuantile(rng, db, q.q)
-			})
-			d.Significant = d.CILow > 0 || d.CIHigh < 0
-			c.Measures = append(c.Measures, d)
+			c.Measures = append(c.Measures, diffOf(measureJSONName(m), q.name, compareQuantile(ca, cb, q.q)))
 		}
 	}
+	rows := make([]*Diff, 0, len(c.Measures)+1)
+	for i := range c.Measures {
+		rows = append(rows, &c.Measures[i])
+	}
 	// Throughput per request in flight: output tokens per second of a
-	// request's life, the mean of each request's tokens / E2E.
+	// request's life, each request's tokens / E2E, compared at the median.
 	ta, tb := &sideA.d[mTokensPerS], &sideB.d[mTokensPerS]
 	if ta.n > 0 && tb.n > 0 {
-		sa, sb := ta.stddev(), tb.stddev()
-		d := Diff{Name: "output_tokens_per_s_per_request", A: round3(ta.mean()), B: round3(tb.mean()), NA: ta.n, NB: tb.n}
-		d.RelativeDiff, d.CILow, d.CIHigh = relDiffCI(ta.mean(), tb.mean(), func() (float64, float64) {
-			return ta.mean() + rng.NormFloat64()*sa/math.Sqrt(float64(ta.n)), tb.mean() + rng.NormFloat64()*sb/math.Sqrt(float64(tb.n))
-		})
-		d.Significant = d.CILow > 0 || d.CIHigh < 0
-		c.Through = d
+		c.Through = diffOf("output_tokens_per_s_per_request", "p50", compareQuantile(cdfOfDist(ta), cdfOfDist(tb), 0.5))
+		rows = append(rows, &c.Through)
 	}
+	judge(rows)
 	share := func(num, den int64) *float64 {
 		if den == 0 {
 			return nil
@@ -126,49 +132,6 @@ func (e *Engine) Compare(route, a, b, window string, seed uint64) (Comparison, e
 	c.Goodput = PairValue{share(sideA.good, sideA.judged), share(sideB.good, sideB.judged)}
 	c.Errors = PairValue{share(sideA.errors, sideA.count), share(sideB.errors, sideB.count)}
 	return c, nil
-}
-
-// relDiffCI returns (b − a) / a and the 2.5th and 97.5th percentiles of
-// the same over resamples drawn by draw.
-func relDiffCI(a, b float64, draw func() (float64, float64)) (diff, lo, hi float64) {
-	if a == 0 {
-		return 0, 0, 0
-	}
-	diffs := make([]float64, 0, replicates)
-	for range replicates {
-		ra, rb := draw()
-		if ra > 0 {
-			diffs = append(diffs, (rb-ra)/ra)
-		}
-	}
-	if len(diffs) == 0 {
-		return round3((b - a) / a), 0, 0
-	}
-	slices.Sort(diffs)
-	at := func(p float64) float64 { return diffs[min(int(p*float64(len(diffs))), len(diffs)-1)] }
-	return round4((b - a) / a), round4(at(0.025)), round4(at(0.975))
-}
-
-func round4(v float64) float64 { return math.Round(v*1e4) / 1e4 }
-
-// resampleQuantile draws the q-quantile of a bootstrap resample of d: of
-// n draws from d's distribution, the order statistic of rank r = ⌊q(n−1)⌋+1
-// is the value at quantile U, U ~ Beta(r, n − r + 1).
-func resampleQuantile(rng *rand.Rand, d *dist, q float64) float64 {
-	n := float64(d.n)
-	r := math.Floor(q*(n-1)) + 1
-	u := betaSample(rng, r, n-r+1)
-	v, err := d.sk.GetValueAtQuantile(min(max(u, 0), 1))
-	if err != nil {
-		return 0
-	}
-	return min(v, d.max)
-}
-
-// betaSample draws from Beta(a, b) as X / (X + Y) of two Gamma draws.
-func betaSample(rng *rand.Rand, a, b float64) float64 {
-	x, y := Gamma(rng, a), Gamma(rng, b)
-	return x / (x + y)
 }
 
 // Gamma draws from Gamma(k, 1), k > 0, by Marsaglia and Tsang's method
@@ -199,27 +162,51 @@ func measureJSONName(m int) string {
 		"client_ttft_ms", "client_ttfa_ms", "client_e2e_ms", "output_tokens_per_s"}[m]
 }
 
-// QuantileDiff compares the q-quantiles of two samples (in any order) as
-// Compare compares two upstreams' sketches, with the same resampling, so
-// an offline verdict (tokentap-bench compare) reads like a live one. It
-// returns (b − a) / a, its 95% interval and whether the interval excludes 0.
-func QuantileDiff(a, b []float64, q float64, seed uint64) (diff, lo, hi float64, significant bool) {
-	if len(a) == 0 || len(b) == 0 {
-		return 0, 0, 0, false
+// diffOf makes a verdict row of r; judge marks its significance.
+func diffOf(name, q string, r quantileRow) Diff {
+	d := Diff{Name: name, Quantile: q, A: round3(r.a), B: round3(r.b), NA: r.haveA, NB: r.haveB, PValue: 1}
+	if r.tooFew {
+		d.TooFew, d.NeedA, d.NeedB = true, r.needA, r.needB
+		return d
 	}
+	d.RelativeDiff, d.CILow, d.CIHigh, d.PValue = round4(r.diff), round4(r.lo), round4(r.hi), r.pValue
+	return d
+}
+
+// judge marks the rows that Holm's method finds significant among those
+// that were tested.
+func judge(rows []*Diff) {
+	var ps []float64
+	var tested []*Diff
+	for _, d := range rows {
+		if !d.TooFew {
+			ps, tested = append(ps, d.PValue), append(tested, d)
+		}
+	}
+	for i, sig := range holm(ps, verdictAlpha) {
+		tested[i].Significant = sig
+	}
+}
+
+func round4(v float64) float64 { return math.Round(v*1e4) / 1e4 }
+
+// QuantileDiff compares the q-quantiles of two samples (in any order) as
+// a verdict row does (verdict.go), so that an offline verdict
+// (tokentap-bench compare) reads like a live one: (b − a) / a, its 95%
+// interval, the row's p-value, and whether a side has too few samples
+// for the quantile. Significance over several rows is Holm's.
+func QuantileDiff(a, b []float64, q float64) (diff, lo, hi, pValue float64, tooFew bool) {
 	sa, sb := slices.Clone(a), slices.Clone(b)
 	slices.Sort(sa)
 	slices.Sort(sb)
-	rng := rand.New(rand.NewPCG(seed, 7))
-	at := func(s []float64, u float64) float64 {
-		return s[min(max(int(math.Ceil(u*float64(len(s))))-1, 0), len(s)-1)]
-	}
-	pick := func(s []float64) float64 {
-		n := float64(len(s))
-		r := math.Floor(q*(n-1)) + 1
-		return at(s, betaSample(rng, r, n-r+1))
-	}
-	va, vb := sa[int(math.Floor(q*float64(len(sa)-1)))], sb[int(math.Floor(q*float64(len(sb)-1)))]
-	diff, lo, hi = relDiffCI(va, vb, func() (float64, float64) { return pick(sa), pick(sb) })
-	return diff, lo, hi, lo > 0 || hi < 0
+	r := compareQuantile(cdfOfSorted(sa), cdfOfSorted(sb), q)
+	return r.diff, r.lo, r.hi, r.pValue, r.tooFew
 }
+
+// Needed is the fewest requests a side needs for a verdict row on its
+// q-quantile.
+func Needed(q float64) int64 { return needed(q) }
+
+// Holm marks which of the p-values are significant with a family-wise
+// error of at most alpha (Holm's step-down method).
+func Holm(ps []float64, alpha float64) []bool { return holm(ps, alpha) }
