@@ -198,12 +198,15 @@ func compareQuantile(a, b cdf, p float64) quantileRow {
 		r.diff = (r.b - r.a) / r.a
 	}
 	need := needed(p)
-	if int64(a.n) < need || int64(b.n) < need || r.a <= 0 || r.b <= 0 {
+	if int64(a.n) < need || int64(b.n) < need {
 		r.tooFew = true
 		r.needA, r.needB = max(need-int64(a.n), 0), max(need-int64(b.n), 0)
 		return r
 	}
 	r.pValue = moodP(&a, &b, 1, p)
+	if r.a <= 0 || r.b <= 0 {
+		return r // a ratio to or of 0 has no interval (a queue that was empty)
+	}
 	// The interval: the ratios ρ = q_b / q_a at which B scaled by 1/ρ
 	// passes at 5%, found by bisection on log ρ out from the estimate.
 	est := r.b / r.a
