@@ -108,19 +108,19 @@ func moodP(a, b *cdf, s, p float64) float64 {
 	n := a.n + b.n
 	rank := math.Floor(p*(n-1)) + 1
 	// The pooled value of that rank: the smallest value of either side at
-	// which the pooled count reaches it.
-	lo, hi := 0, len(a.vals)+len(b.vals)
-	cand := func(i int) float64 {
-		if i < len(a.vals) {
-			return a.vals[i]
+	// which the pooled count reaches it. Both sides' values are sorted:
+	// merged, they are the pooled values in order.
+	vals := make([]float64, 0, len(a.vals)+len(b.vals))
+	i, k := 0, 0
+	for i < len(a.vals) || k < len(b.vals) {
+		if k == len(b.vals) || i < len(a.vals) && a.vals[i] <= b.vals[k]*s {
+			vals = append(vals, a.vals[i])
+			i++
+		} else {
+			vals = append(vals, b.vals[k]*s)
+			k++
 		}
-		return b.vals[i-len(a.vals)] * s
 	}
-	vals := make([]float64, 0, hi)
-	for i := lo; i < hi; i++ {
-		vals = append(vals, cand(i))
-	}
-	slices.Sort(vals)
 	j := sort.Search(len(vals), func(i int) bool { return a.atOrBelow(vals[i], 1)+b.atOrBelow(vals[i], s) >= rank })
 	c := vals[min(j, len(vals)-1)]
 	ka := a.atOrBelow(c, 1)
