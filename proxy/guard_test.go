@@ -50,9 +50,15 @@ func TestCanaryGuard(t *testing.T) {
 		// The guard weighs a window only once a whole one passed since
 		// the config: the traffic lands late in the first minute.
 		clk.jump(40 * time.Second)
-		for range 80 {
+		// Until each side has 40 requests (min_requests 30): the split is
+		// random, and 80 requests left one side under 30 now and then.
+		perSide := map[string]int{}
+		for i := 0; perSide["stable"] < 40 || perSide["canary"] < 40; i++ {
+			if i == 400 {
+				t.Fatalf("400 requests gave the sides %v", perSide)
+			}
 			chat(t, tp.url)
-			tp.rec.next(t)
+			perSide[tp.rec.next(t).Upstream]++
 		}
 		if g := tp.p.Guards(); len(g) != 0 {
 			t.Fatalf("tripped before a window passed: %+v", g)
