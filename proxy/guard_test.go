@@ -113,7 +113,9 @@ func TestCanaryGuard(t *testing.T) {
 func TestGuardNotSteeredByOneKey(t *testing.T) {
 	clk := &offsetClock{}
 	fast := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
-	slow := startMock(t, mockllm.Options{PrefillBase: 50 * time.Millisecond, TokenGap: time.Millisecond})
+	// 15x the baseline, as in TestCanaryGuard: a busy machine's delay on
+	// both sides cannot close the gap to the +100% limit (5x could).
+	slow := startMock(t, mockllm.Options{PrefillBase: 150 * time.Millisecond, TokenGap: time.Millisecond})
 	tp := startProxyOpts(t, "", func(c *Config) {
 		c.Routes = []Route{{Name: "steered", Prefix: "/", Timeouts: DefaultTimeouts, Sticky: "header:X-User",
 			Upstreams: []Upstream{{Name: "stable", URL: fast, Weight: 1}, {Name: "canary", URL: slow, Weight: 1}},
