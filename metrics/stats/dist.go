@@ -1,7 +1,6 @@
 package stats
 
 import (
-	"math"
 	"time"
 
 	"github.com/DataDog/sketches-go/ddsketch"
@@ -35,9 +34,9 @@ var valueMapping = func() mapping.IndexMapping {
 // dist is one measure's distribution: a DDSketch for quantiles, and the
 // exact count, sum and maximum beside it.
 type dist struct {
-	sk           *ddsketch.DDSketch
-	n            int64
-	sum, sq, max float64 // sq: the sum of squares
+	sk       *ddsketch.DDSketch
+	n        int64
+	sum, max float64
 }
 
 func newDist() dist {
@@ -54,7 +53,6 @@ func (d *dist) add(v float64) {
 	}
 	d.n++
 	d.sum += v
-	d.sq += v * v
 	if v > d.max {
 		d.max = v
 	}
@@ -74,13 +72,12 @@ func (d *dist) merge(o *dist) {
 	_ = d.sk.MergeWith(o.sk)
 	d.n += o.n
 	d.sum += o.sum
-	d.sq += o.sq
 	d.max = max(d.max, o.max)
 }
 
 func (d *dist) clear() {
 	d.sk.Clear()
-	d.n, d.sum, d.sq, d.max = 0, 0, 0, 0
+	d.n, d.sum, d.max = 0, 0, 0
 }
 
 // quantile returns the value at quantile q (0…1), 0 when empty.
@@ -102,13 +99,4 @@ func (d *dist) mean() float64 {
 		return 0
 	}
 	return d.sum / float64(d.n)
-}
-
-// stddev is the samples' standard deviation.
-func (d *dist) stddev() float64 {
-	if d.n < 2 {
-		return 0
-	}
-	m := d.mean()
-	return math.Sqrt(max(d.sq/float64(d.n)-m*m, 0))
 }
