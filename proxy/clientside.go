@@ -212,7 +212,10 @@ func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors) (wait 
 	in := &cs.ti.info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
-	floors.floor(cc.ip, d.minRTT, now)
+	if d.minRTT != cc.floorNoted {
+		floors.floor(cc.ip, d.minRTT, now)
+		cc.floorNoted = d.minRTT
+	}
 	d.srtt = time.Duration(in.Rtt) * time.Microsecond
 	d.retrans = int(in.Total_retrans - cc.retrans)
 	d.retransFrom = in.Total_retrans
@@ -317,7 +320,7 @@ func (w *ackWatch) add(x *exchange) {
 func (x *exchange) nextLook() time.Time { return x.cs.deliv.next }
 
 func (x *exchange) lookNow(now time.Time) bool {
-	if x.cs.look(x.p.now()) || x.cs.schedule(now) {
+	if x.cs.look(now) || x.cs.schedule(now) {
 		x.recordEnd()
 		return true
 	}

@@ -188,6 +188,10 @@ type clientConn struct {
 	ackBase int64         // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
 	retrans uint32        // tcpi_total_retrans at the last reading
 	synRTT  time.Duration // the handshake's RTT sample (tcpi_min_rtt when accepted)
+	// floorNoted is the path RTT this connection last gave the proxy's
+	// pathFloors: a kept-alive connection notes it again only when it
+	// changed, not under the floors' lock on every response.
+	floorNoted time.Duration
 	// closedAcked is tcpi_bytes_acked read just before the close (0: not
 	// read), for a record still waiting for the client's acknowledgement.
 	closedAcked atomic.Int64

@@ -363,9 +363,10 @@ func (r *bodyRelay) Read(b []byte) (int, error) {
 // wrote stamps the delivery of the last chunk handed to the server.
 func (r *bodyRelay) wrote(t time.Time) {
 	r.unstamped = false
-	tok, ans := r.x.tap.wrote(t, r.x.cs.stalled(), r.x.cs.sent())
+	sent := r.x.cs.sent()
+	tok, ans := r.x.tap.wrote(t, r.x.cs.stalled(), sent)
 	r.x.cs.laterBytes(t)
-	r.x.markAcks(tok, ans, t, r.x.cs.sent())
+	r.x.markAcks(tok, ans, t, sent)
 }
 
 // relayRaw writes the prepared header and then every chunk straight to the
