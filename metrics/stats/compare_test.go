@@ -10,24 +10,11 @@ import (
 )
 
 // sides fills an engine with n requests on each of two upstreams of route
-// "r", TTFT lognormal around 200 ms, B's scaled by scaleB.
+// "r", TTFT lognormal around 200 ms, B's scaled by scaleB, E2E four times
+// TTFT (sidesFrom).
 func sides(rng *rand.Rand, n int, scaleB float64) *Engine {
-	c := newClock()
-	e := New(Options{Now: c.now})
-	set := metrics.NewSet([]metrics.RouteRow{{Route: "r", Upstream: "a"}, {Route: "r", Upstream: "b"}}, nil, metrics.SetOptions{})
-	for i := range 2 * n {
-		row, scale := i%2, 1.0
-		if row == 1 {
-			scale = scaleB
-		}
-		v := math.Exp(rng.NormFloat64()*0.4+math.Log(200)) * scale
-		var r metrics.Record
-		r.Reset()
-		r.Series, r.Outcome, r.Tenant = set.Series(row, 0), metrics.OutcomeOK, "t"
-		r.TTFT, r.E2E, r.OutputTokens = time.Duration(v*float64(time.Millisecond)), time.Duration(4*v*float64(time.Millisecond)), 64
-		e.Observe(&r, nil)
-	}
-	return e
+	return sidesFrom(rng, n, scaleB, func(r *rand.Rand) float64 { return math.Exp(r.NormFloat64()*0.4 + math.Log(200)) },
+		func(_ *rand.Rand, v float64) float64 { return 4 * v })
 }
 
 func find(c Comparison, name, q string) Diff {
@@ -125,9 +112,9 @@ func TestQuantileDiffOnSamples(t *testing.T) {
 }
 
 // sidesFrom fills an engine with n requests on each of two upstreams of
-// route "r": TTFT drawn by draw (B's scaled by scaleB), E2E four times
-// TTFT plus a draw of its own, 64 output tokens.
-func sidesFrom(rng *rand.Rand, n int, scaleB float64, draw func(*rand.Rand) float64) *Engine {
+// route "r": TTFT drawn by draw (B's scaled by scaleB), E2E from it by e2e,
+// 64 output tokens.
+func sidesFrom(rng *rand.Rand, n int, scaleB float64, draw func(*rand.Rand) float64, e2e func(*rand.Rand, float64) float64) *Engine {
 	c := newClock()
 	e := New(Options{Now: c.now})
 	set := metrics.NewSet([]metrics.RouteRow{{Route: "r", Upstream: "a"}, {Route: "r", Upstream: "b"}}, nil, metrics.SetOptions{})
@@ -140,12 +127,15 @@ func sidesFrom(rng *rand.Rand, n int, scaleB float64, draw func(*rand.Rand) floa
 		var r metrics.Record
 		r.Reset()
 		r.Series, r.Outcome, r.Tenant = set.Series(row, 0), metrics.OutcomeOK, "t"
-		r.TTFT = time.Duration(v * float64(time.Millisecond))
-		r.E2E = time.Duration((4*v + draw(rng)) * float64(time.Millisecond))
-		r.OutputTokens = 64
+		r.TTFT, r.E2E, r.OutputTokens = time.Duration(v*float64(time.Millisecond)), time.Duration(e2e(rng, v)*float64(time.Millisecond)), 64
 		e.Observe(&r, nil)
 	}
 	return e
+}
+
+// plusDraw is an E2E of four times the TTFT plus a draw of its own.
+func plusDraw(draw func(*rand.Rand) float64) func(*rand.Rand, float64) float64 {
+	return func(r *rand.Rand, v float64) float64 { return 4*v + draw(r) }
 }
 
 // The distributions a verdict must stay honest on: lognormal, Pareto
@@ -179,7 +169,7 @@ func TestVerdictFalseAlarmsAtEverySize(t *testing.T) {
 			rng := rand.New(rand.NewPCG(uint64(sz.n), 11))
 			rowAlarms, outside, family, tested := map[string]int{}, map[string]int{}, 0, 0
 			for range sz.runs {
-				c, err := sidesFrom(rng, sz.n, 1, d.draw).Compare("r", "a", "b", "all")
+				c, err := sidesFrom(rng, sz.n, 1, d.draw, plusDraw(d.draw)).Compare("r", "a", "b", "all")
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -242,7 +232,7 @@ func TestVerdictPower(t *testing.T) {
 		const runs = 30
 		found := 0
 		for range runs {
-			v, err := sidesFrom(rng, c.n, c.scale, verdictDists[0].draw).Compare("r", "a", "b", "all")
+			v, err := sidesFrom(rng, c.n, c.scale, verdictDists[0].draw, plusDraw(verdictDists[0].draw)).Compare("r", "a", "b", "all")
 			if err != nil {
 				t.Fatal(err)
 			}
