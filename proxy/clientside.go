@@ -64,7 +64,7 @@ const maxAckWait = 2 * time.Second
 
 // note takes a TCP_INFO reading at now: the count acknowledged, and
 // whether bytes still wait unsent. The server writes the end of a chunked
-// body (its last chunk) after the exchange ended, so unsent bytes seen
+// body it frames (its last chunk, after WriteTo) after the exchange ended, so unsent bytes seen
 // later push the departure back; the first reading with none sets it.
 func (d *delivery) note(in *unix.TCPInfo, ackBase int64, now time.Time) {
 	d.ackedAt = int64(in.Bytes_acked) - ackBase

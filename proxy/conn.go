@@ -200,12 +200,13 @@ type clientConn struct {
 	ip     netip.Addr
 	closed atomic.Bool
 
-	// endSent: the chunked body just relayed went out with its last chunk
-	// (passChunks), so the server's own last chunk, the next write, is
-	// dropped. hold, while set, takes what is written instead of writing
-	// it (passWhole). Only the connection's serving goroutine touches them.
-	endSent bool
-	hold    *[]byte
+	// pending is what the server had read ahead of a response tokentap
+	// wrote itself (a pipelined request), handed back with the connection
+	// (takeBuffered); reads return it first. While draining, a read
+	// returns errDrained instead of reading the socket. Only the
+	// connection's serving goroutine touches them.
+	pending  []byte
+	draining bool
 
 	// While a relay loop holds the descriptor (looped), Close only shuts
 	// the socket down, which ends the loop's stream, and the close itself
@@ -260,8 +261,19 @@ func (c *clientConn) Close() error {
 }
 
 func (c *clientConn) Read(b []byte) (int, error) {
+	if c.draining {
+		return 0, errDrained
+	}
 	if c.bareLF {
 		return 0, errBareLF
+	}
+	if len(c.pending) > 0 {
+		// Read, stamped and scanned when the server read it ahead.
+		n := copy(b, c.pending)
+		if c.pending = c.pending[n:]; len(c.pending) == 0 {
+			c.pending = nil
+		}
+		return n, nil
 	}
 	n, err := c.rxConn.Read(b)
 	if n > 0 && c.reqRx == 0 {
@@ -272,6 +284,27 @@ func (c *clientConn) Read(b []byte) (int, error) {
 	}
 	return n, err
 }
+
+// takeBuffered moves into c's pending bytes what the server had read of
+// the connection and not parsed yet (a pipelined request), from hj, the
+// hijacked connection, which reads through the server's read buffer: once
+// that is empty, its next read would read c, which answers errDrained
+// instead. buf is room for the copy.
+func (c *clientConn) takeBuffered(hj net.Conn, buf []byte) {
+	c.draining = true
+	for {
+		n, err := hj.Read(buf)
+		c.pending = append(c.pending, buf[:n]...)
+		if err != nil || n == 0 {
+			break
+		}
+	}
+	c.draining = false
+}
+
+// errDrained: the server's read buffer of a hijacked connection is empty
+// (takeBuffered).
+var errDrained = errors.New("the read-ahead buffer is empty")
 
 // errBareLF: a request's header block ended with bare line feeds.
 var errBareLF = errors.New("the request header ends with bare LF line ends")
@@ -323,20 +356,6 @@ func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
 // 1% of d ago (a burst of writes then shares one deadline, which is at most
 // 1% shorter than d).
 func (c *clientConn) Write(b []byte) (int, error) {
-	if c.hold != nil {
-		*c.hold = append(*c.hold, b...)
-		return len(b), nil
-	}
-	if c.endSent {
-		c.endSent = false
-		if bytes.HasPrefix(b, bareLastChunk) {
-			if len(b) == len(bareLastChunk) {
-				return len(b), nil
-			}
-			n, err := c.Write(b[len(bareLastChunk):])
-			return n + len(bareLastChunk), err
-		}
-	}
 	now := time.Now()
 	if now.Sub(c.setAt) > c.d/100 {
 		if err := c.TCPConn.SetWriteDeadline(now.Add(c.d)); err != nil {
@@ -350,6 +369,19 @@ func (c *clientConn) Write(b []byte) (int, error) {
 		c.stall += d
 	}
 	return n, err
+}
+
+// SetDeadline and SetWriteDeadline replace the write deadline (the server
+// clears it when it hands a connection over), so the next Write sets its
+// own again.
+func (c *clientConn) SetDeadline(t time.Time) error {
+	c.setAt = time.Time{}
+	return c.TCPConn.SetDeadline(t)
+}
+
+func (c *clientConn) SetWriteDeadline(t time.Time) error {
+	c.setAt = time.Time{}
+	return c.TCPConn.SetWriteDeadline(t)
 }
 
 // stallMin is the shortest write counted as waiting for the client: one

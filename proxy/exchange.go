@@ -238,12 +238,12 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		ctx.Response.ImmediateHeaderFlush = x.att.conn.buffered() == 0
 	}
 	x.relay.contentLength = cl
-	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.client != nil {
-		// Chunked in, chunked out: the framing goes through as it came
-		// (passChunks), written to the connection after the header. Body
-		// bytes that came with the header go out with it instead, framed
-		// by the server, in one write.
-		x.relay.pass, x.relay.framed = true, !ctx.Response.ImmediateHeaderFlush
+	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.cs.cc != nil {
+		// Chunked in, chunked out: tokentap writes the response itself,
+		// the framing as it came (servePass, passChunks).
+		x.relay.pass = true
+		x.relay.servePass(ctx)
+		return
 	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
 		x.relay.serveHTTP10(ctx)
@@ -269,7 +269,7 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 		ctx.SetConnectionClose()
 		ctx.Response.SetStatusCode(r.status)
 		ctx.HijackSetNoResponse(true)
-		ctx.Hijack(func(net.Conn) {})
+		ctx.Hijack(func(c net.Conn) { _ = c.Close() })
 	default:
 		writeJSONError(ctx, r.status, r.code, r.msg, x.id)
 		if r.close {

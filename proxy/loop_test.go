@@ -403,10 +403,26 @@ func TestShutdownStopsRelayLoops(t *testing.T) {
 	if n := relayLoopGoroutines(); n < loopRoutines+1 {
 		t.Fatalf("%d relay loop goroutines while serving (%d before)", n, loopRoutines)
 	}
+	// The response was tokentap's to write: the kept-alive connection went
+	// back to the server (Proxy.resume), which Shutdown closes.
+	for deadline := time.Now().Add(10 * time.Second); goroutinesIn("(*Proxy).resume(") != 1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines serve the connection again after the stream, want 1", goroutinesIn("(*Proxy).resume("))
+		}
+	}
 	if err := p.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	p.Close()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := br.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("after Shutdown the kept-alive connection read %d bytes, %v; want it closed", n, err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); goroutinesIn("(*Proxy).resume(") != 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a goroutine still serves a connection after Shutdown")
+		}
+	}
 	if n := relayLoopGoroutines(); n != loopRoutines {
 		t.Fatalf("%d relay loop goroutines after Shutdown, %d before", n, loopRoutines)
 	}
@@ -416,12 +432,15 @@ func TestShutdownStopsRelayLoops(t *testing.T) {
 }
 
 // relayLoopGoroutines counts the goroutines running a relay loop.
-func relayLoopGoroutines() int {
+func relayLoopGoroutines() int { return goroutinesIn("(*relayLoop).run(") }
+
+// goroutinesIn counts the goroutines whose stack holds fn.
+func goroutinesIn(fn string) int {
 	buf := make([]byte, 1<<20)
 	for {
 		n := runtime.Stack(buf, true)
 		if n < len(buf) {
-			return strings.Count(string(buf[:n]), "(*relayLoop).run(")
+			return strings.Count(string(buf[:n]), fn)
 		}
 		buf = make([]byte, 2*len(buf))
 	}

@@ -25,7 +25,7 @@ type passTurn struct {
 }
 
 // loopable reports whether a passChunks stream can move to a relay loop
-// once nothing is buffered or framed by the server: not when the relay
+// once its header is out and nothing is buffered: not when the relay
 // loops are off, on a connection that is not a plain socket with receive
 // stamps, or for a compressed body (its side decoder could hold the loop
 // up).
@@ -93,12 +93,12 @@ func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, aga
 		got = true
 		again = n == len(room) || events&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0
 	}
-	rawFrom, end, last, data, serr := r.passScan(n)
+	end, last, data, serr := r.passScan(n)
 	if serr != nil {
 		err = serr
 	}
-	r.turn = passTurn{last: last, data: data, wrote: end > rawFrom, err: err}
-	return r.buf[rawFrom:end], false, got, again
+	r.turn = passTurn{last: last, data: data, wrote: end > 0, err: err}
+	return r.buf[:end], false, got, again
 }
 
 // relayWritten ends the read relayed once its bytes are written (passDone).
@@ -106,7 +106,7 @@ func (r *bodyRelay) relayWritten() (bool, error) {
 	return r.passDone(r.turn.data, r.turn.wrote, r.turn.err, r.turn.last)
 }
 
-// relayFailed keeps the error the server's next Read returns.
+// relayFailed keeps the upstream's error for the record.
 func (r *bodyRelay) relayFailed(err error, keepRead bool) {
 	if keepRead {
 		err = r.turn.err

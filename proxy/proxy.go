@@ -94,6 +94,11 @@ type Proxy struct {
 
 	srvMu sync.Mutex
 	srv   *fasthttp.Server // made by the first Serve
+	// resumed counts, per connection, the goroutines serving it again
+	// after a response tokentap wrote itself (resume); stopping is set by
+	// Shutdown, from when no connection is given back. Under srvMu.
+	resumed  map[*clientConn]int
+	stopping atomic.Bool
 
 	caps     *connCaps    // client connections opened through Listen
 	inflight atomic.Int64 // exchanges begun and not finished
@@ -330,6 +335,7 @@ func (p *Proxy) Serve(ln net.Listener) error {
 		p.srv = p.server()
 	}
 	srv := p.srv
+	p.stopping.Store(false)
 	p.srvMu.Unlock()
 	if !p.opts.GoroutineRelay {
 		p.loops.start(runtime.GOMAXPROCS(0), p.now)
@@ -344,6 +350,7 @@ func (p *Proxy) Serve(ln net.Listener) error {
 func (p *Proxy) Shutdown(ctx context.Context) error {
 	p.srvMu.Lock()
 	srv := p.srv
+	p.stopping.Store(true)
 	p.srvMu.Unlock()
 	if srv == nil {
 		return nil
@@ -354,8 +361,50 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 	if err := p.awaitRecorded(ctx); err != nil {
 		return err
 	}
+	p.closeResumed()
 	p.loops.stop()
 	return nil
+}
+
+// resume serves the next requests of a connection the server handed over
+// for a response tokentap wrote itself (bodyRelay.servePass), once that
+// response ended: the server takes it back as it takes a new connection,
+// unless the proxy is shutting down.
+func (p *Proxy) resume(cc *clientConn) {
+	p.srvMu.Lock()
+	srv := p.srv
+	if srv == nil || p.stopping.Load() {
+		p.srvMu.Unlock()
+		_ = cc.Close()
+		return
+	}
+	if p.resumed == nil {
+		p.resumed = map[*clientConn]int{}
+	}
+	p.resumed[cc]++
+	p.srvMu.Unlock()
+	_ = srv.ServeConn(cc) // it closes cc, unless a response hands it over again
+	p.srvMu.Lock()
+	if p.resumed[cc]--; p.resumed[cc] <= 0 {
+		delete(p.resumed, cc)
+	}
+	p.srvMu.Unlock()
+}
+
+// closeResumed closes the connections still served again after a
+// response tokentap wrote (resume) once the server stopped: one given
+// back just as the shutdown began is not among those the server waits
+// for.
+func (p *Proxy) closeResumed() {
+	p.srvMu.Lock()
+	conns := make([]*clientConn, 0, len(p.resumed))
+	for c := range p.resumed {
+		conns = append(conns, c)
+	}
+	p.srvMu.Unlock()
+	for _, c := range conns {
+		_ = c.Close()
+	}
 }
 
 // server is the fasthttp.Server that relays through p: streamed bodies
@@ -384,6 +433,10 @@ func (p *Proxy) server() *fasthttp.Server {
 		// would cut long streams. clientConn has a sliding per-write
 		// deadline instead.
 		CloseOnShutdown: true,
+		// Responses tokentap writes itself take the connection over and
+		// give it back for the next request (bodyRelay.servePass); the
+		// other hijacks close it themselves.
+		KeepHijackedConns: true,
 		// fasthttp's error texts quote the request, credentials included.
 		SecureErrorLogMessage: true,
 		Logger:                zapPrintf{p.log},

@@ -10,15 +10,19 @@ import (
 )
 
 // bodyRelay is the response body's way from the upstream to the client,
-// whatever path it takes: read through the server's body stream (Read,
-// for a known length), relayed read by read (WriteTo), passed with its
-// chunk framing as it came (passChunks, on the serving goroutine or on a
-// relay loop), or written unframed on a hijacked HTTP/1.0 connection
-// (relayRaw). The server reads the body through it and then closes it
-// (CloseWithError), which finishes the exchange.
+// whatever path it takes. One writer per response: either the server
+// writes all of it, reading the body through the relay (Read, for a known
+// length; WriteTo, read by read, which the server frames as chunks) and
+// then closing it (CloseWithError), which finishes the exchange; or
+// tokentap writes all of it, header included, on a connection the server
+// handed over and writes nothing more to (a hijack without a response):
+// the chunked body with its framing as it came (passChunks, on the
+// connection's goroutine or on a relay loop), or an HTTP/1.0 body
+// unframed (relayRaw).
 //
-// Owner: the serving goroutine from relay on; a relay loop while the
-// stream is in one (passLoop hands it over and waits for it back).
+// Owner: the serving goroutine from relay on (the hijack's goroutine for
+// the responses tokentap writes); a relay loop while the stream is in one
+// (passLoop hands it over and waits for it back).
 type bodyRelay struct {
 	x             *exchange // the exchange it relays the body of
 	body          io.Reader
@@ -31,25 +35,21 @@ type bodyRelay struct {
 	// unstamped: a chunk handed to the server awaits its delivery stamp
 	// (the fixed-length path, see Read).
 	unstamped bool
-	head      []byte // the response header of an HTTP/1.0 hijacked relay
+	head      []byte // the response header of a response tokentap writes (passChunks, relayRaw)
 
-	pass      bool   // the body is relayed with the upstream's chunk framing (passChunks)
-	framed    bool   // passChunks: the server frames what is written, until a chunk boundary
-	gathered  []byte // passChunks: the data bytes of a framed read
-	wholeRead bool   // passChunks: the body came whole with the header (see passWhole)
-	heldOut   []byte // passWhole: the header and the body, held for one write
-	keep      int    // passChunks: bytes of a held size line at the front of buf
-	endSent   bool   // the body's last chunk went out with its data (passScan)
-	chunks    chunkScanner
-	loop      loopStream // the stream while a relay loop relays it (loop.go)
-	turn      passTurn   // the read the relay loop relays (passloop.go)
+	pass     bool // the body is relayed with the upstream's chunk framing (passChunks)
+	headOwed bool // passChunks: the response header (head) is not written yet
+	keepConn bool // passChunks: the client connection serves more requests after the response
+	keep     int  // passChunks: bytes of a held size line at the front of buf
+	chunks   chunkScanner
+	loop     loopStream // the stream while a relay loop relays it (loop.go)
+	turn     passTurn   // the read the relay loop relays (passloop.go)
 }
 
 // kept is the relay's next life in a pooled exchange: its buffers, nothing
 // relayed.
 func (r *bodyRelay) kept() bodyRelay {
-	return bodyRelay{x: r.x, buf: r.buf, head: r.head[:0], gathered: r.gathered[:0], heldOut: r.heldOut[:0],
-		loop: loopStream{done: r.loop.done}}
+	return bodyRelay{x: r.x, buf: r.buf, head: r.head[:0], loop: loopStream{done: r.loop.done}}
 }
 
 // pull reads the upstream once into b and feeds what it read to the
@@ -94,9 +94,6 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 	if r.buf == nil {
 		r.buf = make([]byte, 8<<10)
 	}
-	if r.pass {
-		return r.passChunks(w)
-	}
 	var written int64
 	for {
 		stripping := r.x.tap.strip // parseStrip may give up during this read
@@ -132,140 +129,109 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 }
 
 // passChunks relays a chunked upstream body to a chunked client with its
-// framing as it came: each read of the upstream socket lands in the
-// relay's buffer and goes to the client's socket in one write, its data
-// bytes handed to the parser on the way. (fasthttp's body stream would
-// decode each chunk and frame it again: a copy through its buffer, and a
-// read and a write per chunk where several came in one read.)
+// framing as it came, and the response header before it: tokentap writes
+// the whole response itself, on a connection the server handed over
+// (servePass), and the server writes nothing of it. Each read of the
+// upstream socket lands in the relay's buffer and goes to the client's
+// socket in one write, its data bytes handed to the parser on the way.
+// (fasthttp's body stream would decode each chunk and frame it again: a
+// copy through its buffer, and a read and a write per chunk where several
+// came in one read.)
 //
-// The response header was flushed before the body (ImmediateHeaderFlush),
-// so the server's buffer is empty and writing to the connection keeps the
-// order. The server ends every chunked body itself once WriteTo returns,
-// after the exchange finished, in a write of its own; trailers were never
-// relayed. A bare last chunk (0, no trailers) that came in one read with
-// the data before it goes out in the same write instead, and the server's
-// copy is dropped (clientConn.endSent): one write and one segment less per
-// response, and the response is whole on the wire when its record is
-// made. A size line cut by the end of a read is held, at the front of the
-// buffer, until it ends: only then can the last chunk be told apart.
-//
-// When body bytes came with the response header, the header is still in
-// the server's buffer: the data of the reads up to the first chunk
-// boundary is written through w, which frames it and flushes it with the
-// header in one write; the framing goes through as it came from there on.
-// A body that came whole with the header goes out with it in one write
-// (passWhole).
-func (r *bodyRelay) passChunks(w io.Writer) (_ int64, err error) {
+// The header goes out at once, so a client sees it during a long
+// prefill; when body bytes came with it, they go out together in one
+// write instead (a body that came whole with its header, short streams,
+// errors and answers a backend had ready: one write). The body's end goes
+// out with the read that brought it; trailers are not relayed (the last
+// chunk goes out bare). A size line cut by the end of a read is held, at
+// the front of the buffer, until it ends: only then can the last chunk be
+// told apart.
+func (r *bodyRelay) passChunks() (err error) {
+	if r.buf == nil {
+		r.buf = make([]byte, 8<<10)
+	}
 	up, cl := r.x.att.conn, clientRx(r.x.client)
 	up.setDirect(true)
 	setDirect(cl, true)
 	defer func() {
 		up.setDirect(false)
 		setDirect(cl, false)
-		if r.endSent && err == nil {
-			// The body's end went out already (passScan): the server's
-			// own, written only after a body relayed without error, is
-			// dropped.
-			r.x.cs.cc.endSent = true
-		}
 	}()
+	if r.headOwed && up.buffered() == 0 {
+		if err := r.writeOut(nil); err != nil {
+			return err
+		}
+	}
 	loop := r.loopable()
 	for {
-		if loop && !r.framed && r.x.att.conn.buffered() == 0 {
+		if loop && !r.headOwed && up.buffered() == 0 {
 			if moved, err := r.passLoop(); moved {
-				return r.bytesOut, err
+				return err
 			}
 			loop = false
 		}
-		if end, err := r.passRead(w); end {
-			return r.bytesOut, err
+		if end, err := r.passRead(); end {
+			return err
 		}
 	}
 }
 
-// passWhole writes a body that came whole with its response header, bare
-// last chunk included: the server frames the data as one chunk after the
-// header, the client connection holds what the server writes, and all of
-// it goes out with the last chunk in one write (the server's own last
-// chunk is dropped later: endSent). Short streams, errors and answers a
-// backend had ready come this way: one write instead of three.
-func (r *bodyRelay) passWhole(w io.Writer) error {
-	cc := r.x.cs.cc
-	cc.hold = &r.heldOut
-	_, err := w.Write(r.gathered)
-	cc.hold = nil
-	if err == nil {
-		r.heldOut = append(r.heldOut, bareLastChunk...)
-		_, err = cc.Write(r.heldOut)
+// writeOut writes b to the client, after the response header while it is
+// owed: the two in one write.
+func (r *bodyRelay) writeOut(b []byte) error {
+	if r.headOwed {
+		r.headOwed = false
+		if len(b) > 0 {
+			r.head = append(r.head, b...)
+		}
+		_, err := r.x.client.Write(r.head)
+		if cap(r.head) > maxPooledOut {
+			r.head = nil
+		}
+		return err
 	}
-	r.heldOut = r.heldOut[:0]
-	if cap(r.heldOut) > maxPooledOut {
-		r.heldOut = nil
-	}
+	_, err := r.x.client.Write(b)
 	return err
 }
 
 // passRead relays one read of passChunks; end is true when the body ended
 // or failed (err says which).
-func (r *bodyRelay) passRead(w io.Writer) (end bool, err error) {
+func (r *bodyRelay) passRead() (end bool, err error) {
 	var n int
 	if r.x.att.conn.buffered() > 0 {
 		n, err = r.x.att.conn.readBuffered(r.buf[r.keep:]) // what came with the header
 	} else {
 		n, err = r.x.att.conn.Read(r.buf[r.keep:])
 	}
-	rawFrom, out, last, data, serr := r.passScan(n)
+	out, last, data, serr := r.passScan(n)
 	if serr != nil {
 		err = serr
 	}
-	if len(r.gathered) > 0 {
-		// Framed by the server, and flushed with the header.
-		var werr error
-		if r.wholeRead {
-			werr = r.passWhole(w)
-		} else {
-			_, werr = w.Write(r.gathered)
-		}
-		r.gathered = r.gathered[:0]
-		if werr != nil {
+	if out > 0 || r.headOwed {
+		if werr := r.writeOut(r.buf[:out]); werr != nil {
 			r.readErr = err
 			return true, werr
 		}
 	}
-	if out > rawFrom {
-		if _, werr := r.x.client.Write(r.buf[rawFrom:out]); werr != nil {
-			r.readErr = err
-			return true, werr
-		}
-	}
-	return r.passDone(data, out > rawFrom, err, last)
+	return r.passDone(data, out > 0, err, last)
 }
 
 // passScan follows the framing of the n bytes just read into r.buf (after
 // the r.keep bytes of a size line held from the read before), hands their
-// data bytes to the parser and says what to write as it came:
-// r.buf[rawFrom:out], up to the start of the last chunk, or of a size line
-// the read cut (held for the next read: r.keep), or of a framing error
-// (err); in the trailers, nothing. last is the end of the bytes read; data
-// counts the data bytes. While framed, the data bytes are gathered for the
-// server to frame instead.
-func (r *bodyRelay) passScan(n int) (rawFrom, out, last, data int, err error) {
+// data bytes to the parser and says what to write as it came: r.buf[:out],
+// up to the start of the last chunk, of a size line the read cut (held for
+// the next read: r.keep), or of a framing error (err). The body's end goes
+// out with the read that ends it: as it came when it is the bare last
+// chunk, else as a bare last chunk written over what the trailers took in
+// the buffer (trailers are not relayed). last is the end of the bytes
+// read; data counts the data bytes.
+func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 	keep := r.keep
 	last = keep + n
-	if r.framed {
-		rawFrom = last
-	}
 	out, start := last, keep-r.chunks.line
 	if r.chunks.lastChunk() {
-		out = 0
+		out = 0 // the last chunk began in an earlier read
 	}
-	// The body's end goes out with the read that brought it, when it is
-	// the bare last chunk (no trailers): in that read's write when the
-	// header is out before it (see endSent), or with the header, the body
-	// and all, when they came together (passWhole). While the header waits,
-	// every data byte of the read is gathered, and those after the first
-	// chunk boundary are dropped again unless the body ends here.
-	wasFramed, endHere, gatheredAt := r.framed, false, -1
 	if n > 0 {
 		at := r.readTime()
 		for off := keep; off < last; {
@@ -277,44 +243,33 @@ func (r *bodyRelay) passScan(n int) (rawFrom, out, last, data int, err error) {
 			if len(d) > 0 {
 				data += len(d)
 				r.x.observe(d, at)
-				if wasFramed {
-					r.gathered = append(r.gathered, d...)
-				}
 			}
 			if serr != nil {
 				err, out = serr, min(out, off)
 				break
 			}
-			if r.framed && r.chunks.atBoundary() {
-				// A chunk boundary: from here on the bytes go as they came.
-				r.framed, rawFrom, gatheredAt = false, off, len(r.gathered)
-			}
 			if r.chunks.lastChunk() && out == last {
-				out, endHere = start, true
+				out = start
 			}
 			if r.chunks.done() {
 				r.upDone, r.stray = true, off < last
 				r.x.cancel.settle()
-				if endHere && r.x.cs.cc != nil && bytes.Equal(r.buf[start:off], bareLastChunk) {
-					switch {
-					case wasFramed && len(r.gathered) > 0:
-						rawFrom, out, r.wholeRead, r.endSent = last, last, true, true
-					case !wasFramed && start >= rawFrom:
-						out, r.endSent = off, true
-					}
+				if out == start && bytes.Equal(r.buf[start:off], bareLastChunk) {
+					out = off
+				} else {
+					// What lies from out on is the last chunk and its
+					// trailers, at least as long as a bare last chunk.
+					out += copy(r.buf[out:], bareLastChunk)
 				}
 				break
 			}
 		}
 	}
-	if gatheredAt >= 0 && !r.wholeRead {
-		r.gathered = r.gathered[:gatheredAt]
-	}
 	r.keep = 0
-	if in, l := r.chunks.inSizeLine(); in && out == last && !r.framed {
+	if in, l := r.chunks.inSizeLine(); in && out == last {
 		out, r.keep = last-l, l
 	}
-	return rawFrom, out, last, data, err
+	return out, last, data, err
 }
 
 // passDone ends a relayed read whose bytes were written (data bytes of
@@ -374,6 +329,7 @@ func (r *bodyRelay) wrote(t time.Time) {
 // failure the connection is reset, not closed cleanly, so the client can
 // tell a broken body from a complete one.
 func (r *bodyRelay) relayRaw(c net.Conn) {
+	defer c.Close() // after finish: the server keeps hijacked connections open
 	if _, err := c.Write(r.head); err != nil {
 		r.x.finish(err)
 		return
@@ -396,7 +352,8 @@ func (r *bodyRelay) CloseWithError(err error) error {
 	return nil
 }
 
-// maxPooledOut is the largest passWhole buffer kept for the next response.
+// maxPooledOut is the largest header buffer (with the body bytes that came
+// with the header) kept for the next response.
 const maxPooledOut = 32 << 10
 
 // bareLastChunk ends a chunked body that has no trailers.
@@ -428,4 +385,48 @@ func (r *bodyRelay) serveHTTP10(ctx *fasthttp.RequestCtx) {
 	r.head = append(r.head[:0], h.Header()...)
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(r.relayRaw)
+}
+
+// servePass has tokentap write the whole response, header and all, with
+// the upstream's chunk framing as it came (passChunks): the server hands
+// the connection over without writing anything (a hijack without a
+// response) and takes it back for the next request once the body ended at
+// its last chunk (Proxy.resume). A response that asks to close the
+// connection, or ends in an error, or comes during a shutdown closes it,
+// as the server does.
+func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
+	h := &ctx.Response.Header
+	h.SetContentLength(-1) // Transfer-Encoding: chunked
+	r.keepConn = !ctx.Request.Header.ConnectionClose() && !h.ConnectionClose() && !r.x.p.stopping.Load()
+	if !r.keepConn {
+		h.SetConnectionClose()
+	}
+	r.head, r.headOwed = h.AppendBytes(r.head[:0]), true
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(r.relayPass)
+}
+
+// relayPass relays a passChunks response on the connection the server
+// handed over (hj, which reads through the server's read buffer), finishes
+// the exchange, and then gives the connection back to the server or closes
+// it. It runs on the hijack's goroutine, which owns the exchange from here.
+func (r *bodyRelay) relayPass(hj net.Conn) {
+	x, cc := r.x, r.x.cs.cc
+	err := r.passChunks()
+	keep := err == nil && r.upDone && r.keepConn
+	if keep {
+		// A pipelined request the server had read ahead goes back with
+		// the connection.
+		cc.takeBuffered(hj, r.buf)
+	}
+	p := x.p
+	x.finish(err) // the exchange may be released from here on
+	if !keep {
+		_ = cc.Close()
+		return
+	}
+	// The rest of the connection's life is the server's again, on a
+	// goroutine of its own: this one returns, and the server releases the
+	// request's context.
+	go p.resume(cc)
 }

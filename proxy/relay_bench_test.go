@@ -154,7 +154,7 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 		if _, err := up.Write(benchFrame); err != nil {
 			t.Fatal(err)
 		}
-		if end, err := x.relay.passRead(io.Discard); end {
+		if end, err := x.relay.passRead(); end {
 			t.Fatalf("the relay ended: %v", err)
 		}
 	}
@@ -176,7 +176,7 @@ func BenchmarkPassChunks(b *testing.B) {
 	b.SetBytes(int64(len(benchEvent)))
 	for b.Loop() {
 		up.Write(benchFrame)
-		x.relay.passRead(io.Discard)
+		x.relay.passRead()
 	}
 }
 
@@ -224,7 +224,7 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	before := loopStreams.Load()
 	done := make(chan error, 1)
 	go func() {
-		_, err := x.relay.passChunks(io.Discard)
+		err := x.relay.passChunks()
 		done <- err
 	}()
 	got := make([]byte, len(benchFrame))
@@ -258,7 +258,7 @@ func BenchmarkRelayPath(b *testing.B) {
 			x, up, peer := relayPair(b, path.goroutine)
 			done := make(chan error, 1)
 			go func() {
-				_, err := x.relay.passChunks(io.Discard)
+				err := x.relay.passChunks()
 				done <- err
 			}()
 			got := make([]byte, len(benchFrame))

@@ -151,9 +151,7 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 	if now == nil {
 		now = time.Now
 	}
-	if cfg.IdleTTL <= 0 {
-		cfg.IdleTTL = 10 * time.Minute
-	}
+	cfg = cfg.WithDefaults()
 	a := &Admitter{
 		cfg: cfg, now: now, keys: newKeyIndex(cfg.Tenants),
 		tenants: make(map[string]*Tenant, len(cfg.Tenants)),

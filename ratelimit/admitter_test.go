@@ -467,6 +467,22 @@ func TestReloadRaisingConcurrencyKeepsRequestsInFlight(t *testing.T) {
 	}
 }
 
+// Fields left zero take their defaults, and only there (WithDefaults).
+func TestConfigDefaults(t *testing.T) {
+	c := Config{Tenants: []Tenant{{Name: "a"}}}
+	if err := c.Validate(); err != nil {
+		t.Fatalf("a config of defaults: %v", err)
+	}
+	d := c.WithDefaults()
+	if d.Mode != ModeReject || d.MaxQueue != 100 || d.MaxWait != 2*time.Second || d.IdleTTL != 10*time.Minute {
+		t.Fatalf("defaults: %+v", d)
+	}
+	set := Config{Mode: ModeQueue, MaxQueue: 7, MaxWait: time.Second, IdleTTL: time.Minute}.WithDefaults()
+	if set.Mode != ModeQueue || set.MaxQueue != 7 || set.MaxWait != time.Second || set.IdleTTL != time.Minute {
+		t.Fatalf("set fields changed by the defaults: %+v", set)
+	}
+}
+
 func TestConfigErrorsNameTheField(t *testing.T) {
 	f := func(c Config, want string) {
 		t.Helper()
@@ -477,7 +493,9 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	ok := Tenant{Name: "a"}
 	f(Config{Mode: ModeReject}, "tenants")
 	f(Config{Tenants: []Tenant{ok}, Mode: "drop"}, "admission.mode")
-	f(Config{Tenants: []Tenant{ok}, Mode: ModeQueue}, "admission.max_queue")
+	f(Config{Tenants: []Tenant{ok}, Mode: ModeQueue, MaxQueue: -1}, "admission.max_queue")
+	f(Config{Tenants: []Tenant{ok}, Mode: ModeQueue, MaxWait: -time.Second}, "admission.max_wait")
+	f(Config{Tenants: []Tenant{ok}, IdleTTL: -time.Second}, "admission.idle_ttl")
 	f(Config{Tenants: []Tenant{ok, ok}, Mode: ModeReject}, "tenants[1].name")
 	f(Config{Tenants: []Tenant{{Name: "a", Limits: Limits{RequestsPerSecond: -1}}}, Mode: ModeReject}, "tenants[0].requests_per_second")
 	f(Config{Tenants: []Tenant{{Name: "a", Limits: Limits{Burst: 3}}}, Mode: ModeReject}, "tenants[0].burst")

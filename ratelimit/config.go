@@ -97,21 +97,50 @@ func fieldErr(path, format string, args ...any) error {
 	return &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)}
 }
 
-// Validate checks c; its errors are *FieldError.
+// The defaults of the fields left zero (WithDefaults).
+const (
+	DefaultMaxQueue = 100
+	DefaultMaxWait  = 2 * time.Second
+	DefaultIdleTTL  = 10 * time.Minute
+)
+
+// WithDefaults returns c with its zero fields set to their defaults: mode
+// reject, queues of DefaultMaxQueue requests waiting at most
+// DefaultMaxWait, idle state kept DefaultIdleTTL.
+func (c Config) WithDefaults() Config {
+	if c.Mode == "" {
+		c.Mode = ModeReject
+	}
+	if c.MaxQueue == 0 {
+		c.MaxQueue = DefaultMaxQueue
+	}
+	if c.MaxWait == 0 {
+		c.MaxWait = DefaultMaxWait
+	}
+	if c.IdleTTL == 0 {
+		c.IdleTTL = DefaultIdleTTL
+	}
+	return c
+}
+
+// Validate checks c, its zero fields standing for their defaults; its
+// errors are *FieldError.
 func (c *Config) Validate() error {
 	if len(c.Tenants) == 0 {
 		return fieldErr("tenants", "at least one tenant is required for admission control")
 	}
 	switch c.Mode {
-	case ModeReject, ModeQueue:
+	case ModeReject, ModeQueue, "":
 	default:
 		return fieldErr("admission.mode", "%q must be reject or queue", c.Mode)
 	}
-	if c.Mode == ModeQueue && (c.MaxQueue <= 0 || c.MaxWait <= 0) {
-		return fieldErr("admission.max_queue and admission.max_wait", "must be positive in queue mode")
-	}
-	if c.MaxQueue < 0 || c.MaxWait < 0 || c.IdleTTL < 0 {
-		return fieldErr("admission", "max_queue, max_wait and idle_ttl must not be negative")
+	for _, f := range []struct {
+		name     string
+		negative bool
+	}{{"max_queue", c.MaxQueue < 0}, {"max_wait", c.MaxWait < 0}, {"idle_ttl", c.IdleTTL < 0}} {
+		if f.negative {
+			return fieldErr("admission."+f.name, "must not be negative")
+		}
 	}
 	names := map[string]bool{}
 	keys := map[string]string{}

@@ -272,6 +272,8 @@ func TestTenantConfigErrorsNameTheField(t *testing.T) {
 	f("tenants:\n  - name: a\n    routes:\n      nosuch:\n        max_concurrent: 1\n", "tenants[0].routes.nosuch", "no route")
 	f("admission:\n  mode: queue\n", ":1:", "admission", "tenants")
 	f("tenants:\n  - name: a\nadmission:\n  max_wait: soon\n", ":4:", "admission.max_wait")
+	f("tenants:\n  - name: a\nadmission:\n  mode: queue\n  max_queue: 0\n", ":5:", "admission.max_queue", "positive")
+	f("tenants:\n  - name: a\nadmission:\n  max_wait: 0s\n", ":4:", "admission.max_wait", "positive")
 }
 
 // TestConfigErrorsInFlowMaps: an error inside a one-line mapping names the

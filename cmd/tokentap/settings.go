@@ -18,14 +18,22 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 	if fc == nil {
 		fc = &fileConfig{}
 	}
-	b := &settingsBuilder{fc: fc, f: f,
-		s: &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-", drainTimeout: 10 * time.Minute}}
+	b := &settingsBuilder{fc: fc, f: f, s: defaultSettings()}
 	for _, step := range []func() error{b.listeners, b.drain, b.routes, b.observing, b.limits, b.admission, b.validate} {
 		if err := step(); err != nil {
 			return nil, err
 		}
 	}
 	return b.s, nil
+}
+
+// defaultSettings are the command's own settings before the flags and the
+// file: the addresses, the access log and the drain's bound. (An empty
+// address turns a listener off, so these are starting values, not
+// zero-value defaults; the proxy's and the admission's defaults are their
+// types' own: proxy.Config, proxy.Options, ratelimit.Config.)
+func defaultSettings() *settings {
+	return &settings{listen: ":8080", admin: "127.0.0.1:9090", accessLog: "-", drainTimeout: 10 * time.Minute}
 }
 
 // settingsBuilder carries the sections' converters: the file and flags in,
@@ -236,19 +244,21 @@ func (b *settingsBuilder) admission() error {
 		}
 		return nil
 	}
+	// Left out, a field takes ratelimit's default (Config.WithDefaults);
+	// written, a size or a wait must be positive.
+	if q := fc.Admission.MaxQueue; q != nil && *q <= 0 {
+		return fmt.Errorf("%s: must be positive (leave it out for the default, %d)", b.where("admission.max_queue"), ratelimit.DefaultMaxQueue)
+	}
+	if w := fc.Admission.MaxWait; w.set && w.d <= 0 {
+		return fmt.Errorf("%s: must be positive (leave it out for the default, %s)", b.where("admission.max_wait"), ratelimit.DefaultMaxWait)
+	}
 	ad := &ratelimit.Config{
-		Mode: ratelimit.Mode(fc.Admission.Mode), MaxQueue: 100, MaxWait: 2 * time.Second,
+		Mode: ratelimit.Mode(fc.Admission.Mode), MaxWait: fc.Admission.MaxWait.d,
 		UnknownKey: fc.Admission.UnknownKey, TrustedTenantHeader: fc.Admission.TrustedTenantHeader,
 		IdleTTL: fc.Admission.IdleTTL.d,
 	}
-	if ad.Mode == "" {
-		ad.Mode = ratelimit.ModeReject
-	}
 	if fc.Admission.MaxQueue != nil {
 		ad.MaxQueue = *fc.Admission.MaxQueue
-	}
-	if fc.Admission.MaxWait.set {
-		ad.MaxWait = fc.Admission.MaxWait.d
 	}
 	for _, t := range fc.Tenants {
 		rt := ratelimit.Tenant{Name: t.Name, Keys: t.Keys, KeySHA256: t.KeySHA256, Limits: t.limits()}
