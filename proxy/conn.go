@@ -207,6 +207,18 @@ type clientConn struct {
 	// connection's serving goroutine touches them.
 	pending  []byte
 	draining bool
+	// handover is held from a response that takes the connection over
+	// (servePass) until the server's goroutine that served it has let go
+	// of it (its StateHijacked: Proxy.connState), so that the server is
+	// given it back (Proxy.resume) only once nothing of the old serving
+	// remains (its idle-tracking entry is keyed by the connection).
+	handover sync.WaitGroup
+	handing  atomic.Bool
+	// resumedIdle: given back to the server (Proxy.resume) and no byte of
+	// a next request read since; a shutdown claims it (closeIdleResumed)
+	// rather than wait for the server, which counts a connection it is
+	// given as busy for its first 5 s.
+	resumedIdle atomic.Bool
 
 	// While a relay loop holds the descriptor (looped), Close only shuts
 	// the socket down, which ends the loop's stream, and the close itself
@@ -276,6 +288,9 @@ func (c *clientConn) Read(b []byte) (int, error) {
 		return n, nil
 	}
 	n, err := c.rxConn.Read(b)
+	if n > 0 && c.resumedIdle.Load() {
+		c.resumedIdle.Store(false)
+	}
 	if n > 0 && c.reqRx == 0 {
 		c.reqRx = c.rx
 	}

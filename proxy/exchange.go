@@ -448,6 +448,9 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.p.stats.Observe(rec, x.tap.m.gaps)
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
+		if x.att.mem != nil {
+			x.rt.guard.observe(x.att.mem.name, rec)
+		}
 		if x.in.stickyKeyed {
 			x.rt.guard.noteKey(x.att.mem.name, x.in.stickyKey, now)
 		}

@@ -38,8 +38,9 @@ func (w pinWrites) WriteTo(dst io.Writer) (int64, error) {
 }
 
 // pinServer serves handler with tokentap's server settings on tokentap's
-// listener, and returns its address.
-func pinServer(t *testing.T, handler fasthttp.RequestHandler) (*fasthttp.Server, string) {
+// listener, its state hook replaced by state when given, and returns its
+// address.
+func pinServer(t *testing.T, handler fasthttp.RequestHandler, state func(net.Conn, fasthttp.ConnState)) (*fasthttp.Server, string) {
 	t.Helper()
 	p := newProxyForBench(t)
 	ln, err := p.Listen("127.0.0.1:0")
@@ -48,6 +49,9 @@ func pinServer(t *testing.T, handler fasthttp.RequestHandler) (*fasthttp.Server,
 	}
 	srv := p.server()
 	srv.Handler = handler
+	if state != nil {
+		srv.ConnState = state
+	}
 	go srv.Serve(ln)
 	t.Cleanup(func() { srv.Shutdown() })
 	return srv, ln.Addr().String()
@@ -92,7 +96,7 @@ func TestFasthttpFramingPinned(t *testing.T) {
 		case "/fixed":
 			ctx.Response.SetBodyStream(strings.NewReader("hello"), 5)
 		}
-	})
+	}, nil)
 	c, br := rawRequest(t, addr, "GET /stream HTTP/1.1\r\nHost: h\r\n\r\n")
 	c.SetDeadline(time.Now().Add(10 * time.Second))
 	want := pinStreamHead + "3\r\nabc\r\n11\r\n0123456789abcdefg\r\n0\r\n\r\n"
@@ -115,10 +119,14 @@ func TestFasthttpFramingPinned(t *testing.T) {
 // for pipelined requests come after it: they are flushed before); the
 // connection stays open after the handler (KeepHijackedConns); what the
 // server read ahead (a pipelined request) comes first through the
-// hijacked connection (takeBuffered); and the server serves the
-// connection again when given it back (Proxy.resume).
+// hijacked connection (takeBuffered); the server reports StateHijacked
+// once its goroutine let go of the connection (Proxy.connState: only then
+// may it be given back, its idle tracking being keyed by the connection);
+// and the server serves the connection again when given it back
+// (Proxy.resume).
 func TestFasthttpHijackPinned(t *testing.T) {
 	back := make(chan *clientConn, 1)
+	hijacked := make(chan net.Conn, 4)
 	var srv *fasthttp.Server
 	srv, addr := pinServer(t, func(ctx *fasthttp.RequestCtx) {
 		switch string(ctx.Path()) {
@@ -133,6 +141,10 @@ func TestFasthttpHijackPinned(t *testing.T) {
 		default:
 			ctx.SetBodyString("server:" + string(ctx.Path()))
 		}
+	}, func(c net.Conn, s fasthttp.ConnState) {
+		if s == fasthttp.StateHijacked {
+			hijacked <- c
+		}
 	})
 	// Three pipelined requests: one the server answers (held back in its
 	// buffer for the next), one tokentap answers, and one read ahead.
@@ -144,6 +156,14 @@ func TestFasthttpHijackPinned(t *testing.T) {
 		t.Fatalf("around a hijacked response the client read\n%q\nwant\n%q", got, want)
 	}
 	cc := <-back
+	select {
+	case c := <-hijacked:
+		if c != net.Conn(cc) {
+			t.Fatalf("StateHijacked reported for %v, not the hijacked connection", c)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server never reported StateHijacked")
+	}
 	if !bytes.HasPrefix(cc.pending, []byte("GET /b HTTP/1.1\r\n")) {
 		t.Fatalf("the request read ahead was not handed over: %q", cc.pending)
 	}

@@ -1,24 +1,30 @@
 package proxy
 
 import (
-	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"go.uber.org/zap"
 )
 
-// Guard stops a canary that is worse than its baseline: when, over Window
-// and with at least MinRequests on each side, the candidate's TTFT p95 or
-// E2E p95 exceeds the baseline's by more than the allowed share, or its
-// error rate by more than the allowed points, the candidate's weight
-// drops to 0 (it takes no new requests; those in flight finish) until a
-// reload or a reset.
+// Guard stops a canary that is worse than its baseline: from the moment
+// both sides have MinRequests since the guard was armed (the config or a
+// reset), it weighs all their requests since then once a second, and when
+// the candidate's TTFT p95 or E2E p95 exceeds the baseline's by more than
+// the allowed share, or its error rate by more than the allowed points,
+// with confidence (a sequential test whose false alarms over all its looks
+// stay under 1%: stats.WeighGuard), the candidate's weight drops to 0 (it
+// takes no new requests; those in flight finish) until a reload or a
+// reset.
 type Guard struct {
 	Candidate, Baseline string
-	// Window is 1m, 5m, 15m or 1h (default 5m).
+	// Window is 1m, 5m, 15m or 1h (default 5m): how long a sticky key
+	// stays counted on its side once a side has seen more than 4,096
+	// keys. The guard itself never waits for a window: it weighs the
+	// requests since it was armed.
 	Window      string
 	MinRequests int64
 	// MaxTTFTP95Increase and MaxE2EP95Increase are shares (0.1: 10%);
@@ -53,9 +59,46 @@ type guardState struct {
 	candidate *member
 	tripped   atomic.Pointer[GuardStatus] // nil: not tripped
 	lastCheck atomic.Int64                // unix nanos of the last check
-	armedAt   atomic.Int64                // unix nanos: checks begin a window after it
-	// keys are the sticky keys seen on each side (candidate, baseline).
-	keys [2]keySet
+	armedAt   atomic.Int64                // unix nanos: the sides hold the requests since then
+	looks     atomic.Int64                // the looks taken since then (stats.WeighGuard's k)
+	// sides are the requests since armedAt of the candidate and the
+	// baseline; keys the sticky keys seen on each side.
+	sides [2]*stats.GuardSide
+	keys  [2]keySet
+}
+
+// newGuardState arms a route's guard at now.
+func newGuardState(g Guard, now time.Time) *guardState {
+	st := &guardState{Guard: g.withDefaults(), sides: [2]*stats.GuardSide{stats.NewGuardSide(), stats.NewGuardSide()}}
+	st.armedAt.Store(now.UnixNano())
+	return st
+}
+
+// side returns the side upstream is on: 0 the candidate, 1 the baseline,
+// -1 neither.
+func (g *guardState) side(upstream string) int {
+	switch upstream {
+	case g.Candidate:
+		return 0
+	case g.Baseline:
+		return 1
+	}
+	return -1
+}
+
+// observe adds a finished request of upstream to its side.
+func (g *guardState) observe(upstream string, rec *metrics.Record) {
+	if i := g.side(upstream); i >= 0 {
+		g.sides[i].Observe(rec)
+	}
+}
+
+// rearm empties the sides and starts the looks again, at now.
+func (g *guardState) rearm(now time.Time) {
+	g.sides[0].Reset()
+	g.sides[1].Reset()
+	g.looks.Store(0)
+	g.armedAt.Store(now.UnixNano())
 }
 
 // keySet is when each sticky key (its hash) was last seen on a side,
@@ -106,11 +149,8 @@ func (k *keySet) distinct(from int64, enough int) int {
 // noteKey records that a request of the sticky key (its hash) went to
 // upstream, when that is the guard's candidate or baseline.
 func (g *guardState) noteKey(upstream string, key uint64, now time.Time) {
-	switch upstream {
-	case g.Candidate:
-		g.keys[0].note(key, now.UnixNano(), int64(g.windowLen()))
-	case g.Baseline:
-		g.keys[1].note(key, now.UnixNano(), int64(g.windowLen()))
+	if i := g.side(upstream); i >= 0 {
+		g.keys[i].note(key, now.UnixNano(), int64(g.windowLen()))
 	}
 }
 
@@ -134,49 +174,41 @@ type GuardStatus = stats.TrippedGuard
 // most: a check merges a window of sketches.
 const guardInterval = time.Second
 
-// checkGuard weighs the route's candidate against its baseline, at most
-// once per guardInterval, and trips the guard when a limit is passed.
+// checkGuard takes the guard's next look, at most once per
+// guardInterval, once both sides have MinRequests (and, with a sticky
+// key, MinKeys distinct keys) since it was armed, and trips it when the
+// candidate is worse beyond a limit (stats.WeighGuard).
 func (p *Proxy) checkGuard(r *route, now time.Time) {
 	g := r.guard
-	if g == nil || g.tripped.Load() != nil || now.UnixNano() < g.armedAt.Load()+int64(g.windowLen()) {
-		return // a window holds data from before the config or the reset
+	if g == nil || g.tripped.Load() != nil {
+		return
 	}
 	last := g.lastCheck.Load()
 	if now.UnixNano()-last < int64(guardInterval) || !g.lastCheck.CompareAndSwap(last, now.UnixNano()) {
 		return
 	}
+	if g.sides[0].Count() < g.MinRequests || g.sides[1].Count() < g.MinRequests {
+		return
+	}
 	if r.Sticky != "" {
 		// A client chooses its side: each side needs the requests of
-		// enough distinct keys in its window.
-		from := now.UnixNano() - int64(g.windowLen())
+		// enough distinct keys.
+		from := g.armedAt.Load()
 		if g.keys[0].distinct(from, g.MinKeys) < g.MinKeys || g.keys[1].distinct(from, g.MinKeys) < g.MinKeys {
 			return
 		}
 	}
-	c := p.stats.Summarize(r.Name, g.Candidate, g.Window)
-	b := p.stats.Summarize(r.Name, g.Baseline, g.Window)
-	if c.Count < g.MinRequests || b.Count < g.MinRequests {
+	look := int(g.looks.Add(1))
+	f := stats.WeighGuard(g.sides[0], g.sides[1], look,
+		stats.GuardLimits{TTFTP95: g.MaxTTFTP95Increase, E2EP95: g.MaxE2EP95Increase, ErrorRate: g.MaxErrorRateIncrease})
+	if !f.Tripped {
 		return
 	}
-	vals := map[string]float64{"candidate_requests": float64(c.Count), "baseline_requests": float64(b.Count),
-		"candidate_ttft_p95_ms": c.TTFTP95, "baseline_ttft_p95_ms": b.TTFTP95, "candidate_e2e_p95_ms": c.E2EP95, "baseline_e2e_p95_ms": b.E2EP95,
-		"candidate_error_rate": c.ErrorRate(), "baseline_error_rate": b.ErrorRate()}
-	var reason string
-	switch {
-	case g.MaxTTFTP95Increase > 0 && b.TTFTP95 > 0 && c.TTFTP95 > b.TTFTP95*(1+g.MaxTTFTP95Increase):
-		reason = fmt.Sprintf("TTFT p95 %.1f ms is %+.1f%% of the baseline's %.1f ms (limit %+.1f%%)", c.TTFTP95, 100*(c.TTFTP95/b.TTFTP95-1), b.TTFTP95, 100*g.MaxTTFTP95Increase)
-	case g.MaxE2EP95Increase > 0 && b.E2EP95 > 0 && c.E2EP95 > b.E2EP95*(1+g.MaxE2EP95Increase):
-		reason = fmt.Sprintf("E2E p95 %.1f ms is %+.1f%% of the baseline's %.1f ms (limit %+.1f%%)", c.E2EP95, 100*(c.E2EP95/b.E2EP95-1), b.E2EP95, 100*g.MaxE2EP95Increase)
-	case g.MaxErrorRateIncrease > 0 && c.ErrorRate()-b.ErrorRate() > g.MaxErrorRateIncrease:
-		reason = fmt.Sprintf("error rate %.2f%% against the baseline's %.2f%% (limit +%.2f points)", 100*c.ErrorRate(), 100*b.ErrorRate(), 100*g.MaxErrorRateIncrease)
-	default:
-		return
-	}
-	st := &GuardStatus{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, At: now.UTC(), Reason: reason, Values: vals}
+	st := &GuardStatus{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, At: now.UTC(), Reason: f.Reason, Values: f.Values}
 	if g.tripped.CompareAndSwap(nil, st) {
 		p.log.Warn("canary guard tripped: the candidate takes no new requests", zap.String("route", r.Name),
-			zap.String("candidate", g.Candidate), zap.String("baseline", g.Baseline), zap.String("reason", reason),
-			zap.Int64("candidate_requests", c.Count), zap.Int64("baseline_requests", b.Count))
+			zap.String("candidate", g.Candidate), zap.String("baseline", g.Baseline), zap.String("reason", f.Reason),
+			zap.Float64("candidate_requests", f.Values["candidate_requests"]), zap.Float64("baseline_requests", f.Values["baseline_requests"]))
 	}
 }
 
@@ -199,7 +231,7 @@ func (p *Proxy) ResetGuard(route string) bool {
 	reset := false
 	for _, r := range p.snap.Load().routes {
 		if r.guard != nil && (route == "" || r.Name == route) && r.guard.tripped.Swap(nil) != nil {
-			r.guard.armedAt.Store(p.statsNow().UnixNano())
+			r.guard.rearm(p.statsNow())
 			reset = true
 			p.log.Info("canary guard reset", zap.String("route", r.Name))
 		}

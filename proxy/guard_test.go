@@ -19,17 +19,20 @@ import (
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/examples/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/valyala/fasthttp"
 )
 
 // TestCanaryGuard: a canary whose first token comes 140 ms later than its
-// baseline's (10 ms) trips a guard allowing +100% on TTFT p95 once a
-// window of data is in; it then takes no new requests until reset. An
-// equal canary never trips it. (40 ms later did not trip it once on a
-// machine running many test suites at once: the load added to both.)
+// baseline's (10 ms) trips a guard allowing +100% on TTFT p95 at one of its
+// first looks once both sides have min_requests since the config (no
+// window to wait for: the stats clock never moves past the real one here),
+// with the limit judged against the ratio's lower confidence bound; never
+// before both sides have min_requests. It then takes no new requests until
+// reset. An equal canary never trips it, look after look.
 func TestCanaryGuard(t *testing.T) {
+	const minRequests = 80
 	for _, slower := range []bool{true, false} {
-		clk := &offsetClock{}
 		fast := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
 		canaryPrefill := 10 * time.Millisecond
 		if slower {
@@ -45,29 +48,31 @@ func TestCanaryGuard(t *testing.T) {
 				Upstreams: []Upstream{{Name: "stable", URL: fast, Weight: 1}, {Name: "canary", URL: canary, Weight: 1}},
 				// +100%: the slow canary is 15× its baseline, an equal one
 				// stays far from it even on a busy machine.
-				Guard: &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 1}}}
-		}, Options{StatsNow: clk.now})
-		// The guard weighs a window only once a whole one passed since
-		// the config: the traffic lands late in the first minute.
-		clk.jump(40 * time.Second)
-		// Until each side has 40 requests (min_requests 30): the split is
-		// random, and 80 requests left one side under 30 now and then.
+				Guard: &Guard{Candidate: "canary", Baseline: "stable", Window: "1h", MinRequests: minRequests, MaxTTFTP95Increase: 1}}}
+		}, Options{})
+		g := tp.p.snap.Load().routes[0].guard
 		perSide := map[string]int{}
-		for i := 0; perSide["stable"] < 40 || perSide["canary"] < 40; i++ {
-			if i == 400 {
-				t.Fatalf("400 requests gave the sides %v", perSide)
+		const batch = 8
+		for i := 0; ; i++ {
+			if i == 200 {
+				t.Fatalf("200 batches: sides %v, %d looks, guards %+v", perSide, g.looks.Load(), tp.p.Guards())
 			}
-			chat(t, tp.url)
-			perSide[tp.rec.next(t).Upstream]++
-		}
-		if g := tp.p.Guards(); len(g) != 0 {
-			t.Fatalf("tripped before a window passed: %+v", g)
-		}
-		clk.jump(20 * time.Second)
-		for range 4 {
-			chat(t, tp.url)
-			tp.rec.next(t)
-			time.Sleep(guardInterval / 3)
+			var wg sync.WaitGroup
+			for range batch {
+				wg.Go(func() { chat(t, tp.url) })
+			}
+			wg.Wait()
+			for range batch {
+				perSide[tp.rec.next(t).Upstream]++
+			}
+			low := min(perSide["stable"], perSide["canary"])
+			tripped := len(tp.p.Guards()) > 0
+			if tripped && low < minRequests-batch {
+				t.Fatalf("tripped with sides %v, under min_requests %d", perSide, minRequests)
+			}
+			if tripped || (!slower && g.looks.Load() >= 3) {
+				break
+			}
 		}
 		guards := tp.p.Guards()
 		if !slower {
@@ -77,7 +82,7 @@ func TestCanaryGuard(t *testing.T) {
 			continue
 		}
 		if len(guards) != 1 || guards[0].Candidate != "canary" || !strings.Contains(guards[0].Reason, "TTFT p95") ||
-			guards[0].Values["candidate_ttft_p95_ms"] < guards[0].Values["baseline_ttft_p95_ms"]*2 {
+			guards[0].Values["ratio_lower_bound_ttft_p95"] <= 2 || guards[0].Values["look"] > 3 {
 			t.Fatalf("guards %+v", guards)
 		}
 		var b bytes.Buffer
@@ -94,6 +99,9 @@ func TestCanaryGuard(t *testing.T) {
 		if !tp.p.ResetGuard(route) || len(tp.p.Guards()) != 0 {
 			t.Fatal("reset did not clear the guard")
 		}
+		if g.looks.Load() != 0 || g.sides[0].Count() != 0 || g.sides[1].Count() != 0 {
+			t.Fatalf("the reset kept %d looks and %d and %d requests", g.looks.Load(), g.sides[0].Count(), g.sides[1].Count())
+		}
 		seen := map[string]bool{}
 		for range 30 {
 			chat(t, tp.url)
@@ -108,8 +116,9 @@ func TestCanaryGuard(t *testing.T) {
 // TestGuardNotSteeredByOneKey: with sticky: header:X-User a client chooses
 // its side. One user whose every request goes to the canary (and finds it
 // slow) cannot trip the guard alone: a side is weighed only with the
-// requests of min_keys (10) distinct users in its window. When as slow a
-// canary is seen by twelve users, it trips.
+// requests of min_keys (10) distinct users since the guard was armed.
+// When as slow a canary is seen by twelve users, it trips at the first
+// look.
 func TestGuardNotSteeredByOneKey(t *testing.T) {
 	clk := &offsetClock{}
 	fast := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
@@ -119,12 +128,20 @@ func TestGuardNotSteeredByOneKey(t *testing.T) {
 	tp := startProxyOpts(t, "", func(c *Config) {
 		c.Routes = []Route{{Name: "steered", Prefix: "/", Timeouts: DefaultTimeouts, Sticky: "header:X-User",
 			Upstreams: []Upstream{{Name: "stable", URL: fast, Weight: 1}, {Name: "canary", URL: slow, Weight: 1}},
-			Guard:     &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 1}}}
+			Guard:     &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 80, MaxTTFTP95Increase: 1}}}
 	}, Options{StatsNow: clk.now})
 	users := usersBySide(tp, 12)
 	send := func(n int, who []string) {
-		for i := range n {
-			chat(t, tp.url, "X-User", who[i%len(who)])
+		var wg sync.WaitGroup
+		for w := range 8 {
+			wg.Go(func() {
+				for i := w; i < n; i += 8 {
+					chat(t, tp.url, "X-User", who[i%len(who)])
+				}
+			})
+		}
+		wg.Wait()
+		for range n {
 			tp.rec.next(t)
 		}
 	}
@@ -133,18 +150,19 @@ func TestGuardNotSteeredByOneKey(t *testing.T) {
 		clk.jump(2 * time.Second)
 		send(1, users["stable"])
 	}
-	clk.jump(50 * time.Second) // the traffic lands late in the first minute after the config
-	send(40, users["stable"])
-	send(40, users["canary"][:1]) // one user, all of the canary's requests
-	clk.jump(15 * time.Second)
+	send(100, users["stable"])
+	send(100, users["canary"][:1]) // one user, all of the canary's requests
 	check()
 	if g := tp.p.Guards(); len(g) != 0 {
 		t.Fatalf("one user tripped the guard: %+v", g)
 	}
-	send(40, users["canary"])
+	send(100, users["canary"])
 	check()
-	if g := tp.p.Guards(); len(g) != 1 || g[0].Candidate != "canary" {
-		t.Fatalf("twelve users saw the slow canary, the guard did not trip: %+v", g)
+	if g := tp.p.Guards(); len(g) != 1 || g[0].Candidate != "canary" || g[0].Values["look"] != 1 {
+		gs := tp.p.snap.Load().routes[0].guard
+		f := stats.WeighGuard(gs.sides[0], gs.sides[1], 1, stats.GuardLimits{TTFTP95: 1})
+		t.Fatalf("twelve users saw the slow canary, the guard did not trip at its first look: %+v (looks %d, keys %d/%d; look 1 now: %+v)", g,
+			gs.looks.Load(), gs.keys[0].distinct(gs.armedAt.Load(), 100), gs.keys[1].distinct(gs.armedAt.Load(), 100), f)
 	}
 }
 
@@ -178,7 +196,7 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		rec := newRecorder()
 		p, err := New(Config{Routes: []Route{{Name: "slowclients", Prefix: "/", Timeouts: DefaultTimeouts, Sticky: "header:X-User",
 			Upstreams: []Upstream{{Name: "stable", URL: base, Weight: 1}, {Name: "canary", URL: canary, Weight: 1}},
-			Guard: &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30,
+			Guard: &Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 80,
 				MaxTTFTP95Increase: 2, MaxE2EP95Increase: 2}}}}, Options{StatsNow: clk.now, Sinks: []metrics.Sink{rec}})
 		if err != nil {
 			t.Fatal(err)
@@ -197,13 +215,13 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		t.Cleanup(func() { _ = p.Shutdown(context.Background()); p.Close() })
 		tp := &testProxy{p: p, addr: ln.Addr().String(), rec: rec}
 		users := usersBySide(tp, 12)
-		clk.jump(50 * time.Second) // a whole window after the config (TestCanaryGuard)
+		const perSide = 100
 		var wg sync.WaitGroup
-		for w := range 4 {
+		for w := range 8 {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				for i := w; i < 40; i += 4 {
+				for i := w; i < perSide; i += 8 {
 					if err := streamClient(tp.addr, users["stable"][i%12], 0, 0); err != nil {
 						t.Error(err)
 					}
@@ -219,7 +237,7 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		}
 		e2e := map[string][]time.Duration{}
 		stalled := 0
-		for range 80 {
+		for range 2 * perSide {
 			r := tp.rec.next(t)
 			e2e[r.Upstream] = append(e2e[r.Upstream], r.E2E)
 			if r.Upstream == "canary" && os.Getenv("TOKENTAP_GUARD_DEBUG") != "" {
@@ -232,10 +250,9 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		// The users' own figures hold the time the slow clients caused:
 		// 150 ms of upload and 300 ms of not reading on every canary
 		// request (else this test would not test).
-		if stalled < 30 {
-			t.Fatalf("slow clients: %d of 40 records with a stall and a slow upload; e2e p95 canary %v, stable %v", stalled, p95(e2e["canary"]), p95(e2e["stable"]))
+		if stalled < perSide*3/4 {
+			t.Fatalf("slow clients: %d of 100 records with a stall and a slow upload; e2e p95 canary %v, stable %v", stalled, p95(e2e["canary"]), p95(e2e["stable"]))
 		}
-		clk.jump(15 * time.Second)
 		for i := range 2 {
 			// The guard weighs at most once a second of its clock.
 			clk.jump(2 * time.Second)
@@ -249,8 +266,9 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		case !slowCanary && len(g) != 0:
 			t.Fatalf("slow clients tripped the guard of an equal canary: %+v", g)
 		case slowCanary && (len(g) != 1 || !strings.Contains(g[0].Reason, "TTFT p95")):
-			t.Fatalf("a canary 50x slower to its first token, behind slow clients, did not trip the guard on TTFT: %+v (canary %+v, stable %+v)",
-				g, tp.p.stats.Summarize("slowclients", "canary", "1m"), tp.p.stats.Summarize("slowclients", "stable", "1m"))
+			gs := tp.p.snap.Load().routes[0].guard
+			t.Fatalf("a canary 50x slower to its first token, behind slow clients, did not trip the guard on TTFT: %+v (look now: %+v)",
+				g, stats.WeighGuard(gs.sides[0], gs.sides[1], 1, stats.GuardLimits{TTFTP95: 2, E2EP95: 2}))
 		}
 	}
 }

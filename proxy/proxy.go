@@ -235,9 +235,8 @@ func (p *Proxy) buildRoute(i int, r Route, slo metrics.SLO, rows *[]metrics.Rout
 		rt.shadow = sh
 	}
 	if r.Guard != nil {
-		g := &guardState{Guard: r.Guard.withDefaults()}
+		g := newGuardState(*r.Guard, p.statsNow())
 		g.candidate = rt.member(g.Candidate)
-		g.armedAt.Store(p.statsNow().UnixNano())
 		rt.guard = g
 	}
 	return rt, nil
@@ -355,13 +354,14 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 	if srv == nil {
 		return nil
 	}
+	p.closeResumed(true)
 	if err := srv.ShutdownWithContext(ctx); err != nil {
 		return err
 	}
 	if err := p.awaitRecorded(ctx); err != nil {
 		return err
 	}
-	p.closeResumed()
+	p.closeResumed(false)
 	p.loops.stop()
 	return nil
 }
@@ -371,6 +371,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 // response ended: the server takes it back as it takes a new connection,
 // unless the proxy is shutting down.
 func (p *Proxy) resume(cc *clientConn) {
+	cc.handover.Wait() // the goroutine that served it has let go of it
 	p.srvMu.Lock()
 	srv := p.srv
 	if srv == nil || p.stopping.Load() {
@@ -382,6 +383,7 @@ func (p *Proxy) resume(cc *clientConn) {
 		p.resumed = map[*clientConn]int{}
 	}
 	p.resumed[cc]++
+	cc.resumedIdle.Store(len(cc.pending) == 0)
 	p.srvMu.Unlock()
 	_ = srv.ServeConn(cc) // it closes cc, unless a response hands it over again
 	p.srvMu.Lock()
@@ -391,15 +393,29 @@ func (p *Proxy) resume(cc *clientConn) {
 	p.srvMu.Unlock()
 }
 
-// closeResumed closes the connections still served again after a
-// response tokentap wrote (resume) once the server stopped: one given
-// back just as the shutdown began is not among those the server waits
-// for.
-func (p *Proxy) closeResumed() {
+// connState follows the server's connections: one it let go of for a
+// response tokentap wrote (StateHijacked) can be given back (resume).
+func (p *Proxy) connState(c net.Conn, s fasthttp.ConnState) {
+	if s == fasthttp.StateHijacked {
+		if cc, ok := c.(*clientConn); ok && cc.handing.CompareAndSwap(true, false) {
+			cc.handover.Done()
+		}
+	}
+}
+
+// closeResumed closes the connections given back to the server after a
+// response tokentap wrote (resume): with idle, those that have not begun
+// a next request (the server would wait up to 5 s for them, as for any
+// connection it was just given); else all that remain, once the server
+// stopped (one given back just as the shutdown began is not among those
+// it waits for).
+func (p *Proxy) closeResumed(idle bool) {
 	p.srvMu.Lock()
 	conns := make([]*clientConn, 0, len(p.resumed))
 	for c := range p.resumed {
-		conns = append(conns, c)
+		if !idle || c.resumedIdle.CompareAndSwap(true, false) {
+			conns = append(conns, c)
+		}
 	}
 	p.srvMu.Unlock()
 	for _, c := range conns {
@@ -437,6 +453,7 @@ func (p *Proxy) server() *fasthttp.Server {
 		// give it back for the next request (bodyRelay.servePass); the
 		// other hijacks close it themselves.
 		KeepHijackedConns: true,
+		ConnState:         p.connState,
 		// fasthttp's error texts quote the request, credentials included.
 		SecureErrorLogMessage: true,
 		Logger:                zapPrintf{p.log},

@@ -402,6 +402,8 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
 		h.SetConnectionClose()
 	}
 	r.head, r.headOwed = h.AppendBytes(r.head[:0]), true
+	r.x.cs.cc.handing.Store(true)
+	r.x.cs.cc.handover.Add(1)
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(r.relayPass)
 }

@@ -147,9 +147,10 @@ func (d *demo) startProxy() error {
 	if d.canary {
 		chat.Upstream = ""
 		chat.Upstreams = []proxy.Upstream{{Name: "stable", URL: d.upstream, Weight: 90}, {Name: "canary", URL: d.canaryURL, Weight: 10}}
-		// The guard weighs a minute of traffic once a whole minute passed
-		// (with -serve): a canary 20% worse on TTFT or E2E p95 is stopped.
-		chat.Guard = &proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 30, MaxTTFTP95Increase: 0.2, MaxE2EP95Increase: 0.2}
+		// The guard weighs both sides once a second from 100 requests each
+		// on: a canary 20% worse on TTFT or E2E p95, with confidence, is
+		// stopped.
+		chat.Guard = &proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 100, MaxTTFTP95Increase: 0.2, MaxE2EP95Increase: 0.2}
 	}
 	d.col = &counter{}
 	sinks := []metrics.Sink{d.col}
@@ -261,7 +262,7 @@ func (d *demo) report() {
 		} else {
 			printComparison(out, c)
 		}
-		fmt.Fprintln(out, "guard: stops the canary when its TTFT or E2E p95 is 20% above stable's over a minute; it weighs once a whole minute passed (keep it running with -serve, and watch /stats)")
+		fmt.Fprintln(out, "guard: stops the canary when its TTFT or E2E p95 is 20% above stable's with confidence; it weighs once a second from 100 requests a side on (keep it running with -serve, and watch /stats)")
 	}
 	fmt.Fprintf(out, "\n%d requests in %v (%d client errors). Times in ms at tokentap's client side; TTFT is the first\n"+
 		"token of any kind, TTFA the first answer token (reasoning models wait between the two); ITL is every\n"+

@@ -283,33 +283,3 @@ func BenchmarkObserve(b *testing.B) {
 		})
 	}
 }
-
-// TestSummaryLeavesOutClientTime: what a guard weighs is TTFT and E2E
-// without the client's upload, the admission queue and the writes that
-// waited for the client; /stats keeps what the users lived.
-func TestSummaryLeavesOutClientTime(t *testing.T) {
-	c := newClock()
-	e := New(Options{Now: c.now})
-	x := series(t)
-	for i := range 100 {
-		r := record(x, 200*time.Millisecond, 900*time.Millisecond, 10)
-		r.Upload, r.Queue = 100*time.Millisecond, 50*time.Millisecond
-		r.ClientStallTTFT, r.ClientStall = 20*time.Millisecond, 500*time.Millisecond
-		if i%2 == 0 {
-			r.Upload, r.Queue, r.ClientStallTTFT, r.ClientStall = 0, metrics.Absent, 0, 0 // a client that kept up
-			r.TTFT, r.E2E = 30*time.Millisecond, 250*time.Millisecond
-		}
-		e.Observe(r, nil)
-	}
-	route, upstream, _ := x.Labels()
-	s := e.Summarize(route, upstream, "1m")
-	// Every request: 30 ms to the first token, 250 ms to the end, once the
-	// clients' own time is left out.
-	if s.Count != 100 || math.Abs(s.TTFTP95-30) > 0.5 || math.Abs(s.E2EP95-250) > 2.5 {
-		t.Fatalf("summary %+v: want TTFT p95 30 ms, E2E p95 250 ms", s)
-	}
-	g := e.Query(Query{Route: route})
-	if len(g.Groups) != 1 || g.Groups[0].TTFT.P95 < 190 || g.Groups[0].E2E.P95 < 890 {
-		t.Fatalf("/stats must keep what users lived: %+v", g.Groups)
-	}
-}

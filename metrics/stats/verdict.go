@@ -83,6 +83,15 @@ func cdfOfDist(d *dist) cdf {
 	return c
 }
 
+// below is how many samples are below v (values scaled by s).
+func (c *cdf) below(v, s float64) float64 {
+	i := sort.Search(len(c.vals), func(i int) bool { return c.vals[i]*s >= v })
+	if i == 0 {
+		return 0
+	}
+	return c.cum[i-1]
+}
+
 // atOrBelow is how many samples are at or below v (values scaled by s).
 func (c *cdf) atOrBelow(v, s float64) float64 {
 	i := sort.Search(len(c.vals), func(i int) bool { return c.vals[i]*s > v })
@@ -105,11 +114,20 @@ func (c *cdf) quantile(p float64) float64 {
 // moodP is the two-sided p-value of the quantile test of a against b
 // with b's values scaled by s.
 func moodP(a, b *cdf, s, p float64) float64 {
-	n := a.n + b.n
-	rank := math.Floor(p*(n-1)) + 1
-	// The pooled value of that rank: the smallest value of either side at
-	// which the pooled count reaches it. Both sides' values are sorted:
-	// merged, they are the pooled values in order.
+	n, _, c := pooledQuantile(a, b, s, p)
+	ka := a.atOrBelow(c, 1)
+	return hyperTwoSided(ka, n, a.n, ka+b.atOrBelow(c, s))
+}
+
+// pooledQuantile pools a and b (b's values scaled by s) and returns the
+// pooled count, the rank of the pooled p-quantile, and its value: the
+// smallest value of either side at which the pooled count reaches the
+// rank.
+func pooledQuantile(a, b *cdf, s, p float64) (n, rank, c float64) {
+	n = a.n + b.n
+	rank = math.Floor(p*(n-1)) + 1
+	// Both sides' values are sorted: merged, they are the pooled values
+	// in order.
 	vals := make([]float64, 0, len(a.vals)+len(b.vals))
 	i, k := 0, 0
 	for i < len(a.vals) || k < len(b.vals) {
@@ -122,10 +140,7 @@ func moodP(a, b *cdf, s, p float64) float64 {
 		}
 	}
 	j := sort.Search(len(vals), func(i int) bool { return a.atOrBelow(vals[i], 1)+b.atOrBelow(vals[i], s) >= rank })
-	c := vals[min(j, len(vals)-1)]
-	ka := a.atOrBelow(c, 1)
-	t := ka + b.atOrBelow(c, s)
-	return hyperTwoSided(ka, n, a.n, t)
+	return n, rank, vals[min(j, len(vals)-1)]
 }
 
 // hyperTwoSided is the two-sided p-value of drawing k marked items in t

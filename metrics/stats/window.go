@@ -24,13 +24,7 @@ const (
 	// mTokensPerS is each request's output tokens per second of its E2E,
 	// for comparing throughput per request in flight.
 	mTokensPerS = numPublic
-	// mBackendTTFT and mBackendE2E are TTFT and E2E without the time the
-	// client itself caused: its request's upload, the admission queue it
-	// was held in, and the writes that waited for it to read. A canary
-	// guard weighs these: a client cannot make a side look slow.
-	mBackendTTFT = numPublic + 1
-	mBackendE2E  = numPublic + 2
-	numMeasures  = numPublic + 3
+	numMeasures = numPublic + 1
 )
 
 // agg is what a span of time holds for one group: counts and one
@@ -93,13 +87,6 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 	put(mClientE2E, r.ClientE2E)
 	if r.OutputTokens > 0 && r.E2E > 0 {
 		a.d[mTokensPerS].add(float64(r.OutputTokens) / r.E2E.Seconds())
-	}
-	clientCaused := max(r.Upload, 0) + max(r.Queue, 0)
-	if r.TTFT >= 0 {
-		put(mBackendTTFT, max(r.TTFT-clientCaused-r.ClientStallTTFT, 0))
-	}
-	if r.E2E >= 0 {
-		put(mBackendE2E, max(r.E2E-clientCaused-r.ClientStall, 0))
 	}
 	a.d[mITL].addAll(gaps)
 }
