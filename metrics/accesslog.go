@@ -388,6 +388,12 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 		zap.Int64("bytes_in", r.BytesIn),
 		zap.Int64("bytes_out", r.BytesOut),
 	)
+	if r.CachedTokens >= 0 {
+		f = append(f, zap.Int("cached_tokens", r.CachedTokens))
+	}
+	if r.Class != "" {
+		f = append(f, zap.String("class", r.Class))
+	}
 	if r.BytesWire > 0 {
 		f = append(f, zap.Int64("bytes_wire", r.BytesWire))
 	}

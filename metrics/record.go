@@ -112,6 +112,13 @@ type Record struct {
 
 	OutputTokens int
 	InputTokens  int
+	// CachedTokens is how many input tokens the backend served from its
+	// prompt cache (a reused prefix), -1 when it does not say.
+	CachedTokens int
+	// Class is the request's class (proxy.Classes): its input and output
+	// sizes and whether its prefix was reused, so that upstreams are
+	// compared like with like. Empty outside a route.
+	Class        string
 	TokensSource string // "usage", "counted" or "" when unknown
 	Events       int    // token events
 	BytesIn      int64  // request body bytes from the client
@@ -150,7 +157,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
-		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1,
+		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1,
 	}
 }
 

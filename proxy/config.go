@@ -134,6 +134,9 @@ type Config struct {
 	MaxDecodedBytes int64
 	// Admission is the admission control; nil means off.
 	Admission *ratelimit.Config
+	// Classes sorts requests for comparisons of like with like (the class
+	// label of /stats, the verdict per class, a guard limited to one).
+	Classes Classes
 	// DefaultMaxOutput is the output a request reserves of its token budget
 	// when it declares no limit (default 1024).
 	DefaultMaxOutput int
@@ -213,6 +216,9 @@ func (c *Config) Validate() error {
 	}
 	if c.DefaultMaxOutput < 0 {
 		return fieldErr("admission.default_max_output", "must not be negative")
+	}
+	if err := c.Classes.validate(); err != nil {
+		return err
 	}
 	if c.Admission != nil {
 		if err := c.Admission.Validate(); err != nil {
@@ -395,6 +401,8 @@ func (r *Route) validSplit(field func(string) string, names map[string]bool) err
 			return fieldErr(field("guard.min_keys"), "must not be negative")
 		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
 			return fieldErr(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
+		case g.Class != "" && !validClass(g.Class):
+			return fieldErr(field("guard.class"), "%q is not a class (such as in-short.out-long or in-long.out-short.prefix-reused)", g.Class)
 		}
 	}
 	return nil
@@ -445,6 +453,7 @@ func (c Config) withDefaults() Config {
 	if c.DefaultMaxOutput == 0 {
 		c.DefaultMaxOutput = defaultMaxOutput
 	}
+	c.Classes = c.Classes.withDefaults()
 	return c
 }
 

@@ -482,6 +482,13 @@ func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.relay.bytesOut
 	x.rec.Partial = x.rec.Partial || x.tap.partial
 	x.tap.m.fill(&x.rec, now, x.tap.streamed)
+	if x.rt != nil {
+		in := x.rec.InputTokens
+		if !x.tap.m.usage.hasIn {
+			in = int(x.rec.BytesIn / 4) // the estimate admission control makes
+		}
+		x.rec.Class = x.snap.cfg.Classes.of(in, x.rec.OutputTokens, x.rec.CachedTokens)
+	}
 }
 
 // judge judges the finished record against its route's SLO, under the

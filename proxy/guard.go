@@ -31,6 +31,9 @@ type Guard struct {
 	// MaxErrorRateIncrease is in points of error rate (0.01: one point).
 	// 0 leaves that check out.
 	MaxTTFTP95Increase, MaxE2EP95Increase, MaxErrorRateIncrease float64
+	// Class limits the guard to the requests of one class (Classes): the
+	// sides then weigh only those. Empty: every request.
+	Class string
 	// MinKeys: on a route whose sticky key a client chooses (sticky
 	// tenant or header), a side is weighed only once requests of at least
 	// this many distinct keys are in its window (default 10), so that no
@@ -88,6 +91,9 @@ func (g *guardState) side(upstream string) int {
 
 // observe adds a finished request of upstream to its side.
 func (g *guardState) observe(upstream string, rec *metrics.Record) {
+	if g.Class != "" && rec.Class != g.Class {
+		return
+	}
 	if i := g.side(upstream); i >= 0 {
 		g.sides[i].Observe(rec)
 	}

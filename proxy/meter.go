@@ -49,8 +49,8 @@ type meter struct {
 
 // usage is the token usage the response reported, merged across events.
 type usage struct {
-	hasIn, hasOut bool
-	in, out       int
+	hasIn, hasOut, hasCached bool
+	in, out, cached          int
 }
 
 // maxGaps bounds the inter-token gaps kept per request for its ITL
@@ -89,6 +89,9 @@ func (m *meter) observe(o dialect.Obs, t time.Time) {
 	}
 	if o.HasOut {
 		m.usage.hasOut, m.usage.out = true, o.Out
+	}
+	if o.HasCached {
+		m.usage.hasCached, m.usage.cached = true, o.Cached
 	}
 	if o.Items > 0 {
 		m.items = o.Items
@@ -180,6 +183,9 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	rec.Events = m.events
 	if m.usage.hasIn {
 		rec.InputTokens = m.usage.in
+	}
+	if m.usage.hasCached {
+		rec.CachedTokens = m.usage.cached
 	}
 	if n, source := m.outputTokens(streamed); source != "" {
 		rec.OutputTokens, rec.TokensSource = n, source

@@ -252,13 +252,13 @@ func (a *admin) control(ctx *fasthttp.RequestCtx, path string) {
 
 // serveStats answers GET /stats: the live percentile table as JSON
 // (docs/STATS.md), for window (1m, 5m, 15m, 1h, all; default 5m), filtered by
-// route, model, tenant and upstream, grouped by group_by (a comma list
-// of those labels; default all four); with route=R&compare=A,B, the
-// verdict on two upstreams of R instead.
+// route, model, tenant, upstream and class, grouped by group_by (a comma
+// list of those labels; default the first four); with route=R&compare=A,B,
+// the verdict on two upstreams of R instead (of one class with class=).
 func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 	args := ctx.QueryArgs()
 	q := stats.Query{Window: string(args.Peek("window")), Route: string(args.Peek("route")), Model: string(args.Peek("model")),
-		Tenant: string(args.Peek("tenant")), Upstream: string(args.Peek("upstream"))}
+		Tenant: string(args.Peek("tenant")), Upstream: string(args.Peek("upstream")), Class: string(args.Peek("class"))}
 	if g := string(args.Peek("group_by")); g != "" {
 		q.GroupBy = strings.Split(g, ",")
 	}
@@ -275,7 +275,7 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 			ctx.SetBodyString(`{"error":"window must be 1m, 5m, 15m, 1h or all"}` + "\n")
 			return
 		}
-		c, err := a.p.Stats().Compare(q.Route, ua, ub, q.Window)
+		c, err := a.p.Stats().CompareClass(q.Route, ua, ub, q.Window, q.Class)
 		if err != nil {
 			ctx.SetStatusCode(fasthttp.StatusNotFound)
 			writeJSON(ctx, map[string]any{"error": err.Error(), "count_a": c.CountA, "count_b": c.CountB})
@@ -291,7 +291,7 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 		return
 	case !stats.ValidGroupBy(q.GroupBy):
 		ctx.SetStatusCode(fasthttp.StatusBadRequest)
-		ctx.SetBodyString(`{"error":"group_by takes route, model, tenant and upstream, comma separated"}` + "\n")
+		ctx.SetBodyString(`{"error":"group_by takes route, model, tenant, upstream and class, comma separated"}` + "\n")
 		return
 	}
 	rep := a.p.Stats().Query(q)

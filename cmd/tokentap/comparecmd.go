@@ -22,6 +22,7 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…)")
 	route := fs.String("route", "", "the route (required)")
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
+	class := fs.String("class", "", "compare only the requests of this class (e.g. in-long.out-short)")
 	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
 	asJSON := fs.Bool("json", false, "print the JSON as it came")
 	if err := fs.Parse(args); err != nil {
@@ -52,7 +53,11 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 		}
 		a, b = rep.Groups[0].Upstream, rep.Groups[1].Upstream
 	}
-	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "compare": {a + "," + b}}.Encode())
+	v := url.Values{"window": {*window}, "route": {*route}, "compare": {a + "," + b}}
+	if *class != "" {
+		v.Set("class", *class)
+	}
+	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+v.Encode())
 	if err != nil {
 		return err
 	}
@@ -71,7 +76,18 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 // printComparison prints a verdict as a table: per figure, both sides, the
 // difference with its 95% interval, and whether it is outside the noise.
 func printComparison(out io.Writer, c stats.Comparison) {
-	fmt.Fprintf(out, "route %s, window %s: %s (%d requests) against %s (%d requests)\n", c.Route, c.Window, c.B, c.CountB, c.A, c.CountA)
+	of := ""
+	if c.Class != "" {
+		of = ", class " + c.Class
+	}
+	fmt.Fprintf(out, "route %s, window %s%s: %s (%d requests) against %s (%d requests)\n", c.Route, c.Window, of, c.B, c.CountB, c.A, c.CountA)
+	if len(c.Classes) > 1 {
+		var cls []string
+		for _, k := range c.Classes {
+			cls = append(cls, fmt.Sprintf("%s %d/%d", k.Class, k.CountA, k.CountB))
+		}
+		fmt.Fprintf(out, "compared within classes (%s), each weighing the same on both sides; each class alone below\n", strings.Join(cls, ", "))
+	}
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "measure\t%s\t%s\tdifference (95%% interval)\t\n", c.A, c.B)
 	row := func(name string, d stats.Diff) {
@@ -99,7 +115,14 @@ func printComparison(out io.Writer, c stats.Comparison) {
 		return fmt.Sprintf("%.1f%%", 100**v)
 	}
 	fmt.Fprintf(out, "goodput %s → %s; error rate %s → %s\n", pct(c.Goodput.A), pct(c.Goodput.B), pct(c.Errors.A), pct(c.Errors.B))
-	fmt.Fprintf(out, "intervals: %s\n", c.Method)
+	for _, one := range c.ByClass {
+		fmt.Fprintln(out)
+		one.Method = ""
+		printComparison(out, one)
+	}
+	if c.Method != "" {
+		fmt.Fprintf(out, "intervals: %s\n", c.Method)
+	}
 }
 
 // tooFewText reads "too few requests (needs 66 more on canary)".

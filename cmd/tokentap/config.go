@@ -34,6 +34,7 @@ type fileConfig struct {
 	SLO       *fileSLO      `yaml:"slo"`
 	Metrics   fileMetrics   `yaml:"metrics"`
 	Warnings  fileWarnings  `yaml:"warnings"`
+	Classes   fileClasses   `yaml:"classes"`
 	// DrainTimeout bounds the drain at shutdown; DrainDelay is how long
 	// /readyz says 503 before the listener closes.
 	DrainTimeout duration `yaml:"drain_timeout"`
@@ -133,7 +134,7 @@ func (f *fileGuard) guard() *proxy.Guard {
 	if f == nil {
 		return nil
 	}
-	return &proxy.Guard{Candidate: f.Candidate, Baseline: f.Baseline, Window: f.Window, MinRequests: f.MinRequests, MinKeys: f.MinKeys,
+	return &proxy.Guard{Candidate: f.Candidate, Baseline: f.Baseline, Class: f.Class, Window: f.Window, MinRequests: f.MinRequests, MinKeys: f.MinKeys,
 		MaxTTFTP95Increase: float64(f.MaxTTFTP95Increase), MaxE2EP95Increase: float64(f.MaxE2EP95Increase),
 		MaxErrorRateIncrease: float64(f.MaxErrorRateIncrease)}
 }
@@ -151,10 +152,17 @@ type fileFailover struct {
 	FirstTokenTimeout duration `yaml:"first_token_timeout"`
 }
 
+// fileClasses are the thresholds of the request classes.
+type fileClasses struct {
+	InputTokens  []int `yaml:"input_tokens"`
+	OutputTokens int   `yaml:"output_tokens"`
+}
+
 // fileGuard is a route's canary guard.
 type fileGuard struct {
 	Candidate            string   `yaml:"candidate"`
 	Baseline             string   `yaml:"baseline"`
+	Class                string   `yaml:"class"`
 	Window               string   `yaml:"window"`
 	MinRequests          int64    `yaml:"min_requests"`
 	MinKeys              int      `yaml:"min_keys"`

@@ -194,6 +194,14 @@ func (b *settingsBuilder) observing() error {
 		TrendThroughput: w.TrendThroughput, TrendTTFT: w.TrendTTFT}
 	s.proxy.Models = fc.Models.Allow
 	s.proxy.EnforceModels = fc.Models.Enforce
+	switch in := fc.Classes.InputTokens; len(in) {
+	case 0:
+	case 2:
+		s.proxy.Classes.InputTokens = [2]int{in[0], in[1]}
+	default:
+		return fmt.Errorf("%s: two thresholds, [short below, long from]", b.where("classes.input_tokens"))
+	}
+	s.proxy.Classes.OutputTokens = fc.Classes.OutputTokens
 	return nil
 }
 

@@ -27,6 +27,21 @@ type Comparison struct {
 	Through  Diff      `json:"throughput"`
 	Goodput  PairValue `json:"goodput"`
 	Errors   PairValue `json:"error_rate"`
+	// Class is the one class compared (CompareClass); empty: all.
+	Class string `json:"class,omitempty"`
+	// Classes are the requests' classes on each side. With more than one,
+	// the rows compare within the classes both sides saw, and weigh them
+	// the same on both sides (strata.go); ByClass is then the verdict of
+	// each of those classes alone.
+	Classes []ClassCount `json:"classes,omitempty"`
+	ByClass []Comparison `json:"by_class,omitempty"`
+}
+
+// ClassCount is one class's requests on each side.
+type ClassCount struct {
+	Class  string `json:"class"`
+	CountA int64  `json:"count_a"`
+	CountB int64  `json:"count_b"`
 }
 
 // Diff is one figure of both sides.
@@ -63,51 +78,90 @@ type PairValue struct {
 }
 
 // CompareMethod describes the intervals.
-const CompareMethod = "two-sample quantile test (Mood's, exact: hypergeometric count of A at or below the pooled quantile); 95% interval of (b − a) / a by inverting it under a change of scale; rows with fewer requests than the quantile takes (p50 7, p95 86, p99 436 a side) are too few; significance by Holm's step-down method at 5% across the verdict's rows; throughput is the median of each request's output tokens per second"
+const CompareMethod = "two-sample quantile test (Mood's, exact: hypergeometric count of A at or below the pooled quantile); 95% interval of (b − a) / a by inverting it under a change of scale; rows with fewer requests than the quantile takes (p50 7, p95 86, p99 436 a side) are too few; significance by Holm's step-down method at 5% across the verdict's rows; throughput is the median of each request's output tokens per second; requests of several classes are compared within the classes both sides saw (the quantile test stratified by class, Mantel-Haenszel style; each side's quantile of its classes mixed in the pooled proportions), and each class alone in by_class"
 
 // ErrNoSuchUpstream is returned when a compared upstream saw no request
 // in the window.
 var ErrNoSuchUpstream = errors.New("no request of that upstream in the window")
 
 // Compare compares upstreams a and b of route over window (every model
-// and tenant together).
+// and tenant together), class by class where the requests fall in
+// several (strata.go).
 func (e *Engine) Compare(route, a, b, window string) (Comparison, error) {
+	return e.CompareClass(route, a, b, window, "")
+}
+
+// CompareClass is Compare on the requests of one class ("": all, within
+// classes).
+func (e *Engine) CompareClass(route, a, b, window, class string) (Comparison, error) {
 	if window == "" {
 		window = "5m"
 	}
 	now := e.now()
 	s := e.sync(now)
 	sideA, sideB := newAgg(), newAgg()
+	byClass := map[string]*[2]agg{}
+	var classes []string
 	e.mu.RLock()
 	list := slices.Clone(e.list)
 	e.mu.RUnlock()
 	for _, g := range list {
-		if g.key.Route != route || (g.key.Upstream != a && g.key.Upstream != b) {
+		if g.key.Route != route || (g.key.Upstream != a && g.key.Upstream != b) || (class != "" && g.key.Class != class) {
 			continue
 		}
-		dst := &sideA
+		pair := byClass[g.key.Class]
+		if pair == nil {
+			pair = &[2]agg{newAgg(), newAgg()}
+			byClass[g.key.Class] = pair
+			classes = append(classes, g.key.Class)
+		}
+		side := 0
 		if g.key.Upstream == b {
-			dst = &sideB
+			side = 1
 		}
 		g.mu.Lock()
-		g.w.collect(dst, window, s)
+		g.w.collect(&pair[side], window, s)
 		g.mu.Unlock()
 	}
-	c := Comparison{Route: route, Window: window, A: a, B: b, CountA: sideA.count, CountB: sideB.count, Method: CompareMethod, Measures: []Diff{}}
+	slices.Sort(classes)
+	for _, k := range classes {
+		sideA.merge(&byClass[k][0])
+		sideB.merge(&byClass[k][1])
+	}
+	c := Comparison{Route: route, Window: window, A: a, B: b, Class: class, CountA: sideA.count, CountB: sideB.count, Method: CompareMethod, Measures: []Diff{}}
 	if sideA.count == 0 || sideB.count == 0 {
 		return c, ErrNoSuchUpstream
 	}
+	var both []string // the classes both sides saw
+	for _, k := range classes {
+		if p := byClass[k]; p[0].count > 0 && p[1].count > 0 {
+			both = append(both, k)
+		}
+	}
+	if len(classes) > 1 {
+		for _, k := range classes {
+			c.Classes = append(c.Classes, ClassCount{Class: k, CountA: byClass[k][0].count, CountB: byClass[k][1].count})
+		}
+	}
+	strataOf := func(m int) []stratum {
+		var st []stratum
+		for _, k := range both {
+			if da, db := &byClass[k][0].d[m], &byClass[k][1].d[m]; da.n > 0 && db.n > 0 {
+				st = append(st, stratum{cdfOfDist(da), cdfOfDist(db)})
+			}
+		}
+		return st
+	}
 	for m := range numPublic {
-		da, db := &sideA.d[m], &sideB.d[m]
-		if da.n == 0 || db.n == 0 {
+		st := strataOf(m)
+		if len(st) == 0 {
 			continue
 		}
-		ca, cb := cdfOfDist(da), cdfOfDist(db)
 		for _, q := range []struct {
 			name string
 			q    float64
 		}{{"p50", 0.5}, {"p95", 0.95}, {"p99", 0.99}} {
-			c.Measures = append(c.Measures, diffOf(measureJSONName(m), q.name, compareQuantile(ca, cb, q.q)))
+			c.Measures = append(c.Measures, diffOf(measureJSONName(m), q.name, compareStrata(st, q.q)))
 		}
 	}
 	rows := make([]*Diff, 0, len(c.Measures)+1)
@@ -116,9 +170,8 @@ func (e *Engine) Compare(route, a, b, window string) (Comparison, error) {
 	}
 	// Throughput per request in flight: output tokens per second of a
 	// request's life, each request's tokens / E2E, compared at the median.
-	ta, tb := &sideA.d[mTokensPerS], &sideB.d[mTokensPerS]
-	if ta.n > 0 && tb.n > 0 {
-		c.Through = diffOf("output_tokens_per_s_per_request", "p50", compareQuantile(cdfOfDist(ta), cdfOfDist(tb), 0.5))
+	if st := strataOf(mTokensPerS); len(st) > 0 {
+		c.Through = diffOf("output_tokens_per_s_per_request", "p50", compareStrata(st, 0.5))
 		rows = append(rows, &c.Through)
 	}
 	judge(rows)
@@ -131,6 +184,13 @@ func (e *Engine) Compare(route, a, b, window string) (Comparison, error) {
 	}
 	c.Goodput = PairValue{share(sideA.good, sideA.judged), share(sideB.good, sideB.judged)}
 	c.Errors = PairValue{share(sideA.errors, sideA.count), share(sideB.errors, sideB.count)}
+	if class == "" && len(both) > 1 {
+		for _, k := range both {
+			if one, err := e.CompareClass(route, a, b, window, k); err == nil {
+				c.ByClass = append(c.ByClass, one)
+			}
+		}
+	}
 	return c, nil
 }
 

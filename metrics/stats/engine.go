@@ -38,6 +38,8 @@ type Options struct {
 // Key names one group.
 type Key struct {
 	Route, Model, Tenant, Upstream string
+	// Class is the requests' class (metrics.Record.Class).
+	Class string
 	// Shadow: copies sent to the route's shadow upstream. They are the
 	// upstream's figures only: a query that merges upstreams away (the
 	// route's, a tenant's) leaves them out, and so do the route's
@@ -97,7 +99,7 @@ func (e *Engine) Observe(r *metrics.Record, gaps []time.Duration) {
 		return
 	}
 	route, upstream, model := r.Series.Labels()
-	k := Key{Route: route, Model: model, Tenant: r.Tenant, Upstream: upstream, Shadow: r.Shadow}
+	k := Key{Route: route, Model: model, Tenant: r.Tenant, Upstream: upstream, Class: r.Class, Shadow: r.Shadow}
 	s := slotOf(e.now())
 	if s > e.slot.Load() {
 		e.advance(s)
@@ -197,10 +199,10 @@ type Query struct {
 	// Window is 1m, 5m, 1h or all (default 5m).
 	Window string
 	// Filters: only groups with these label values ("" matches all).
-	Route, Model, Tenant, Upstream string
+	Route, Model, Tenant, Upstream, Class string
 	// GroupBy lists the labels groups keep (route, model, tenant,
-	// upstream); the others are merged away and reported as "". Empty:
-	// all four.
+	// upstream, class); the others are merged away and reported as "".
+	// Empty: the first four (classes merged).
 	GroupBy []string
 }
 
@@ -208,7 +210,7 @@ type Query struct {
 func ValidGroupBy(names []string) bool {
 	for _, n := range names {
 		switch n {
-		case "route", "model", "tenant", "upstream":
+		case "route", "model", "tenant", "upstream", "class":
 		default:
 			return false
 		}
@@ -225,6 +227,7 @@ func (q Query) keepsUpstream() bool {
 // project keeps of k the labels q groups by.
 func (q Query) project(k Key) Key {
 	if len(q.GroupBy) == 0 {
+		k.Class = ""
 		return k
 	}
 	out := Key{Shadow: k.Shadow}
@@ -238,6 +241,8 @@ func (q Query) project(k Key) Key {
 			out.Tenant = k.Tenant
 		case "upstream":
 			out.Upstream = k.Upstream
+		case "class":
+			out.Class = k.Class
 		}
 	}
 	return out
@@ -315,11 +320,12 @@ func (q Query) matches(k Key) bool {
 		return false
 	}
 	return (q.Route == "" || q.Route == k.Route) && (q.Model == "" || q.Model == k.Model) &&
-		(q.Tenant == "" || q.Tenant == k.Tenant) && (q.Upstream == "" || q.Upstream == k.Upstream)
+		(q.Tenant == "" || q.Tenant == k.Tenant) && (q.Upstream == "" || q.Upstream == k.Upstream) &&
+		(q.Class == "" || q.Class == k.Class)
 }
 
 func compareKeys(a, b Key) int {
-	for _, p := range [][2]string{{a.Route, b.Route}, {a.Model, b.Model}, {a.Tenant, b.Tenant}, {a.Upstream, b.Upstream}} {
+	for _, p := range [][2]string{{a.Route, b.Route}, {a.Model, b.Model}, {a.Tenant, b.Tenant}, {a.Upstream, b.Upstream}, {a.Class, b.Class}} {
 		if p[0] != p[1] {
 			if p[0] < p[1] {
 				return -1

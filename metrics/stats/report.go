@@ -29,6 +29,8 @@ type Group struct {
 	Model    string `json:"model"`
 	Tenant   string `json:"tenant"`
 	Upstream string `json:"upstream"`
+	// Class is the requests' class, in a table grouped by class.
+	Class string `json:"class,omitempty"`
 	// Shadow: the copies sent to the route's shadow upstream (never in
 	// the route's or a tenant's groups).
 	Shadow bool `json:"shadow,omitempty"`
@@ -53,7 +55,7 @@ type Group struct {
 	ClientE2E  Dist `json:"client_e2e_ms"`
 }
 
-func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream, g.Shadow} }
+func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream, g.Class, g.Shadow} }
 
 // dists returns the group's measures in the order of the m* constants.
 func (g *Group) dists() [numPublic]*Dist {
@@ -114,7 +116,7 @@ func makeGoodput(a *agg, target float64) Goodput {
 
 // group_ renders a group's merged agg over span.
 func group_(k Key, a *agg, span time.Duration, target float64) Group {
-	g := Group{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Shadow: k.Shadow,
+	g := Group{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
 		Count: a.count, Errors: a.errors,
 		RequestsPerS:     round3(float64(a.count) / span.Seconds()),
 		OutputTokensPerS: round3(float64(a.outTokens) / span.Seconds()),

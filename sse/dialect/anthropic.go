@@ -70,7 +70,11 @@ func anthropicInput(u string, o *Obs) {
 		return
 	}
 	o.HasIn = true
-	o.In = int(in.Int() + gjson.Get(u, "cache_creation_input_tokens").Int() + gjson.Get(u, "cache_read_input_tokens").Int())
+	read := gjson.Get(u, "cache_read_input_tokens")
+	o.In = int(in.Int() + gjson.Get(u, "cache_creation_input_tokens").Int() + read.Int())
+	if read.Exists() {
+		o.HasCached, o.Cached = true, int(read.Int())
+	}
 }
 
 func (anthropic) Body(body []byte) Obs {

@@ -36,6 +36,10 @@ type Obs struct {
 	// output at message_delta); a later value replaces an earlier one.
 	HasIn, HasOut bool
 	In, Out       int
+	// HasCached reports Cached: how many of the input tokens the backend
+	// served from its prompt cache (a reused prefix), where it says.
+	HasCached bool
+	Cached    int
 	// Items is the number of results of a non-generating call (embeddings).
 	Items int
 	// Error reports an error object inside the stream or body.

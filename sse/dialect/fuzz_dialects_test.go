@@ -68,6 +68,14 @@ func setOut(o *Obs, doc any, path string) bool {
 	return ok
 }
 
+func setCached(o *Obs, doc any, path string) bool {
+	n, p, ok := num(doc, path)
+	if p {
+		o.HasCached, o.Cached = true, n
+	}
+	return ok
+}
+
 func refResponses(doc map[string]any) (Obs, bool) {
 	var o Obs
 	switch doc["type"] {
@@ -77,7 +85,8 @@ func refResponses(doc map[string]any) (Obs, bool) {
 		o.Token = str1(doc["delta"])
 	case "response.completed", "response.incomplete", "response.failed":
 		if _, isObj := at(doc, "response.usage").(map[string]any); isObj {
-			if !setIn(&o, doc, "response.usage.input_tokens") || !setOut(&o, doc, "response.usage.output_tokens") {
+			if !setIn(&o, doc, "response.usage.input_tokens") || !setOut(&o, doc, "response.usage.output_tokens") ||
+				!setCached(&o, doc, "response.usage.input_tokens_details.cached_tokens") {
 				return o, false
 			}
 		}
@@ -106,7 +115,7 @@ func refAnthropic(doc map[string]any) (Obs, bool) {
 			b, _, ok2 := num(doc, "message.usage.cache_creation_input_tokens")
 			c, _, ok3 := num(doc, "message.usage.cache_read_input_tokens")
 			o.HasIn, o.In = true, a+b+c
-			if !ok1 || !ok2 || !ok3 {
+			if !ok1 || !ok2 || !ok3 || !setCached(&o, doc, "message.usage.cache_read_input_tokens") {
 				return o, false
 			}
 		}
@@ -140,7 +149,7 @@ func refGemini(doc map[string]any) (Obs, bool) {
 		}
 	}
 	if _, isObj := doc["usageMetadata"].(map[string]any); isObj {
-		if !setIn(&o, doc, "usageMetadata.promptTokenCount") {
+		if !setIn(&o, doc, "usageMetadata.promptTokenCount") || !setCached(&o, doc, "usageMetadata.cachedContentTokenCount") {
 			return o, false
 		}
 		c, pc, ok1 := num(doc, "usageMetadata.candidatesTokenCount")
@@ -193,7 +202,7 @@ func refTGI(doc map[string]any) (Obs, bool) {
 func refLlama(doc map[string]any) (Obs, bool) {
 	var o Obs
 	o.Token, o.Answer = str1(doc["content"]), str1(doc["content"])
-	if has(doc, "timings") || !setIn(&o, doc, "tokens_evaluated") || !setOut(&o, doc, "tokens_predicted") {
+	if has(doc, "timings") || !setIn(&o, doc, "tokens_evaluated") || !setOut(&o, doc, "tokens_predicted") || !setCached(&o, doc, "tokens_cached") {
 		return o, false
 	}
 	o.Error = doc["error"] != nil

@@ -54,6 +54,7 @@ func (gemini) Body(body []byte) Obs {
 			o.Error = o.Error || one.Error
 			if one.HasIn || one.HasOut {
 				o.HasIn, o.In, o.HasOut, o.Out = one.HasIn, one.In, one.HasOut, one.Out
+				o.HasCached, o.Cached = one.HasCached, one.Cached
 			}
 			return true
 		})
@@ -84,6 +85,9 @@ func readGemini(s string, o *Obs) {
 	if u := gjson.Get(s, "usageMetadata"); u.IsObject() {
 		if v := gjson.Get(u.Raw, "promptTokenCount"); v.Exists() {
 			o.HasIn, o.In = true, int(v.Int())
+		}
+		if v := gjson.Get(u.Raw, "cachedContentTokenCount"); v.Exists() {
+			o.HasCached, o.Cached = true, int(v.Int())
 		}
 		c, t := gjson.Get(u.Raw, "candidatesTokenCount"), gjson.Get(u.Raw, "thoughtsTokenCount")
 		if c.Exists() || t.Exists() {

@@ -38,6 +38,11 @@ func readLlama(s string) Obs {
 	} else if v := gjson.Get(t.Raw, "prompt_n"); t.IsObject() && v.Exists() {
 		o.HasIn, o.In = true, int(v.Int())
 	}
+	if v := gjson.Get(s, "tokens_cached"); v.Exists() {
+		o.HasCached, o.Cached = true, int(v.Int())
+	} else if v := gjson.Get(t.Raw, "cache_n"); t.IsObject() && v.Exists() {
+		o.HasCached, o.Cached = true, int(v.Int())
+	}
 	if v := gjson.Get(s, "tokens_predicted"); v.Exists() {
 		o.HasOut, o.Out = true, int(v.Int())
 	} else if v := gjson.Get(t.Raw, "predicted_n"); t.IsObject() && v.Exists() {

@@ -84,10 +84,20 @@ func readChoice(c string, o *Obs) {
 	}
 }
 
-// readUsage reads input and output token counts from a usage object.
+// readUsage reads input and output token counts from a usage object, and
+// the cached input tokens from its details of the input (OpenAI:
+// prompt_tokens_details or input_tokens_details, cached_tokens; vLLM
+// reports them there too).
 func readUsage(u, in, out string, o *Obs) {
 	if v := gjson.Get(u, in); v.Exists() {
 		o.HasIn, o.In = true, int(v.Int())
+	}
+	details := "prompt_tokens_details.cached_tokens"
+	if in == "input_tokens" {
+		details = "input_tokens_details.cached_tokens"
+	}
+	if v := gjson.Get(u, details); v.Exists() {
+		o.HasCached, o.Cached = true, int(v.Int())
 	}
 	if v := gjson.Get(u, out); v.Exists() {
 		o.HasOut, o.Out = true, int(v.Int())

@@ -25,6 +25,8 @@ func TestOpenAIEvent(t *testing.T) {
 	f("second choice", `{"choices":[{"delta":{}},{"delta":{"content":"x"}}]}`, tok)
 	f("usage only", `{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":34,"total_tokens":46}}`,
 		Obs{HasIn: true, In: 12, HasOut: true, Out: 34})
+	f("usage with cached prefix", `{"choices":[],"usage":{"prompt_tokens":2006,"completion_tokens":300,"prompt_tokens_details":{"cached_tokens":1920}}}`,
+		Obs{HasIn: true, In: 2006, HasOut: true, Out: 300, HasCached: true, Cached: 1920})
 	f("usage null", `{"choices":[{"delta":{"content":"a"}}],"usage":null}`, tok)
 	f("continuous usage", `{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
 		Obs{Token: true, Answer: true, HasIn: true, In: 3, HasOut: true, Out: 1})
@@ -105,5 +107,27 @@ func TestMaxOutputTokens(t *testing.T) {
 		if got := MaxOutputTokens([]byte(body)); got != want {
 			t.Errorf("%s: %d, want %d", body, got, want)
 		}
+	}
+}
+
+// Cached input tokens, where each API says: a reused prefix.
+func TestCachedTokens(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		obs  Obs
+		want int
+	}{
+		{"anthropic", Anthropic.Body([]byte(`{"type":"message","content":[],"usage":{"input_tokens":8,"cache_read_input_tokens":2000,"output_tokens":4}}`)), 2000},
+		{"responses", Responses.Event([]byte("response.completed"), []byte(`{"type":"response.completed","response":{"usage":{"input_tokens":20,"input_tokens_details":{"cached_tokens":16},"output_tokens":3}}}`)), 16},
+		{"gemini", Gemini.Body([]byte(`{"candidates":[],"usageMetadata":{"promptTokenCount":100,"cachedContentTokenCount":64,"candidatesTokenCount":5}}`)), 64},
+		{"llama.cpp", LlamaCpp.Body([]byte(`{"content":"hi","tokens_evaluated":50,"tokens_cached":48,"tokens_predicted":2}`)), 48},
+		{"llama.cpp timings", LlamaCpp.Body([]byte(`{"content":"hi","timings":{"prompt_n":2,"cache_n":40,"predicted_n":3}}`)), 40},
+	} {
+		if !c.obs.HasCached || c.obs.Cached != c.want {
+			t.Errorf("%s: %+v, want %d cached", c.name, c.obs, c.want)
+		}
+	}
+	if o := OpenAI.Body([]byte(`{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}`)); o.HasCached {
+		t.Errorf("no details: %+v says cached", o)
 	}
 }
