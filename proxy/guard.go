@@ -231,6 +231,34 @@ func (p *Proxy) Guards() []GuardStatus {
 	return out
 }
 
+// GuardState is what the admin listener shows of a route's guard: its
+// sides since it was armed, the looks taken, and why it tripped, if it did.
+type GuardState struct {
+	Route             string       `json:"route"`
+	Candidate         string       `json:"candidate"`
+	Baseline          string       `json:"baseline"`
+	Class             string       `json:"class,omitempty"`
+	MinRequests       int64        `json:"min_requests"`
+	CandidateRequests int64        `json:"candidate_requests"`
+	BaselineRequests  int64        `json:"baseline_requests"`
+	Looks             int64        `json:"looks"`
+	ArmedAt           time.Time    `json:"armed_at"`
+	Tripped           *GuardStatus `json:"tripped"`
+}
+
+// GuardStates returns the state of every guard of the running config.
+func (p *Proxy) GuardStates() []GuardState {
+	out := []GuardState{}
+	for _, r := range p.snap.Load().routes {
+		if g := r.guard; g != nil {
+			out = append(out, GuardState{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, Class: g.Class,
+				MinRequests: g.MinRequests, CandidateRequests: g.sides[0].Count(), BaselineRequests: g.sides[1].Count(),
+				Looks: g.looks.Load(), ArmedAt: time.Unix(0, g.armedAt.Load()).UTC(), Tripped: g.tripped.Load()})
+		}
+	}
+	return out
+}
+
 // ResetGuard clears the tripped guard of route (all routes when ""): its
 // candidate takes requests again. It reports whether one was tripped.
 func (p *Proxy) ResetGuard(route string) bool {

@@ -201,9 +201,12 @@ func (a *admin) serveAuthorized(ctx *fasthttp.RequestCtx, path string) {
 	switch path {
 	case "/stats":
 		a.serveStats(ctx)
+	case "/guards":
+		ctx.SetContentType("application/json")
+		writeJSON(ctx, a.p.GuardStates())
 	case "/stats/timeline":
 		ctx.SetContentType("application/json")
-		writeJSON(ctx, a.p.Stats().Timeline(string(ctx.QueryArgs().Peek("route"))))
+		writeJSON(ctx, a.p.Stats().TimelineOf(string(ctx.QueryArgs().Peek("route")), ctx.QueryArgs().Has("upstreams")))
 	case "/metrics":
 		ctx.SetContentType("text/plain; version=0.0.4")
 		metrics.WritePrometheus(ctx, true)

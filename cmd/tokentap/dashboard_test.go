@@ -3,8 +3,11 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"math"
 	"math/big"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"strconv"
@@ -15,7 +18,9 @@ import (
 
 	"github.com/chromedp/cdproto/runtime"
 	"github.com/chromedp/chromedp"
+	"github.com/tokentap/tokentap/examples/mockllm"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy"
 )
 
 // browser starts Debian's headless chromium with the flags this closed
@@ -303,3 +308,192 @@ func TestFmtJS(t *testing.T) {
 		t.Errorf("toFixed(99.25, 1) = %s, want 99.3", got)
 	}
 }
+
+// TestDashboardComparisonInBrowser: a route with a stable upstream and a
+// canary 15 times slower to its first token, under a guard. The page
+// shows, for that route, each upstream's TTFT, ITL and E2E over time,
+// the verdict table as /stats?compare says it (intervals, and "too few"
+// rows where a side has too few requests for a quantile), and the guard
+// tripped with its reason; its reset button clears it, and the page then
+// shows it armed again.
+func TestDashboardComparisonInBrowser(t *testing.T) {
+	ctx, cancel := browser(t)
+	defer cancel()
+	start := func(prefill time.Duration) string {
+		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond})}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		return "http://" + ln.Addr().String()
+	}
+	stable, canary := start(10*time.Millisecond), start(150*time.Millisecond)
+	route := fmt.Sprintf("cmpview%d", statsRuns.Add(1))
+	cfg := writeFile(t, fmt.Sprintf("routes:\n  - name: %s\n    prefix: /\n    upstreams:\n      - {name: stable, url: %q}\n      - {name: canary, url: %q}\n"+
+		"    guard: {candidate: canary, baseline: stable, min_requests: 80, max_ttft_p95_increase: 100%%}\n", route, stable, canary))
+	listen, admin := freeAddr(t), freeAddr(t)
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", ""})
+	defer prog.stop()
+	base := "http://" + admin
+	waitUp(t, base+"/healthz")
+	send := func(n int) {
+		var wg sync.WaitGroup
+		for w := range 8 {
+			wg.Go(func() {
+				for i := w; i < n; i += 8 {
+					resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
+						strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			})
+		}
+		wg.Wait()
+	}
+	var guards []proxy.GuardState
+	for i := 0; ; i++ {
+		send(40)
+		getJSON(t, base+"/guards", &guards)
+		if len(guards) == 1 && guards[0].Tripped != nil {
+			break
+		}
+		if i == 30 {
+			t.Fatalf("the guard did not trip: %+v", guards)
+		}
+		time.Sleep(guardLook)
+	}
+	var problems []string
+	var mu sync.Mutex
+	if err := chromedp.Listen(ctx, func(ev any) {
+		mu.Lock()
+		defer mu.Unlock()
+		if e, ok := ev.(*runtime.EventExceptionThrown); ok {
+			problems = append(problems, fmt.Sprintf("exception: %s %v", e.ExceptionDetails.Text, e.ExceptionDetails.Exception))
+		}
+		if e, ok := ev.(*runtime.EventConsoleAPICalled); ok && (e.Type == runtime.ConsoleAPICalledTypeError || e.Type == runtime.ConsoleAPICalledTypeWarning) {
+			problems = append(problems, fmt.Sprintf("console.%s", e.Type))
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Navigate(base+"/?window=all")); err != nil {
+		t.Fatal(err)
+	}
+	// The verdict over all requests, read by the page and by the test.
+	if _, err := chromedp.Run(ctx, chromedp.Evaluate[any](`document.getElementById('window').value = 'all'; document.getElementById('window').dispatchEvent(new Event('change'))`)); err != nil {
+		t.Fatal(err)
+	}
+	ready := `window.tokentap && window.tokentap.verdicts && window.tokentap.verdicts[` + strconv.Quote(route) + `] && window.tokentap.verdicts[` + strconv.Quote(route) + `].window === 'all' && document.querySelectorAll('.compare .verdict tbody tr').length > 0`
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](ready, chromedp.WithPollingTimeout(30*time.Second))); err != nil {
+		t.Fatalf("%v (problems: %v)", err, problems)
+	}
+	type row struct{ Measure, A, B, Diff, Verdict string }
+	rows, err := chromedp.Run(ctx, chromedp.Evaluate[[]row](`Array.from(document.querySelectorAll('.compare .verdict tbody tr')).map(r => {
+		const c = r.querySelectorAll('td');
+		return {Measure: c[0].textContent, A: c[1].textContent, B: c[2].textContent, Diff: c[3].textContent, Verdict: c[4].textContent};
+	})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	shown, err := chromedp.Run(ctx, chromedp.Evaluate[stats.Comparison](`window.tokentap.verdicts[` + strconv.Quote(route) + `]`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	upCharts, err := chromedp.Run(ctx, chromedp.Evaluate[[]int](`Object.entries(window.tokentap.charts).filter(([k]) => k.includes('/up-')).map(([, c]) => c.data.length)`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	guardText, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.querySelector('.compare [data-guard]').dataset.guard + ': ' + document.querySelector('.compare [data-guard]').textContent`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The page's rows are the verdict's, in its order and words.
+	var want []row
+	pct := func(v float64) string {
+		s := toFixed(math.Abs(100*v), 1)
+		if v >= 0 {
+			return "+" + s + "%"
+		}
+		return "-" + s + "%"
+	}
+	wantRow := func(name string, d stats.Diff) {
+		r := row{Measure: name, A: fmtJS(d.A), B: fmtJS(d.B)}
+		switch {
+		case d.TooFew:
+			var need []string
+			if d.NeedA > 0 {
+				need = append(need, fmt.Sprintf("%d more on %s", d.NeedA, shown.A))
+			}
+			if d.NeedB > 0 {
+				need = append(need, fmt.Sprintf("%d more on %s", d.NeedB, shown.B))
+			}
+			r.Diff = "too few requests"
+			if len(need) > 0 {
+				r.Diff += " (needs " + strings.Join(need, " and ") + ")"
+			}
+		default:
+			r.Diff = fmt.Sprintf("%s (%s … %s)", pct(d.RelativeDiff), pct(d.CILow), pct(d.CIHigh))
+			r.Verdict = "within noise"
+			if d.Significant {
+				r.Verdict = "outside the noise"
+			}
+		}
+		want = append(want, r)
+	}
+	if shown.Through.Name != "" {
+		wantRow("tokens/s per request p50", shown.Through)
+	}
+	tooFew, significant := 0, false
+	for _, d := range shown.Measures {
+		wantRow(strings.TrimSuffix(d.Name, "_ms")+" "+d.Quantile, d)
+		if d.TooFew {
+			tooFew++
+		}
+		if d.Name == "ttft_ms" && d.Quantile == "p50" && d.Significant && d.RelativeDiff > 1 {
+			significant = true
+		}
+	}
+	if fmt.Sprint(rows) != fmt.Sprint(want) {
+		t.Errorf("the page's verdict rows\n  %v\nthe verdict's\n  %v", rows, want)
+	}
+	if shown.A != "stable" || shown.B != "canary" || !significant || tooFew == 0 {
+		t.Errorf("verdict %s against %s: TTFT p50 found slower %v, %d too-few rows (the p99s want more requests)", shown.B, shown.A, significant, tooFew)
+	}
+	if len(upCharts) != 3 {
+		t.Errorf("%d upstream charts, want 3", len(upCharts))
+	}
+	for _, n := range upCharts {
+		if n != 1+2*2 { // time, two upstreams, their open-slot copies
+			t.Errorf("an upstream chart has %d columns, want 5", n)
+		}
+	}
+	if !strings.HasPrefix(guardText, "tripped: ") || !strings.Contains(guardText, "TTFT p95") {
+		t.Errorf("the guard shows %q", guardText)
+	}
+	// The reset button clears the guard, and the page shows it armed.
+	if _, err := chromedp.Run(ctx, chromedp.Click(`.compare [data-action="reset-guard"]`)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('.compare [data-guard]').dataset.guard === 'armed'`, chromedp.WithPollingTimeout(30*time.Second))); err != nil {
+		t.Fatalf("after the reset: %v", err)
+	}
+	getJSON(t, base+"/guards", &guards)
+	if len(guards) != 1 || guards[0].Tripped != nil || guards[0].Looks != 0 {
+		t.Errorf("after the page's reset: %+v", guards)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(problems) > 0 {
+		t.Errorf("browser console: %v", problems)
+	}
+}
+
+// guardLook is how often a guard looks: traffic spaced by it gives it a
+// look between batches.
+const guardLook = 1100 * time.Millisecond

@@ -27,6 +27,15 @@ routes:
     prefix: /
     upstream: %UPSTREAM%
     slo: {ttft: 1ms}
+  # Two upstreams under a guard (no request reaches it): its series and
+  # gauge are on /metrics, as the Grafana dashboard's per-upstream panels
+  # query them.
+  - name: statsroute-canary
+    prefix: /canary
+    upstreams:
+      - {name: stable, url: %UPSTREAM%}
+      - {name: canary, url: %UPSTREAM%}
+    guard: {candidate: canary, baseline: stable, max_error_rate_increase: 1%}
 slo: {e2e: 60s, target: 99%}
 models: {allow: [m]}
 metrics:

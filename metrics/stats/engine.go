@@ -67,6 +67,12 @@ type Engine struct {
 	list   []*group             // in creation order
 	tl     map[string]*timeline // by route
 	routes []string             // timeline routes in creation order
+	// utl are the timelines of a route's named upstreams (a route with
+	// several), ups their names per route in creation order, and
+	// upScratch an agg per upstream name for closing slots.
+	utl       map[[2]string]*timeline
+	ups       map[string][]string
+	upScratch map[string]*agg
 }
 
 // New returns an empty engine.
@@ -74,7 +80,8 @@ func New(o Options) *Engine {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	e := &Engine{now: o.Now, groups: map[Key]*group{}, tl: map[string]*timeline{}}
+	e := &Engine{now: o.Now, groups: map[Key]*group{}, tl: map[string]*timeline{},
+		utl: map[[2]string]*timeline{}, ups: map[string][]string{}, upScratch: map[string]*agg{}}
 	e.start = e.now()
 	e.slot.Store(slotOf(e.start))
 	e.SetWarn(o.Warn)
@@ -131,6 +138,14 @@ func (e *Engine) create(k Key) *group {
 		e.tl[k.Route] = &timeline{}
 		e.routes = append(e.routes, k.Route)
 	}
+	if uk := [2]string{k.Route, k.Upstream}; k.Upstream != "" && !k.Shadow && e.utl[uk] == nil {
+		e.utl[uk] = &timeline{}
+		e.ups[k.Route] = append(e.ups[k.Route], k.Upstream)
+		if e.upScratch[k.Upstream] == nil {
+			a := newAgg()
+			e.upScratch[k.Upstream] = &a
+		}
+	}
 	return g
 }
 
@@ -150,6 +165,9 @@ func (e *Engine) advance(s int64) {
 	for k := cur; k < s; k++ {
 		for _, route := range e.routes {
 			scratch.clear()
+			for _, u := range e.ups[route] {
+				e.upScratch[u].clear()
+			}
 			for _, g := range e.list {
 				if g.key.Route != route || g.key.Shadow {
 					continue
@@ -157,12 +175,18 @@ func (e *Engine) advance(s int64) {
 				g.mu.Lock()
 				if k >= first {
 					scratch.merge(&g.w.open)
+					if g.key.Upstream != "" {
+						e.upScratch[g.key.Upstream].merge(&g.w.open)
+					}
 				}
 				g.w.advance(k + 1)
 				g.mu.Unlock()
 			}
 			if k >= first {
 				e.tl[route].put(k, point(&scratch, slotLen))
+				for _, u := range e.ups[route] {
+					e.utl[[2]string{route, u}].put(k, point(e.upScratch[u], slotLen))
+				}
 			}
 		}
 		for _, g := range e.list {

@@ -217,6 +217,53 @@ func TestTimelinePoints(t *testing.T) {
 	}
 }
 
+// TestUpstreamTimelines: a route with two upstreams has, on request, a
+// timeline per upstream beside the route's, each with its own requests;
+// a route with one has none.
+func TestUpstreamTimelines(t *testing.T) {
+	c := newClock()
+	e := New(Options{Now: c.now})
+	set := metrics.NewSet([]metrics.RouteRow{{Route: "r", Upstream: "a"}, {Route: "r", Upstream: "b"}, {Route: "solo"}}, nil, metrics.SetOptions{})
+	for i := range 2 {
+		for range 10 {
+			ra := record(set.Series(0, 0), 100*time.Millisecond, time.Second, 5)
+			rb := record(set.Series(1, 0), 300*time.Millisecond, time.Second, 5)
+			rs := record(set.Series(2, 0), 50*time.Millisecond, time.Second, 5)
+			e.Observe(ra, nil)
+			e.Observe(rb, nil)
+			if i == 0 {
+				e.Observe(rs, nil)
+			}
+		}
+		c.add(10 * time.Second)
+	}
+	if rt := e.Timeline("r").Routes[0]; len(rt.Upstreams) != 0 {
+		t.Fatalf("upstreams without asking: %+v", rt.Upstreams)
+	}
+	rep := e.TimelineOf("", true)
+	for _, rt := range rep.Routes {
+		switch rt.Route {
+		case "solo":
+			if len(rt.Upstreams) != 0 {
+				t.Errorf("a route with one upstream has upstream timelines: %+v", rt.Upstreams)
+			}
+		case "r":
+			if len(rt.Upstreams) != 2 || rt.Upstreams[0].Upstream != "a" || rt.Upstreams[1].Upstream != "b" {
+				t.Fatalf("upstreams %+v", rt.Upstreams)
+			}
+			for i, want := range []float64{100, 300} {
+				pts := rt.Upstreams[i].Points
+				if len(pts) != 3 || pts[0].Count != 10 || pts[1].Count != 10 || pts[0].TTFTP50 != want || !pts[2].Partial {
+					t.Errorf("upstream %s: %+v", rt.Upstreams[i].Upstream, pts)
+				}
+			}
+			if rt.Points[0].Count != 20 {
+				t.Errorf("the route's point holds %d requests, want 20", rt.Points[0].Count)
+			}
+		}
+	}
+}
+
 // TestGoodputAndErrors: judged, good, missed per SLO and errors.
 func TestGoodputAndErrors(t *testing.T) {
 	c := newClock()

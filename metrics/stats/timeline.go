@@ -67,10 +67,18 @@ func (t *timeline) put(k int64, p Point) {
 	t.slot[i], t.p[i] = k, p
 }
 
-// RouteTimeline is one route's last hour.
+// RouteTimeline is one route's last hour; on a route with several
+// upstreams, with upstreams asked for, each upstream's too.
 type RouteTimeline struct {
-	Route  string  `json:"route"`
-	Points []Point `json:"points"`
+	Route     string             `json:"route"`
+	Points    []Point            `json:"points"`
+	Upstreams []UpstreamTimeline `json:"upstreams,omitempty"`
+}
+
+// UpstreamTimeline is one upstream of a route over the last hour.
+type UpstreamTimeline struct {
+	Upstream string  `json:"upstream"`
+	Points   []Point `json:"points"`
 }
 
 // TimelineReport is the /stats/timeline answer: per route, a point per
@@ -82,43 +90,58 @@ type TimelineReport struct {
 }
 
 // Timeline returns the last hour of route (all routes when "").
-func (e *Engine) Timeline(route string) TimelineReport {
+func (e *Engine) Timeline(route string) TimelineReport { return e.TimelineOf(route, false) }
+
+// TimelineOf is Timeline, with each upstream's last hour too on routes
+// with several when upstreams is set.
+func (e *Engine) TimelineOf(route string, upstreams bool) TimelineReport {
 	now := e.now()
 	s := e.sync(now)
 	rep := TimelineReport{StepS: int(slotLen / time.Second), Routes: []RouteTimeline{}}
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	startSlot := max(slotOf(e.start), s-timelineLen+1)
+	span := now.Sub(slotStart(s))
+	if st := e.start; st.After(slotStart(s)) {
+		span = now.Sub(st)
+	}
+	span = max(span, time.Second)
 	open := newAgg()
-	for _, r := range e.routes {
-		if route != "" && r != route {
-			continue
-		}
-		tl := e.tl[r]
-		rt := RouteTimeline{Route: r, Points: make([]Point, 0, s-startSlot+1)}
+	// series reads a timeline's closed slots and the open slot so far of
+	// the groups that keep.
+	series := func(tl *timeline, keep func(Key) bool) []Point {
+		pts := make([]Point, 0, s-startSlot+1)
 		for k := startSlot; k < s; k++ {
 			i := mod(k, timelineLen)
 			if tl.slot[i] == k {
-				rt.Points = append(rt.Points, tl.p[i])
+				pts = append(pts, tl.p[i])
 			} else {
-				rt.Points = append(rt.Points, Point{T: slotStart(k).Unix()})
+				pts = append(pts, Point{T: slotStart(k).Unix()})
 			}
 		}
 		open.clear()
 		for _, g := range e.list {
-			if g.key.Route == r && !g.key.Shadow {
+			if keep(g.key) && !g.key.Shadow {
 				g.mu.Lock()
 				open.merge(&g.w.open)
 				g.mu.Unlock()
 			}
 		}
-		span := now.Sub(slotStart(s))
-		if st := e.start; st.After(slotStart(s)) {
-			span = now.Sub(st)
-		}
-		p := point(&open, max(span, time.Second))
+		p := point(&open, span)
 		p.T, p.Partial = slotStart(s).Unix(), true
-		rt.Points = append(rt.Points, p)
+		return append(pts, p)
+	}
+	for _, r := range e.routes {
+		if route != "" && r != route {
+			continue
+		}
+		rt := RouteTimeline{Route: r, Points: series(e.tl[r], func(k Key) bool { return k.Route == r })}
+		if upstreams && len(e.ups[r]) > 1 {
+			for _, u := range e.ups[r] {
+				rt.Upstreams = append(rt.Upstreams, UpstreamTimeline{Upstream: u,
+					Points: series(e.utl[[2]string{r, u}], func(k Key) bool { return k.Route == r && k.Upstream == u })})
+			}
+		}
 		rep.Routes = append(rep.Routes, rt)
 	}
 	return rep

@@ -156,21 +156,163 @@ function renderCharts(timeline) {
   }
 }
 
+// --- Comparing the upstreams of a route (a canary against its baseline). ---
+
+// compareBox is a route's comparison section, made once.
+function compareBox(route) {
+  const box = routeBox(route);
+  let cmp = box.querySelector(".compare");
+  if (cmp) return cmp;
+  cmp = el("div", { class: "compare" },
+    el("h3", {}, "upstreams compared"),
+    el("div", { class: "guard", "data-field": "guard" }),
+    el("div", { class: "charts" },
+      el("div", { class: "chart" }, el("h3", {}, "TTFT p95 by upstream (ms)"), el("div", { "data-chart": "up-ttft" })),
+      el("div", { class: "chart" }, el("h3", {}, "ITL p95 by upstream (ms)"), el("div", { "data-chart": "up-itl" })),
+      el("div", { class: "chart" }, el("h3", {}, "E2E p95 by upstream (ms)"), el("div", { "data-chart": "up-e2e" }))),
+    el("p", { class: "sub", "data-field": "verdict-head" }),
+    el("table", { class: "verdict" }, el("thead", {}, el("tr", {},
+      ...["measure", "A", "B", "difference (95% interval)", "verdict"].map((h) => el("th", {}, h)))), el("tbody", {})));
+  box.append(cmp);
+  return cmp;
+}
+
+const upColors = ["#3b6fd1", "#d13b3b", "#2a9a4b", "#8a4bd1", "#d19a3b"];
+
+// renderUpstreamCharts draws, per route with several upstreams, each
+// upstream's TTFT, ITL and E2E p95 over the last hour.
+function renderUpstreamCharts(rt) {
+  const cmp = compareBox(rt.route);
+  const ups = rt.upstreams;
+  for (const [kind, field] of [["up-ttft", "ttft_p95_ms"], ["up-itl", "itl_p95_ms"], ["up-e2e", "e2e_p95_ms"]]) {
+    const data = withOpen(ups[0].points, ups.map((u) => u.points.map((p) => nz(p[field], p.count))));
+    const id = rt.route + "/" + kind + "/" + ups.map((u) => u.upstream).join(",");
+    const c = state.charts[id];
+    if (c) {
+      c.setData(data);
+      continue;
+    }
+    const series = openSeries([{}, ...ups.map((u, i) => ({ label: u.upstream, stroke: upColors[i % upColors.length] }))]);
+    const target = cmp.querySelector(`[data-chart="${kind}"]`);
+    target.replaceChildren();
+    state.charts[id] = new uPlot({ width: 420, height: 200, series, axes: [{}, { label: "ms" }], scales: { x: { time: true } } }, data, target);
+  }
+}
+
+// sides picks the two upstreams to compare: the guard's baseline and
+// candidate, else the route's two busiest (the busier as A).
+function sides(route) {
+  const g = (state.guards || []).find((x) => x.route === route);
+  if (g) return [g.baseline, g.candidate];
+  const ups = state.all.groups.filter((x) => x.route === route && x.upstream && !x.shadow);
+  const count = {};
+  for (const x of ups) count[x.upstream] = (count[x.upstream] || 0) + x.count;
+  const names = Object.keys(count).sort((a, b) => count[b] - count[a]);
+  return names.length >= 2 ? names.slice(0, 2) : null;
+}
+
+function tooFewText(d, c) {
+  const need = [];
+  if (d.need_a) need.push(`${d.need_a} more on ${c.a}`);
+  if (d.need_b) need.push(`${d.need_b} more on ${c.b}`);
+  return "too few requests" + (need.length ? " (needs " + need.join(" and ") + ")" : "");
+}
+
+function diffText(d) {
+  const p = (v) => (v >= 0 ? "+" : "") + (100 * v).toFixed(1) + "%";
+  return `${p(d.relative_diff)} (${p(d.ci_low)} … ${p(d.ci_high)})`;
+}
+
+// renderVerdict shows /stats?compare: every row with its interval, the
+// rows a side has too few requests for, and the classes compared.
+function renderVerdict(route, c) {
+  const cmp = compareBox(route);
+  const cls = (c.classes || []).length > 1 ? `; compared within ${c.classes.length} classes, each weighing the same on both sides` : "";
+  cmp.querySelector('[data-field="verdict-head"]').textContent =
+    `A = ${c.a} (${c.count_a} requests), B = ${c.b} (${c.count_b} requests), window ${c.window}${cls}. Significance: Holm's method at 5% across the rows.`;
+  const rows = [];
+  const row = (name, d) => {
+    const verdict = d.too_few ? "" : d.significant ? "outside the noise" : "within noise";
+    rows.push(el("tr", { class: d.too_few ? "too-few" : d.significant ? "significant" : "" },
+      el("td", {}, name), el("td", {}, fmt(d.a)), el("td", {}, fmt(d.b)),
+      el("td", {}, d.too_few ? tooFewText(d, c) : diffText(d)), el("td", {}, verdict)));
+  };
+  if (c.throughput && c.throughput.name) row("tokens/s per request p50", c.throughput);
+  for (const d of c.measures) row(`${d.name.replace(/_ms$/, "")} ${d.quantile}`, d);
+  cmp.querySelector(".verdict tbody").replaceChildren(...rows);
+}
+
+// renderGuard shows a route's guard: its sides, its looks, and why it
+// tripped, with the button that resets it.
+function renderGuard(route) {
+  const g = (state.guards || []).find((x) => x.route === route);
+  const box = compareBox(route).querySelector('[data-field="guard"]');
+  if (!g) {
+    box.replaceChildren(el("span", { class: "sub" }, "no guard on this route"));
+    return;
+  }
+  const cls = g.class ? ` (class ${g.class})` : "";
+  const sidesText = `guard${cls}: ${g.candidate} ${g.candidate_requests} and ${g.baseline} ${g.baseline_requests} requests since it was armed (weighed from ${g.min_requests} a side), ${g.looks} looks; `;
+  if (!g.tripped) {
+    box.replaceChildren(el("span", { "data-guard": "armed" }, sidesText + "not tripped"));
+    return;
+  }
+  const button = el("button", { "data-action": "reset-guard" }, "reset the guard");
+  button.addEventListener("click", () => resetGuard(route, box));
+  box.replaceChildren(el("span", { "data-guard": "tripped", class: "tripped" }, sidesText + "TRIPPED: " + g.tripped.reason + " "), button);
+}
+
+async function resetGuard(route, box) {
+  const headers = state.token ? { Authorization: "Bearer " + state.token } : {};
+  const r = await fetch("/-/guard/reset?route=" + encodeURIComponent(route), { method: "POST", headers });
+  if (r.status === 401) {
+    document.getElementById("auth").hidden = false;
+    return;
+  }
+  state.lastReset = { route, status: r.status, body: await r.text() };
+  refresh();
+}
+
+async function renderComparisons(timeline) {
+  for (const rt of timeline.routes) {
+    if (!rt.upstreams || rt.upstreams.length < 2) continue;
+    renderUpstreamCharts(rt);
+    renderGuard(rt.route);
+    const pair = sides(rt.route);
+    if (!pair) continue;
+    const w = encodeURIComponent(state.window);
+    const url = `/stats?route=${encodeURIComponent(rt.route)}&compare=${encodeURIComponent(pair[0] + "," + pair[1])}&window=${w}`;
+    const headers = state.token ? { Authorization: "Bearer " + state.token } : {};
+    const r = await fetch(url, { headers, cache: "no-store" });
+    const c = await r.json();
+    state.verdicts = state.verdicts || {};
+    state.verdicts[rt.route] = c;
+    if (r.ok) {
+      renderVerdict(rt.route, c);
+    } else {
+      compareBox(rt.route).querySelector('[data-field="verdict-head"]').textContent = `no verdict yet: ${c.error}`;
+    }
+  }
+}
+
 async function refresh() {
   try {
     const w = encodeURIComponent(state.window);
-    const [byRoute, all, timeline] = await Promise.all([
+    const [byRoute, all, timeline, guards] = await Promise.all([
       get(`/stats?window=${w}&group_by=route`),
       get(`/stats?window=${w}`),
-      get("/stats/timeline"),
+      get("/stats/timeline?upstreams"),
+      get("/guards"),
     ]);
     state.byRoute = byRoute;
     state.all = all;
     state.timeline = timeline;
+    state.guards = guards;
     byRoute.groups.forEach(renderTiles);
     renderWarnings(all.warnings);
     renderTable(all.groups);
     renderCharts(timeline);
+    await renderComparisons(timeline);
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
     state.renders = (state.renders || 0) + 1;
   } catch (e) {
