@@ -401,7 +401,7 @@ func TestDashboardComparisonInBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shown, err := chromedp.Run(ctx, chromedp.Evaluate[stats.Comparison](`window.tokentap.verdicts[` + strconv.Quote(route) + `]`))
+	shown, err := chromedp.Run(ctx, chromedp.Evaluate[stats.Comparison](`window.tokentap.verdicts[`+strconv.Quote(route)+`]`))
 	if err != nil {
 		t.Fatal(err)
 	}
