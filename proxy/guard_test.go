@@ -333,3 +333,76 @@ func usersBySide(tp *testProxy, n int) map[string][]string {
 	}
 	return users
 }
+
+// TestGuardStopsAFiftyPercentSlowerCanary: through tokentap, against
+// simulated backends, a canary whose first token comes 50% later (150 ms
+// against 100) under a guard allowing +10% with min_requests 200 is
+// stopped at one of the first looks once both sides have 200 requests
+// (within seconds: a look a second), and no request goes to it after.
+func TestGuardStopsAFiftyPercentSlowerCanary(t *testing.T) {
+	base := startMock(t, mockllm.Options{PrefillBase: 100 * time.Millisecond, TokenGap: time.Millisecond})
+	slow := startMock(t, mockllm.Options{PrefillBase: 150 * time.Millisecond, TokenGap: time.Millisecond})
+	tp := startProxyOpts(t, "", func(c *Config) {
+		c.Routes = []Route{{Name: "fifty", Prefix: "/", Timeouts: DefaultTimeouts,
+			Upstreams: []Upstream{{Name: "stable", URL: base, Weight: 1}, {Name: "canary", URL: slow, Weight: 1}},
+			Guard:     &Guard{Candidate: "canary", Baseline: "stable", MinRequests: 200, MaxTTFTP95Increase: 0.1, MaxE2EP95Increase: 0.1}}}
+	}, Options{})
+	g := tp.p.snap.Load().routes[0].guard
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				chat(t, tp.url)
+			}
+		})
+	}
+	var reached time.Time // when both sides had min_requests
+	perSide := map[string]int{}
+	afterTrip := 0
+	for deadline := time.Now().Add(2 * time.Minute); ; {
+		r := tp.rec.next(t)
+		perSide[r.Upstream]++
+		if reached.IsZero() && perSide["stable"] >= 200 && perSide["canary"] >= 200 {
+			reached = time.Now()
+		}
+		if g.tripped.Load() != nil {
+			if r.Upstream == "stable" {
+				afterTrip++
+			}
+			if afterTrip >= 40 {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not stopped in 2 minutes: sides %v, %d looks", perSide, g.looks.Load())
+		}
+	}
+	close(stop)
+	wg.Wait()
+	st := g.tripped.Load()
+	if st.Values["look"] > 3 || !strings.Contains(st.Reason, "p95") {
+		t.Fatalf("tripped at look %v: %s", st.Values["look"], st.Reason)
+	}
+	t.Logf("stopped at look %v, %v after both sides had 200 requests: %s", st.Values["look"], st.At.Sub(reached).Round(100*time.Millisecond), st.Reason)
+	// Once tripped, the canary takes nothing new (records of requests
+	// sent before may still come: only these requests' are weighed).
+	for i := range 20 {
+		chat(t, tp.url, "X-Request-Id", fmt.Sprintf("after-trip-%d", i))
+	}
+	for seen := 0; seen < 20; {
+		r := tp.rec.next(t)
+		if !strings.HasPrefix(r.RequestID, "after-trip-") {
+			continue
+		}
+		seen++
+		if r.Upstream != "stable" {
+			t.Fatalf("request %s went to %s after the guard tripped", r.RequestID, r.Upstream)
+		}
+	}
+}

@@ -40,8 +40,15 @@ func openAIUsageChunk(c *call) string {
 	return sseData(fmt.Sprintf(`{"id":%q,"object":"chat.completion.chunk","model":%q,"choices":[],"usage":%s}`, c.id, c.model, openAIUsage(c)))
 }
 
+// openAIUsage is the usage object; with a prefix cache, the prompt's
+// cached tokens too (prompt_tokens_details.cached_tokens, as OpenAI and
+// vLLM report them).
 func openAIUsage(c *call) string {
-	return fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}`, c.prompt, c.output(), c.prompt+c.output())
+	details := ""
+	if c.s.o.PrefixCache {
+		details = fmt.Sprintf(`,"prompt_tokens_details":{"cached_tokens":%d}`, c.cached)
+	}
+	return fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d%s}`, c.prompt, c.output(), c.prompt+c.output(), details)
 }
 
 func (openAIChat) body(c *call, text, thinking string) string {

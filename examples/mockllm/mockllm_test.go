@@ -42,6 +42,17 @@ func TestPrefillAndPrefixCache(t *testing.T) {
 	if fresh < 100*time.Millisecond || cached > fresh/3 {
 		t.Fatalf("fresh prefill %v, cached %v", fresh, cached)
 	}
+	// The usage says how much of the prompt was cached, as OpenAI and
+	// vLLM do.
+	resp, err := http.Post(s.URL+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true,"messages":[{"role":"user","content":"`+long+`e"}],"stream_options":{"include_usage":true}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(b), `"prompt_tokens_details":{"cached_tokens":4992}`) {
+		t.Fatalf("the usage does not report the cached prefix (4,992 tokens: 39 whole 512-byte blocks of the 20,000-byte prompt): %s", b)
+	}
 }
 
 // With a batch slowdown, concurrency raises per-user latency: 8 at once
