@@ -297,6 +297,10 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString(`{"error":"group_by takes route, model, tenant, upstream and class, comma separated"}` + "\n")
 		return
 	}
+	if string(args.Peek("format")) == "sketch" {
+		writeJSON(ctx, a.p.Stats().QuerySketches(q))
+		return
+	}
 	rep := a.p.Stats().Query(q)
 	for _, g := range a.p.Guards() {
 		if q.Route == "" || q.Route == g.Route {

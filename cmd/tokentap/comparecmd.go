@@ -19,7 +19,7 @@ import (
 // the route's two busiest upstreams, the busier as A (the baseline).
 func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap compare", flag.ContinueOnError)
-	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…)")
+	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…); several, comma separated, merge their replicas")
 	route := fs.String("route", "", "the route (required)")
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	class := fs.String("class", "", "compare only the requests of this class (e.g. in-long.out-short)")
@@ -37,6 +37,9 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	a, b := fs.Arg(0), fs.Arg(1)
 	if fs.NArg() != 0 && fs.NArg() != 2 {
 		return fmt.Errorf("give two upstreams, or none")
+	}
+	if admins := strings.Split(*adminURL, ","); len(admins) > 1 {
+		return compareReplicas(ctx, admins, *tokenFile, *route, *window, *class, a, b, *asJSON, out)
 	}
 	if a == "" {
 		body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "group_by": {"upstream"}}.Encode())
@@ -69,6 +72,44 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	if err := json.Unmarshal(body, &c); err != nil {
 		return fmt.Errorf("/stats: %w", err)
 	}
+	printComparison(out, c)
+	return nil
+}
+
+// compareReplicas is `tokentap compare` over several replicas: their
+// sketches merged, then the verdict over all their requests.
+func compareReplicas(ctx context.Context, admins []string, tokenFile, route, window, class, a, b string, asJSON bool, out io.Writer) error {
+	reps, err := sketchesOf(ctx, admins, tokenFile, url.Values{"window": {window}, "route": {route}, "group_by": {"route,upstream,class"}})
+	if err != nil {
+		return err
+	}
+	if a == "" {
+		count := map[string]int64{}
+		for _, r := range reps {
+			for _, g := range r.Groups {
+				if g.Upstream != "" && !g.Shadow {
+					count[g.Upstream] += g.Count
+				}
+			}
+		}
+		var names []string
+		for n := range count {
+			names = append(names, n)
+		}
+		slices.SortFunc(names, func(x, y string) int { return int(count[y] - count[x]) })
+		if len(names) < 2 {
+			return fmt.Errorf("route %s has no two upstreams with requests in the window", route)
+		}
+		a, b = names[0], names[1]
+	}
+	c, err := stats.CompareSketches(reps, route, a, b, class)
+	if err != nil {
+		return fmt.Errorf("%s against %s: %w", b, a, err)
+	}
+	if asJSON {
+		return json.NewEncoder(out).Encode(c)
+	}
+	fmt.Fprintf(out, "%d replicas merged\n", len(reps))
 	printComparison(out, c)
 	return nil
 }

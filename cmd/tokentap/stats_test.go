@@ -5,12 +5,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -395,6 +397,97 @@ func TestCompareEndToEnd(t *testing.T) {
 		var e map[string]any
 		if code := getJSON(t, base+"/stats?route="+route+"&"+q, &e); code < 400 || e["error"] == nil {
 			t.Errorf("%s: %d %v", q, code, e)
+		}
+	}
+}
+
+// TestStatsAcrossReplicas: three tokentaps in front of backends of
+// different speeds, each with its own access log. `tokentap stats` given
+// the three admin listeners merges their sketches into one table whose
+// TTFT and E2E p50, p95 and p99 are those of all requests together (the
+// exact ones, from the three access logs) within the sketches' accuracy.
+// (The merged verdict of `tokentap compare` is the one over all requests:
+// TestMergeSketchesEqualsOneEngine.)
+func TestStatsAcrossReplicas(t *testing.T) {
+	var admins, logs []string
+	var progs []*runner
+	const perReplica = 60
+	for i, prefill := range []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 60 * time.Millisecond} {
+		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond})}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		listen, admin := freeAddr(t), freeAddr(t)
+		logPath := filepath.Join(t.TempDir(), fmt.Sprintf("access%d.log", i))
+		p := startRun(t, []string{"-upstream", "http://" + ln.Addr().String(), "-listen", listen, "-admin", admin, "-access-log", logPath})
+		defer p.stop()
+		progs = append(progs, p)
+		waitUp(t, "http://"+admin+"/healthz")
+		for range perReplica {
+			resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
+				strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		admins, logs = append(admins, admin), append(logs, logPath)
+	}
+	// Every record is in (a record waits for its client's last ACK).
+	for _, adm := range admins {
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+			var r stats.Report
+			getJSON(t, "http://"+adm+"/stats?window=all&group_by=route", &r)
+			if len(r.Groups) == 1 && r.Groups[0].Count == perReplica {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: records %+v", adm, r.Groups)
+			}
+		}
+	}
+	var out strings.Builder
+	if err := runStats(context.Background(), []string{"-admin", strings.Join(admins, ","), "-window", "all", "-group-by", "route", "-json"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var merged stats.Report
+	if err := json.Unmarshal([]byte(out.String()), &merged); err != nil {
+		t.Fatalf("%v: %s", err, out.String())
+	}
+	var text strings.Builder
+	if err := runStats(context.Background(), []string{"-admin", strings.Join(admins, ","), "-window", "all"}, &text); err != nil || !strings.Contains(text.String(), "3 replicas merged") {
+		t.Errorf("the table: %v\n%s", err, text.String())
+	}
+	for _, p := range progs {
+		p.stop() // flushes the access logs
+	}
+	exact := map[string][]float64{}
+	for _, l := range logs {
+		for _, line := range logLines(t, l) {
+			for _, f := range []string{"ttft_ms", "e2e_ms"} {
+				if v, ok := line[f].(float64); ok {
+					exact[f] = append(exact[f], v)
+				}
+			}
+		}
+	}
+	if len(merged.Groups) != 1 || merged.Groups[0].Count != 3*perReplica || len(exact["ttft_ms"]) != 3*perReplica {
+		t.Fatalf("merged %d groups (%+v), %d logged TTFTs", len(merged.Groups), merged.Groups, len(exact["ttft_ms"]))
+	}
+	g := merged.Groups[0]
+	for f, d := range map[string]stats.Dist{"ttft_ms": g.TTFT, "e2e_ms": g.E2E} {
+		s := exact[f]
+		slices.Sort(s)
+		for q, got := range map[float64]float64{0.5: d.P50, 0.95: d.P95, 0.99: d.P99} {
+			want := s[int(math.Floor(q*float64(len(s)-1)))]
+			// The sketches' 0.5%, the log's and the table's rounding.
+			if math.Abs(got-want) > 0.01*want+0.002 {
+				t.Errorf("%s p%v: merged %v, exact over all three logs %v", f, 100*q, got, want)
+			}
 		}
 	}
 }

@@ -19,9 +19,9 @@ import (
 // admin listener and prints it as a table, warnings below.
 func runStats(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("tokentap stats", flag.ContinueOnError)
-	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…)")
+	adminURL := fs.String("admin", "127.0.0.1:9090", "the admin listener: host:port, as tokentap's -admin, or a base URL (https://…); several, comma separated, merge their replicas into one table")
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
-	groupBy := fs.String("group-by", "", "labels to keep, comma separated (route,model,tenant,upstream; default all)")
+	groupBy := fs.String("group-by", "", "labels to keep, comma separated (route,model,tenant,upstream,class; default the first four)")
 	route := fs.String("route", "", "only this route")
 	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
 	asJSON := fs.Bool("json", false, "print the JSON as it came")
@@ -38,6 +38,22 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 	if *route != "" {
 		q.Set("route", *route)
 	}
+	if admins := strings.Split(*adminURL, ","); len(admins) > 1 {
+		reps, err := sketchesOf(ctx, admins, *tokenFile, q)
+		if err != nil {
+			return err
+		}
+		rep, err := stats.MergeSketches(reps)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return json.NewEncoder(out).Encode(rep)
+		}
+		fmt.Fprintf(out, "%d replicas merged: window %s (%.0f s covered), at %s (warnings: see each replica)\n", len(reps), rep.Window, rep.WindowS, rep.GeneratedAt.Format(time.RFC3339))
+		printStats(out, rep)
+		return nil
+	}
 	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+q.Encode())
 	if err != nil {
 		return err
@@ -53,6 +69,25 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 	fmt.Fprintf(out, "window %s (%.0f s covered), at %s\n", rep.Window, rep.WindowS, rep.GeneratedAt.Format(time.RFC3339))
 	printStats(out, rep)
 	return nil
+}
+
+// sketchesOf reads the query q as sketches (/stats?format=sketch) from
+// every admin listener of admins, to merge.
+func sketchesOf(ctx context.Context, admins []string, tokenFile string, q url.Values) ([]stats.SketchReport, error) {
+	q.Set("format", "sketch")
+	var reps []stats.SketchReport
+	for _, adm := range admins {
+		body, err := adminGet(ctx, strings.TrimSpace(adm), tokenFile, "/stats?"+q.Encode())
+		if err != nil {
+			return nil, err
+		}
+		var r stats.SketchReport
+		if err := json.Unmarshal(body, &r); err != nil {
+			return nil, fmt.Errorf("%s/stats?format=sketch: %w", adm, err)
+		}
+		reps = append(reps, r)
+	}
+	return reps, nil
 }
 
 // adminBase turns -admin into a base URL: host:port (as tokentap's own

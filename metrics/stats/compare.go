@@ -99,9 +99,7 @@ func (e *Engine) CompareClass(route, a, b, window, class string) (Comparison, er
 	}
 	now := e.now()
 	s := e.sync(now)
-	sideA, sideB := newAgg(), newAgg()
 	byClass := map[string]*[2]agg{}
-	var classes []string
 	e.mu.RLock()
 	list := slices.Clone(e.list)
 	e.mu.RUnlock()
@@ -113,7 +111,6 @@ func (e *Engine) CompareClass(route, a, b, window, class string) (Comparison, er
 		if pair == nil {
 			pair = &[2]agg{newAgg(), newAgg()}
 			byClass[g.key.Class] = pair
-			classes = append(classes, g.key.Class)
 		}
 		side := 0
 		if g.key.Upstream == b {
@@ -123,7 +120,17 @@ func (e *Engine) CompareClass(route, a, b, window, class string) (Comparison, er
 		g.w.collect(&pair[side], window, s)
 		g.mu.Unlock()
 	}
+	return compareAggs(route, a, b, window, class, byClass)
+}
+
+// compareAggs is the verdict on the two sides' aggs, by class.
+func compareAggs(route, a, b, window, class string, byClass map[string]*[2]agg) (Comparison, error) {
+	var classes []string
+	for k := range byClass {
+		classes = append(classes, k)
+	}
 	slices.Sort(classes)
+	sideA, sideB := newAgg(), newAgg()
 	for _, k := range classes {
 		sideA.merge(&byClass[k][0])
 		sideB.merge(&byClass[k][1])
@@ -186,12 +193,43 @@ func (e *Engine) CompareClass(route, a, b, window, class string) (Comparison, er
 	c.Errors = PairValue{share(sideA.errors, sideA.count), share(sideB.errors, sideB.count)}
 	if class == "" && len(both) > 1 {
 		for _, k := range both {
-			if one, err := e.CompareClass(route, a, b, window, k); err == nil {
+			if one, err := compareAggs(route, a, b, window, k, map[string]*[2]agg{k: byClass[k]}); err == nil {
 				c.ByClass = append(c.ByClass, one)
 			}
 		}
 	}
 	return c, nil
+}
+
+// CompareSketches is the verdict on upstreams a and b of route over the
+// answers of several replicas to /stats?format=sketch for that route,
+// grouped by route, upstream and class (the one class given, or all).
+func CompareSketches(reps []SketchReport, route, a, b, class string) (Comparison, error) {
+	sums, _, _, err := mergeSketchGroups(reps)
+	if err != nil {
+		return Comparison{}, err
+	}
+	window := ""
+	for _, r := range reps {
+		window = r.Window
+	}
+	byClass := map[string]*[2]agg{}
+	for k, g := range sums {
+		if k.Route != route || k.Shadow || (k.Upstream != a && k.Upstream != b) || (class != "" && k.Class != class) {
+			continue
+		}
+		pair := byClass[k.Class]
+		if pair == nil {
+			pair = &[2]agg{newAgg(), newAgg()}
+			byClass[k.Class] = pair
+		}
+		side := 0
+		if k.Upstream == b {
+			side = 1
+		}
+		pair[side].merge(g)
+	}
+	return compareAggs(route, a, b, window, class, byClass)
 }
 
 // Gamma draws from Gamma(k, 1), k > 0, by Marsaglia and Tsang's method

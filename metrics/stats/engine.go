@@ -286,16 +286,31 @@ func (e *Engine) Query(q Query) Report {
 		q.Window = "5m"
 	}
 	now := e.now()
-	s := e.sync(now)
+	sums, order, targets, span := e.collect(q, now)
 	rep := Report{Window: q.Window, GeneratedAt: now.UTC(), Groups: []Group{}, Warnings: []Warning{}, Guards: []TrippedGuard{}}
+	for _, k := range order {
+		if a := sums[k]; a.count > 0 {
+			rep.Groups = append(rep.Groups, group_(k, a, span, targets[k]))
+		}
+	}
+	rep.WindowS = span.Seconds()
+	slices.SortFunc(rep.Groups, func(a, b Group) int { return compareKeys(a.key(), b.key()) })
 	e.mu.RLock()
 	list := slices.Clone(e.list)
 	e.mu.RUnlock()
-	type merged struct {
-		a      agg
-		target float64
-	}
-	sums := map[Key]*merged{}
+	rep.Warnings = e.warnings(q, rep.Groups, list, e.slot.Load(), now)
+	return rep
+}
+
+// collect merges the groups q selects over its window, by the labels it
+// keeps, in a stable order of first appearance, with the goodput target
+// of each and the time the window covers.
+func (e *Engine) collect(q Query, now time.Time) (map[Key]*agg, []Key, map[Key]float64, time.Duration) {
+	s := e.sync(now)
+	e.mu.RLock()
+	list := slices.Clone(e.list)
+	e.mu.RUnlock()
+	sums, targets := map[Key]*agg{}, map[Key]float64{}
 	var order []Key
 	span := e.span(windowStart(q.Window, s), now)
 	for _, g := range list {
@@ -303,28 +318,19 @@ func (e *Engine) Query(q Query) Report {
 			continue
 		}
 		k := q.project(g.key)
-		m := sums[k]
-		if m == nil {
-			m = &merged{a: newAgg()}
-			sums[k] = m
+		a := sums[k]
+		if a == nil {
+			na := newAgg()
+			a = &na
+			sums[k] = a
 			order = append(order, k)
 		}
 		g.mu.Lock()
-		g.w.collect(&m.a, q.Window, s)
-		if g.target > m.target {
-			m.target = g.target
-		}
+		g.w.collect(a, q.Window, s)
+		targets[k] = max(targets[k], g.target)
 		g.mu.Unlock()
 	}
-	for _, k := range order {
-		if m := sums[k]; m.a.count > 0 {
-			rep.Groups = append(rep.Groups, group_(k, &m.a, span, m.target))
-		}
-	}
-	rep.WindowS = span.Seconds()
-	slices.SortFunc(rep.Groups, func(a, b Group) int { return compareKeys(a.key(), b.key()) })
-	rep.Warnings = e.warnings(q, rep.Groups, list, s, now)
-	return rep
+	return sums, order, targets, span
 }
 
 // span is the time a window starting at slot from covers at now: never
