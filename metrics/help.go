@@ -44,6 +44,12 @@ var help = map[string]string{
 	"tokentap_tenant_inflight":            "Requests of a tenant admitted and not yet finished.",
 	"tokentap_tenant_queue_depth":         "Requests of a tenant waiting in its admission queue.",
 
+	"tokentap_admission_store_up":            "1 while the shared admission store (Redis) answers within its timeout, 0 while it does not.",
+	"tokentap_admission_store_calls":         "Calls made to the shared admission store since start.",
+	"tokentap_admission_store_call_failures": "Calls to the shared admission store that failed or ran past its timeout, since start.",
+	"tokentap_admission_store_call_seconds":  "Time spent in calls to the shared admission store since start, in seconds.",
+	"tokentap_admission_store_replicas":      "Replicas sharing the admission store, from their heartbeats.",
+
 	"tokentap_upstream_conns_discarded_total": "Pooled upstream connections closed instead of reused, by reason.",
 	"tokentap_upstream_retries_total":         "Requests sent again on a new connection because the backend provably never received them.",
 	"tokentap_relay_loop_errors_total":        "Failed epoll calls of the relay loops, by op (add: the stream stayed on its goroutine; modify: the stream ended; remove: the slot retired).",

@@ -201,6 +201,15 @@ func (p *Proxy) Apply(cfg Config) error {
 	}
 	old := p.snap.Load()
 	s.admit = admitterFor(cfg, old, p.now, s.metrics)
+	if s.admit != nil {
+		s.admit.OnStoreChange(func(up bool) {
+			if up {
+				p.log.Info("admission store answers again: limits are shared across replicas")
+			} else {
+				p.log.Warn("admission store does not answer", zap.Bool("fail_open", s.admit.StoreStats().FailOpen))
+			}
+		})
+	}
 	s.metrics.Register()
 	p.stats.SetWarn(cfg.Warn)
 	if old := p.snap.Swap(s); old != nil {
@@ -266,6 +275,19 @@ func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.S
 		reasons[i] = string(r)
 	}
 	set.AddTenants(tenants, reasons, a.Stats)
+	if a.StoreStats().Present {
+		b2f := func(b bool) float64 {
+			if b {
+				return 1
+			}
+			return 0
+		}
+		set.AddGauge("tokentap_admission_store_up", func() float64 { return b2f(a.StoreStats().Up) })
+		set.AddGauge("tokentap_admission_store_calls", func() float64 { return float64(a.StoreStats().Calls) })
+		set.AddGauge("tokentap_admission_store_call_failures", func() float64 { return float64(a.StoreStats().Failures) })
+		set.AddGauge("tokentap_admission_store_call_seconds", func() float64 { return a.StoreStats().Seconds })
+		set.AddGauge("tokentap_admission_store_replicas", func() float64 { return float64(a.StoreStats().Replicas) })
+	}
 	return a
 }
 

@@ -22,10 +22,13 @@ const (
 	ReasonQueueFull   Reason = "queue_full"  // the tenant's queue is full
 	ReasonTimeout     Reason = "timeout"     // waited max_wait in the queue
 	ReasonCancelled   Reason = "cancelled"   // the client left while queued
+	ReasonRequestsDay Reason = "requests_per_day"
+	ReasonTokensDay   Reason = "tokens_per_day"
 )
 
 // Reasons lists every Reason, for building metrics.
-var Reasons = []Reason{ReasonRequests, ReasonTokens, ReasonConcurrency, ReasonQueueFull, ReasonTimeout, ReasonCancelled}
+var Reasons = []Reason{ReasonRequests, ReasonTokens, ReasonConcurrency, ReasonQueueFull, ReasonTimeout, ReasonCancelled,
+	ReasonRequestsDay, ReasonTokensDay, ReasonStore}
 
 // Refusal is a request that was not admitted.
 type Refusal struct {
@@ -49,19 +52,25 @@ type Admitter struct {
 	states map[string]*tenantState
 	stop   chan struct{}
 	done   chan struct{}
+
+	// shared is the store the counts live in (nil: this process).
+	shared *store
 }
 
 // tenantState is the live limiter state of one tenant: created on first use,
 // dropped after IdleTTL once it is back to what a fresh state would be.
 type tenantState struct {
-	mu      sync.Mutex
-	t       *Tenant
-	all     *limiter            // the tenant's own limits, nil if none
-	routes  map[string]*limiter // per-route limits, created on first use
-	queue   []*waiter
-	timer   *time.Timer
-	lastUse time.Time
-	dead    bool // evicted: callers must fetch the state again
+	mu     sync.Mutex
+	t      *Tenant
+	all    *limiter            // the tenant's own limits, nil if none
+	routes map[string]*limiter // per-route limits, created on first use
+	// fallback holds the limiters at this replica's share of the limits,
+	// used while a shared store is down (FailOpen); "" is the tenant's own.
+	fallback map[string]*limiter
+	queue    []*waiter
+	timer    *time.Timer
+	lastUse  time.Time
+	dead     bool // evicted: callers must fetch the state again
 
 	inflight atomic.Int64 // for gauges
 	queued   atomic.Int64
@@ -118,24 +127,39 @@ type limiter struct {
 	lim      Limits
 	rps      *rate.Limiter
 	tpm      *budget
+	day      int64 // the UTC day rpd and tpd count
+	rpd, tpd int64
 	inflight int
 }
 
 type waiter struct {
-	route    *limiter
-	est      int64
-	ch       chan struct{}
-	admitted bool
+	route     *limiter
+	routeName string
+	est       int64
+	ch        chan struct{}
+	admitted  bool
+	adm       admission
+}
+
+// admission is how a request was admitted: its lease in a shared store,
+// or by this replica's fallback limiters.
+type admission struct {
+	lease    string
+	store    *store // the store the lease is in (a reload may hand it to the next Admitter)
+	fallback bool
+	route    *limiter // the local route limiter it took from (nil: none)
 }
 
 // Ticket is an admitted request. Release it exactly once, when the
 // response has ended (for a stream: after its last byte), with the tokens
 // it really used.
 type Ticket struct {
-	a        *Admitter
-	st       *tenantState
-	route    *limiter
-	reserved int64
+	a         *Admitter
+	st        *tenantState
+	route     *limiter
+	routeName string
+	adm       admission
+	reserved  int64
 	// Queued is the time the request waited for admission.
 	Queued   time.Duration
 	released atomic.Bool
@@ -162,6 +186,13 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 		t := &a.cfg.Tenants[i]
 		a.tenants[t.Name] = t
 	}
+	if cfg.Store != nil {
+		if prev != nil && prev.shared != nil && reflect.DeepEqual(prev.shared.cfg, *cfg.Store) {
+			a.shared, prev.shared = prev.shared, nil // the same store: its client and leases carry on
+		} else {
+			a.shared = newStore(*cfg.Store)
+		}
+	}
 	if prev != nil {
 		prev.Close()
 		prev.mu.Lock()
@@ -184,13 +215,17 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 	return a
 }
 
-// Close stops the eviction loop.
+// Close stops the eviction loop, and the shared store's client unless a
+// later configuration took it over.
 func (a *Admitter) Close() {
 	select {
 	case <-a.stop:
 	default:
 		close(a.stop)
 		<-a.done
+		if a.shared != nil {
+			a.shared.close()
+		}
 	}
 }
 
@@ -271,7 +306,24 @@ func (l *limiter) check(now time.Time, est int64) (time.Duration, Reason) {
 			wait, reason = w, ReasonTokens
 		}
 	}
+	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 {
+		l.rollDay(now)
+		untilDay := time.Unix((l.day+1)*86400, 0).Sub(now)
+		if l.lim.RequestsPerDay > 0 && l.rpd >= l.lim.RequestsPerDay && untilDay > wait {
+			wait, reason = untilDay, ReasonRequestsDay
+		}
+		if l.lim.TokensPerDay > 0 && l.tpd+min(est, l.lim.TokensPerDay) > l.lim.TokensPerDay && untilDay > wait {
+			wait, reason = untilDay, ReasonTokensDay
+		}
+	}
 	return wait, reason
+}
+
+// rollDay starts the day's counts afresh when a new UTC day began.
+func (l *limiter) rollDay(now time.Time) {
+	if d := now.Unix() / 86400; d != l.day {
+		l.day, l.rpd, l.tpd = d, 0, 0
+	}
 }
 
 func (l *limiter) take(now time.Time, est int64) {
@@ -282,12 +334,21 @@ func (l *limiter) take(now time.Time, est int64) {
 	if l.tpm != nil {
 		l.tpm.take(now, est)
 	}
+	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 {
+		l.rollDay(now)
+		l.rpd++
+		l.tpd += est
+	}
 }
 
 func (l *limiter) release(now time.Time, reserved, actual int64) {
 	l.inflight--
 	if l.tpm != nil {
 		l.tpm.reconcile(now, reserved, actual)
+	}
+	if l.lim.TokensPerDay > 0 {
+		l.rollDay(now)
+		l.tpd = max(0, l.tpd+actual-reserved)
 	}
 }
 
@@ -299,6 +360,9 @@ func (l *limiter) fresh(now time.Time) bool {
 	}
 	if l.inflight > 0 {
 		return false
+	}
+	if l.rollDay(now); l.rpd > 0 || l.tpd > 0 {
+		return false // the day's budgets would start again
 	}
 	if l.rps != nil && l.rps.TokensAt(now) < float64(l.rps.Burst()) {
 		return false
@@ -352,6 +416,107 @@ func (st *tenantState) take(now time.Time, rl *limiter, est int64) {
 	st.inflight.Add(1)
 }
 
+// try admits a request of est tokens of st on route now if every limit
+// allows it, taking them: in the shared store when there is one (or, while
+// it is down and the config says open, in this replica's share of the
+// limits), else here. Otherwise it reports how long until it could pass
+// (-1: until a request ends) and why. st is locked.
+func (a *Admitter) try(st *tenantState, rl *limiter, route string, est int64, now time.Time) (admission, bool, time.Duration, Reason) {
+	if a.shared == nil {
+		ok, wait, reason := st.check(now, rl, est)
+		if ok {
+			st.take(now, rl, est)
+		}
+		return admission{route: rl}, ok, wait, reason
+	}
+	var all, rlim *Limits
+	if st.all != nil {
+		all = &st.all.lim
+	}
+	if rl != nil {
+		rlim = &rl.lim
+	}
+	lease, wait, reason, err := a.shared.admit(st.t.Name, route, all, rlim, est)
+	switch {
+	case err == nil && wait == 0:
+		st.inflight.Add(1)
+		return admission{lease: lease, store: a.shared, route: rl}, true, 0, ""
+	case err == nil:
+		return admission{}, false, wait, reason
+	case a.cfg.Store.Fail == FailClosed:
+		return admission{}, false, time.Second, ReasonStore
+	}
+	// The store is down and the config says open: this replica's share.
+	fa, fr := st.fallbackLimiters(route, rl != nil, a.shared.shareOf(), now)
+	ok, wait, reason := st.checkWith(now, fa, fr, est)
+	if !ok {
+		return admission{}, false, wait, reason
+	}
+	for _, l := range [2]*limiter{fa, fr} {
+		if l != nil {
+			l.take(now, est)
+		}
+	}
+	st.inflight.Add(1)
+	return admission{fallback: true, route: fr}, true, 0, ""
+}
+
+// fallbackLimiters returns the tenant's limiters at share of its limits
+// (and of its route's, with route), made or rescaled as the share moves.
+func (st *tenantState) fallbackLimiters(route string, withRoute bool, share float64, now time.Time) (*limiter, *limiter) {
+	if st.fallback == nil {
+		st.fallback = map[string]*limiter{}
+	}
+	get := func(key string, lim Limits) *limiter {
+		lim = scaled(lim, share)
+		l := st.fallback[key]
+		switch {
+		case l == nil:
+			l = newLimiter(lim, now)
+			st.fallback[key] = l
+		case l.lim != lim:
+			l.reconfigure(lim, now)
+		}
+		return l
+	}
+	var fa, fr *limiter
+	if st.t.Limits.any() {
+		fa = get("", st.t.Limits)
+	}
+	if withRoute {
+		fr = get("r:"+route, st.t.Routes[route])
+	}
+	return fa, fr
+}
+
+// scaled is l at share of each limit (a burst or a concurrency at least 1).
+func scaled(l Limits, share float64) Limits {
+	f := func(v int64) int64 {
+		if v == 0 {
+			return 0
+		}
+		return max(1, int64(math.Ceil(float64(v)*share)))
+	}
+	out := Limits{RequestsPerSecond: l.RequestsPerSecond * share, TokensPerMinute: f(l.TokensPerMinute),
+		MaxConcurrent: int(f(int64(l.MaxConcurrent))), RequestsPerDay: f(l.RequestsPerDay), TokensPerDay: f(l.TokensPerDay)}
+	if l.RequestsPerSecond > 0 {
+		b := l.Burst
+		if b == 0 {
+			b = max(1, int(math.Ceil(l.RequestsPerSecond)))
+		}
+		out.Burst = int(f(int64(b)))
+	}
+	return out
+}
+
+// checkWith is check with the given limiters.
+func (st *tenantState) checkWith(now time.Time, all, rl *limiter, est int64) (bool, time.Duration, Reason) {
+	saved := st.all
+	st.all = all
+	defer func() { st.all = saved }()
+	return st.check(now, rl, est)
+}
+
 // Admit decides on one request of tenant (which must be configured) on
 // route, estimated to use est tokens. In queue mode it may wait, until
 // admitted, MaxWait has passed, or ctx is done (the client left).
@@ -361,13 +526,12 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 	st.lastUse = now
 	rl := st.routeLimiter(route, now)
 	if len(st.queue) == 0 {
-		ok, wait, reason := st.check(now, rl, est)
+		adm, ok, wait, reason := a.try(st, rl, route, est, now)
 		if ok {
-			st.take(now, rl, est)
 			st.mu.Unlock()
-			return &Ticket{a: a, st: st, route: rl, reserved: est}, nil
+			return &Ticket{a: a, st: st, route: adm.route, routeName: route, adm: adm, reserved: est}, nil
 		}
-		if a.cfg.Mode != ModeQueue || wait > a.cfg.MaxWait {
+		if a.cfg.Mode != ModeQueue || wait > a.cfg.MaxWait || reason == ReasonStore {
 			st.mu.Unlock()
 			return nil, &Refusal{Reason: reason, RetryAfter: retryAfter(wait)}
 		}
@@ -376,7 +540,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 		st.mu.Unlock()
 		return nil, &Refusal{Reason: ReasonQueueFull, RetryAfter: time.Second}
 	}
-	w := &waiter{route: rl, est: est, ch: make(chan struct{})}
+	w := &waiter{route: rl, routeName: route, est: est, ch: make(chan struct{})}
 	st.queue = append(st.queue, w)
 	st.queued.Add(1)
 	a.pumpLocked(st, now)
@@ -387,7 +551,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 	reason := ReasonTimeout
 	select {
 	case <-w.ch:
-		return &Ticket{a: a, st: st, route: rl, reserved: est, Queued: a.now().Sub(now)}, nil
+		return &Ticket{a: a, st: st, route: w.adm.route, routeName: route, adm: w.adm, reserved: est, Queued: a.now().Sub(now)}, nil
 	case <-ctx.Done():
 		reason = ReasonCancelled
 	case <-timer.C:
@@ -397,7 +561,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 		// Admitted in the same instant: a timed-out request uses its slot;
 		// a cancelled one gives back exactly what it was given.
 		st.mu.Unlock()
-		t := &Ticket{a: a, st: st, route: rl, reserved: est, Queued: a.now().Sub(now)}
+		t := &Ticket{a: a, st: st, route: w.adm.route, routeName: route, adm: w.adm, reserved: est, Queued: a.now().Sub(now)}
 		if reason == ReasonTimeout {
 			return t, nil
 		}
@@ -413,8 +577,10 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 	}
 	a.pumpLocked(st, a.now()) // the head may have changed
 	wait := time.Second
-	if ok, w2, _ := st.check(a.now(), rl, est); !ok {
-		wait = retryAfter(w2)
+	if a.shared == nil {
+		if ok, w2, _ := st.check(a.now(), rl, est); !ok {
+			wait = retryAfter(w2)
+		}
 	}
 	st.mu.Unlock()
 	return nil, &Refusal{Reason: reason, RetryAfter: wait, Queued: a.now().Sub(now)}
@@ -427,13 +593,20 @@ func retryAfter(wait time.Duration) time.Duration {
 	return wait
 }
 
+// sharedPoll is how often a queue waiting on a shared store's concurrency
+// looks again: the releases of other replicas do not reach this one.
+const sharedPoll = 25 * time.Millisecond
+
 // pumpLocked admits queued requests in order while the limits allow, and
 // otherwise arranges to try again when the head could pass. st is locked.
 func (a *Admitter) pumpLocked(st *tenantState, now time.Time) {
 	for len(st.queue) > 0 {
 		w := st.queue[0]
-		ok, wait, _ := st.check(now, w.route, w.est)
+		adm, ok, wait, _ := a.try(st, w.route, w.routeName, w.est, now)
 		if !ok {
+			if wait <= 0 && a.shared != nil {
+				wait = sharedPoll
+			}
 			if wait > 0 {
 				if st.timer != nil {
 					st.timer.Stop()
@@ -446,11 +619,10 @@ func (a *Admitter) pumpLocked(st *tenantState, now time.Time) {
 			}
 			return // waiting on a release otherwise
 		}
-		st.take(now, w.route, w.est)
 		st.queue[0] = nil
 		st.queue = st.queue[1:]
 		st.queued.Add(-1)
-		w.admitted = true
+		w.admitted, w.adm = true, adm
 		close(w.ch)
 	}
 }
@@ -464,13 +636,34 @@ func (t *Ticket) Release(actual int64) {
 		return
 	}
 	st := t.st
+	if t.adm.lease != "" {
+		var all, rlim *Limits
+		if l := st.t.Limits; l.any() {
+			all = &l
+		}
+		if l, ok := st.t.Routes[t.routeName]; ok && l.any() {
+			rlim = &l
+		}
+		t.adm.store.release(st.t.Name, t.routeName, all, rlim, t.adm.lease, t.reserved, actual)
+	}
 	st.mu.Lock()
 	now := t.a.now()
-	if st.all != nil {
-		st.all.release(now, t.reserved, actual)
-	}
-	if t.route != nil {
-		t.route.release(now, t.reserved, actual)
+	switch {
+	case t.adm.lease != "":
+	case t.adm.fallback:
+		if l := st.fallback[""]; l != nil {
+			l.release(now, t.reserved, actual)
+		}
+		if t.route != nil {
+			t.route.release(now, t.reserved, actual)
+		}
+	default:
+		if st.all != nil {
+			st.all.release(now, t.reserved, actual)
+		}
+		if t.route != nil {
+			t.route.release(now, t.reserved, actual)
+		}
 	}
 	st.inflight.Add(-1)
 	st.lastUse = now
@@ -555,7 +748,7 @@ func (a *Admitter) Evict() int {
 	n := 0
 	for name, st := range a.states {
 		st.mu.Lock()
-		if len(st.queue) == 0 && now.Sub(st.lastUse) >= a.cfg.IdleTTL && st.all.fresh(now) && routesFresh(st, now) {
+		if len(st.queue) == 0 && st.inflight.Load() == 0 && now.Sub(st.lastUse) >= a.cfg.IdleTTL && st.all.fresh(now) && routesFresh(st, now) {
 			st.dead = true
 			delete(a.states, name)
 			n++

@@ -34,10 +34,14 @@ type Limits struct {
 	// MaxConcurrent bounds requests in flight; a stream counts until its
 	// last byte.
 	MaxConcurrent int
+	// RequestsPerDay and TokensPerDay are budgets per UTC day (tokens
+	// reserved before forwarding and reconciled after, as per minute); a
+	// refusal says when the day ends.
+	RequestsPerDay, TokensPerDay int64
 }
 
 func (l Limits) any() bool {
-	return l.RequestsPerSecond > 0 || l.TokensPerMinute > 0 || l.MaxConcurrent > 0
+	return l.RequestsPerSecond > 0 || l.TokensPerMinute > 0 || l.MaxConcurrent > 0 || l.RequestsPerDay > 0 || l.TokensPerDay > 0
 }
 
 // Tenant is one configured tenant.
@@ -82,6 +86,10 @@ type Config struct {
 	// (default 10 minutes). State is only dropped once it has refilled, so
 	// dropping it never gives a tenant more than waiting would have.
 	IdleTTL time.Duration
+	// Store, when set, keeps every tenant's counts in a store shared by
+	// the replicas that name it (Redis): the limits then hold across them.
+	// nil: in this process.
+	Store *StoreConfig
 }
 
 // FieldError is a configuration error: the field at fault, as the path of
@@ -120,6 +128,10 @@ func (c Config) WithDefaults() Config {
 	if c.IdleTTL == 0 {
 		c.IdleTTL = DefaultIdleTTL
 	}
+	if c.Store != nil {
+		s := c.Store.withDefaults()
+		c.Store = &s
+	}
 	return c
 }
 
@@ -140,6 +152,11 @@ func (c *Config) Validate() error {
 	}{{"max_queue", c.MaxQueue < 0}, {"max_wait", c.MaxWait < 0}, {"idle_ttl", c.IdleTTL < 0}} {
 		if f.negative {
 			return fieldErr("admission."+f.name, "must not be negative")
+		}
+	}
+	if c.Store != nil {
+		if err := c.Store.validate(); err != nil {
+			return err
 		}
 	}
 	names := map[string]bool{}
@@ -194,6 +211,10 @@ func (l Limits) validate(f func(string) string) error {
 		return fieldErr(f("tokens_per_minute"), "must not be negative")
 	case l.MaxConcurrent < 0:
 		return fieldErr(f("max_concurrent"), "must not be negative")
+	case l.RequestsPerDay < 0:
+		return fieldErr(f("requests_per_day"), "must not be negative")
+	case l.TokensPerDay < 0:
+		return fieldErr(f("tokens_per_day"), "must not be negative")
 	}
 	return nil
 }

@@ -264,20 +264,40 @@ type fileLimitSet struct {
 	Burst             int     `yaml:"burst"`
 	TokensPerMinute   int64   `yaml:"tokens_per_minute"`
 	MaxConcurrent     int     `yaml:"max_concurrent"`
+	RequestsPerDay    int64   `yaml:"requests_per_day"`
+	TokensPerDay      int64   `yaml:"tokens_per_day"`
 }
 
 func (l fileLimitSet) limits() ratelimit.Limits {
-	return ratelimit.Limits{RequestsPerSecond: l.RequestsPerSecond, Burst: l.Burst, TokensPerMinute: l.TokensPerMinute, MaxConcurrent: l.MaxConcurrent}
+	return ratelimit.Limits{RequestsPerSecond: l.RequestsPerSecond, Burst: l.Burst, TokensPerMinute: l.TokensPerMinute, MaxConcurrent: l.MaxConcurrent,
+		RequestsPerDay: l.RequestsPerDay, TokensPerDay: l.TokensPerDay}
 }
 
 type fileAdmission struct {
-	Mode                string   `yaml:"mode"`
-	MaxQueue            *int     `yaml:"max_queue"`
-	MaxWait             duration `yaml:"max_wait"`
-	UnknownKey          string   `yaml:"unknown_key"`
-	TrustedTenantHeader string   `yaml:"trusted_tenant_header"`
-	DefaultMaxOutput    int      `yaml:"default_max_output"`
-	IdleTTL             duration `yaml:"idle_ttl"`
+	Mode                string     `yaml:"mode"`
+	MaxQueue            *int       `yaml:"max_queue"`
+	MaxWait             duration   `yaml:"max_wait"`
+	UnknownKey          string     `yaml:"unknown_key"`
+	TrustedTenantHeader string     `yaml:"trusted_tenant_header"`
+	DefaultMaxOutput    int        `yaml:"default_max_output"`
+	IdleTTL             duration   `yaml:"idle_ttl"`
+	Store               *fileStore `yaml:"store"`
+}
+
+// fileStore is the shared admission store.
+type fileStore struct {
+	Redis struct {
+		Addr         string   `yaml:"addr"`
+		Username     string   `yaml:"username"`
+		PasswordFile string   `yaml:"password_file"`
+		DB           int      `yaml:"db"`
+		TLS          bool     `yaml:"tls"`
+		Timeout      duration `yaml:"timeout"`
+		KeyPrefix    string   `yaml:"key_prefix"`
+	} `yaml:"redis"`
+	Fail     string   `yaml:"fail"`
+	LeaseTTL duration `yaml:"lease_ttl"`
+	MinShare share    `yaml:"min_share"`
 }
 
 type fileModels struct {
@@ -433,4 +453,19 @@ func applyTimeouts(t proxy.Timeouts, ft *fileTimeouts) proxy.Timeouts {
 		t.MaxConns = *ft.MaxConns
 	}
 	return t
+}
+
+// readSecretFile reads a secret (a password) from the first line of path;
+// the error never carries the file's content.
+func readSecretFile(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	s, _, _ := strings.Cut(string(b), "\n")
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return "", errors.New("the file's first line is empty")
+	}
+	return s, nil
 }

@@ -268,6 +268,19 @@ func (b *settingsBuilder) admission() error {
 	if fc.Admission.MaxQueue != nil {
 		ad.MaxQueue = *fc.Admission.MaxQueue
 	}
+	if st := fc.Admission.Store; st != nil {
+		r := st.Redis
+		sc := &ratelimit.StoreConfig{Fail: ratelimit.FailMode(st.Fail), LeaseTTL: st.LeaseTTL.d, MinShare: float64(st.MinShare),
+			Redis: ratelimit.RedisConfig{Addr: r.Addr, Username: r.Username, DB: r.DB, TLS: r.TLS, Timeout: r.Timeout.d, KeyPrefix: r.KeyPrefix}}
+		if r.PasswordFile != "" {
+			pw, err := readSecretFile(r.PasswordFile)
+			if err != nil {
+				return fmt.Errorf("%s: %w", b.where("admission.store.redis.password_file"), err)
+			}
+			sc.Redis.Password = pw
+		}
+		ad.Store = sc
+	}
 	for _, t := range fc.Tenants {
 		rt := ratelimit.Tenant{Name: t.Name, Keys: t.Keys, KeySHA256: t.KeySHA256, Limits: t.limits()}
 		if len(t.Routes) > 0 {

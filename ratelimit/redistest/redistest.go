@@ -1,0 +1,75 @@
+// Package redistest starts a real redis-server on a free 127.0.0.1 port
+// for a test (Debian's redis-server; CI installs it): the shared
+// admission store's tests run against the real thing.
+package redistest
+
+import (
+	"context"
+	"net"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Server is a redis-server a test started; it is killed at the test's end.
+type Server struct {
+	tb   testing.TB
+	Addr string
+	cmd  *exec.Cmd
+}
+
+// Start starts a redis-server, or skips the test when there is none (and
+// fails it under CI, which installs one).
+func Start(tb testing.TB) *Server {
+	tb.Helper()
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		if os.Getenv("CI") != "" {
+			tb.Fatal("redis-server is missing: .ci/run installs Debian's redis-server package")
+		}
+		tb.Skip("redis-server not installed (Debian: apt-get install redis-server)")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	s := &Server{tb: tb, Addr: ln.Addr().String()}
+	ln.Close()
+	s.Restart()
+	tb.Cleanup(s.Stop)
+	return s
+}
+
+// Restart starts the server again on its address (after Stop).
+func (s *Server) Restart() {
+	_, port, _ := net.SplitHostPort(s.Addr)
+	s.cmd = exec.Command("redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", s.tb.TempDir())
+	if err := s.cmd.Start(); err != nil {
+		s.tb.Fatal(err)
+	}
+	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	defer c.Close()
+	for deadline := time.Now().Add(10 * time.Second); c.Ping(context.Background()).Err() != nil; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			s.tb.Fatal("redis-server did not answer")
+		}
+	}
+}
+
+// Stop kills the server (as a crash would).
+func (s *Server) Stop() {
+	if s.cmd != nil && s.cmd.Process != nil {
+		_ = s.cmd.Process.Kill()
+		_ = s.cmd.Wait()
+		s.cmd = nil
+	}
+}
+
+// Client returns a client of the server, closed at the test's end.
+func (s *Server) Client() *redis.Client {
+	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	s.tb.Cleanup(func() { c.Close() })
+	return c
+}
