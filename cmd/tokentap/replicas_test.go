@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -178,5 +179,107 @@ admission:
 	_, metricsText = get(t, "http://"+reps[0].admin+"/metrics")
 	if !strings.Contains(metricsText, "tokentap_admission_store_up 1") || !strings.Contains(metricsText, "tokentap_admission_store_call_seconds") {
 		t.Errorf("/metrics lacks the store's gauges")
+	}
+}
+
+// TestStoreOutageUnderLoad: three tokentap processes on one Redis under
+// steady load through all three; Redis is killed a second in and started
+// again a second later. fail: closed answers 503 while it is down and
+// nothing else fails; fail: open keeps admitting each replica's share of
+// the limit. Both recover once Redis is back. The counts are printed.
+func TestStoreOutageUnderLoad(t *testing.T) {
+	backend := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: time.Millisecond, TokenGap: time.Millisecond})}
+	bln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go backend.Serve(bln)
+	t.Cleanup(func() { backend.Close() })
+	for _, mode := range []string{"closed", "open"} {
+		t.Run(mode, func(t *testing.T) {
+			redis := redistest.Start(t)
+			cfg := writeFile(t, fmt.Sprintf(`upstream: http://%s
+tenants:
+  - name: alpha
+    keys: [key-alpha-0123456789]
+    requests_per_second: 60
+    burst: 20
+admission:
+  store:
+    redis: {addr: %q, timeout: 100ms, key_prefix: "outage%d:"}
+    fail: %s
+`, bln.Addr(), redis.Addr, time.Now().UnixNano(), mode))
+			reps := []*replica{startReplica(t, cfg), startReplica(t, cfg), startReplica(t, cfg)}
+			type counts struct{ ok, limited, unavailable, other int }
+			var mu sync.Mutex
+			phase := 0 // 0 before, 1 Redis down, 2 back
+			var byPhase [3]counts
+			var firstBack time.Duration
+			var backAt time.Time
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			for w := range 6 {
+				wg.Go(func() {
+					for {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						code, _ := reps[w%3].send(t, "key-alpha-0123456789", 1)
+						mu.Lock()
+						c := &byPhase[phase]
+						switch code {
+						case 200:
+							c.ok++
+							if phase == 2 && firstBack == 0 {
+								firstBack = time.Since(backAt)
+							}
+						case 429:
+							c.limited++
+						case 503:
+							c.unavailable++
+						default:
+							c.other++
+						}
+						mu.Unlock()
+					}
+				})
+			}
+			time.Sleep(time.Second)
+			mu.Lock()
+			phase = 1
+			mu.Unlock()
+			redis.Stop()
+			time.Sleep(time.Second)
+			redis.Restart()
+			mu.Lock()
+			phase, backAt = 2, time.Now()
+			mu.Unlock()
+			time.Sleep(time.Second)
+			close(stop)
+			wg.Wait()
+			t.Logf("fail %s: before %+v; Redis down 1 s %+v; back %+v; first admitted %v after Redis was back",
+				mode, byPhase[0], byPhase[1], byPhase[2], firstBack.Round(time.Millisecond))
+			for i, c := range byPhase {
+				if c.other != 0 {
+					t.Errorf("phase %d: %d answers other than 200, 429 and 503", i, c.other)
+				}
+			}
+			if byPhase[0].ok == 0 || byPhase[0].unavailable != 0 || byPhase[2].ok == 0 || firstBack > 2*time.Second {
+				t.Errorf("before or after the outage: %+v, %+v (first admitted %v after)", byPhase[0], byPhase[2], firstBack)
+			}
+			switch mode {
+			case "closed":
+				if byPhase[1].unavailable == 0 {
+					t.Errorf("fail closed: no 503 while Redis was down: %+v", byPhase[1])
+				}
+			case "open":
+				// Each replica its share: 60/s and a burst of 20 in all.
+				if d := byPhase[1]; d.unavailable != 0 || d.ok == 0 || d.ok > 2*(60+20) {
+					t.Errorf("fail open: while Redis was down %+v, want about 60 admitted a second in all and no 503", d)
+				}
+			}
+		})
 	}
 }
