@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"io"
 
 	"net/http"
@@ -14,11 +15,53 @@ import (
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/ratelimit"
+	"github.com/tokentap/tokentap/ratelimit/redistest"
 )
 
 func withTenants(mode ratelimit.Mode, tenants ...ratelimit.Tenant) func(*Config) {
 	return func(c *Config) {
-		c.Admission = &ratelimit.Config{Tenants: tenants, Mode: mode, MaxQueue: 10, MaxWait: time.Second}
+		c.Admission = &ratelimit.Config{Tenants: tenants, Mode: mode, MaxQueue: 10, MaxWait: time.Second, Store: testStore}
+	}
+}
+
+// testStore, when set, puts the admission tests' counts in a shared store
+// (TestAdmissionWithSharedStore).
+var testStore *ratelimit.StoreConfig
+
+// The admission tests that read no limiter level from the response
+// headers (a store sends none) run again with the counts in a real Redis:
+// a store changes where the counts live, not what the limits mean.
+func TestAdmissionWithSharedStore(t *testing.T) {
+	r := redistest.Start(t)
+	c := r.Client()
+	scripts := func() int64 { // scripts the store ran
+		info := c.Info(context.Background(), "commandstats").Val()
+		var n int64
+		for _, l := range strings.Split(info, "\n") {
+			if strings.HasPrefix(l, "cmdstat_evalsha:") || strings.HasPrefix(l, "cmdstat_eval:") {
+				v, _, _ := strings.Cut(strings.TrimPrefix(l[strings.Index(l, ":")+1:], "calls="), ",")
+				k, _ := strconv.ParseInt(v, 10, 64)
+				n += k
+			}
+		}
+		return n
+	}
+	for _, tc := range []struct {
+		name string
+		f    func(*testing.T)
+	}{
+		{"TenantsFromKeys", TestTenantsFromKeys},
+		{"UnknownKeyToDefaultTenantAndTrustedHeader", TestUnknownKeyToDefaultTenantAndTrustedHeader},
+		{"CancelWhileQueuedAndGaugesReturnToZero", TestCancelWhileQueuedAndGaugesReturnToZero},
+		{"QueueTimeMeasured", TestQueueTimeMeasured},
+	} {
+		testStore = &ratelimit.StoreConfig{Redis: ratelimit.RedisConfig{Addr: r.Addr, Timeout: time.Second, KeyPrefix: tc.name + ":"}}
+		before := scripts()
+		t.Run(tc.name, tc.f)
+		testStore = nil
+		if n := scripts() - before; n < 2 {
+			t.Errorf("%s ran %d scripts in Redis: its admission did not use the store", tc.name, n)
+		}
 	}
 }
 

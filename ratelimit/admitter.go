@@ -680,8 +680,13 @@ type Quota struct {
 }
 
 // Quotas returns the tenant's request and token quotas, from its own
-// limits or, when it has none, from route's.
+// limits or, when it has none, from route's. With a shared store it
+// returns none: the levels live in the store, and this replica's would
+// mislead.
 func (a *Admitter) Quotas(tenant, route string) (requests, tokens Quota) {
+	if a.shared != nil {
+		return
+	}
 	st := a.lock(tenant)
 	defer st.mu.Unlock()
 	now := a.now()

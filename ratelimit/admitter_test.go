@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -34,7 +35,13 @@ func (c *clock) add(d time.Duration) {
 
 func newAdmitter(t *testing.T, c *clock, mode Mode, tenants ...Tenant) *Admitter {
 	t.Helper()
-	cfg := Config{Tenants: tenants, Mode: mode, MaxQueue: 100, MaxWait: 2 * time.Second}
+	cfg := Config{Tenants: tenants, Mode: mode, MaxQueue: 100, MaxWait: 2 * time.Second, Store: testStore}
+	if testStore != nil {
+		// Each admitter its own keys: the tests reuse tenant names.
+		s := *testStore
+		s.Redis.KeyPrefix = fmt.Sprintf("%s%d:", s.Redis.KeyPrefix, storeRuns.Add(1))
+		cfg.Store = &s
+	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,5 +293,32 @@ func BenchmarkDecision(b *testing.B) {
 			b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
 			b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
 		})
+	}
+}
+
+// testStore, when set, puts newAdmitter's counts in a shared store
+// (TestAdmitterWithSharedStore); storeRuns numbers their key prefixes.
+var (
+	testStore *StoreConfig
+	storeRuns atomic.Int64
+)
+
+// The admission tests that keep to the present (no fake clock moved: a
+// store decides on its own clock) run again with the counts in a real
+// Redis: a store changes where the counts live, not what the limits mean.
+func TestAdmitterWithSharedStore(t *testing.T) {
+	r := redistest.Start(t)
+	testStore = &StoreConfig{Redis: RedisConfig{Addr: r.Addr, Timeout: time.Second, KeyPrefix: "admitter:"}}
+	defer func() { testStore = nil }()
+	for name, f := range map[string]func(*testing.T){
+		"LargeRequestOnSmallBudget":                  TestLargeRequestOnSmallBudget,
+		"ConcurrentRequestsCannotShareTheSameBudget": TestConcurrentRequestsCannotShareTheSameBudget,
+		"PerRouteLimits":                             TestPerRouteLimits,
+	} {
+		t.Run(name, f)
+	}
+	keys, err := r.Client().Keys(context.Background(), "admitter:*").Result()
+	if err != nil || len(keys) == 0 {
+		t.Fatalf("the tests left no key in Redis (%v): they did not use the store", err)
 	}
 }
