@@ -74,6 +74,9 @@ func guardSimScale() (runs, seconds int) {
 	if ok, _ := strconv.ParseBool(os.Getenv("TOKENTAP_GUARD_HOUR")); ok {
 		return 200, 3600
 	}
+	if raceEnabled {
+		return 10, 600
+	}
 	return 20, 600
 }
 

@@ -3,6 +3,7 @@ package stats
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -100,30 +101,47 @@ func pooledTTFT(e *Engine, u string) float64 {
 	return 0
 }
 
-// The stratified test keeps its level: two upstreams from one
-// distribution in two classes, with the same mix, at 100 and 1,000 a side:
-// the TTFT p50 and p95 rows are called different in at most about 5% of
-// runs each.
+// The stratified test keeps its level: two sides from one distribution
+// in two classes (TTFT lognormal around 100 ms and 500 ms), with the same
+// mix, at 100 and 1,000 a side: the p50 and p95 rows are called different
+// in at most about 5% of runs each.
 func TestStrataLevel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(23, 24))
+	draw := func(n int, base float64) cdf {
+		s := make([]float64, n)
+		for i := range s {
+			s[i] = math.Exp(rng.NormFloat64()*0.4 + math.Log(base))
+		}
+		slices.Sort(s)
+		return cdfOfSorted(s)
+	}
 	for _, n := range []int{100, 1000} {
 		const runs = 100
-		rej := map[string]int{}
+		rej := map[float64]int{}
 		for range runs {
-			c, err := classSides(rng, n, 0.5, 0.5, 1).Compare("r", "a", "b", "all")
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, q := range []string{"p50", "p95"} {
-				if d := find(c, "ttft_ms", q); !d.TooFew && d.PValue < 0.05 {
+			st := []stratum{{draw(n/2, 100), draw(n/2, 100)}, {draw(n/2, 500), draw(n/2, 500)}}
+			for _, q := range []float64{0.5, 0.95} {
+				if r := compareStrata(st, q); !r.tooFew && r.pValue < 0.05 {
 					rej[q]++
 				}
 			}
 		}
 		for q, k := range rej {
 			if k > 11 { // Binomial(100, 5%): above 11 has a chance under 1%
-				t.Errorf("n=%d: the stratified %s test rejected %d of %d at 5%%", n, q, k, runs)
+				t.Errorf("n=%d: the stratified p%v test rejected %d of %d at 5%%", n, 100*q, k, runs)
 			}
 		}
+	}
+	// And it sees a difference: B 30% slower in both classes, 1,000 a side.
+	found := 0
+	for range 20 {
+		a1, a2 := draw(500, 100), draw(500, 500)
+		b1, b2 := draw(500, 130), draw(500, 650)
+		if r := compareStrata([]stratum{{a1, b1}, {a2, b2}}, 0.5); r.pValue < 0.05 && r.diff > 0.15 {
+			found++
+		}
+	}
+	if found < 18 {
+		t.Errorf("30%% slower in both classes found in %d of 20 runs", found)
 	}
 }
