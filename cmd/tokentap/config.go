@@ -423,12 +423,10 @@ func checkAddr(addr string) error {
 // readToken reads the admin bearer token: the file's first line, at least
 // 16 characters.
 func readToken(path string) (string, error) {
-	b, err := os.ReadFile(path)
+	tok, err := readSecretFile(path)
 	if err != nil {
 		return "", err
 	}
-	tok, _, _ := strings.Cut(string(b), "\n")
-	tok = strings.TrimSpace(tok)
 	if len(tok) < 16 {
 		return "", errors.New("the token must be at least 16 characters")
 	}

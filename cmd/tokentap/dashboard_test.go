@@ -6,7 +6,6 @@ import (
 	"io"
 	"math"
 	"math/big"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -319,17 +318,8 @@ func TestFmtJS(t *testing.T) {
 func TestDashboardComparisonInBrowser(t *testing.T) {
 	ctx, cancel := browser(t)
 	defer cancel()
-	start := func(prefill time.Duration) string {
-		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond})}
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		go srv.Serve(ln)
-		t.Cleanup(func() { srv.Close() })
-		return "http://" + ln.Addr().String()
-	}
-	stable, canary := start(10*time.Millisecond), start(150*time.Millisecond)
+	stable := startMockllm(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})
+	canary := startMockllm(t, mockllm.Options{PrefillBase: 150 * time.Millisecond, TokenGap: time.Millisecond})
 	route := fmt.Sprintf("cmpview%d", statsRuns.Add(1))
 	cfg := writeFile(t, fmt.Sprintf("routes:\n  - name: %s\n    prefix: /\n    upstreams:\n      - {name: stable, url: %q}\n      - {name: canary, url: %q}\n"+
 		"    guard: {candidate: canary, baseline: stable, min_requests: 80, max_ttft_p95_increase: 100%%}\n", route, stable, canary))

@@ -21,7 +21,14 @@ import (
 
 func startBackend(t *testing.T, gap time.Duration) string {
 	t.Helper()
-	backend := &http.Server{Handler: mockllm.New(mockllm.Options{TokenGap: gap, PrefillBase: time.Millisecond})}
+	return startMockllm(t, mockllm.Options{TokenGap: gap, PrefillBase: time.Millisecond})
+}
+
+// startMockllm serves the simulated backend with o on 127.0.0.1 for the
+// test and returns its base URL.
+func startMockllm(t *testing.T, o mockllm.Options) string {
+	t.Helper()
+	backend := &http.Server{Handler: mockllm.New(o)}
 	bln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -75,14 +74,8 @@ func (r *replica) send(t *testing.T, key string, maxTokens int) (int, string) {
 // shared limits decide again once Redis is back.
 func TestReplicasShareLimits(t *testing.T) {
 	redis := redistest.Start(t)
-	backend := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: time.Millisecond, TokenGap: 5 * time.Millisecond})}
-	bln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go backend.Serve(bln)
-	t.Cleanup(func() { backend.Close() })
-	cfg := writeFile(t, fmt.Sprintf(`upstream: http://%s
+	backend := startMockllm(t, mockllm.Options{PrefillBase: time.Millisecond, TokenGap: 5 * time.Millisecond})
+	cfg := writeFile(t, fmt.Sprintf(`upstream: %s
 tenants:
   - name: alpha
     keys: [key-alpha-0123456789]
@@ -96,7 +89,7 @@ admission:
     redis: {addr: %q, timeout: 200ms, key_prefix: "replicas%d:"}
     fail: closed
     lease_ttl: 2s
-`, bln.Addr(), redis.Addr, time.Now().UnixNano()))
+`, backend, redis.Addr, time.Now().UnixNano()))
 	reps := []*replica{startReplica(t, cfg), startReplica(t, cfg), startReplica(t, cfg)}
 
 	// Rate: 25 a second through the three, for 3 s: five times the rate.
@@ -188,17 +181,11 @@ admission:
 // nothing else fails; fail: open keeps admitting each replica's share of
 // the limit. Both recover once Redis is back. The counts are printed.
 func TestStoreOutageUnderLoad(t *testing.T) {
-	backend := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: time.Millisecond, TokenGap: time.Millisecond})}
-	bln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go backend.Serve(bln)
-	t.Cleanup(func() { backend.Close() })
+	backend := startMockllm(t, mockllm.Options{PrefillBase: time.Millisecond, TokenGap: time.Millisecond})
 	for _, mode := range []string{"closed", "open"} {
 		t.Run(mode, func(t *testing.T) {
 			redis := redistest.Start(t)
-			cfg := writeFile(t, fmt.Sprintf(`upstream: http://%s
+			cfg := writeFile(t, fmt.Sprintf(`upstream: %s
 tenants:
   - name: alpha
     keys: [key-alpha-0123456789]
@@ -208,7 +195,7 @@ admission:
   store:
     redis: {addr: %q, timeout: 100ms, key_prefix: "outage%d:"}
     fail: %s
-`, bln.Addr(), redis.Addr, time.Now().UnixNano(), mode))
+`, backend, redis.Addr, time.Now().UnixNano(), mode))
 			reps := []*replica{startReplica(t, cfg), startReplica(t, cfg), startReplica(t, cfg)}
 			type counts struct{ ok, limited, unavailable, other int }
 			var mu sync.Mutex

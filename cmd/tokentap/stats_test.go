@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -332,14 +331,7 @@ func TestPrometheusRules(t *testing.T) {
 // differences is measured in metrics/stats, without a machine's load.)
 func TestCompareEndToEnd(t *testing.T) {
 	start := func(prefill time.Duration) string {
-		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond, Jitter: 0.05})}
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		go srv.Serve(ln)
-		t.Cleanup(func() { srv.Close() })
-		return "http://" + ln.Addr().String()
+		return startMockllm(t, mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond, Jitter: 0.05})
 	}
 	a, b := start(40*time.Millisecond), start(60*time.Millisecond)
 	route := fmt.Sprintf("cmp%d", statsRuns.Add(1))
@@ -413,16 +405,10 @@ func TestStatsAcrossReplicas(t *testing.T) {
 	var progs []*runner
 	const perReplica = 60
 	for i, prefill := range []time.Duration{5 * time.Millisecond, 20 * time.Millisecond, 60 * time.Millisecond} {
-		srv := &http.Server{Handler: mockllm.New(mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond})}
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		go srv.Serve(ln)
-		t.Cleanup(func() { srv.Close() })
+		up := startMockllm(t, mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond})
 		listen, admin := freeAddr(t), freeAddr(t)
 		logPath := filepath.Join(t.TempDir(), fmt.Sprintf("access%d.log", i))
-		p := startRun(t, []string{"-upstream", "http://" + ln.Addr().String(), "-listen", listen, "-admin", admin, "-access-log", logPath})
+		p := startRun(t, []string{"-upstream", up, "-listen", listen, "-admin", admin, "-access-log", logPath})
 		defer p.stop()
 		progs = append(progs, p)
 		waitUp(t, "http://"+admin+"/healthz")

@@ -57,25 +57,7 @@ func compareStrata(st []stratum, p float64) quantileRow {
 	if r.a <= 0 || r.b <= 0 {
 		return r
 	}
-	est := r.b / r.a
-	passes := func(rho float64) bool { return strataP(st, 1/rho, p) >= verdictAlpha }
-	bound := func(dir float64) float64 {
-		in, out := 0.0, dir*0.1
-		for passes(est*math.Exp(out)) && math.Abs(out) < 20 {
-			in, out = out, 2*out
-		}
-		for range 30 {
-			mid := (in + out) / 2
-			if passes(est * math.Exp(mid)) {
-				in = mid
-			} else {
-				out = mid
-			}
-		}
-		return est*math.Exp(in) - 1
-	}
-	r.lo, r.hi = bound(-1), bound(1)
-	r.lo, r.hi = math.Min(r.lo, r.diff), math.Max(r.hi, r.diff)
+	r.lo, r.hi = ratioInterval(r.b/r.a, r.diff, func(rho float64) bool { return strataP(st, 1/rho, p) >= verdictAlpha })
 	return r
 }
 

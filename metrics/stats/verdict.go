@@ -222,10 +222,15 @@ func compareQuantile(a, b cdf, p float64) quantileRow {
 	if r.a <= 0 || r.b <= 0 {
 		return r // a ratio to or of 0 has no interval (a queue that was empty)
 	}
-	// The interval: the ratios ρ = q_b / q_a at which B scaled by 1/ρ
-	// passes at 5%, found by bisection on log ρ out from the estimate.
-	est := r.b / r.a
-	passes := func(rho float64) bool { return moodP(&a, &b, 1/rho, p) >= verdictAlpha }
+	r.lo, r.hi = ratioInterval(r.b/r.a, r.diff, func(rho float64) bool { return moodP(&a, &b, 1/rho, p) >= verdictAlpha })
+	return r
+}
+
+// ratioInterval is the interval of (b − a) / a: the ratios ρ = q_b / q_a
+// at which B scaled by 1/ρ passes the row's test at 5% (passes), found by
+// bisection on log ρ out from the estimate est; it always holds the point
+// estimate diff.
+func ratioInterval(est, diff float64, passes func(rho float64) bool) (lo, hi float64) {
 	bound := func(dir float64) float64 {
 		in, out := 0.0, dir*0.1
 		for passes(est*math.Exp(out)) && math.Abs(out) < 20 {
@@ -241,9 +246,7 @@ func compareQuantile(a, b cdf, p float64) quantileRow {
 		}
 		return est*math.Exp(in) - 1
 	}
-	r.lo, r.hi = bound(-1), bound(1)
-	r.lo, r.hi = math.Min(r.lo, r.diff), math.Max(r.hi, r.diff)
-	return r
+	return math.Min(bound(-1), diff), math.Max(bound(1), diff)
 }
 
 // holm marks which of the p-values are significant at family-wise level
