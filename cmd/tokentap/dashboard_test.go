@@ -3,10 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
 	"math"
 	"math/big"
-	"net/http"
 	"os"
 	"os/exec"
 	"strconv"
@@ -328,27 +326,9 @@ func TestDashboardComparisonInBrowser(t *testing.T) {
 	defer prog.stop()
 	base := "http://" + admin
 	waitUp(t, base+"/healthz")
-	send := func(n int) {
-		var wg sync.WaitGroup
-		for w := range 8 {
-			wg.Go(func() {
-				for i := w; i < n; i += 8 {
-					resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
-						strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
-					if err != nil {
-						t.Error(err)
-						return
-					}
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-				}
-			})
-		}
-		wg.Wait()
-	}
 	var guards []proxy.GuardState
 	for i := 0; ; i++ {
-		send(40)
+		postChats(t, listen, 8, 5)
 		getJSON(t, base+"/guards", &guards)
 		if len(guards) == 1 && guards[0].Tripped != nil {
 			break

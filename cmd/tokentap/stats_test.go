@@ -340,24 +340,7 @@ func TestCompareEndToEnd(t *testing.T) {
 	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", ""})
 	defer prog.stop()
 	waitUp(t, "http://"+admin+"/healthz")
-	var wg sync.WaitGroup
-	for range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range 60 {
-				resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
-					strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-			}
-		}()
-	}
-	wg.Wait()
+	postChats(t, listen, 4, 60)
 	base := "http://" + admin
 	var c stats.Comparison
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) { // an event, not a time
@@ -476,4 +459,26 @@ func TestStatsAcrossReplicas(t *testing.T) {
 			}
 		}
 	}
+}
+
+// postChats sends each of workers clients' n streamed chats through the
+// proxy at listen, reading each answer whole.
+func postChats(t *testing.T, listen string, workers, n int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for range n {
+				resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
+					strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		})
+	}
+	wg.Wait()
 }
