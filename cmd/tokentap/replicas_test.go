@@ -84,6 +84,9 @@ tenants:
   - name: beta
     keys: [key-beta-01234567890]
     max_concurrent: 1
+  - name: gamma
+    keys: [key-gamma-0123456789]
+    tokens_per_minute: 3000
 admission:
   store:
     redis: {addr: %q, timeout: 200ms, key_prefix: "replicas%d:"}
@@ -149,6 +152,47 @@ admission:
 		t.Errorf("the killed replica's slot was freed after %v: the lease is 2 s", freed)
 	}
 	t.Logf("lease: the killed replica's slot was free again after %v (lease 2 s)", freed.Round(10*time.Millisecond))
+
+	// A token budget across the two live replicas: two streams reserving
+	// about 1,020 tokens each (1,000 of output declared) fit in gamma's
+	// 3,000, a third does not; a client that leaves its stream early gives
+	// back what it did not use, and a request fits again on the other.
+	stream := func(r *replica) (*http.Response, error) {
+		req, _ := http.NewRequest("POST", "http://"+r.listen+"/v1/chat/completions",
+			strings.NewReader(`{"model":"m","stream":true,"max_tokens":1000,"messages":[{"role":"user","content":"hi"}]}`))
+		req.Header.Set("Authorization", "Bearer key-gamma-0123456789")
+		return http.DefaultClient.Do(req)
+	}
+	s0, err := stream(reps[0])
+	if err != nil || s0.StatusCode != 200 {
+		t.Fatalf("gamma's first stream: %v %v", s0, err)
+	}
+	s1, err := stream(reps[1])
+	if err != nil || s1.StatusCode != 200 {
+		t.Fatalf("gamma's second stream: %v %v", s1, err)
+	}
+	defer s1.Body.Close()
+	if code, body := reps[0].send(t, "key-gamma-0123456789", 1000); code != 429 || !strings.Contains(body, "tokens") {
+		t.Fatalf("gamma's third reservation: %d %s", code, body)
+	}
+	_, _ = io.ReadFull(s0.Body, make([]byte, 200)) // a few tokens, then the client leaves
+	s0.Body.Close()
+	refunded := time.Now()
+	for {
+		s2, err := stream(reps[1])
+		if err != nil {
+			t.Fatal(err)
+		}
+		s2.Body.Close()
+		if s2.StatusCode == 200 {
+			break
+		}
+		if time.Since(refunded) > 10*time.Second {
+			t.Fatal("the cancelled stream's unused reservation was not given back")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("tokens: 2 of 3 reservations of about 1,020 on a 3,000 budget across replicas; the cancelled stream's refund admitted the third %v after its client left", time.Since(refunded).Round(time.Millisecond))
 
 	// Redis stopped: fail closed answers 503; back: admitted again.
 	redis.Stop()
