@@ -380,6 +380,7 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("server_load_ms", r.ServerLoad)
 	ms("server_prefill_ms", r.ServerPrefill)
 	ms("server_decode_ms", r.ServerDecode)
+	ms("server_ttft_ms", r.ServerTTFT)
 	f = append(f,
 		zap.Int("output_tokens", r.OutputTokens),
 		zap.Int("input_tokens", r.InputTokens),

@@ -109,6 +109,9 @@ type Record struct {
 	ServerLoad    time.Duration
 	ServerPrefill time.Duration
 	ServerDecode  time.Duration
+	// ServerTTFT is the backend's own time to first token, from when it
+	// scheduled the request (vLLM's per-request metrics).
+	ServerTTFT time.Duration
 
 	OutputTokens int
 	InputTokens  int
@@ -154,7 +157,7 @@ type Record struct {
 func (r *Record) Reset() {
 	*r = Record{
 		Queue: Absent, UpstreamTTFB: Absent, TTFT: Absent, TTFA: Absent,
-		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent,
+		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent, ServerTTFT: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
 		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1,

@@ -193,6 +193,7 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	rec.Items = m.items
 	if t := m.timings; t.Set {
 		rec.ServerQueue, rec.ServerLoad, rec.ServerPrefill, rec.ServerDecode = t.Queue, t.Load, t.Prefill, t.Decode
+		rec.ServerTTFT = t.TTFT
 	}
 	if streamed && !m.firstAnswerFlush.IsZero() {
 		rec.TTFA = m.firstAnswerFlush.Sub(m.arrival)

@@ -195,6 +195,7 @@ type fixture struct {
 	ServerLoadMs     *float64 `json:"server_load_ms,omitempty"`
 	ServerPrefillMs  *float64 `json:"server_prefill_ms,omitempty"`
 	ServerDecodeMs   *float64 `json:"server_decode_ms,omitempty"`
+	ServerTTFTMs     *float64 `json:"server_ttft_ms,omitempty"`
 }
 
 // replayFixture runs a recorded response through the framing, the dialect
@@ -269,8 +270,8 @@ func replayFixture(want fixture, pieces [][]byte) fixture {
 		return &f
 	}
 	if m.timings.Set {
-		got.ServerQueueMs, got.ServerLoadMs, got.ServerPrefillMs, got.ServerDecodeMs =
-			msp(rec.ServerQueue), msp(rec.ServerLoad), msp(rec.ServerPrefill), msp(rec.ServerDecode)
+		got.ServerQueueMs, got.ServerLoadMs, got.ServerPrefillMs, got.ServerDecodeMs, got.ServerTTFTMs =
+			msp(rec.ServerQueue), msp(rec.ServerLoad), msp(rec.ServerPrefill), msp(rec.ServerDecode), msp(rec.ServerTTFT)
 	}
 	return got
 }

@@ -56,9 +56,14 @@ type Timings struct {
 	Load    time.Duration // loading the model (Ollama)
 	Prefill time.Duration // processing the prompt
 	Decode  time.Duration // generating the output
+	// TTFT is the server's own time to first token, from when it scheduled
+	// the request (vLLM's per-request metrics).
+	TTFT time.Duration
 }
 
-func noTimings() Timings { return Timings{Set: true, Queue: -1, Load: -1, Prefill: -1, Decode: -1} }
+func noTimings() Timings {
+	return Timings{Set: true, Queue: -1, Load: -1, Prefill: -1, Decode: -1, TTFT: -1}
+}
 
 // Dialect reads one API's requests, events and bodies.
 type Dialect interface {

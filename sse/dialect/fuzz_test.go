@@ -38,9 +38,22 @@ func referenceOpenAI(data []byte) (o Obs, ok bool) {
 		if !okIn || !okOut {
 			return o, false // numbers where the two readings may differ
 		}
+		if d, isObj := u["prompt_tokens_details"].(map[string]any); isObj {
+			c, hasC := d["cached_tokens"]
+			var okC bool
+			o.HasCached = hasC
+			if o.Cached, okC = smallInt(c, hasC); !okC {
+				return o, false
+			}
+		} else if _, has := u["prompt_tokens_details"]; has {
+			return o, false // not an object: gjson's path reading differs; the table tests cover it
+		}
 	}
 	if _, has := doc["timings"]; has {
 		return o, false // llama.cpp timings: covered by the table tests
+	}
+	if _, has := doc["metrics"]; has {
+		return o, false // vLLM's per-request metrics: covered by the fixtures
 	}
 	if e, has := doc["error"]; has && e != nil {
 		o.Error = true
@@ -117,6 +130,7 @@ func FuzzOpenAIEvent(f *testing.F) {
 		`{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}`,
 		`{"choices":[{"delta":{"reasoning_content":"x"}}],"usage":{"prompt_tokens":3,"completion_tokens":4}}`,
 		`{"choices":[{"text":"a"}],"usage":null}`,
+		`{"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":16}}}`,
 		`{"error":{"message":"boom"}}`,
 		`[DONE]`,
 	} {

@@ -15,7 +15,10 @@ import (
 // of a chunk (the include_usage chunk, or every chunk with vLLM's continuous
 // usage stats; the last one wins).
 // Error: a top-level "error" member that is not null.
-// Timings: llama.cpp's server adds "timings" (prompt_ms, predicted_ms).
+// Timings: llama.cpp's server adds "timings" (prompt_ms, predicted_ms);
+// vLLM with --enable-per-request-metrics adds "metrics" (queue_time_ms,
+// time_to_first_token_ms, generation_time_ms), in a body and in the last
+// chunk of a stream.
 type openAI struct{}
 
 // OpenAI is the dialect of OpenAI chat completions and completions.
@@ -66,11 +69,28 @@ func readOpenAI(s string, choices bool) Obs {
 			if seen&bit == 0 && v.IsObject() {
 				o.Timings = llamaTimings(v.Raw)
 			}
+		case "metrics":
+			bit = 16
+			if seen&bit == 0 && v.IsObject() {
+				o.Timings = vllmMetrics(v.Raw)
+			}
 		}
 		seen |= bit
 		return true
 	})
 	return o
+}
+
+// vllmMetrics reads vLLM's per-request metrics (--enable-per-request-
+// metrics): the wait in its queue, its time to first token from when it
+// scheduled the request, and the decode time from the first output token
+// to the last, in milliseconds.
+func vllmMetrics(m string) Timings {
+	tm := noTimings()
+	tm.Queue = millis(gjson.Get(m, "queue_time_ms"))
+	tm.TTFT = millis(gjson.Get(m, "time_to_first_token_ms"))
+	tm.Decode = millis(gjson.Get(m, "generation_time_ms"))
+	return tm
 }
 
 func readChoice(c string, o *Obs) {
