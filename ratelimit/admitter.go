@@ -156,7 +156,6 @@ type admission struct {
 type Ticket struct {
 	a         *Admitter
 	st        *tenantState
-	route     *limiter
 	routeName string
 	adm       admission
 	reserved  int64
@@ -389,8 +388,13 @@ func (st *tenantState) routeLimiter(route string, now time.Time) *limiter {
 
 // check combines the tenant's and the route's limits.
 func (st *tenantState) check(now time.Time, rl *limiter, est int64) (bool, time.Duration, Reason) {
+	return checkPair(now, st.all, rl, est)
+}
+
+// checkPair combines a tenant's limiter and its route's (either nil).
+func checkPair(now time.Time, all, rl *limiter, est int64) (bool, time.Duration, Reason) {
 	ok, wait, reason := true, time.Duration(0), Reason("")
-	for _, l := range [2]*limiter{st.all, rl} {
+	for _, l := range [2]*limiter{all, rl} {
 		if l == nil {
 			continue
 		}
@@ -448,7 +452,7 @@ func (a *Admitter) try(st *tenantState, rl *limiter, route string, est int64, no
 	}
 	// The store is down and the config says open: this replica's share.
 	fa, fr := st.fallbackLimiters(route, rl != nil, a.shared.shareOf(), now)
-	ok, wait, reason := st.checkWith(now, fa, fr, est)
+	ok, wait, reason := checkPair(now, fa, fr, est)
 	if !ok {
 		return admission{}, false, wait, reason
 	}
@@ -509,14 +513,6 @@ func scaled(l Limits, share float64) Limits {
 	return out
 }
 
-// checkWith is check with the given limiters.
-func (st *tenantState) checkWith(now time.Time, all, rl *limiter, est int64) (bool, time.Duration, Reason) {
-	saved := st.all
-	st.all = all
-	defer func() { st.all = saved }()
-	return st.check(now, rl, est)
-}
-
 // Admit decides on one request of tenant (which must be configured) on
 // route, estimated to use est tokens. In queue mode it may wait, until
 // admitted, MaxWait has passed, or ctx is done (the client left).
@@ -529,7 +525,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 		adm, ok, wait, reason := a.try(st, rl, route, est, now)
 		if ok {
 			st.mu.Unlock()
-			return &Ticket{a: a, st: st, route: adm.route, routeName: route, adm: adm, reserved: est}, nil
+			return &Ticket{a: a, st: st, routeName: route, adm: adm, reserved: est}, nil
 		}
 		if a.cfg.Mode != ModeQueue || wait > a.cfg.MaxWait || reason == ReasonStore {
 			st.mu.Unlock()
@@ -551,7 +547,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 	reason := ReasonTimeout
 	select {
 	case <-w.ch:
-		return &Ticket{a: a, st: st, route: w.adm.route, routeName: route, adm: w.adm, reserved: est, Queued: a.now().Sub(now)}, nil
+		return &Ticket{a: a, st: st, routeName: route, adm: w.adm, reserved: est, Queued: a.now().Sub(now)}, nil
 	case <-ctx.Done():
 		reason = ReasonCancelled
 	case <-timer.C:
@@ -561,7 +557,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 		// Admitted in the same instant: a timed-out request uses its slot;
 		// a cancelled one gives back exactly what it was given.
 		st.mu.Unlock()
-		t := &Ticket{a: a, st: st, route: w.adm.route, routeName: route, adm: w.adm, reserved: est, Queued: a.now().Sub(now)}
+		t := &Ticket{a: a, st: st, routeName: route, adm: w.adm, reserved: est, Queued: a.now().Sub(now)}
 		if reason == ReasonTimeout {
 			return t, nil
 		}
@@ -654,15 +650,15 @@ func (t *Ticket) Release(actual int64) {
 		if l := st.fallback[""]; l != nil {
 			l.release(now, t.reserved, actual)
 		}
-		if t.route != nil {
-			t.route.release(now, t.reserved, actual)
+		if t.adm.route != nil {
+			t.adm.route.release(now, t.reserved, actual)
 		}
 	default:
 		if st.all != nil {
 			st.all.release(now, t.reserved, actual)
 		}
-		if t.route != nil {
-			t.route.release(now, t.reserved, actual)
+		if t.adm.route != nil {
+			t.adm.route.release(now, t.reserved, actual)
 		}
 	}
 	st.inflight.Add(-1)

@@ -215,18 +215,27 @@ func (s *store) beat(every time.Duration) {
 	if live > 0 {
 		s.replicas.Store(live)
 	}
+	// Every lease this replica holds, renewed in calls of up to
+	// renewBatch: the key of each holding, and its lease beside it.
+	var keys []string
+	args := []any{s.cfg.LeaseTTL.Seconds()}
 	s.mu.Lock()
-	leases := make(map[string][]string, len(s.leases))
-	for l, keys := range s.leases {
-		leases[l] = keys
+	for l, held := range s.leases {
+		for _, k := range held {
+			keys, args = append(keys, k), append(args, l)
+		}
 	}
 	s.mu.Unlock()
-	for l, keys := range leases {
-		_ = s.call(func(ctx context.Context) error {
-			return renewScript.Run(ctx, s.c, keys, l, s.cfg.LeaseTTL.Seconds()).Err()
-		})
+	for len(keys) > 0 {
+		n := min(len(keys), renewBatch)
+		k, a := keys[:n], append([]any{args[0]}, args[1:1+n]...)
+		keys, args = keys[n:], append(args[:1], args[1+n:]...)
+		_ = s.call(func(ctx context.Context) error { return renewScript.Run(ctx, s.c, k, a...).Err() })
 	}
 }
+
+// renewBatch bounds the leases one renewal call carries.
+const renewBatch = 512
 
 // StoreStats is what a shared store's client has seen.
 type StoreStats struct {
@@ -453,12 +462,15 @@ end
 return 1
 `)
 
+// renewScript: ARGV[1] the lease time, then for each key the lease it
+// holds in it.
 var renewScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local ttl = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  redis.call('ZADD', KEYS[i], 'XX', now + tonumber(ARGV[2]), ARGV[1])
-  redis.call('EXPIRE', KEYS[i], math.ceil(tonumber(ARGV[2])) + 60)
+  redis.call('ZADD', KEYS[i], 'XX', now + ttl, ARGV[i + 1])
+  redis.call('EXPIRE', KEYS[i], math.ceil(ttl) + 60)
 end
 return 1
 `)

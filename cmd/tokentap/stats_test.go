@@ -98,14 +98,9 @@ func TestStatsEndToEnd(t *testing.T) {
 	defer prog.stop()
 	waitUp(t, "http://"+admin+"/healthz")
 	const n = 12
-	for range n {
-		resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
-			strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
+	postChats(t, listen, 1, n)
+	if t.Failed() {
+		t.FailNow()
 	}
 	base := "http://" + admin
 	var rep map[string]any
@@ -395,14 +390,9 @@ func TestStatsAcrossReplicas(t *testing.T) {
 		defer p.stop()
 		progs = append(progs, p)
 		waitUp(t, "http://"+admin+"/healthz")
-		for range perReplica {
-			resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json",
-				strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
-			if err != nil {
-				t.Fatal(err)
-			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
+		postChats(t, listen, 1, perReplica)
+		if t.Failed() {
+			t.FailNow()
 		}
 		admins, logs = append(admins, admin), append(logs, logPath)
 	}

@@ -1,6 +1,7 @@
 package stats
 
 import (
+	"cmp"
 	"math"
 	"slices"
 )
@@ -113,15 +114,7 @@ func mixQuantile(st []stratum, p float64, sideA bool) float64 {
 	if len(pts) == 0 {
 		return 0
 	}
-	slices.SortFunc(pts, func(x, y point) int {
-		switch {
-		case x.v < y.v:
-			return -1
-		case x.v > y.v:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(pts, func(x, y point) int { return cmp.Compare(x.v, y.v) })
 	var sum, all float64
 	for _, q := range pts {
 		all += q.w

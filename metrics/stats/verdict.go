@@ -1,6 +1,7 @@
 package stats
 
 import (
+	"cmp"
 	"math"
 	"slices"
 	"sort"
@@ -62,15 +63,7 @@ func cdfOfDist(d *dist) cdf {
 		bins = append(bins, bin{min(v, d.max), n})
 		return false
 	})
-	slices.SortFunc(bins, func(a, b bin) int {
-		switch {
-		case a.v < b.v:
-			return -1
-		case a.v > b.v:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(bins, func(a, b bin) int { return cmp.Compare(a.v, b.v) })
 	c := cdf{}
 	for _, b := range bins {
 		c.n += b.n
@@ -258,15 +251,7 @@ func holm(ps []float64, alpha float64) []bool {
 	for i := range idx {
 		idx[i] = i
 	}
-	slices.SortStableFunc(idx, func(i, j int) int {
-		switch {
-		case ps[i] < ps[j]:
-			return -1
-		case ps[i] > ps[j]:
-			return 1
-		}
-		return 0
-	})
+	slices.SortStableFunc(idx, func(i, j int) int { return cmp.Compare(ps[i], ps[j]) })
 	sig := make([]bool, m)
 	for rank, i := range idx {
 		if ps[i] > alpha/float64(m-rank) {
