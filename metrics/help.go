@@ -63,6 +63,10 @@ var help = map[string]string{
 	"tokentap_access_log_write_errors_total": "Failed writes to the access log (retried).",
 	"tokentap_access_log_reopens_total":      "Times the access log file was reopened (after rotation).",
 
+	"tokentap_otel_dropped_total":        "OpenTelemetry data the collector never got: records dropped because the export queue was full (signal records), spans in exports that failed (signal spans).",
+	"tokentap_otel_export_errors_total":  "OpenTelemetry exports that failed or timed out, by signal.",
+	"tokentap_otel_spans_exported_total": "Spans the collector accepted.",
+
 	"tokentap_build_info": "Always 1; its labels are the running build's version, Go version and VCS revision.",
 }
 

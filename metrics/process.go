@@ -67,3 +67,25 @@ func FailedOver(route, from, reason string) {
 func ShadowSkipped(route string) {
 	vm.GetOrCreateCounter(`tokentap_shadow_skipped_total{route="` + route + `"}`).Inc()
 }
+
+var (
+	otelDropped = map[string]*vm.Counter{
+		"records": vm.NewCounter(`tokentap_otel_dropped_total{signal="records"}`),
+		"spans":   vm.NewCounter(`tokentap_otel_dropped_total{signal="spans"}`),
+	}
+	otelExportErrors = map[string]*vm.Counter{
+		"traces":  vm.NewCounter(`tokentap_otel_export_errors_total{signal="traces"}`),
+		"metrics": vm.NewCounter(`tokentap_otel_export_errors_total{signal="metrics"}`),
+	}
+	otelSpansExported = vm.NewCounter("tokentap_otel_spans_exported_total")
+)
+
+// OTelDropped counts n records ("records": the export queue was full) or
+// spans ("spans": their export failed) the collector never got.
+func OTelDropped(signal string, n int) { otelDropped[signal].Add(n) }
+
+// OTelExportError counts a failed export of signal ("traces", "metrics").
+func OTelExportError(signal string) { otelExportErrors[signal].Inc() }
+
+// OTelSpansExported counts n spans the collector accepted.
+func OTelSpansExported(n int) { otelSpansExported.Add(n) }

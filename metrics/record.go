@@ -147,6 +147,23 @@ type Record struct {
 	SLOMisses SLOMisses
 	SLOTarget float64
 
+	// Start is the request's arrival, the start of its span (wall clock).
+	Start time.Time
+	// MaxTokens is the output bound the request asked for (0: none given).
+	MaxTokens int
+	// UpstreamAddr is the host:port of the upstream it went to ("" when
+	// it went to none).
+	UpstreamAddr string
+	// ResponseModel and FinishReason are what the response said: the
+	// model that answered and why the generation ended ("" when it did
+	// not say). They are read only while tracing (proxy.Options.Tracer).
+	ResponseModel, FinishReason string
+	// Trace is the request's trace context when tracing is on.
+	Trace TraceContext
+	// Tries are the attempts that failed before the last one (a
+	// failover), oldest first; nil after a single attempt.
+	Tries []Try
+
 	// Series and TenantSeries are the metric handles chosen for this
 	// request, if any.
 	Series       *Series
@@ -164,9 +181,47 @@ func (r *Record) Reset() {
 	}
 }
 
+// TraceContext is a request's place in a distributed trace (W3C Trace
+// Context): the trace, tokentap's span for the request, chosen when the
+// request arrived so that the upstream request carries it in traceparent,
+// and the client's span it is a child of.
+type TraceContext struct {
+	TraceID [16]byte
+	SpanID  [8]byte
+	// ParentID is the client's span (zero: the request came without a
+	// traceparent, and tokentap's span is the trace's root).
+	ParentID [8]byte
+	// Sampled: the span is recorded and exported.
+	Sampled bool
+	// State is the client's tracestate, kept for the exported span.
+	State string
+}
+
+// Valid reports a trace context that was started.
+func (t *TraceContext) Valid() bool { return t.TraceID != [16]byte{} && t.SpanID != [8]byte{} }
+
+// Try is one upstream attempt that failed and was followed by another
+// (failover).
+type Try struct {
+	Upstream string // the upstream's name
+	Addr     string // its host:port
+	Start    time.Time
+	Duration time.Duration
+	Reason   string // why the request moved on (proxy.Failover*)
+}
+
 // Sink consumes finished records. Observe is called once per request from
 // the goroutine that finished it; it must not block and must not keep r
 // (copy it).
 type Sink interface {
 	Observe(r *Record)
+}
+
+// GapSink is a Sink that also takes the request's inter-token gaps, in no
+// particular order (the first 65,536 of them at most): ObserveGaps is
+// called instead of Observe, under the same rules, and must copy gaps to
+// keep them.
+type GapSink interface {
+	Sink
+	ObserveGaps(r *Record, gaps []time.Duration)
 }

@@ -122,6 +122,15 @@ type Series struct {
 	missed                            [NumSLO]*vm.Counter
 }
 
+// Model is the series' model label: a model of the config, or the label
+// of all others ("" for a nil Series).
+func (s *Series) Model() string {
+	if s == nil {
+		return ""
+	}
+	return s.model
+}
+
 // RouteRow is one row of a Set's series: a route, or one upstream of a
 // route with several (Upstream "" otherwise: no upstream label).
 type RouteRow struct{ Route, Upstream string }

@@ -65,6 +65,11 @@ func (a *upstreamAttempt) attempt(ctx *fasthttp.RequestCtx) error {
 	if a.x.tenant != "" {
 		a.req.Header.Set(tenantHeader, a.x.tenant)
 	}
+	if tc := &a.x.rec.Trace; tc.Valid() {
+		// The upstream's work is a child of tokentap's span.
+		a.x.in.traceparent = appendTraceparent(a.x.in.traceparent[:0], tc)
+		a.req.Header.SetBytesV("traceparent", a.x.in.traceparent)
+	}
 	if r.InjectUsage && a.x.dialect == dialect.OpenAI && a.x.in.stream {
 		if b, ok := dialect.InjectIncludeUsage(a.x.in.injected[:0], body); ok {
 			// The one case where tokentap changes bytes: the upstream is

@@ -163,6 +163,9 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	rec.Stream = req.Stream
 	x.in.stream = req.Stream
 	x.tap.m.items = req.Items
+	if x.tap.details {
+		rec.MaxTokens = dialect.MaxOutputTokens(body)
+	}
 	x.modelIdx = snap.metrics.ModelIndex(model)
 	rec.Series = snap.metrics.Series(x.att.mem.row, x.modelIdx)
 	x.tap.m.live = rec.Series
@@ -461,6 +464,10 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		x.p.checkGuard(x.rt, now)
 	}
 	for _, s := range x.p.opts.Sinks {
+		if g, ok := s.(metrics.GapSink); ok {
+			g.ObserveGaps(rec, x.tap.m.gaps)
+			continue
+		}
 		s.Observe(rec)
 	}
 	if !x.shadow {
@@ -486,6 +493,16 @@ func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.relay.bytesOut
 	x.rec.Partial = x.rec.Partial || x.tap.partial
 	x.tap.m.fill(&x.rec, now, x.tap.streamed)
+	x.rec.Start = x.tap.m.arrival
+	if x.att.up != nil {
+		x.rec.UpstreamAddr = x.att.up.addr
+	}
+	if x.tap.details {
+		x.rec.FinishReason = x.tap.finish
+		if len(x.tap.model) > 0 {
+			x.rec.ResponseModel = string(x.tap.model)
+		}
+	}
 	if x.rt != nil {
 		in := x.rec.InputTokens
 		if !x.tap.m.usage.hasIn {

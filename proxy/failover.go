@@ -92,6 +92,10 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	a.req.Reset()
 	a.resp.Reset()
 	a.x.tap.m.lost += now.Sub(a.attemptAt)
+	if a.x.rec.Trace.Sampled {
+		a.x.rec.Tries = append(a.x.rec.Tries, metrics.Try{Upstream: a.mem.name, Addr: a.up.addr, Start: a.attemptAt,
+			Duration: now.Sub(a.attemptAt), Reason: reason})
+	}
 	a.attemptAt = now
 	a.tried = append(a.tried, a.mem)
 	a.mem.inflight.Add(-1)

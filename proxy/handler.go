@@ -45,6 +45,10 @@ func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 	x.id = p.requestID(x.id[:0], clientID)
 	rec.RequestID = string(x.id)
 	rec.Method = methodString(ctx.Method())
+	if t := p.opts.Tracer; t != nil {
+		rec.Trace = t.StartTrace(ctx.Request.Header.Peek("traceparent"), ctx.Request.Header.Peek("tracestate"))
+		x.tap.details = true
+	}
 	return x
 }
 

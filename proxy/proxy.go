@@ -81,6 +81,21 @@ type Options struct {
 	// (loop.go). The loops cost less per event; this is the path to compare
 	// them against.
 	GoroutineRelay bool
+	// Tracer starts each request's trace (nil: no tracing, and a client's
+	// traceparent passes through untouched). The upstream request then
+	// carries tokentap's span in traceparent, and the record its trace
+	// context, the response's model and finish reason and the failed
+	// attempts, for a Sink to export.
+	Tracer Tracer
+}
+
+// Tracer starts a request's trace from the client's traceparent and
+// tracestate (nil when absent): the context of tokentap's span for the
+// request, its IDs chosen now so the upstream request can carry them, and
+// whether it is sampled. It must be safe for concurrent use and fast: it
+// runs on every request.
+type Tracer interface {
+	StartTrace(traceparent, tracestate []byte) metrics.TraceContext
 }
 
 // Proxy is the relay. It is safe for concurrent use; its configuration can

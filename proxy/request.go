@@ -20,6 +20,7 @@ type inbound struct {
 	injected    []byte // the request body with include_usage injected
 	stream      bool   // the request asks for a stream
 	scratch     []byte // header values being built
+	traceparent []byte // the traceparent sent upstream (Options.Tracer)
 	stickyKey   uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
 	stickyKeyed bool
 }
@@ -31,7 +32,7 @@ func (in *inbound) kept() inbound {
 	if cap(body) > maxPooledBody {
 		body = nil
 	}
-	return inbound{path: in.path[:0], reqBody: body, injected: in.injected[:0], scratch: in.scratch[:0]}
+	return inbound{path: in.path[:0], reqBody: body, injected: in.injected[:0], scratch: in.scratch[:0], traceparent: in.traceparent[:0]}
 }
 
 // maxPooledBody is the largest request body buffer kept for the next

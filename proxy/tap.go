@@ -37,6 +37,11 @@ type tap struct {
 	// partial: what was measured is not the whole body (an event cut at
 	// maxEvent, a body past it, a copy that did not decode).
 	partial bool
+	// details: read the response's model and finish reason too (tracing
+	// is on); model is a copy, kept in its buffer across lives.
+	details bool
+	model   []byte
+	finish  string
 }
 
 // ackMarker is told which delivery carried the stream's first token (tok)
@@ -59,7 +64,7 @@ const (
 // parsers, nothing measured.
 func (tp *tap) kept() tap {
 	return tap{parser: tp.parser, lines: tp.lines, whole: tp.whole[:0], m: meter{gaps: tp.m.gaps[:0]},
-		decTimes: tp.decTimes[:0], held: tp.held[:0], stripped: tp.stripped[:0]}
+		decTimes: tp.decTimes[:0], held: tp.held[:0], stripped: tp.stripped[:0], model: tp.model[:0]}
 }
 
 // start chooses how the body is measured from its Content-Type (ct) and
@@ -165,6 +170,7 @@ func (tp *tap) parse(b []byte, t time.Time) {
 				tp.partial = true
 			}
 			tp.m.observe(tp.dialect.Event(ev.Type, ev.Data), t)
+			tp.readDetails(ev.Data)
 		}
 	case parseLines:
 		tp.lines.Feed(b)
@@ -173,6 +179,7 @@ func (tp *tap) parse(b []byte, t time.Time) {
 				tp.partial = true
 			}
 			tp.m.observe(tp.dialect.Event(nil, tp.lines.Line()), t)
+			tp.readDetails(tp.lines.Line())
 		}
 	case parseBody:
 		if len(tp.whole)+len(b) <= tp.maxEvent {
@@ -200,6 +207,7 @@ func (tp *tap) parseStrip(b []byte, t time.Time) {
 			tp.partial = true
 		}
 		tp.m.observe(tp.dialect.Event(ev.Type, ev.Data), t)
+		tp.readDetails(ev.Data)
 		if !dialect.UsageOnly(ev.Data) {
 			out = append(out, tp.held...)
 			out = append(out, b[start:end]...)
@@ -257,6 +265,23 @@ func (tp *tap) settle(now time.Time, complete bool) {
 		o := tp.dialect.Body(tp.whole)
 		o.Token, o.Answer = false, false
 		tp.m.observe(o, now)
+		tp.readDetails(tp.whole)
 	}
 	tp.whole = tp.whole[:0]
+}
+
+// readDetails reads the model that answered (until one is named) and the
+// finish reason (the last one given) from an event, line or body, when
+// tracing asked for them.
+func (tp *tap) readDetails(data []byte) {
+	if !tp.details {
+		return
+	}
+	d := dialect.ReadDetails(data, len(tp.model) == 0)
+	if len(d.Model) > 0 {
+		tp.model = append(tp.model[:0], d.Model[:min(len(d.Model), maxLoggedModel)]...)
+	}
+	if d.Finish != "" {
+		tp.finish = d.Finish
+	}
 }

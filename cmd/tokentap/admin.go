@@ -3,6 +3,7 @@ package main
 import (
 	"crypto/subtle"
 	"encoding/json"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -72,9 +73,10 @@ func (a *admin) reload() error {
 		return err
 	}
 	s := a.running
-	if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog {
-		a.logger.Warn("listen, admin and access_log take effect only on restart")
+	if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog || !reflect.DeepEqual(next.otel, s.otel) {
+		a.logger.Warn("listen, admin, access_log and otel take effect only on restart")
 	}
+	next.otel = s.otel
 	next.listen, next.admin, next.accessLog = s.listen, s.admin, s.accessLog
 	a.running = next
 	a.logger.Info("config reloaded", zap.Int("routes", len(next.proxy.Routes)))

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/tokentap/tokentap/metrics/telemetry"
+
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/tokentap/tokentap/ratelimit"
@@ -42,8 +44,26 @@ type fileConfig struct {
 	// Relay says who relays established streams: "loop" (the epoll relay
 	// loops, the default) or "goroutine" (each stream on its request's
 	// goroutine).
-	Relay string         `yaml:"relay"`
+	Relay string `yaml:"relay"`
+	// OTel exports spans and GenAI metrics to an OpenTelemetry collector
+	// (nil: off).
+	OTel  *fileOTel      `yaml:"otel"`
 	lines map[string]int // field path → line, for validation errors
+}
+
+// fileOTel is the otel section: present, it turns the export on.
+type fileOTel struct {
+	Endpoint    string   `yaml:"endpoint"`
+	ServiceName string   `yaml:"service_name"`
+	Traces      *bool    `yaml:"traces"`  // default true
+	Metrics     *bool    `yaml:"metrics"` // default true
+	Sample      *float64 `yaml:"sample"`  // default 1
+	// HeadersFile holds headers sent with every export, one key=value a
+	// line (a collector's credentials kept out of the config).
+	HeadersFile string `yaml:"headers_file"`
+	// Queue bounds the finished records waiting to be exported (default
+	// 8192); past it they are dropped and counted.
+	Queue int `yaml:"queue"`
 }
 
 // fileAdmin is the admin listener: an address, or a mapping with the
@@ -398,6 +418,7 @@ type settings struct {
 	drainTimeout, drainDelay time.Duration
 	proxy                    proxy.Config
 	opts                     proxy.Options
+	otel                     *telemetry.Config // nil: no export
 }
 
 func ptrOr(p *string) string {
@@ -466,4 +487,31 @@ func readSecretFile(path string) (string, error) {
 		return "", errors.New("the file's first line is empty")
 	}
 	return s, nil
+}
+
+// readHeadersFile reads export headers: one key=value (or key: value) a
+// line, blank lines and # comments skipped. Errors name the line, never
+// its value.
+func readHeadersFile(path string) (map[string]string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	h := map[string]string{}
+	for i, line := range strings.Split(string(b), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		k, v, ok := strings.Cut(line, "=")
+		if !ok {
+			k, v, ok = strings.Cut(line, ":")
+		}
+		k, v = strings.TrimSpace(k), strings.TrimSpace(v)
+		if !ok || k == "" || strings.ContainsAny(k, " \t") {
+			return nil, fmt.Errorf("line %d is not key=value", i+1)
+		}
+		h[k] = v
+	}
+	return h, nil
 }

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/telemetry"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -164,6 +165,21 @@ func run(ctx context.Context, args []string) error {
 		s.opts.Sinks = append(s.opts.Sinks, alog)
 	}
 	s.opts.Logger = logger
+	var otel *telemetry.Exporter
+	if s.otel != nil {
+		c := *s.otel
+		c.ServiceVersion = ver
+		c.OnError = func(err error) {
+			logger.Warn("otel: export failing (counted in tokentap_otel_export_errors_total; logged at most once a minute)", zap.Error(err))
+		}
+		if otel, err = telemetry.New(ctx, c); err != nil {
+			return fmt.Errorf("otel: %w", err)
+		}
+		if c.Traces {
+			s.opts.Tracer = otel
+		}
+		s.opts.Sinks = append(s.opts.Sinks, otel)
+	}
 	p, err := proxy.New(s.proxy, s.opts)
 	if err != nil {
 		return err
@@ -217,6 +233,15 @@ func run(ctx context.Context, args []string) error {
 	}
 	if alog != nil {
 		alog.Close()
+	}
+	if otel != nil {
+		// What is queued goes out, within a bound: a collector that is
+		// down must not hold the exit.
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := otel.Shutdown(sctx); err != nil {
+			logger.Warn("otel: export at shutdown incomplete", zap.Error(err))
+		}
+		cancel()
 	}
 	return nil
 }

@@ -3,10 +3,12 @@ package main
 import (
 	"errors"
 	"fmt"
+	"net/url"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/metrics/telemetry"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/tokentap/tokentap/ratelimit"
 )
@@ -19,7 +21,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		fc = &fileConfig{}
 	}
 	b := &settingsBuilder{fc: fc, f: f, s: defaultSettings()}
-	for _, step := range []func() error{b.listeners, b.drain, b.routes, b.observing, b.limits, b.admission, b.validate} {
+	for _, step := range []func() error{b.listeners, b.drain, b.routes, b.observing, b.telemetry, b.limits, b.admission, b.validate} {
 		if err := step(); err != nil {
 			return nil, err
 		}
@@ -314,5 +316,47 @@ func (b *settingsBuilder) validate() error {
 	if err != nil {
 		return b.fileErr(err)
 	}
+	return nil
+}
+
+// telemetry: the otel section, when present.
+func (b *settingsBuilder) telemetry() error {
+	o := b.fc.OTel
+	if o == nil {
+		return nil
+	}
+	c := &telemetry.Config{Endpoint: o.Endpoint, ServiceName: o.ServiceName, Traces: true, Metrics: true, Sample: 1, Queue: o.Queue}
+	if o.Queue < 0 {
+		return fmt.Errorf("%s: must not be negative", b.where("otel.queue"))
+	}
+	if o.Traces != nil {
+		c.Traces = *o.Traces
+	}
+	if o.Metrics != nil {
+		c.Metrics = *o.Metrics
+	}
+	if o.Sample != nil {
+		c.Sample = *o.Sample
+	}
+	if c.Sample < 0 || c.Sample > 1 {
+		return fmt.Errorf("%s: must be within 0 and 1", b.where("otel.sample"))
+	}
+	if !c.Traces && !c.Metrics {
+		return fmt.Errorf("%s: traces and metrics are both off (leave out the section to turn the export off)", b.where("otel"))
+	}
+	if o.Endpoint != "" {
+		u, err := url.Parse(o.Endpoint)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return fmt.Errorf("%s: not an http:// or https:// URL", b.where("otel.endpoint"))
+		}
+	}
+	if o.HeadersFile != "" {
+		h, err := readHeadersFile(o.HeadersFile)
+		if err != nil {
+			return fmt.Errorf("%s: %w", b.where("otel.headers_file"), err)
+		}
+		c.Headers = h
+	}
+	b.s.otel = c
 	return nil
 }

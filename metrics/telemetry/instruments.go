@@ -1,0 +1,125 @@
+package telemetry
+
+import (
+	"context"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"go.opentelemetry.io/otel/attribute"
+	otelmetric "go.opentelemetry.io/otel/metric"
+)
+
+// The GenAI conventions' bucket boundaries.
+var (
+	durationBuckets = []float64{0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92}
+	ttftBuckets     = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0}
+	perTokenBuckets = []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5}
+	tokenBuckets    = []float64{1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864}
+)
+
+// instruments are the GenAI metrics. tokentap stands between the client
+// and the server, so it fills both sides' names (README, "OpenTelemetry"):
+//
+//   - gen_ai.client.*: what the client lived: the client-side estimates
+//     (network included) where tokentap has them, its own marks
+//     otherwise; each inter-token gap as a chunk's time.
+//   - gen_ai.server.*: the upstream as tokentap sees it: from the request
+//     written upstream (queue, tokentap's own time, failed attempts and
+//     the upload left out); the backend's own time to first token when it
+//     reports one (vLLM).
+type instruments struct {
+	duration, ttfc, tpoc, usage            otelmetric.Float64Histogram
+	serverTTFT, serverTPOT, serverDuration otelmetric.Float64Histogram
+}
+
+func newInstruments(m otelmetric.Meter) (instruments, error) {
+	var in instruments
+	var err error
+	h := func(dst *otelmetric.Float64Histogram, name, unit, desc string, buckets []float64) {
+		if err != nil {
+			return
+		}
+		*dst, err = m.Float64Histogram(name, otelmetric.WithUnit(unit), otelmetric.WithDescription(desc),
+			otelmetric.WithExplicitBucketBoundaries(buckets...))
+	}
+	h(&in.duration, "gen_ai.client.operation.duration", "s", "GenAI operation duration, as the client lived it.", durationBuckets)
+	h(&in.ttfc, "gen_ai.client.operation.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets)
+	h(&in.tpoc, "gen_ai.client.operation.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets)
+	h(&in.usage, "gen_ai.client.token.usage", "{token}", "Input and output tokens used.", tokenBuckets)
+	h(&in.serverTTFT, "gen_ai.server.time_to_first_token", "s", "Time to the first token, from the request written to the upstream.", ttftBuckets)
+	h(&in.serverTPOT, "gen_ai.server.time_per_output_token", "s", "Time per output token after the first.", perTokenBuckets)
+	h(&in.serverDuration, "gen_ai.server.request.duration", "s", "Time the upstream took, from the request written to its last byte.", durationBuckets)
+	return in, err
+}
+
+// upstreamShare is the part of d that was the upstream's: d without the
+// queue, tokentap's own time, failed attempts and the upload.
+func upstreamShare(r *metrics.Record, d time.Duration) time.Duration {
+	for _, t := range []time.Duration{r.Queue, r.Overhead, r.FailoverWait, r.Upload} {
+		if t > 0 {
+			d -= t
+		}
+	}
+	return max(d, 0)
+}
+
+func (in *instruments) record(r *metrics.Record, model string, gaps []time.Duration) {
+	ctx := context.Background()
+	kv := make([]attribute.KeyValue, 0, 8)
+	kv = append(kv, attrOperation.String(operation(r)), attrProvider.String(provider(r.Dialect)), attrRoute.String(r.Route))
+	if model != "" {
+		kv = append(kv, attrRequestModel.String(model))
+	}
+	if r.UpstreamAddr != "" {
+		host, port := splitAddr(r.UpstreamAddr)
+		kv = append(kv, attrServerAddress.String(host))
+		if port > 0 {
+			kv = append(kv, attrServerPort.Int(port))
+		}
+	}
+	base := attribute.NewSet(kv...)
+	all := base
+	if et := errorType(r); et != "" {
+		all = attribute.NewSet(append(kv, attrErrorType.String(et))...)
+	}
+	set := otelmetric.WithAttributeSet(all)
+
+	e2e := r.ClientE2E
+	if e2e < 0 {
+		e2e = r.E2E
+	}
+	if e2e >= 0 {
+		in.duration.Record(ctx, e2e.Seconds(), set)
+	}
+	if r.E2E >= 0 && r.Status > 0 {
+		in.serverDuration.Record(ctx, upstreamShare(r, r.E2E).Seconds(), set)
+	}
+	if r.Outcome != metrics.OutcomeOK {
+		return // the rest is about successful responses
+	}
+	ok := otelmetric.WithAttributeSet(base)
+	if r.Stream && r.TTFT >= 0 {
+		ttft := r.ClientTTFT
+		if ttft < 0 {
+			ttft = r.TTFT
+		}
+		in.ttfc.Record(ctx, ttft.Seconds(), ok)
+		s := r.ServerTTFT
+		if s < 0 {
+			s = upstreamShare(r, r.TTFT)
+		}
+		in.serverTTFT.Record(ctx, s.Seconds(), ok)
+		for _, g := range gaps {
+			in.tpoc.Record(ctx, g.Seconds(), ok)
+		}
+	}
+	if r.TPOT >= 0 {
+		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok)
+	}
+	if r.InputTokens > 0 {
+		in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(attribute.NewSet(append(kv, attrTokenType.String("input"))...)))
+	}
+	if r.TokensSource != "" {
+		in.usage.Record(ctx, float64(r.OutputTokens), otelmetric.WithAttributeSet(attribute.NewSet(append(kv, attrTokenType.String("output"))...)))
+	}
+}

@@ -1,0 +1,231 @@
+package telemetry
+
+import (
+	"context"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// The GenAI semantic conventions' attribute names (the
+// semantic-conventions-genai repository), and tokentap's own.
+const (
+	attrOperation      = attribute.Key("gen_ai.operation.name")
+	attrProvider       = attribute.Key("gen_ai.provider.name")
+	attrRequestModel   = attribute.Key("gen_ai.request.model")
+	attrResponseModel  = attribute.Key("gen_ai.response.model")
+	attrMaxTokens      = attribute.Key("gen_ai.request.max_tokens")
+	attrStream         = attribute.Key("gen_ai.request.stream")
+	attrFinishReasons  = attribute.Key("gen_ai.response.finish_reasons")
+	attrInputTokens    = attribute.Key("gen_ai.usage.input_tokens")
+	attrOutputTokens   = attribute.Key("gen_ai.usage.output_tokens")
+	attrTimeFirstChunk = attribute.Key("gen_ai.response.time_to_first_chunk")
+	attrTokenType      = attribute.Key("gen_ai.token.type")
+	attrServerAddress  = attribute.Key("server.address")
+	attrServerPort     = attribute.Key("server.port")
+	attrErrorType      = attribute.Key("error.type")
+	attrStatus         = attribute.Key("http.response.status_code")
+
+	attrRoute        = attribute.Key("tokentap.route")
+	attrTenant       = attribute.Key("tokentap.tenant")
+	attrUpstream     = attribute.Key("tokentap.upstream")
+	attrOutcome      = attribute.Key("tokentap.outcome")
+	attrQueueMS      = attribute.Key("tokentap.queue_ms")
+	attrOverheadMS   = attribute.Key("tokentap.overhead_ms")
+	attrClientTTFTMS = attribute.Key("tokentap.client_ttft_ms")
+	attrSLOOK        = attribute.Key("tokentap.slo_ok")
+	attrRequestID    = attribute.Key("tokentap.request_id")
+	attrReason       = attribute.Key("tokentap.failover_reason")
+)
+
+// operation is the GenAI operation a request is, from its dialect and
+// path.
+func operation(r *metrics.Record) string {
+	switch r.Dialect {
+	case "openai-embeddings":
+		return "embeddings"
+	case "gemini":
+		return "generate_content"
+	case "tgi", "llamacpp":
+		return "text_completion"
+	case "ollama":
+		if strings.HasSuffix(r.Path, "/api/generate") {
+			return "text_completion"
+		}
+		return "chat"
+	case "openai":
+		if strings.HasSuffix(r.Path, "/chat/completions") {
+			return "chat"
+		}
+		return "text_completion"
+	}
+	return "chat"
+}
+
+// provider is the gen_ai.provider.name of a dialect: the conventions' name
+// where they have one, the API's otherwise.
+func provider(dialect string) string {
+	switch dialect {
+	case "openai", "openai-responses", "openai-embeddings":
+		return "openai"
+	case "gemini":
+		return "gcp.gemini"
+	case "llamacpp":
+		return "llama.cpp"
+	case "":
+		return "generic"
+	}
+	return dialect
+}
+
+// errorType is the record's error.type: "" for a success, else its
+// outcome (a low-cardinality name tokentap documents).
+func errorType(r *metrics.Record) string {
+	if r.Outcome == metrics.OutcomeOK {
+		return ""
+	}
+	return string(r.Outcome)
+}
+
+func splitAddr(addr string) (string, int) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr, 0
+	}
+	p, _ := strconv.Atoi(port)
+	return host, p
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// end is when the request's span ends: its last byte delivered.
+func end(r *metrics.Record) time.Time {
+	if r.E2E >= 0 {
+		return r.Start.Add(r.E2E)
+	}
+	return r.Start
+}
+
+// span exports the request's span, with its attempts as child spans when
+// it failed over.
+func (e *Exporter) span(r *metrics.Record) {
+	tc := r.Trace
+	ctx := context.WithValue(context.Background(), presetKey{}, preset{trace: tc.TraceID, span: tc.SpanID})
+	if tc.ParentID != [8]byte{} {
+		state, _ := trace.ParseTraceState(tc.State)
+		ctx = trace.ContextWithRemoteSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
+			TraceID: tc.TraceID, SpanID: tc.ParentID, TraceFlags: trace.FlagsSampled, TraceState: state, Remote: true,
+		}))
+	}
+	op := operation(r)
+	name := op
+	if r.Model != "" {
+		name += " " + r.Model
+	}
+	attrs := make([]attribute.KeyValue, 0, 28)
+	attrs = append(attrs, attrOperation.String(op), attrProvider.String(provider(r.Dialect)), attrStream.Bool(r.Stream),
+		attrRoute.String(r.Route), attrOutcome.String(string(r.Outcome)), attrRequestID.String(r.RequestID))
+	if r.Model != "" {
+		attrs = append(attrs, attrRequestModel.String(r.Model))
+	}
+	if r.ResponseModel != "" {
+		attrs = append(attrs, attrResponseModel.String(r.ResponseModel))
+	}
+	if r.MaxTokens > 0 {
+		attrs = append(attrs, attrMaxTokens.Int(r.MaxTokens))
+	}
+	if r.FinishReason != "" {
+		attrs = append(attrs, attrFinishReasons.StringSlice([]string{r.FinishReason}))
+	}
+	if r.TokensSource != "" {
+		attrs = append(attrs, attrOutputTokens.Int(r.OutputTokens))
+	}
+	if r.InputTokens > 0 {
+		attrs = append(attrs, attrInputTokens.Int(r.InputTokens))
+	}
+	if r.TTFT >= 0 {
+		attrs = append(attrs, attrTimeFirstChunk.Float64(r.TTFT.Seconds()))
+	}
+	if r.UpstreamAddr != "" {
+		host, port := splitAddr(r.UpstreamAddr)
+		attrs = append(attrs, attrServerAddress.String(host))
+		if port > 0 {
+			attrs = append(attrs, attrServerPort.Int(port))
+		}
+	}
+	if et := errorType(r); et != "" {
+		attrs = append(attrs, attrErrorType.String(et))
+	}
+	if r.Status > 0 {
+		attrs = append(attrs, attrStatus.Int(r.Status))
+	}
+	if r.Tenant != "" {
+		attrs = append(attrs, attrTenant.String(r.Tenant))
+	}
+	if r.Upstream != "" {
+		attrs = append(attrs, attrUpstream.String(r.Upstream))
+	}
+	if r.Queue >= 0 {
+		attrs = append(attrs, attrQueueMS.Float64(ms(r.Queue)))
+	}
+	if r.Overhead >= 0 {
+		attrs = append(attrs, attrOverheadMS.Float64(ms(r.Overhead)))
+	}
+	if r.ClientTTFT >= 0 {
+		attrs = append(attrs, attrClientTTFTMS.Float64(ms(r.ClientTTFT)))
+	}
+	if r.SLOJudged {
+		attrs = append(attrs, attrSLOOK.Bool(r.SLOMisses == 0))
+	}
+	ctx, sp := e.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(r.Start),
+		trace.WithAttributes(attrs...))
+	if r.TTFT >= 0 {
+		sp.AddEvent("tokentap.first_token", trace.WithTimestamp(r.Start.Add(r.TTFT)))
+	}
+	if r.TTFA >= 0 {
+		sp.AddEvent("tokentap.first_answer_token", trace.WithTimestamp(r.Start.Add(r.TTFA)))
+	}
+	if r.Outcome != metrics.OutcomeOK {
+		sp.SetStatus(codes.Error, r.Error)
+	}
+	if len(r.Tries) > 0 {
+		// The attempts are children of the request's span; they get IDs
+		// of their own.
+		actx := trace.ContextWithSpan(context.Background(), sp)
+		var last time.Time
+		for _, t := range r.Tries {
+			e.attempt(actx, op, t.Upstream, t.Addr, t.Start, t.Start.Add(t.Duration), t.Reason)
+			last = t.Start.Add(t.Duration)
+		}
+		e.attempt(actx, op, r.Upstream, r.UpstreamAddr, last, end(r), errorType(r))
+	}
+	_ = ctx
+	sp.End(trace.WithTimestamp(end(r)))
+}
+
+// attempt exports one attempt against an upstream as a client span.
+func (e *Exporter) attempt(ctx context.Context, op, upstream, addr string, start, stop time.Time, failure string) {
+	attrs := []attribute.KeyValue{attrOperation.String(op), attrUpstream.String(upstream)}
+	if addr != "" {
+		host, port := splitAddr(addr)
+		attrs = append(attrs, attrServerAddress.String(host))
+		if port > 0 {
+			attrs = append(attrs, attrServerPort.Int(port))
+		}
+	}
+	if failure != "" {
+		attrs = append(attrs, attrErrorType.String(failure))
+	}
+	_, sp := e.tracer.Start(ctx, "attempt "+upstream, trace.WithSpanKind(trace.SpanKindClient), trace.WithTimestamp(start),
+		trace.WithAttributes(attrs...))
+	if failure != "" {
+		sp.SetStatus(codes.Error, failure)
+	}
+	sp.End(trace.WithTimestamp(stop))
+}

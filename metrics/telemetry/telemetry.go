@@ -1,0 +1,364 @@
+// Package telemetry exports tokentap's records to an OpenTelemetry
+// collector over OTLP/HTTP with the official Go SDK: one span per request
+// (a child of the client's traceparent, its failed-over attempts as child
+// spans) and the GenAI metrics, both named and attributed by the GenAI
+// semantic conventions.
+//
+// Nothing of it runs on a request's path but StartTrace (parse the
+// client's traceparent, pick the span's IDs, decide sampling: no
+// allocation) and a non-blocking send of the finished record to the
+// exporter's goroutine. That goroutine builds the spans and records the
+// metrics; the SDK batches and exports them. A slow, failing or absent
+// collector fills the queue, and what does not fit is dropped and counted
+// (tokentap_otel_dropped_total), never waited for.
+//
+//	exp, err := telemetry.New(ctx, telemetry.Config{Endpoint: "http://collector:4318", Traces: true, Metrics: true, Sample: 1})
+//	p, _ := proxy.New(cfg, proxy.Options{Tracer: exp, Sinks: []metrics.Sink{exp}})
+//	defer exp.Shutdown(ctx)
+package telemetry
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Config is the top-level otel section. The SDK's environment variables
+// (OTEL_EXPORTER_OTLP_*, OTEL_BSP_*, OTEL_METRIC_EXPORT_INTERVAL,
+// OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME) keep their meaning for what
+// the config leaves unset.
+type Config struct {
+	// Endpoint is the collector's OTLP/HTTP base URL
+	// (http://collector:4318); the signals go to /v1/traces and
+	// /v1/metrics under it. Empty: OTEL_EXPORTER_OTLP_ENDPOINT and the
+	// per-signal variables, else the SDK's default.
+	Endpoint string
+	// ServiceName is the resource's service.name (OTEL_SERVICE_NAME wins).
+	ServiceName    string
+	ServiceVersion string
+	Traces         bool
+	Metrics        bool
+	// Sample is the fraction of traces started here that are recorded;
+	// a request with a traceparent follows its sampled flag.
+	Sample float64
+	// Headers are sent with every export (a collector's credentials),
+	// besides OTEL_EXPORTER_OTLP_HEADERS.
+	Headers map[string]string
+	// Queue bounds the records waiting for the exporter's goroutine
+	// (default 8192); past it they are dropped and counted.
+	Queue int
+	// OnError is told the SDK's errors (a collector that refuses or does
+	// not answer), at most one per ErrorEvery (default 1 min); the rest
+	// are only counted. Nil: not told.
+	OnError    func(error)
+	ErrorEvery time.Duration
+}
+
+// Exporter is a proxy.Tracer and a metrics.GapSink.
+type Exporter struct {
+	cfg     Config
+	sampler sdktrace.Sampler
+	queue   chan item
+	stop    chan struct{}
+	done    chan struct{}
+	closed  atomic.Bool
+	once    sync.Once
+
+	tp     *sdktrace.TracerProvider
+	tracer trace.Tracer
+	mp     *sdkmetric.MeterProvider
+	inst   instruments
+}
+
+// item is one finished record on its way to the exporter's goroutine.
+type item struct {
+	rec   metrics.Record
+	gaps  []time.Duration // streamed responses, with metrics on
+	model string          // the model's metric label: only models of the config (bounded cardinality)
+}
+
+// New starts an Exporter. It does not contact the collector: exports
+// begin with the first batch, and a collector that is down only costs
+// dropped batches.
+func New(ctx context.Context, cfg Config) (*Exporter, error) {
+	if !cfg.Traces && !cfg.Metrics {
+		return nil, errors.New("otel: neither traces nor metrics are on")
+	}
+	if cfg.Sample < 0 || cfg.Sample > 1 {
+		return nil, errors.New("otel: sample must be within 0 and 1")
+	}
+	if cfg.ServiceName == "" {
+		cfg.ServiceName = "tokentap"
+	}
+	if cfg.Queue <= 0 {
+		cfg.Queue = 8192
+	}
+	if cfg.ErrorEvery <= 0 {
+		cfg.ErrorEvery = time.Minute
+	}
+	otel.SetErrorHandler(&errorHandler{tell: cfg.OnError, every: cfg.ErrorEvery})
+	res, err := resource.New(ctx,
+		resource.WithAttributes(semconv.ServiceName(cfg.ServiceName), semconv.ServiceVersion(cfg.ServiceVersion)),
+		resource.WithFromEnv(), resource.WithTelemetrySDK())
+	if err != nil && res == nil {
+		return nil, err
+	}
+	e := &Exporter{
+		cfg: cfg, sampler: sdktrace.TraceIDRatioBased(cfg.Sample),
+		queue: make(chan item, cfg.Queue), stop: make(chan struct{}), done: make(chan struct{}),
+	}
+	if cfg.Traces {
+		opts := []otlptracehttp.Option{}
+		if cfg.Endpoint != "" {
+			opts = append(opts, otlptracehttp.WithEndpointURL(strings.TrimSuffix(cfg.Endpoint, "/")+"/v1/traces"))
+		}
+		if len(cfg.Headers) > 0 {
+			opts = append(opts, otlptracehttp.WithHeaders(cfg.Headers))
+		}
+		exp, err := otlptracehttp.New(ctx, opts...)
+		if err != nil {
+			return nil, err
+		}
+		// Blocking: the batcher's queue full holds the exporter's
+		// goroutine, never a request; the records' queue in front of it
+		// drops and counts.
+		e.tp = sdktrace.NewTracerProvider(sdktrace.WithResource(res), sdktrace.WithIDGenerator(idGenerator{}),
+			sdktrace.WithSampler(sdktrace.AlwaysSample()),
+			sdktrace.WithBatcher(countingSpans{exp}, sdktrace.WithBlocking()))
+		e.tracer = e.tp.Tracer("github.com/tokentap/tokentap")
+	}
+	if cfg.Metrics {
+		opts := []otlpmetrichttp.Option{}
+		if cfg.Endpoint != "" {
+			opts = append(opts, otlpmetrichttp.WithEndpointURL(strings.TrimSuffix(cfg.Endpoint, "/")+"/v1/metrics"))
+		}
+		if len(cfg.Headers) > 0 {
+			opts = append(opts, otlpmetrichttp.WithHeaders(cfg.Headers))
+		}
+		exp, err := otlpmetrichttp.New(ctx, opts...)
+		if err != nil {
+			return nil, err
+		}
+		e.mp = sdkmetric.NewMeterProvider(sdkmetric.WithResource(res),
+			sdkmetric.WithReader(sdkmetric.NewPeriodicReader(countingMetrics{exp})))
+		if e.inst, err = newInstruments(e.mp.Meter("github.com/tokentap/tokentap")); err != nil {
+			return nil, err
+		}
+	}
+	go e.run()
+	return e, nil
+}
+
+// StartTrace implements proxy.Tracer: the client's span (when its
+// traceparent is valid) becomes the parent, whose sampled flag decides;
+// otherwise a trace starts here, sampled at the configured fraction.
+func (e *Exporter) StartTrace(traceparent, tracestate []byte) metrics.TraceContext {
+	var tc metrics.TraceContext
+	if !e.cfg.Traces {
+		return tc
+	}
+	tid, parent, sampled, ok := parseTraceparent(traceparent)
+	if ok {
+		tc.TraceID, tc.ParentID, tc.Sampled = tid, parent, sampled
+		if sampled && len(tracestate) > 0 && len(tracestate) <= maxTracestate {
+			tc.State = string(tracestate)
+		}
+	} else {
+		putRandom(tc.TraceID[:])
+		r := e.sampler.ShouldSample(sdktrace.SamplingParameters{ParentContext: context.Background(), TraceID: tc.TraceID})
+		tc.Sampled = r.Decision == sdktrace.RecordAndSample
+	}
+	putRandom(tc.SpanID[:])
+	return tc
+}
+
+// maxTracestate bounds the tracestate kept (the specification's 512
+// characters, with room).
+const maxTracestate = 1024
+
+func putRandom(b []byte) {
+	for {
+		for i := 0; i < len(b); i += 8 {
+			v := rand.Uint64()
+			for j := i; j < i+8 && j < len(b); j++ {
+				b[j] = byte(v)
+				v >>= 8
+			}
+		}
+		for _, c := range b {
+			if c != 0 {
+				return
+			}
+		}
+	}
+}
+
+// Observe implements metrics.Sink.
+func (e *Exporter) Observe(r *metrics.Record) { e.ObserveGaps(r, nil) }
+
+// ObserveGaps implements metrics.GapSink: the record (and, for the
+// metrics, its gaps) is queued for the exporter's goroutine, or dropped
+// and counted when the queue is full.
+func (e *Exporter) ObserveGaps(r *metrics.Record, gaps []time.Duration) {
+	traced := e.tp != nil && r.Trace.Sampled && r.Trace.Valid()
+	if !traced && e.mp == nil {
+		return
+	}
+	if e.closed.Load() {
+		metrics.OTelDropped("records", 1)
+		return
+	}
+	it := item{rec: *r, model: r.Series.Model()}
+	it.rec.Series, it.rec.TenantSeries = nil, nil
+	it.rec.Trace.Sampled = traced
+	if e.mp != nil && r.Stream && len(gaps) > 0 {
+		it.gaps = append([]time.Duration(nil), gaps...)
+	}
+	select {
+	case e.queue <- it:
+	default:
+		metrics.OTelDropped("records", 1)
+	}
+}
+
+func (e *Exporter) run() {
+	defer close(e.done)
+	for {
+		select {
+		case it := <-e.queue:
+			e.export(&it)
+		case <-e.stop:
+			for {
+				select {
+				case it := <-e.queue:
+					e.export(&it)
+				default:
+					return
+				}
+			}
+		}
+	}
+}
+
+func (e *Exporter) export(it *item) {
+	if it.rec.Trace.Sampled {
+		e.span(&it.rec)
+	}
+	if e.mp != nil {
+		e.inst.record(&it.rec, it.model, it.gaps)
+	}
+}
+
+// Shutdown exports what is queued and flushes the SDK, within ctx.
+// Records observed afterwards are dropped and counted.
+func (e *Exporter) Shutdown(ctx context.Context) error {
+	var err error
+	e.once.Do(func() {
+		e.closed.Store(true)
+		close(e.stop)
+		select {
+		case <-e.done:
+		case <-ctx.Done():
+			err = ctx.Err()
+			return
+		}
+		if e.tp != nil {
+			err = errors.Join(err, e.tp.Shutdown(ctx))
+		}
+		if e.mp != nil {
+			err = errors.Join(err, e.mp.Shutdown(ctx))
+		}
+	})
+	return err
+}
+
+// errorHandler passes the SDK's errors on, at most one per every (the
+// SDK's default prints each one).
+type errorHandler struct {
+	tell  func(error)
+	every time.Duration
+	last  atomic.Int64 // unix nanoseconds of the last told
+}
+
+func (h *errorHandler) Handle(err error) {
+	if h.tell == nil {
+		return
+	}
+	now := time.Now().UnixNano()
+	last := h.last.Load()
+	if now-last < int64(h.every) || !h.last.CompareAndSwap(last, now) {
+		return
+	}
+	h.tell(err)
+}
+
+// countingSpans counts what the collector refused or never answered.
+type countingSpans struct{ sdktrace.SpanExporter }
+
+func (c countingSpans) ExportSpans(ctx context.Context, spans []sdktrace.ReadOnlySpan) error {
+	err := c.SpanExporter.ExportSpans(ctx, spans)
+	if err != nil {
+		metrics.OTelExportError("traces")
+		metrics.OTelDropped("spans", len(spans))
+	} else {
+		metrics.OTelSpansExported(len(spans))
+	}
+	return err
+}
+
+// countingMetrics counts the metric exports that failed.
+type countingMetrics struct{ sdkmetric.Exporter }
+
+func (c countingMetrics) Export(ctx context.Context, rm *metricdata.ResourceMetrics) error {
+	err := c.Exporter.Export(ctx, rm)
+	if err != nil {
+		metrics.OTelExportError("metrics")
+	}
+	return err
+}
+
+// idGenerator gives tokentap's span for a request the IDs StartTrace chose
+// (and the upstream request carried); other spans get random ones.
+type idGenerator struct{}
+
+type presetKey struct{}
+
+type preset struct {
+	trace trace.TraceID
+	span  trace.SpanID
+}
+
+func (idGenerator) NewIDs(ctx context.Context) (trace.TraceID, trace.SpanID) {
+	if p, ok := ctx.Value(presetKey{}).(preset); ok {
+		return p.trace, p.span
+	}
+	var t trace.TraceID
+	var s trace.SpanID
+	putRandom(t[:])
+	putRandom(s[:])
+	return t, s
+}
+
+func (idGenerator) NewSpanID(ctx context.Context, _ trace.TraceID) trace.SpanID {
+	if p, ok := ctx.Value(presetKey{}).(preset); ok {
+		return p.span
+	}
+	var s trace.SpanID
+	putRandom(s[:])
+	return s
+}
