@@ -89,3 +89,9 @@ func OTelExportError(signal string) { otelExportErrors[signal].Inc() }
 
 // OTelSpansExported counts n spans the collector accepted.
 func OTelSpansExported(n int) { otelSpansExported.Add(n) }
+
+var tlsHandshakeFailures = vm.NewCounter("tokentap_tls_handshake_failures_total")
+
+// TLSHandshakeFailed counts a client connection whose TLS handshake failed
+// (a client without an acceptable certificate, a protocol mismatch).
+func TLSHandshakeFailed() { tlsHandshakeFailures.Inc() }

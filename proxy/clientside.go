@@ -119,7 +119,7 @@ func (cs *clientSide) kept() clientSide { return clientSide{ti: cs.ti} }
 
 // start notes where the response begins on the client connection c.
 func (cs *clientSide) start(c net.Conn) {
-	if cc, ok := c.(*clientConn); ok {
+	if cc := clientOf(c); cc != nil {
 		cs.cc, cs.sentFrom, cs.stallFrom = cc, cc.sent, cc.stall
 	}
 }

@@ -112,6 +112,9 @@ type Route struct {
 	InjectUsage bool
 	// Timeouts for this route's upstream.
 	Timeouts Timeouts
+	// TLS is how the route's https upstreams are trusted and how tokentap
+	// presents itself to them (nil: the system's roots, no certificate).
+	TLS *UpstreamTLS
 	// SLO is the route's objectives, over Config.SLO key by key.
 	SLO metrics.SLO
 }
@@ -319,8 +322,20 @@ func (c *Config) validModelsAndSLOs() error {
 // validUpstreams checks the route's one upstream, or its several with
 // their balance and stickiness.
 func (r *Route) validUpstreams(field func(string) string) error {
+	if r.TLS != nil {
+		if _, err := r.TLS.config(); err != nil {
+			return fieldErr(field("tls."+err.field), "%v", err.err)
+		}
+		https := strings.HasPrefix(r.Upstream, "https://")
+		for _, u := range r.Upstreams {
+			https = https || strings.HasPrefix(u.URL, "https://")
+		}
+		if !https {
+			return fieldErr(field("tls"), "the route has no https upstream")
+		}
+	}
 	if len(r.Upstreams) == 0 {
-		if _, err := newUpstream(r.Upstream, r.Timeouts, nil); err != nil {
+		if _, err := newUpstream(r.Upstream, r.Timeouts, nil, r.TLS); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", redactURL(r.Upstream), err)
 		}
 		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil || r.Shadow != nil {
@@ -341,7 +356,7 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		case u.Weight < 0:
 			return fieldErr(f("weight"), "must not be negative")
 		}
-		if _, err := newUpstream(u.URL, r.Timeouts, nil); err != nil {
+		if _, err := newUpstream(u.URL, r.Timeouts, nil, r.TLS); err != nil {
 			return fieldErr(f("url"), "%q: %v", redactURL(u.URL), err)
 		}
 		names[u.Name] = true

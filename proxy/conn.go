@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"bytes"
+	"crypto/tls"
 	"errors"
+	"io"
 	"net"
 	"net/netip"
 	"strconv"
@@ -23,6 +25,7 @@ type clientListener struct {
 	stamped bool // receive timestamps are enabled on the listening socket
 	caps    *connCaps
 	log     *zap.Logger
+	tls     *tls.Config // nil: plain connections
 }
 
 // Accept returns the next connection within the caps. A failed accept
@@ -66,6 +69,9 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			cc.synRTT = time.Duration(ti.info.Min_rtt) * time.Microsecond
 		}
 		l.caps.track(cc)
+		if l.tls != nil {
+			return newTLSClient(cc, l.tls), nil
+		}
 		return cc, nil
 	}
 }
@@ -272,7 +278,12 @@ func (c *clientConn) Close() error {
 	return err
 }
 
-func (c *clientConn) Read(b []byte) (int, error) {
+func (c *clientConn) Read(b []byte) (int, error) { return c.readPlain(b, (*socketSide)(c)) }
+
+// readPlain reads the plain text of the connection from src (the socket,
+// or the TLS layer over it): first what the server had read ahead and
+// handed back, then src, following the request header being read.
+func (c *clientConn) readPlain(b []byte, src io.Reader) (int, error) {
 	if c.draining {
 		return 0, errDrained
 	}
@@ -287,15 +298,25 @@ func (c *clientConn) Read(b []byte) (int, error) {
 		}
 		return n, nil
 	}
-	n, err := c.rxConn.Read(b)
+	n, err := src.Read(b)
 	if n > 0 && c.resumedIdle.Load() {
 		c.resumedIdle.Store(false)
 	}
-	if n > 0 && c.reqRx == 0 {
-		c.reqRx = c.rx
-	}
 	if n > 0 && c.inHead {
 		c.scanHead(b[:n])
+	}
+	return n, err
+}
+
+// socketSide reads the client's socket, stamping the first read of each
+// request with its kernel receive time.
+type socketSide clientConn
+
+func (s *socketSide) Read(b []byte) (int, error) {
+	c := (*clientConn)(s)
+	n, err := c.rxConn.Read(b)
+	if n > 0 && c.reqRx == 0 {
+		c.reqRx = c.rx
 	}
 	return n, err
 }

@@ -151,7 +151,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	// A request whose bytes came in over time (a slow upload, a large
 	// body) kept tokentap waiting for the client: that is not overhead.
-	if cc, ok := ctx.Conn().(*clientConn); ok && cc.rx != 0 {
+	if cc := clientOf(ctx.Conn()); cc != nil && cc.rx != 0 {
 		if last := received(cc.rx, x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.tap.m.arrival) {
 			x.tap.m.upload = last.Sub(x.tap.m.arrival)
 		}
@@ -245,9 +245,10 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		ctx.Response.ImmediateHeaderFlush = x.att.conn.buffered() == 0
 	}
 	x.relay.contentLength = cl
-	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.cs.cc != nil {
-		// Chunked in, chunked out: tokentap writes the response itself,
-		// the framing as it came (servePass, passChunks).
+	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.cs.cc != nil && x.cs.cc == x.client {
+		// Chunked in, chunked out, on a plain connection: tokentap writes
+		// the response itself, the framing as it came (servePass,
+		// passChunks). Over TLS the server writes it (the body stream).
 		x.relay.pass = true
 		x.relay.servePass(ctx)
 		return
@@ -362,7 +363,7 @@ func (x *exchange) finish(writeErr error) {
 	wait := false
 	if x.client != nil {
 		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors)
-		if cc, ok := x.client.(*clientConn); ok {
+		if cc := clientOf(x.client); cc != nil {
 			cc.expectHead() // the next bytes begin the next request
 		}
 		x.client = nil

@@ -29,6 +29,12 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 // serveError answers requests fasthttp could not parse (or whose body was
 // too large) and records them like any other.
 func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
+	if errors.As(err, new(handshakeError)) {
+		// No request: counted, not recorded, and nothing can be answered.
+		metrics.TLSHandshakeFailed()
+		ctx.SetConnectionClose()
+		return
+	}
 	x := p.begin(ctx, nil)
 	x.refuse(ctx, parseRefusal(err))
 }
@@ -220,7 +226,7 @@ func methodString(m []byte) string {
 // read it counts in every figure, as the client lived it.
 func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	now := p.now()
-	if c, ok := ctx.Conn().(*clientConn); ok {
+	if c := clientOf(ctx.Conn()); c != nil {
 		return c.arrival(now, p.opts.RequestReadTimeout)
 	}
 	return now

@@ -80,6 +80,10 @@ type peerWatch struct {
 	stopped atomic.Bool
 	state   peerState
 	peekFn  func(fd uintptr) bool
+	// tls: a TLS connection, whose waiting bytes may be the close_notify
+	// alert a leaving client sends before its FIN: they do not end the
+	// watch, only the peer's shutdown (POLLRDHUP) or reset does.
+	tls bool
 }
 
 // watchDelay is how long a request runs before its client is watched: most
@@ -97,6 +101,7 @@ func (w *peerWatch) start(conn net.Conn, gone func()) {
 		return
 	}
 	w.conn, w.raw, w.gone = conn, raw, gone
+	_, w.tls = conn.(*tlsClient)
 	w.stopped.Store(false)
 	w.active = true
 	if w.timer == nil {
@@ -129,7 +134,22 @@ func (w *peerWatch) run() {
 
 func (w *peerWatch) peekOnce(fd uintptr) bool {
 	w.state = peek(fd)
+	if w.state == peerData && w.tls {
+		if !hungUp(fd) {
+			w.state = peerIdle
+			return false // wait for the next bytes or the FIN
+		}
+		w.state = peerClosed
+	}
 	return w.state != peerIdle
+}
+
+// hungUp reports a peer that shut its side of the connection down (or
+// reset it), whatever bytes it sent before.
+func hungUp(fd uintptr) bool {
+	fds := [1]unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
+	n, err := unix.Poll(fds[:], 0)
+	return err == nil && n > 0 && fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
 }
 
 // stop ends the watch and waits for its goroutine, leaving conn with no

@@ -28,6 +28,7 @@ package proxy
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"fmt"
 	"net"
@@ -244,8 +245,11 @@ func (p *Proxy) buildRoute(i int, r Route, slo metrics.SLO, rows *[]metrics.Rout
 	if len(specs) == 0 {
 		specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label
 	}
+	if r.TLS != nil && r.TLS.InsecureSkipVerify {
+		p.log.Warn("upstream certificates are not verified (tls.insecure_skip_verify)", zap.String("route", r.Name))
+	}
 	for _, u := range specs {
-		up, err := newUpstream(u.URL, r.Timeouts, p.now)
+		up, err := newUpstream(u.URL, r.Timeouts, p.now, r.TLS)
 		if err != nil {
 			return nil, fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}
@@ -506,6 +510,25 @@ func (p *Proxy) Listen(addr string) (net.Listener, error) {
 		return nil, err
 	}
 	return p.wrap(ln), nil
+}
+
+// ListenTLS is Listen with TLS on every connection, by cfg (its
+// GetCertificate or GetConfigForClient can serve renewed certificates).
+// Measurement is the same as on plain connections: the kernel's receive
+// stamps and TCP_INFO of the socket under the TLS layer. The responses are
+// written by the server: tokentap's own writes of streams (on a hijacked
+// connection, on the relay loops) are for plain connections.
+func (p *Proxy) ListenTLS(addr string, cfg *tls.Config) (net.Listener, error) {
+	l, err := p.Listen(addr)
+	if err != nil {
+		return nil, err
+	}
+	cfg = cfg.Clone()
+	if len(cfg.NextProtos) == 0 {
+		cfg.NextProtos = []string{"http/1.1"}
+	}
+	l.(*clientListener).tls = cfg
+	return l, nil
 }
 
 func (p *Proxy) wrap(ln net.Listener) *clientListener {

@@ -36,11 +36,16 @@ type upstream struct {
 	// auth is "Basic …" from the URL's user:password@, sent as this
 	// upstream's Authorization instead of the client's ("": none). It is
 	// never logged: errors and logs show the URL redacted (redactURL).
-	auth   string
-	tls    *tls.Config
-	dialer net.Dialer
-	t      Timeouts
-	now    func() time.Time
+	auth string
+	tls  *tls.Config
+	// fwd is the forward proxy the environment names for this upstream
+	// (HTTPS_PROXY, HTTP_PROXY, NO_PROXY), reached at fwdAddr: the
+	// upstream is reached through a CONNECT tunnel. Nil: directly.
+	fwd     *url.URL
+	fwdAddr string
+	dialer  net.Dialer
+	t       Timeouts
+	now     func() time.Time
 
 	mu      sync.Mutex
 	idle    []*upConn // LIFO: the longest idle first
@@ -76,7 +81,7 @@ const streamSettle = 5 * time.Millisecond
 // backend one that keeps them.
 const streamKeptToTrust = 3
 
-func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, error) {
+func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *UpstreamTLS) (*upstream, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return nil, urlError(err)
@@ -104,7 +109,24 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time) (*upstream, er
 	}
 	up.basePath = trimSlash(u.EscapedPath())
 	if u.Scheme == "https" {
-		up.tls = &tls.Config{ServerName: u.Hostname(), MinVersion: tls.VersionTLS12, NextProtos: []string{"http/1.1"}}
+		c, err := upstreamTLSConfig(u.Hostname(), rtls)
+		if err != nil {
+			return nil, err
+		}
+		up.tls = c
+	}
+	fwd, err := proxyFor(u.Scheme, up.addr)
+	if err != nil {
+		return nil, fmt.Errorf("the forward proxy the environment names: %w", urlError(err))
+	}
+	if fwd != nil {
+		if fwd.Scheme != "http" {
+			return nil, errors.New("the forward proxy the environment names must be an http:// proxy")
+		}
+		up.fwd, up.fwdAddr = fwd, fwd.Host
+		if fwd.Port() == "" {
+			up.fwdAddr = net.JoinHostPort(fwd.Hostname(), "80")
+		}
 	}
 	up.dialer = net.Dialer{Timeout: t.Connect, KeepAlive: 30 * time.Second,
 		Control: func(_, _ string, raw syscall.RawConn) error {
@@ -237,7 +259,11 @@ var (
 )
 
 func (up *upstream) dial(ctx context.Context) (*upConn, error) {
-	conn, err := up.dialer.DialContext(ctx, "tcp", up.addr)
+	target := up.addr
+	if up.fwd != nil {
+		target = up.fwdAddr
+	}
+	conn, err := up.dialer.DialContext(ctx, "tcp", target)
 	if err != nil {
 		return nil, err
 	}
@@ -246,6 +272,15 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 		_ = tc.SetNoDelay(true)
 		rx = newRxConn(tc, true)
 		conn = rx
+	}
+	if up.fwd != nil {
+		cctx, cancel := context.WithTimeout(ctx, up.t.Connect)
+		err = connectThrough(cctx, conn, up.fwd, up.addr)
+		cancel()
+		if err != nil {
+			_ = conn.Close()
+			return nil, err
+		}
 	}
 	if up.tls != nil {
 		tc := tls.Client(conn, up.tls)

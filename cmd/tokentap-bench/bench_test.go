@@ -1,6 +1,8 @@
 package main
 
 import (
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"math"
 	"math/rand/v2"
@@ -206,5 +208,29 @@ func TestFastRelayStreams(t *testing.T) {
 	p.Stream = false
 	if res, _, err = run(p); err != nil || len(res) != 4 || res[0].Status != 200 || res[0].Output != 6 {
 		t.Fatalf("unstreamed: %+v %v", res, err)
+	}
+}
+
+// The client speaks https://: against a TLS server it measures as over a
+// plain one.
+func TestClientOverTLS(t *testing.T) {
+	s := httptest.NewTLSServer(mockllm.New(mockllm.Options{PrefillBase: 20 * time.Millisecond, TokenGap: 5 * time.Millisecond, Jitter: 0.01}))
+	defer s.Close()
+	pool := x509.NewCertPool()
+	pool.AddCert(s.Certificate())
+	p := plan{URL: s.URL + "/v1/chat/completions", TLS: &tls.Config{RootCAs: pool}, Model: "m",
+		Workloads: []workload{{Name: "t", PromptBytes: 100, MaxTokens: 5}}, Stream: true, Stamped: true, Concurrency: 2, Requests: 6, Warmup: 1}
+	res, _, err := run(p)
+	if err != nil || len(res) < 6 {
+		t.Fatalf("%d results, %v", len(res), err)
+	}
+	for _, r := range res {
+		if r.Status != 200 || r.Output != 5 || len(r.Tokens) != 5 || r.TTFT < 20*time.Millisecond {
+			t.Fatalf("result %+v", r)
+		}
+	}
+	p.TLS = nil // the system's roots do not know the test's CA
+	if res, _, err := run(p); err == nil && len(res) > 0 && res[0].Err == "" {
+		t.Fatalf("an unknown CA was trusted: %+v", res[0])
 	}
 }

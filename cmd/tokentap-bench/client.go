@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -26,6 +27,7 @@ type client struct {
 	path    string
 	headers string // extra request header lines, each ending in CRLF
 	timeout time.Duration
+	tls     *tls.Config // https: TLS on each connection (the kernel's stamps then equal the reads')
 
 	mu   sync.Mutex
 	idle []*conn
@@ -38,14 +40,26 @@ type conn struct {
 	p  *sse.Parser
 }
 
-func newClient(rawURL string, headers map[string]string, timeout time.Duration) (*client, error) {
+func newClient(rawURL string, headers map[string]string, timeout time.Duration, tlsCfg *tls.Config) (*client, error) {
 	u, err := url.Parse(rawURL)
-	if err != nil || u.Scheme != "http" || u.Host == "" {
-		return nil, fmt.Errorf("url %q: want http://host:port/path", rawURL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("url %q: want http://host:port/path or https://", rawURL)
 	}
 	cl := &client{addr: u.Host, host: u.Host, path: u.RequestURI(), timeout: timeout}
+	if u.Scheme == "https" {
+		cl.tls = &tls.Config{ServerName: u.Hostname(), NextProtos: []string{"http/1.1"}}
+		if tlsCfg != nil {
+			cl.tls = tlsCfg.Clone()
+			if cl.tls.ServerName == "" {
+				cl.tls.ServerName = u.Hostname()
+			}
+		}
+	}
 	if u.Port() == "" {
 		cl.addr = net.JoinHostPort(u.Hostname(), "80")
+		if u.Scheme == "https" {
+			cl.addr = net.JoinHostPort(u.Hostname(), "443")
+		}
 	}
 	for k, v := range headers {
 		cl.headers += k + ": " + v + "\r\n"
@@ -67,6 +81,16 @@ func (cl *client) get() (*conn, error) {
 		return nil, err
 	}
 	nc = stampConn(nc)
+	if cl.tls != nil {
+		tc := tls.Client(nc, cl.tls)
+		_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
+		if err := tc.Handshake(); err != nil {
+			nc.Close()
+			return nil, err
+		}
+		_ = tc.SetDeadline(time.Time{})
+		nc = tc
+	}
 	return &conn{c: nc, br: bufio.NewReaderSize(nc, 32<<10), bw: bufio.NewWriterSize(nc, 16<<10), p: sse.NewParser(1 << 20)}, nil
 }
 

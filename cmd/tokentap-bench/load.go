@@ -1,6 +1,7 @@
 package main
 
 import (
+	"crypto/tls"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
@@ -15,6 +16,7 @@ import (
 // plan is one load to apply.
 type plan struct {
 	URL          string
+	TLS          *tls.Config // for an https:// URL (nil: the system's roots)
 	Model        string
 	Workloads    []workload
 	Stream       bool
@@ -65,7 +67,7 @@ func run(p plan) ([]result, time.Duration, error) {
 	cl := p.Client
 	if cl == nil {
 		var err error
-		if cl, err = newClient(p.URL, p.Headers, p.Timeout); err != nil {
+		if cl, err = newClient(p.URL, p.Headers, p.Timeout, p.TLS); err != nil {
 			return nil, 0, err
 		}
 		defer cl.closeIdle()

@@ -14,7 +14,10 @@
 package main
 
 import (
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -49,7 +52,8 @@ func main() {
 // common are the flags of a load.
 type common struct {
 	url, model, workload, prefix, sloSpec, jsonOut, headers string
-	stream                                                  bool
+	caFile                                                  string
+	stream, insecure                                        bool
 	timeout                                                 time.Duration
 }
 
@@ -63,6 +67,28 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.jsonOut, "json", "", "write the results as JSON to this file")
 	fs.StringVar(&c.headers, "H", "", "extra request headers, 'Name: value' separated by ;")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "per-request timeout")
+	fs.StringVar(&c.caFile, "cacert", "", "https: PEM file of the CAs to trust instead of the system's roots")
+	fs.BoolVar(&c.insecure, "insecure", false, "https: accept any certificate")
+}
+
+// tlsConfig is the https client's config from -cacert and -insecure (nil:
+// the system's roots).
+func (c *common) tlsConfig() (*tls.Config, error) {
+	if c.caFile == "" && !c.insecure {
+		return nil, nil
+	}
+	cfg := &tls.Config{InsecureSkipVerify: c.insecure, NextProtos: []string{"http/1.1"}} //nolint:gosec // asked for with -insecure
+	if c.caFile != "" {
+		pem, err := os.ReadFile(c.caFile)
+		if err != nil {
+			return nil, fmt.Errorf("-cacert: %w", err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, errors.New("-cacert: holds no PEM certificate")
+		}
+	}
+	return cfg, nil
 }
 
 func (c *common) plan() (plan, slo, error) {
@@ -83,7 +109,11 @@ func (c *common) plan() (plan, slo, error) {
 			h[strings.TrimSpace(k)] = strings.TrimSpace(v)
 		}
 	}
-	return plan{URL: c.url, Model: c.model, Workloads: ws, Stream: c.stream, SharedPrefix: c.prefix == "reused",
+	tc, err := c.tlsConfig()
+	if err != nil {
+		return plan{}, slo{}, err
+	}
+	return plan{URL: c.url, TLS: tc, Model: c.model, Workloads: ws, Stream: c.stream, SharedPrefix: c.prefix == "reused",
 		Headers: h, Timeout: c.timeout, Stamped: true}, o, nil
 }
 

@@ -122,7 +122,7 @@ func runProxies(args []string, out io.Writer) error {
 	// warm-up round, not in a storm at the start of every measured one.
 	clients := map[string]*client{}
 	for _, a := range arms {
-		cl, err := newClient(a.URL, nil, time.Minute)
+		cl, err := newClient(a.URL, nil, time.Minute, nil)
 		if err != nil {
 			return err
 		}

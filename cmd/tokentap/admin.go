@@ -25,6 +25,9 @@ type admin struct {
 	args   []string
 	p      *proxy.Proxy
 	alog   *metrics.AccessLog // nil: no access log
+	// certs serve the proxy's and the admin's TLS listeners (nil: plain),
+	// read again on reload and when their files change.
+	certs, adminCerts *proxy.ServerTLS
 
 	mu      sync.Mutex // one reload at a time; guards running
 	running *settings
@@ -73,14 +76,33 @@ func (a *admin) reload() error {
 		return err
 	}
 	s := a.running
-	if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog || !reflect.DeepEqual(next.otel, s.otel) {
-		a.logger.Warn("listen, admin, access_log and otel take effect only on restart")
+	if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog || !reflect.DeepEqual(next.otel, s.otel) ||
+		(next.tls == nil) != (s.tls == nil) || (next.adminTLS == nil) != (s.adminTLS == nil) {
+		a.logger.Warn("listen, admin, access_log, otel and turning tls on or off take effect only on restart")
+	}
+	a.reloadCerts(a.certs, next.tls, "tls")
+	a.reloadCerts(a.adminCerts, next.adminTLS, "admin.tls")
+	if (next.tls == nil) != (s.tls == nil) {
+		next.tls = s.tls
+	}
+	if (next.adminTLS == nil) != (s.adminTLS == nil) {
+		next.adminTLS = s.adminTLS
 	}
 	next.otel = s.otel
 	next.listen, next.admin, next.accessLog = s.listen, s.admin, s.accessLog
 	a.running = next
 	a.logger.Info("config reloaded", zap.Int("routes", len(next.proxy.Routes)))
 	return nil
+}
+
+// reloadCerts reads a TLS listener's files again, those of the new config.
+func (a *admin) reloadCerts(c *proxy.ServerTLS, f *proxy.ServerTLSFiles, field string) {
+	if c == nil || f == nil {
+		return
+	}
+	if err := c.Reload(*f); err != nil {
+		a.logger.Warn("cannot read the certificates again, keeping those in use", zap.String("field", field), zap.Error(err))
+	}
 }
 
 // reopen starts a new access log file after a rotation.

@@ -45,6 +45,8 @@ type fileConfig struct {
 	// loops, the default) or "goroutine" (each stream on its request's
 	// goroutine).
 	Relay string `yaml:"relay"`
+	// TLS serves the proxy listener over TLS (nil: plain).
+	TLS *fileTLS `yaml:"tls"`
 	// OTel exports spans and GenAI metrics to an OpenTelemetry collector
 	// (nil: off).
 	OTel  *fileOTel      `yaml:"otel"`
@@ -75,7 +77,35 @@ type fileAdmin struct {
 	// Hosts are the names, besides IP literals and localhost, that
 	// requests without a token may carry in Host.
 	Hosts []string `yaml:"hosts"`
-	set   bool     // the file gives an address ("" included)
+	// TLS serves the admin listener over TLS (nil: plain).
+	TLS *fileTLS `yaml:"tls"`
+	set bool     // the file gives an address ("" included)
+}
+
+// fileTLS is a listener's TLS: its certificate and key, the CAs of the
+// clients' certificates (mTLS), the lowest version ("1.2", "1.3").
+type fileTLS struct {
+	CertFile     string `yaml:"cert_file"`
+	KeyFile      string `yaml:"key_file"`
+	ClientCAFile string `yaml:"client_ca_file"`
+	MinVersion   string `yaml:"min_version"`
+}
+
+// fileUpstreamTLS is a route's TLS towards its https upstreams.
+type fileUpstreamTLS struct {
+	CAFile             string `yaml:"ca_file"`
+	CertFile           string `yaml:"cert_file"`
+	KeyFile            string `yaml:"key_file"`
+	ServerName         string `yaml:"server_name"`
+	InsecureSkipVerify bool   `yaml:"insecure_skip_verify"`
+}
+
+func (u *fileUpstreamTLS) upstreamTLS() *proxy.UpstreamTLS {
+	if u == nil {
+		return nil
+	}
+	return &proxy.UpstreamTLS{CAFile: u.CAFile, CertFile: u.CertFile, KeyFile: u.KeyFile, ServerName: u.ServerName,
+		InsecureSkipVerify: u.InsecureSkipVerify}
 }
 
 func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
@@ -96,6 +126,21 @@ func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
 		case "hosts":
 			if err := v.Decode(&a.Hosts); err != nil {
 				return &nodeError{line: v.Line, column: v.Column, msg: "must be a list of host names"}
+			}
+		case "tls":
+			if v.Kind != yaml.MappingNode {
+				return &nodeError{line: v.Line, column: v.Column, msg: "must be a mapping with cert_file and key_file"}
+			}
+			for j := 0; j+1 < len(v.Content); j += 2 {
+				switch k := v.Content[j]; k.Value {
+				case "cert_file", "key_file", "client_ca_file", "min_version":
+				default:
+					return &nodeError{line: k.Line, column: k.Column, msg: "unknown field " + k.Value}
+				}
+			}
+			a.TLS = &fileTLS{}
+			if err := v.Decode(a.TLS); err != nil {
+				return &nodeError{line: v.Line, column: v.Column, msg: "must be a mapping with cert_file and key_file"}
 			}
 		default:
 			return &nodeError{line: k.Line, column: k.Column, msg: "unknown field " + k.Value}
@@ -121,6 +166,9 @@ type fileRoute struct {
 	Guard     *fileGuard     `yaml:"guard"`
 	Failover  *fileFailover  `yaml:"failover"`
 	Shadow    *fileShadow    `yaml:"shadow"`
+	// TLS is how the route's https upstreams are trusted, and the client
+	// certificate tokentap presents to them.
+	TLS *fileUpstreamTLS `yaml:"tls"`
 }
 
 // upstreams returns the route's several upstreams (weight 1 when unset).
@@ -418,7 +466,8 @@ type settings struct {
 	drainTimeout, drainDelay time.Duration
 	proxy                    proxy.Config
 	opts                     proxy.Options
-	otel                     *telemetry.Config // nil: no export
+	otel                     *telemetry.Config     // nil: no export
+	tls, adminTLS            *proxy.ServerTLSFiles // nil: plain listeners
 }
 
 func ptrOr(p *string) string {

@@ -10,6 +10,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -186,11 +187,22 @@ func run(ctx context.Context, args []string) error {
 	}
 	defer p.Close()
 
-	ln, err := p.Listen(s.listen)
+	a := &admin{logger: logger, args: args, running: s, p: p, alog: alog}
+	if a.certs, err = startCerts(ctx, s.tls, "tls", logger); err != nil {
+		return err
+	}
+	if a.adminCerts, err = startCerts(ctx, s.adminTLS, "admin.tls", logger); err != nil {
+		return err
+	}
+	var ln net.Listener
+	if a.certs != nil {
+		ln, err = p.ListenTLS(s.listen, a.certs.Config())
+	} else {
+		ln, err = p.Listen(s.listen)
+	}
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	a := &admin{logger: logger, args: args, running: s, p: p, alog: alog}
 	a.ready.Store(true)
 	if err := a.loadToken(s); err != nil {
 		return fmt.Errorf("admin.token_file: %w", err)
@@ -208,7 +220,11 @@ func run(ctx context.Context, args []string) error {
 			return fmt.Errorf("admin: %w", err)
 		}
 		adminSrv = a.server()
-		go func() { _ = adminSrv.Serve(newAdminListener(aln)) }()
+		var l net.Listener = newAdminListener(aln)
+		if a.adminCerts != nil {
+			l = tls.NewListener(l, a.adminCerts.Config())
+		}
+		go func() { _ = adminSrv.Serve(l) }()
 	}
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
 		zap.Int("routes", len(s.proxy.Routes)))
@@ -244,6 +260,26 @@ func run(ctx context.Context, args []string) error {
 		cancel()
 	}
 	return nil
+}
+
+// certWatchEvery is how often the TLS listeners' files are looked at for
+// a renewed certificate.
+const certWatchEvery = 5 * time.Second
+
+// startCerts reads a TLS listener's files (nil: a plain listener) and
+// watches them for as long as ctx lasts.
+func startCerts(ctx context.Context, f *proxy.ServerTLSFiles, field string, logger *zap.Logger) (*proxy.ServerTLS, error) {
+	if f == nil {
+		return nil, nil
+	}
+	c, err := proxy.NewServerTLS(*f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", field, err)
+	}
+	go c.Watch(ctx, certWatchEvery, func(err error) {
+		logger.Warn("the certificate files changed and cannot be read, keeping those in use", zap.String("field", field), zap.Error(err))
+	})
+	return c, nil
 }
 
 // drain stops the proxy without losing a record: readiness fails first, so

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net/url"
+	"strings"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -93,6 +95,13 @@ func (b *settingsBuilder) listeners() error {
 		}
 	}
 	s.adminTokenFile, s.adminHosts = fc.Admin.TokenFile, fc.Admin.Hosts
+	var err error
+	if s.tls, err = b.serverTLS("tls", fc.TLS); err != nil {
+		return err
+	}
+	if s.adminTLS, err = b.serverTLS("admin.tls", fc.Admin.TLS); err != nil {
+		return err
+	}
 	if s.adminTokenFile != "" {
 		if _, err := readToken(s.adminTokenFile); err != nil {
 			return fmt.Errorf("%s: %w", b.where("admin.token_file"), err)
@@ -146,7 +155,7 @@ func (b *settingsBuilder) routes() error {
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
 			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
-			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(),
+			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(), TLS: r.TLS.upstreamTLS(),
 		})
 	}
 	return b.catchAll()
@@ -359,4 +368,28 @@ func (b *settingsBuilder) telemetry() error {
 	}
 	b.s.otel = c
 	return nil
+}
+
+// serverTLS reads and checks a listener's TLS section (nil: plain).
+func (b *settingsBuilder) serverTLS(field string, t *fileTLS) (*proxy.ServerTLSFiles, error) {
+	if t == nil {
+		return nil, nil
+	}
+	f := &proxy.ServerTLSFiles{CertFile: t.CertFile, KeyFile: t.KeyFile, ClientCAFile: t.ClientCAFile}
+	switch t.MinVersion {
+	case "", "1.2":
+		f.MinVersion = tls.VersionTLS12
+	case "1.3":
+		f.MinVersion = tls.VersionTLS13
+	default:
+		return nil, fmt.Errorf("%s: %q is not 1.2 or 1.3", b.where(field+".min_version"), t.MinVersion)
+	}
+	if _, err := proxy.LoadServerTLS(*f); err != nil {
+		name := field + ".cert_file"
+		if strings.HasPrefix(err.Error(), "client_ca_file") {
+			name = field + ".client_ca_file"
+		}
+		return nil, fmt.Errorf("%s: %w", b.where(name), err)
+	}
+	return f, nil
 }

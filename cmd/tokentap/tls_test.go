@@ -1,0 +1,120 @@
+package main
+
+import (
+	"crypto/tls"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/tlstest"
+)
+
+// TLS both ways from the config: clients reach the proxy listener over
+// TLS, the admin listener over TLS too, tokentap reaches an upstream of a
+// private CA with the route's ca_file; a reload with new certificate files
+// serves them without a restart.
+func TestTLSBothWaysFromTheConfig(t *testing.T) {
+	backends, front, admins := tlstest.NewCA(t, "backends"), tlstest.NewCA(t, "front"), tlstest.NewCA(t, "admin")
+	up := httptest.NewUnstartedServer(mockllm.New(mockllm.Options{TokenGap: time.Millisecond, PrefillBase: time.Millisecond}))
+	up.TLS = &tls.Config{Certificates: []tls.Certificate{backends.Issue(t, false)}}
+	up.StartTLS()
+	defer up.Close()
+
+	certFile, keyFile := tlstest.Files(t, front.Issue(t, false))
+	adminCert, adminKey := tlstest.Files(t, admins.Issue(t, false))
+	listen, adm := freeAddr(t), freeAddr(t)
+	config := func(cert, key string) string {
+		return fmt.Sprintf(`listen: %s
+admin: {listen: %s, tls: {cert_file: %s, key_file: %s}}
+access_log: ""
+tls: {cert_file: %s, key_file: %s, min_version: "1.3"}
+routes:
+  - name: chat
+    prefix: /
+    upstream: %s
+    tls: {ca_file: %s}
+`, listen, adm, adminCert, adminKey, cert, key, up.URL, backends.File(t))
+	}
+	cfg := writeFile(t, config(certFile, keyFile))
+	r := startRun(t, []string{"-config", cfg})
+	defer r.stop()
+
+	adminClient := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: admins.Pool}}}
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		var resp *http.Response
+		if resp, err = adminClient.Get("https://" + adm + "/healthz"); err == nil {
+			resp.Body.Close()
+			break
+		}
+	}
+	if err != nil {
+		t.Fatalf("admin over TLS: %v", err)
+	}
+	if _, err := http.Get("http://" + adm + "/healthz"); err == nil {
+		t.Fatal("the admin listener answered plain HTTP")
+	}
+
+	client := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: front.Pool}}}
+	resp, err := client.Post("https://"+listen+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"m","stream":true,"max_tokens":4,"messages":[]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), "[DONE]") || resp.TLS == nil || resp.TLS.Version != tls.VersionTLS13 {
+		t.Fatalf("through TLS both ways: %d %q", resp.StatusCode, body)
+	}
+	if _, err := tls.Dial("tcp", listen, &tls.Config{RootCAs: front.Pool, MaxVersion: tls.VersionTLS12}); err == nil {
+		t.Fatal("min_version 1.3 let a TLS 1.2 client in")
+	}
+
+	// A renewed certificate, in new files, on reload.
+	first := tlstest.Serial(t, listen)
+	newCert, newKey := tlstest.Files(t, front.Issue(t, false))
+	if err := os.WriteFile(cfg, []byte(config(newCert, newKey)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	resp, err = adminClient.Post("https://"+adm+"/-/reload", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("reload: %d", resp.StatusCode)
+	}
+	if second := tlstest.Serial(t, listen); second == first {
+		t.Fatal("the reload did not serve the new certificate")
+	}
+}
+
+// TLS sections with mistakes are refused, naming the field.
+func TestTLSConfigErrors(t *testing.T) {
+	ca := tlstest.NewCA(t, "ca")
+	cert, key := tlstest.Files(t, ca.Issue(t, false))
+	for _, c := range []struct{ yaml, want string }{
+		{"tls: {cert_file: " + cert + ", key_file: " + key + ", min_version: \"1.1\"}\n", "tls.min_version"},
+		{"tls: {cert_file: " + cert + "}\n", "tls.cert_file"},
+		{"tls: {cert_file: " + cert + ", key_file: /nonexistent}\n", "tls.cert_file"},
+		{"tls: {cert_file: " + cert + ", key_file: " + key + ", client_ca_file: " + key + "}\n", "tls.client_ca_file"},
+		{"admin: {listen: 127.0.0.1:0, tls: {cert_file: " + cert + ", key_file: " + cert + "}}\n", "admin.tls.cert_file"},
+		{"admin: {listen: 127.0.0.1:0, tls: {cert: x}}\n", "unknown field cert"},
+		{"routes:\n  - {name: a, prefix: /, upstream: \"https://x\", tls: {ca_file: /nonexistent}}\n", "routes[0].tls.ca_file"},
+		{"routes:\n  - {name: a, prefix: /, upstream: \"http://x\", tls: {insecure_skip_verify: true}}\n", "no https upstream"},
+	} {
+		_, err := parseFlags([]string{"-config", writeFile(t, "upstream: http://127.0.0.1:1\n"+c.yaml)})
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: %v, want %q", c.yaml, err, c.want)
+		}
+		if err != nil && strings.Contains(err.Error(), "PRIVATE KEY") {
+			t.Errorf("an error quotes a file: %v", err)
+		}
+	}
+}

@@ -1,0 +1,69 @@
+package proxy
+
+import (
+	"crypto/tls"
+	"net"
+	"syscall"
+)
+
+// tlsClient is a client connection over TLS. The TLS layer reads and
+// writes through its clientConn (the socket: receive stamps, the count of
+// bytes written and of the writes that waited, TCP_INFO, the caps), and
+// what the clientConn does with the plain text (bytes read ahead and
+// handed back, the scan of the request header) is done here, on the plain
+// text. Its responses are written by the server (the body stream): the
+// responses tokentap writes itself on a hijacked connection and the relay
+// loops write to the socket, and are for plain connections only.
+//
+// Owner: the goroutine serving the connection, as for a clientConn.
+type tlsClient struct {
+	*tls.Conn
+	cc    *clientConn
+	shook bool
+}
+
+// tlsSocket is what the TLS layer reads and writes: the socket, stamped.
+type tlsSocket struct{ *clientConn }
+
+func (s tlsSocket) Read(b []byte) (int, error) { return (*socketSide)(s.clientConn).Read(b) }
+
+func newTLSClient(cc *clientConn, cfg *tls.Config) *tlsClient {
+	return &tlsClient{Conn: tls.Server(tlsSocket{cc}, cfg), cc: cc}
+}
+
+// Read reads the plain text. The handshake comes first: its reads are not
+// the request's, whose arrival is the stamp of the first read after it.
+func (t *tlsClient) Read(b []byte) (int, error) {
+	if !t.shook {
+		if err := t.Conn.Handshake(); err != nil {
+			return 0, handshakeError{err}
+		}
+		t.shook = true
+		// If the request came in the handshake's last read, it is read
+		// now and gets now: microseconds late, where that read's stamp
+		// would count a client's wait after the handshake.
+		t.cc.reqRx = 0
+	}
+	return t.cc.readPlain(b, t.Conn)
+}
+
+// rawConn gives the peer watch and TCP_INFO the socket.
+func (t *tlsClient) rawConn() syscall.RawConn { return t.cc.sys }
+
+// clientOf returns the clientConn under c (plain or TLS), or nil.
+func clientOf(c net.Conn) *clientConn {
+	switch c := c.(type) {
+	case *clientConn:
+		return c
+	case *tlsClient:
+		return c.cc
+	}
+	return nil
+}
+
+// handshakeError is a failed TLS handshake: no request was read, none is
+// recorded (the server's error handler counts it).
+type handshakeError struct{ err error }
+
+func (e handshakeError) Error() string { return "tls handshake: " + e.err.Error() }
+func (e handshakeError) Unwrap() error { return e.err }
