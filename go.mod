@@ -8,6 +8,7 @@ require (
 	github.com/andybalholm/brotli v1.3.0
 	github.com/chromedp/cdproto v0.159.0
 	github.com/chromedp/chromedp v0.23.0
+	github.com/coder/websocket v1.8.15
 	github.com/klauspost/compress v1.20.3
 	github.com/redis/go-redis/v9 v9.23.0
 	github.com/tidwall/gjson v1.20.2

@@ -112,6 +112,11 @@ type Route struct {
 	InjectUsage bool
 	// Timeouts for this route's upstream.
 	Timeouts Timeouts
+	// WebSocket relays WebSocket upgrades (the OpenAI Realtime API): the
+	// upstream's 101, then bytes both ways until either side closes, with
+	// a record of the bytes each way and the session's length. Without
+	// it an upgrade is answered 400.
+	WebSocket bool
 	// TLS is how the route's https upstreams are trusted and how tokentap
 	// presents itself to them (nil: the system's roots, no certificate).
 	TLS *UpstreamTLS

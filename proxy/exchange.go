@@ -72,6 +72,10 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	if r := x.pickRoute(ctx); r != nil {
 		return r
 	}
+	upgrade := isWebSocketUpgrade(&ctx.Request.Header)
+	if upgrade && !x.rt.WebSocket {
+		return refuseUpgrade
+	}
 	if r := x.readRequest(ctx); r != nil {
 		return r
 	}
@@ -82,6 +86,9 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	x.watch.start(x.client, x.fire)
 	if r := x.admit(); r != nil {
 		return r
+	}
+	if upgrade {
+		return x.upgrade(ctx) // a tunnel (upgrade.go)
 	}
 	if r := x.att.forward(ctx); r != nil {
 		return r

@@ -125,11 +125,15 @@ func (s *ServerTLS) Watch(ctx context.Context, every time.Duration, onErr func(e
 	}
 }
 
-// fileStamps identifies the files' contents cheaply: size, modification
-// time and inode of each, symbolic links followed.
-func fileStamps(f ServerTLSFiles) string {
+// fileStamps identifies the files' contents cheaply (FileStamp).
+func fileStamps(f ServerTLSFiles) string { return FileStamp(f.CertFile, f.KeyFile, f.ClientCAFile) }
+
+// FileStamp identifies files' contents cheaply: the size, modification
+// time and inode of each (symbolic links followed), "missing" for one
+// that cannot be read; empty paths are skipped.
+func FileStamp(paths ...string) string {
 	var out []byte
-	for _, p := range []string{f.CertFile, f.KeyFile, f.ClientCAFile} {
+	for _, p := range paths {
 		if p == "" {
 			continue
 		}

@@ -156,6 +156,7 @@ type fileRoute struct {
 	StripPrefix bool          `yaml:"strip_prefix"`
 	Dialect     string        `yaml:"dialect"`
 	InjectUsage bool          `yaml:"inject_usage"`
+	WebSocket   bool          `yaml:"websocket"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
 	SLO         *fileSLO      `yaml:"slo"`
 	// Upstreams are several backends instead of upstream, split by
@@ -455,6 +456,7 @@ func cleanYAMLError(err error) string {
 // flags are the command-line settings that override the file.
 type flags struct {
 	listen, admin, upstream, accessLog, config string
+	watchConfig                                bool
 	set                                        map[string]bool
 }
 
@@ -468,6 +470,8 @@ type settings struct {
 	opts                     proxy.Options
 	otel                     *telemetry.Config     // nil: no export
 	tls, adminTLS            *proxy.ServerTLSFiles // nil: plain listeners
+	configFile               string                // -config
+	watchConfig              bool                  // -watch-config: reload when the file changes
 }
 
 func ptrOr(p *string) string {

@@ -64,7 +64,7 @@ func main() {
 		}
 	}
 	if err := run(ctx, os.Args[1:]); err != nil {
-		if errors.Is(err, flag.ErrHelp) || errors.Is(err, errVersion) {
+		if errors.Is(err, flag.ErrHelp) || errors.Is(err, errPrinted) {
 			return
 		}
 		fmt.Fprintln(os.Stderr, "tokentap:", err)
@@ -72,8 +72,9 @@ func main() {
 	}
 }
 
-// errVersion ends a run that only printed the version.
-var errVersion = errors.New("version printed")
+// errPrinted ends a run that only printed something: the version, or
+// "config ok" for -check.
+var errPrinted = errors.New("version printed")
 
 // usage is -h's text above the flags.
 func usage(fs *flag.FlagSet) func() {
@@ -113,7 +114,9 @@ func parseFlags(args []string) (*settings, error) {
 	fs.StringVar(&f.upstream, "upstream", "", "upstream base URL; alone, or with a config without routes, it makes the route \"default\"")
 	fs.StringVar(&f.config, "config", "", "YAML config file (see configs/tokentap.yaml)")
 	fs.StringVar(&f.accessLog, "access-log", "-", "access log path, - for stdout, empty to disable")
+	fs.BoolVar(&f.watchConfig, "watch-config", false, "reload when the config file changes (a Kubernetes ConfigMap), as on SIGHUP")
 	showVersion := fs.Bool("version", false, "print the version and exit")
+	check := fs.Bool("check", false, "check the config (with the flags) and exit: 0 when tokentap would start with it")
 	fs.SetOutput(io.Discard) // errors are returned; -h prints the usage to stdout
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -125,7 +128,7 @@ func parseFlags(args []string) (*settings, error) {
 	}
 	if *showVersion {
 		fmt.Println(versionLine())
-		return nil, errVersion
+		return nil, errPrinted
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
@@ -139,7 +142,14 @@ func parseFlags(args []string) (*settings, error) {
 			return nil, err
 		}
 	}
-	return buildSettings(fc, f)
+	s, err := buildSettings(fc, f)
+	if err == nil && *check {
+		if err = s.proxy.Validate(); err == nil {
+			fmt.Println("config ok")
+			return nil, errPrinted
+		}
+	}
+	return s, err
 }
 
 // run starts tokentap and blocks until ctx is done (main's ends on SIGINT
@@ -229,6 +239,9 @@ func run(ctx context.Context, args []string) error {
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
 		zap.Int("routes", len(s.proxy.Routes)))
 
+	if s.watchConfig && s.configFile != "" {
+		go watchConfig(ctx, s.configFile, a)
+	}
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGHUP, syscall.SIGUSR1)
 	defer signal.Stop(sig)
@@ -260,6 +273,26 @@ func run(ctx context.Context, args []string) error {
 		cancel()
 	}
 	return nil
+}
+
+// watchConfig reloads when the config file changes (its size, time or
+// inode: a ConfigMap's update swaps a symbolic link), until ctx is done.
+func watchConfig(ctx context.Context, path string, a *admin) {
+	seen := proxy.FileStamp(path)
+	t := time.NewTicker(certWatchEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if now := proxy.FileStamp(path); now != seen {
+			seen = now
+			a.logger.Info("the config file changed, reloading")
+			_ = a.reload()
+		}
+	}
 }
 
 // certWatchEvery is how often the TLS listeners' files are looked at for

@@ -23,6 +23,7 @@ func buildSettings(fc *fileConfig, f flags) (*settings, error) {
 		fc = &fileConfig{}
 	}
 	b := &settingsBuilder{fc: fc, f: f, s: defaultSettings()}
+	b.s.configFile, b.s.watchConfig = f.config, f.watchConfig
 	for _, step := range []func() error{b.listeners, b.drain, b.routes, b.observing, b.telemetry, b.limits, b.admission, b.validate} {
 		if err := step(); err != nil {
 			return nil, err
@@ -153,7 +154,7 @@ func (b *settingsBuilder) routes() error {
 			}
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
-			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, Timeouts: t,
+			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, WebSocket: r.WebSocket, Timeouts: t,
 			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
 			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(), TLS: r.TLS.upstreamTLS(),
 		})

@@ -118,3 +118,61 @@ func TestTLSConfigErrors(t *testing.T) {
 		}
 	}
 }
+
+func TestWebSocketRouteConfig(t *testing.T) {
+	s, err := parseFlags([]string{"-config", writeFile(t, "routes:\n  - {name: rt, prefix: /v1/realtime, upstream: \"http://x\", websocket: true}\n  - {name: chat, prefix: /, upstream: \"http://y\"}\n")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !s.proxy.Routes[0].WebSocket || s.proxy.Routes[1].WebSocket {
+		t.Fatalf("routes %+v", s.proxy.Routes)
+	}
+}
+
+// -watch-config: a changed config file (a ConfigMap's update swaps a
+// symbolic link) is reloaded without a signal.
+func TestWatchConfigReloads(t *testing.T) {
+	a := startMockllm(t, mockllm.Options{Model: "backend-a", TokenGap: time.Millisecond})
+	b := startMockllm(t, mockllm.Options{Model: "backend-b", TokenGap: time.Millisecond})
+	listen, adm := freeAddr(t), freeAddr(t)
+	dir := t.TempDir()
+	write := func(name, upstream string) string {
+		p := dir + "/" + name
+		if err := os.WriteFile(p, []byte(fmt.Sprintf("listen: %s\nadmin: %s\naccess_log: \"\"\nupstream: %s\n", listen, adm, upstream)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	link := dir + "/tokentap.yaml"
+	if err := os.Symlink(write("v1.yaml", a), link); err != nil {
+		t.Fatal(err)
+	}
+	r := startRun(t, []string{"-config", link, "-watch-config"})
+	defer r.stop()
+	waitUp(t, "http://"+adm+"/healthz")
+	model := func() string {
+		resp, err := http.Post("http://"+listen+"/v1/chat/completions", "application/json", strings.NewReader(`{"max_tokens":1,"messages":[]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return string(body)
+	}
+	if !strings.Contains(model(), "backend-a") {
+		t.Fatal("not served by the first config's upstream")
+	}
+	tmp := dir + "/next"
+	if err := os.Symlink(write("v2.yaml", b), tmp); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, link); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		if strings.Contains(model(), "backend-b") {
+			return
+		}
+	}
+	t.Fatal("the changed config was not reloaded")
+}
