@@ -21,7 +21,7 @@ func echoServer(t *testing.T) string {
 	t.Helper()
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("Authorization") != "Bearer k" {
-			http.Error(w, `{"error":"no key"}`, 403)
+			http.Error(w, `{"error":"no key"}`, http.StatusForbidden)
 			return
 		}
 		c, err := websocket.Accept(w, r, &websocket.AcceptOptions{Subprotocols: []string{"realtime"}})
