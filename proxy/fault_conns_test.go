@@ -3,7 +3,6 @@ package proxy
 import (
 	"bufio"
 	"fmt"
-	"github.com/tokentap/tokentap/metrics"
 	"io"
 	"net"
 	"net/http"
@@ -15,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/metrics"
 
 	vm "github.com/VictoriaMetrics/metrics"
 )

@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"io"
 	"net"
 	"net/http"
@@ -70,13 +71,27 @@ func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Opti
 	if edit != nil {
 		edit(&cfg)
 	}
+	return serveProxy(t, cfg, opts, nil)
+}
+
+// serveProxy runs a real proxy with cfg on a loopback port, over TLS when
+// tlsCfg is not nil.
+func serveProxy(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Config) *testProxy {
+	t.Helper()
 	rec := newRecorder()
 	opts.Sinks = append(opts.Sinks, rec)
 	p, err := New(cfg, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := p.Listen("127.0.0.1:0")
+	var ln net.Listener
+	scheme := "http://"
+	if tlsCfg != nil {
+		ln, err = p.ListenTLS("127.0.0.1:0", tlsCfg)
+		scheme = "https://"
+	} else {
+		ln, err = p.Listen("127.0.0.1:0")
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +100,7 @@ func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Opti
 		_ = p.Shutdown(context.Background())
 		p.Close()
 	})
-	return &testProxy{p: p, addr: ln.Addr().String(), url: "http://" + ln.Addr().String(), rec: rec}
+	return &testProxy{p: p, addr: ln.Addr().String(), url: scheme + ln.Addr().String(), rec: rec}
 }
 
 // upstreamConns returns the open and idle connections of the default route.

@@ -29,7 +29,6 @@ type ServerTLSFiles struct {
 type ServerTLS struct {
 	mu    sync.Mutex // Reload and Watch
 	files ServerTLSFiles
-	seen  string // the files' stamps when last read
 	cur   atomic.Pointer[tls.Config]
 }
 
@@ -79,12 +78,11 @@ func (s *ServerTLS) Reload(f ServerTLSFiles) error {
 }
 
 func (s *ServerTLS) load(f ServerTLSFiles) error {
-	stamp := fileStamps(f)
 	c, err := LoadServerTLS(f)
 	if err != nil {
 		return err
 	}
-	s.files, s.seen = f, stamp
+	s.files = f
 	s.cur.Store(c)
 	return nil
 }
@@ -101,8 +99,28 @@ func (s *ServerTLS) Config() *tls.Config {
 // Watch looks at the files every interval until ctx is done and reloads
 // them when one changed (its size, time or inode: a Kubernetes secret
 // swaps a symbolic link). onErr is told a reload that failed (the
-// config in use stays).
+// config in use stays); a failed change is told once.
 func (s *ServerTLS) Watch(ctx context.Context, every time.Duration, onErr func(error)) {
+	paths := func() []string {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return []string{s.files.CertFile, s.files.KeyFile, s.files.ClientCAFile}
+	}
+	WatchFiles(ctx, every, paths, func() {
+		s.mu.Lock()
+		err := s.load(s.files)
+		s.mu.Unlock()
+		if err != nil && onErr != nil {
+			onErr(err)
+		}
+	})
+}
+
+// WatchFiles calls changed each time FileStamp of paths() differs from
+// what it was at the previous look, looking every interval until ctx is
+// done.
+func WatchFiles(ctx context.Context, every time.Duration, paths func() []string, changed func()) {
+	seen := FileStamp(paths()...)
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -111,22 +129,12 @@ func (s *ServerTLS) Watch(ctx context.Context, every time.Duration, onErr func(e
 			return
 		case <-t.C:
 		}
-		s.mu.Lock()
-		var err error
-		if stamp := fileStamps(s.files); stamp != s.seen {
-			if err = s.load(s.files); err != nil {
-				s.seen = stamp // told once per change, not every look
-			}
-		}
-		s.mu.Unlock()
-		if err != nil && onErr != nil {
-			onErr(err)
+		if now := FileStamp(paths()...); now != seen {
+			seen = now
+			changed()
 		}
 	}
 }
-
-// fileStamps identifies the files' contents cheaply (FileStamp).
-func fileStamps(f ServerTLSFiles) string { return FileStamp(f.CertFile, f.KeyFile, f.ClientCAFile) }
 
 // FileStamp identifies files' contents cheaply: the size, modification
 // time and inode of each (symbolic links followed), "missing" for one

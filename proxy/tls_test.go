@@ -26,22 +26,7 @@ import (
 // startTLSProxy runs the proxy with TLS on its listener.
 func startTLSProxy(t *testing.T, upstream string, cfg *tls.Config) *testProxy {
 	t.Helper()
-	rec := newRecorder()
-	p, err := New(Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: DefaultTimeouts}}},
-		Options{Sinks: []metrics.Sink{rec}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := p.ListenTLS("127.0.0.1:0", cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = p.Serve(ln) }()
-	t.Cleanup(func() {
-		_ = p.Shutdown(context.Background())
-		p.Close()
-	})
-	return &testProxy{p: p, addr: ln.Addr().String(), url: "https://" + ln.Addr().String(), rec: rec}
+	return serveProxy(t, Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: DefaultTimeouts}}}, Options{}, cfg)
 }
 
 // sseSchedule is an upstream that streams n chunks, the first after

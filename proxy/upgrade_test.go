@@ -127,20 +127,10 @@ func TestWebSocketUpstreamClosesOverTLS(t *testing.T) {
 		c.Close(websocket.StatusGoingAway, "bye")
 	})
 	ca := tlstest.NewCA(t, "ca")
-	rec := newRecorder()
-	p, err := New(Config{Routes: []Route{{Name: "rt", Prefix: "/", Upstream: up.URL, Timeouts: DefaultTimeouts, WebSocket: true}}},
-		Options{Sinks: []metrics.Sink{rec}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := p.ListenTLS("127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{ca.Issue(t, false)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go p.Serve(ln)
-	t.Cleanup(func() { p.Shutdown(context.Background()); p.Close() })
+	tp := serveProxy(t, Config{Routes: []Route{{Name: "rt", Prefix: "/", Upstream: up.URL, Timeouts: DefaultTimeouts, WebSocket: true}}},
+		Options{}, &tls.Config{Certificates: []tls.Certificate{ca.Issue(t, false)}})
 	client := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: ca.Pool}}}
-	c, _, err := dialWS(t, "wss://"+ln.Addr().String()+"/v1/realtime", &websocket.DialOptions{HTTPClient: client})
+	c, _, err := dialWS(t, "wss://"+tp.addr+"/v1/realtime", &websocket.DialOptions{HTTPClient: client})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +143,7 @@ func TestWebSocketUpstreamClosesOverTLS(t *testing.T) {
 		t.Fatalf("close: %v", err)
 	}
 	c.CloseNow()
-	r := rec.next(t)
+	r := tp.rec.next(t)
 	if r.Status != 101 || r.Outcome != metrics.OutcomeOK || r.BytesOut < 5 {
 		t.Fatalf("record %+v", r)
 	}

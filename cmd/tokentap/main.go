@@ -278,21 +278,10 @@ func run(ctx context.Context, args []string) error {
 // watchConfig reloads when the config file changes (its size, time or
 // inode: a ConfigMap's update swaps a symbolic link), until ctx is done.
 func watchConfig(ctx context.Context, path string, a *admin) {
-	seen := proxy.FileStamp(path)
-	t := time.NewTicker(certWatchEvery)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		if now := proxy.FileStamp(path); now != seen {
-			seen = now
-			a.logger.Info("the config file changed, reloading")
-			_ = a.reload()
-		}
-	}
+	proxy.WatchFiles(ctx, certWatchEvery, func() []string { return []string{path} }, func() {
+		a.logger.Info("the config file changed, reloading")
+		_ = a.reload()
+	})
 }
 
 // certWatchEvery is how often the TLS listeners' files are looked at for
