@@ -275,13 +275,23 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		case <-e.done:
 		case <-ctx.Done():
 			err = ctx.Err()
-			return
+		}
+		// The providers are shut down even when the queue's goroutine did
+		// not finish in time (a collector that hangs): their own
+		// goroutines, the span batcher and the periodic metric reader,
+		// stop here, so nothing is exported after Shutdown returns but
+		// what was already on its way. Past ctx they get a second to flush.
+		sctx := ctx
+		if ctx.Err() != nil {
+			var cancel context.CancelFunc
+			sctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			defer cancel()
 		}
 		if e.tp != nil {
-			err = errors.Join(err, e.tp.Shutdown(ctx))
+			err = errors.Join(err, e.tp.Shutdown(sctx))
 		}
 		if e.mp != nil {
-			err = errors.Join(err, e.mp.Shutdown(ctx))
+			err = errors.Join(err, e.mp.Shutdown(sctx))
 		}
 	})
 	return err

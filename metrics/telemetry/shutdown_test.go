@@ -1,0 +1,86 @@
+package telemetry
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// collector serves OTLP/HTTP at ln, counting the exports; hang: it takes
+// them and never answers.
+func collector(t *testing.T, ln net.Listener, hang bool) (*atomic.Int64, func()) {
+	var calls atomic.Int64
+	release := make(chan struct{})
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		io.Copy(io.Discard, r.Body)
+		if hang {
+			select {
+			case <-release:
+			case <-r.Context().Done():
+			}
+		}
+	})}
+	go srv.Serve(ln)
+	return &calls, func() { close(release); srv.Close() }
+}
+
+// TestShutdownStopsExportsWhenCollectorHangs: a collector that takes every
+// export and never answers, so that the queue cannot drain within
+// Shutdown's context. Shutdown still stops the SDK's goroutines: once that
+// collector is gone and another server listens at its address, the new
+// one hears nothing. (Before, the periodic metric reader outlived
+// Shutdown and exported to whatever listened there next, for the life of
+// the process.)
+func TestShutdownStopsExportsWhenCollectorHangs(t *testing.T) {
+	t.Setenv("OTEL_METRIC_EXPORT_INTERVAL", "50")
+	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+	// A batcher queue this small fills at once: the exporter's goroutine
+	// then waits on it, and Shutdown's context ends first.
+	t.Setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
+	t.Setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	hung, closeHung := collector(t, ln, true)
+	e, err := New(context.Background(), Config{Endpoint: "http://" + addr, Metrics: true, Traces: true, Sample: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 50 {
+		r := metrics.Record{Route: "r", E2E: 20 * time.Millisecond, ClientE2E: -1}
+		r.Trace.TraceID[0], r.Trace.SpanID[0], r.Trace.SpanID[1], r.Trace.Sampled = 1, 1, byte(i), true
+		e.Observe(&r)
+	}
+	for deadline := time.Now().Add(10 * time.Second); hung.Load() < 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the collector did not get both signals' exports")
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	if err := e.Shutdown(ctx); err == nil {
+		t.Error("Shutdown reported success while the collector hung")
+	}
+	cancel()
+	closeHung()
+	ln2, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Skipf("the address could not be taken again: %v", err)
+	}
+	next, closeNext := collector(t, ln2, false)
+	defer closeNext()
+	time.Sleep(500 * time.Millisecond) // what was queued when the hung exports ended
+	n := next.Load()
+	time.Sleep(time.Second) // twenty metric intervals
+	if m := next.Load(); m != n {
+		t.Errorf("%d exports reached the next server at the collector's address, a second after Shutdown", m-n)
+	}
+}
