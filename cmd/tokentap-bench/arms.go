@@ -21,6 +21,9 @@ type arm struct {
 	URL  string
 	cmd  *exec.Cmd
 	pids func() []int // processes whose CPU and memory count (none: direct)
+	// Headers are sent with every request through the arm (a gateway's
+	// routing headers).
+	Headers map[string]string
 }
 
 // measure runs one plan against one arm and reads the arm's CPU time.

@@ -67,15 +67,22 @@ func newClient(rawURL string, headers map[string]string, timeout time.Duration, 
 	return cl, nil
 }
 
-func (cl *client) get() (*conn, error) {
+// get returns a pooled connection (reused) or, with fresh or none
+// pooled, a new one.
+func (cl *client) get(fresh bool) (c *conn, reused bool, err error) {
 	cl.mu.Lock()
-	if n := len(cl.idle); n > 0 {
+	if n := len(cl.idle); n > 0 && !fresh {
 		c := cl.idle[n-1]
 		cl.idle = cl.idle[:n-1]
 		cl.mu.Unlock()
-		return c, nil
+		return c, true, nil
 	}
 	cl.mu.Unlock()
+	c, err = cl.dial()
+	return c, false, err
+}
+
+func (cl *client) dial() (*conn, error) {
 	nc, err := net.DialTimeout("tcp", cl.addr, 5*time.Second)
 	if err != nil {
 		return nil, err
@@ -153,11 +160,24 @@ var errStatus = errors.New("bad response")
 
 // do sends one POST and reads the whole response, stamping token events.
 func (cl *client) do(id string, body []byte, stamped bool) result {
-	res := result{ID: id, TTFT: -1, TTFTKernel: -1}
-	c, err := cl.get()
+	res, stale := cl.try(id, body, stamped, false)
+	if stale {
+		// The server closed a pooled connection while it sat idle (its
+		// keep-alive timeout): the request never reached it, so it goes
+		// again on a new connection, as HTTP clients do.
+		res, _ = cl.try(id, body, stamped, true)
+	}
+	return res
+}
+
+// try sends the request once; stale says it failed on a reused
+// connection before any byte of a response came.
+func (cl *client) try(id string, body []byte, stamped, fresh bool) (res result, stale bool) {
+	res = result{ID: id, TTFT: -1, TTFTKernel: -1}
+	c, reused, err := cl.get(fresh)
 	if err != nil {
 		res.Err = err.Error()
-		return res
+		return res, false
 	}
 	if cl.timeout > 0 {
 		c.c.SetDeadline(time.Now().Add(cl.timeout))
@@ -171,20 +191,20 @@ func (cl *client) do(id string, body []byte, stamped bool) result {
 	}
 	if err == errClosed {
 		c.c.Close()
-		return res
+		return res, false
 	}
 	if err != nil {
 		var ne net.Error
 		res.Timeout = errors.As(err, &ne) && ne.Timeout()
 		res.Err = err.Error()
 		c.c.Close()
-		return res
+		return res, reused && res.Bytes == 0 && res.Status == 0 && !res.Timeout
 	}
 	if cl.timeout > 0 {
 		c.c.SetDeadline(time.Time{})
 	}
 	cl.put(c)
-	return res
+	return res, false
 }
 
 func (cl *client) read(c *conn, res *result, stamped bool) error {

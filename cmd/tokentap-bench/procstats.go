@@ -157,7 +157,11 @@ func idleRSS(a *arm, n int) (float64, error) {
 	host := strings.TrimPrefix(a.URL, "http://")
 	addr, path, _ := strings.Cut(host, "/")
 	body := `{"model":"m","stream":true,"max_tokens":2,"mock_hold_ms":600000,"messages":[{"role":"user","content":"hi"}]}`
-	req := fmt.Sprintf("POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", path, addr, len(body), body)
+	var extra strings.Builder
+	for k, v := range a.Headers {
+		fmt.Fprintf(&extra, "%s: %s\r\n", k, v)
+	}
+	req := fmt.Sprintf("POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s", path, addr, len(body), extra.String(), body)
 	conns := make([]net.Conn, n)
 	var wg sync.WaitGroup
 	var mu sync.Mutex

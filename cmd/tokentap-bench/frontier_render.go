@@ -1,0 +1,310 @@
+// Rendering the frontier bench: the derived figures (the median over
+// rounds, with their range), results.json, results.md and the plot of
+// added p99 against offered rate.
+
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+func writeFrontier(dir string, rep *frontierReport, out io.Writer) error {
+	rep.Derived = deriveFrontier(rep)
+	if err := writeJSON(filepath.Join(dir, "results.json"), rep); err != nil {
+		return err
+	}
+	md := frontierMarkdown(rep)
+	if err := os.WriteFile(filepath.Join(dir, "results.md"), []byte(md), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "frontier.svg"), []byte(frontierSVG(rep)), 0o644); err != nil {
+		return err
+	}
+	fmt.Fprint(out, md)
+	return nil
+}
+
+// rerenderFrontier rewrites results.md and the plot from results.json.
+func rerenderFrontier(dir string, out io.Writer) error {
+	b, err := os.ReadFile(filepath.Join(dir, "results.json"))
+	if err != nil {
+		return err
+	}
+	var rep frontierReport
+	if err := json.Unmarshal(b, &rep); err != nil {
+		return fmt.Errorf("%s: %w", filepath.Join(dir, "results.json"), err)
+	}
+	return writeFrontier(dir, &rep, out)
+}
+
+func limitsOf(rep *frontierReport) []float64 {
+	var out []float64
+	if ls, ok := rep.Settings["limits_ms"].([]float64); ok {
+		return ls
+	}
+	if ls, ok := rep.Settings["limits_ms"].([]any); ok {
+		for _, l := range ls {
+			if v, ok := l.(float64); ok {
+				out = append(out, v)
+			}
+		}
+	}
+	return out
+}
+
+func limitKey(l float64) string { return strconv.FormatFloat(l, 'f', -1, 64) + "ms" }
+
+// deriveFrontier computes every figure per arm: the median over rounds
+// and the range, under the keys results.json promises.
+func deriveFrontier(rep *frontierReport) map[string]any {
+	d := map[string]any{}
+	for _, name := range rep.Arms {
+		var c1, ttft, cpu, ceil []float64
+		fr := map[float64][]float64{}
+		capped := map[float64]int{}
+		for _, r := range rep.Rounds {
+			if a, ok := r.OneClient[name]; ok {
+				c1 = append(c1, a.E2Ep99-r.OneClient["direct"].E2Ep99)
+			}
+			if a, ok := r.Streams[name]; ok && a.Requests > 0 {
+				ttft = append(ttft, a.TTFTp99-r.Streams["direct"].TTFTp99)
+			}
+			if a, ok := r.CPU[name]; ok && a.Requests > 0 && name != "direct" {
+				cpu = append(cpu, a.CPU/float64(a.Requests)*1e6)
+			}
+			if pts, ok := r.Ceiling[name]; ok {
+				ceil = append(ceil, float64(ceilingOf(pts)))
+			}
+			for _, l := range limitsOf(rep) {
+				if pts, ok := r.Sweep[name]; ok {
+					v, c := frontierOf(pts, l, r.DirectCap)
+					if name == "direct" {
+						v, c = r.DirectCap, true
+					}
+					fr[l] = append(fr[l], v)
+					if c {
+						capped[l]++
+					}
+				}
+			}
+		}
+		d["added_p99_ms_c1/"+name] = spreadOf(c1)
+		d["added_ttft_p99_ms_512/"+name] = spreadOf(ttft)
+		d["stream_ceiling/"+name] = spreadOf(ceil)
+		if name != "direct" {
+			d["cpu_us_per_request/"+name] = spreadOf(cpu)
+		}
+		if mb, ok := rep.IdleRSS[name]; ok {
+			d["idle_rss_mb_per_1000/"+name] = spreadOf([]float64{mb})
+		}
+		for l, v := range fr {
+			d["frontier_rps_p99_"+limitKey(l)+"/"+name] = spreadOf(v)
+			// Rounds in which the arm held every rate up to direct's own
+			// ceiling: its frontier is at least the figure.
+			d["frontier_capped_rounds_p99_"+limitKey(l)+"/"+name] = capped[l]
+		}
+	}
+	for name, cs := range rep.Costs {
+		var req, tok []float64
+		for _, c := range cs {
+			if c.PerRequest.Requests > 0 {
+				req = append(req, c.PerRequest.CPU/float64(c.PerRequest.Requests)*1e6)
+			}
+			if c.PerToken.Tokens > 0 {
+				tok = append(tok, c.PerToken.CPU/float64(c.PerToken.Tokens)*1e6)
+			}
+		}
+		d["cost_cpu_us_per_request/"+name] = spreadOf(req)
+		d["cost_cpu_us_per_token/"+name] = spreadOf(tok)
+	}
+	return d
+}
+
+// figure is one row group of results.md.
+type figure struct {
+	key, title, unit string
+	higherBetter     bool
+}
+
+func frontierFigures(rep *frontierReport) []figure {
+	fs := []figure{{"added_p99_ms_c1", "Added p99 at one client", "ms", false}}
+	for _, l := range limitsOf(rep) {
+		fs = append(fs, figure{"frontier_rps_p99_" + limitKey(l), fmt.Sprintf("Throughput frontier: highest offered rate with added p99 ≤ %s", limitKey(l)), "requests/s", true})
+	}
+	return append(fs,
+		figure{"stream_ceiling", "Stream ceiling: most concurrent streams, no lost frame, no stall over 10 token gaps", "streams", true},
+		figure{"added_ttft_p99_ms_512", "Added TTFT p99, 512 streams in flight (Poisson arrivals)", "ms", false},
+		figure{"idle_rss_mb_per_1000", "Memory per 1,000 idle streams", "MB", false},
+		figure{"cpu_us_per_request", "CPU per request", "µs", false})
+}
+
+func frontierMarkdown(rep *frontierReport) string {
+	var b strings.Builder
+	d := rep.Derived
+	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. Every arm limited to %v CPU (GOMAXPROCS of the Go arms, nginx's workers, HAProxy's threads; the JavaScript gateway runs one thread). ",
+		rep.Machine["cpu"], rep.Machine["cores"], rep.Machine["kernel"], rep.Settings["gomaxprocs"])
+	fmt.Fprintf(&b, "Backend: %v ms per request; streams of %v tokens, one every %v ms. Arrivals open-loop (Poisson). %d rounds; each figure is the median over them [min–max].\n\n",
+		rep.Settings["backend_ms"], rep.Settings["tokens_per_stream"], rep.Settings["pace_ms"], len(rep.Rounds))
+	refs := []string{}
+	for _, r := range []string{"nginx", "portkey"} {
+		if slices.Contains(rep.Arms, r) {
+			refs = append(refs, r)
+		}
+	}
+	for _, f := range frontierFigures(rep) {
+		fmt.Fprintf(&b, "### %s (%s)\n\n| arm | median | range |", f.title, f.unit)
+		for _, r := range refs {
+			fmt.Fprintf(&b, " ×%s |", r)
+		}
+		b.WriteString("\n|---|---:|---:|")
+		for range refs {
+			b.WriteString("---:|")
+		}
+		b.WriteString("\n")
+		for _, name := range rep.Arms {
+			s, ok := d[f.key+"/"+name].(spread)
+			if !ok {
+				continue
+			}
+			capped := ""
+			if n, _ := d[strings.Replace(f.key, "frontier_rps", "frontier_capped_rounds", 1)+"/"+name].(int); n > 0 && name != "direct" {
+				capped = " ≥"
+			}
+			fmt.Fprintf(&b, "| %s |%s %.4g | %.4g–%.4g |", name, capped, s.Median, s.Min, s.Max)
+			for _, r := range refs {
+				rf := ratio
+				if strings.HasPrefix(f.key, "added") {
+					rf = addedRatio // below zero: faster than direct, noise
+				}
+				fmt.Fprintf(&b, " %s |", rf(s.Median, get(d, f.key+"/"+r).Median))
+			}
+			b.WriteString("\n")
+		}
+		b.WriteString("\n")
+	}
+	if len(rep.Costs) > 0 {
+		b.WriteString("### What each measuring feature costs (tokentap variants, A/B in the same run)\n\n| variant | what differs | CPU µs/request | Δ vs tokentap | CPU µs/token | Δ vs tokentap |\n|---|---|---:|---:|---:|---:|\n")
+		all := func(k string) float64 { return get(d, k+"/tokentap").Median }
+		for _, v := range variants {
+			rq, tk := get(d, "cost_cpu_us_per_request/"+v.Name), get(d, "cost_cpu_us_per_token/"+v.Name)
+			fmt.Fprintf(&b, "| %s | %s | %.2f [%.2f–%.2f] | %+.2f | %.3f [%.3f–%.3f] | %+.3f |\n", v.Name, rep.Variants[v.Name],
+				rq.Median, rq.Min, rq.Max, rq.Median-all("cost_cpu_us_per_request"), tk.Median, tk.Min, tk.Max, tk.Median-all("cost_cpu_us_per_token"))
+		}
+		b.WriteString("\n")
+	}
+	if len(rep.Skipped) > 0 {
+		b.WriteString("Not measured:\n\n")
+		for _, k := range slices.Sorted(mapKeys(rep.Skipped)) {
+			fmt.Fprintf(&b, "- %s: %s\n", k, rep.Skipped[k])
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("LLM gateways tried:\n\n")
+	for _, k := range slices.Sorted(mapKeys(rep.Tried)) {
+		fmt.Fprintf(&b, "- %s: %s\n", k, rep.Tried[k])
+	}
+	return b.String()
+}
+
+func mapKeys[V any](m map[string]V) func(func(string) bool) {
+	return func(yield func(string) bool) {
+		for k := range m {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
+
+var armColors = map[string]string{"direct": "#000000", "tokentap": "#d62728", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f",
+	"fasthttp-relay": "#8c564b", "portkey": "#9467bd"}
+
+// frontierSVG plots each arm's added p99 (median over rounds) against the
+// offered rate, on a log scale of rate, with the limits as lines.
+func frontierSVG(rep *frontierReport) string {
+	const W, H, pad = 820, 420, 70
+	lims := limitsOf(rep)
+	top := 2.0
+	if len(lims) > 0 {
+		top = 1.5 * lims[len(lims)-1]
+	}
+	bottom := -1.0
+	lo, hi := math.Inf(1), 0.0
+	lines := map[string][][2]float64{}
+	for _, name := range rep.Arms[1:] {
+		byRate := map[float64][]float64{}
+		for _, r := range rep.Rounds {
+			for _, p := range r.Sweep[name] {
+				byRate[p.Offered] = append(byRate[p.Offered], p.Added)
+			}
+		}
+		for _, rate := range slices.Sorted(func(yield func(float64) bool) {
+			for k := range byRate {
+				if !yield(k) {
+					return
+				}
+			}
+		}) {
+			lines[name] = append(lines[name], [2]float64{rate, median(byRate[rate])})
+			lo, hi = min(lo, rate), max(hi, rate)
+		}
+	}
+	if hi <= lo {
+		lo, hi = 1, 10
+	}
+	px := func(rate float64) float64 {
+		return pad + (math.Log(rate)-math.Log(lo))/(math.Log(hi)-math.Log(lo))*(W-2*pad)
+	}
+	py := func(v float64) float64 {
+		v = max(bottom, min(v, top))
+		return H - pad - (v-bottom)/(top-bottom)*(H-2*pad)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", W, H)
+	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", W, H)
+	fmt.Fprintf(&b, `<text x="%d" y="20" font-weight="bold">Added p99 over direct (ms) against offered rate (requests/s, log scale); above the top: clipped</text>`+"\n", pad)
+	fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/><line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>`+"\n",
+		pad, H-pad, W-pad, H-pad, pad, pad, pad, H-pad)
+	for k := 0; k <= 5; k++ {
+		v := bottom + (top-bottom)*float64(k)/5
+		fmt.Fprintf(&b, `<text x="%d" y="%.0f" text-anchor="end">%.1f</text><line x1="%d" y1="%.0f" x2="%d" y2="%.0f" stroke="#eee"/>`+"\n", pad-5, py(v)+4, v, pad, py(v), W-pad, py(v))
+	}
+	for _, l := range lims {
+		fmt.Fprintf(&b, `<line x1="%d" y1="%.0f" x2="%d" y2="%.0f" stroke="#999" stroke-dasharray="4 3"/><text x="%d" y="%.0f" fill="#666">%s</text>`+"\n",
+			pad, py(l), W-pad, py(l), W-pad+4, py(l)+4, limitKey(l))
+	}
+	for rate := math.Pow(10, math.Floor(math.Log10(lo))); rate <= hi*1.001; rate *= 10 {
+		for _, m := range []float64{1, 2, 5} {
+			x := rate * m
+			if x < lo*0.999 || x > hi*1.001 {
+				continue
+			}
+			fmt.Fprintf(&b, `<text x="%.0f" y="%d" text-anchor="middle">%g</text>`+"\n", px(x), H-pad+18, x)
+		}
+	}
+	x := pad
+	for _, name := range rep.Arms[1:] {
+		c := armColors[name]
+		if c == "" {
+			c = "#17becf"
+		}
+		var pts []string
+		for _, p := range lines[name] {
+			pts = append(pts, fmt.Sprintf("%.1f,%.1f", px(p[0]), py(p[1])))
+			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="2.5" fill="%s"/>`+"\n", px(p[0]), py(p[1]), c)
+		}
+		fmt.Fprintf(&b, `<polyline points="%s" fill="none" stroke="%s" stroke-width="2"/>`+"\n", strings.Join(pts, " "), c)
+		fmt.Fprintf(&b, `<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s</text>`+"\n", x, H-22, c, x+16, H-12, name)
+		x += 110
+	}
+	b.WriteString("</svg>\n")
+	return b.String()
+}
