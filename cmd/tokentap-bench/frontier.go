@@ -13,11 +13,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -39,7 +39,7 @@ type frontierSettings struct {
 	only                              map[string]bool
 
 	mockAddr string
-	mock     func(args ...string) error // (re)starts the backend with these flags
+	clients  map[string]*client // each arm's client per phase, kept across rounds
 }
 
 // ratePoint is one arm at one offered rate.
@@ -90,8 +90,6 @@ type frontierReport struct {
 	Derived  map[string]any        `json:"derived"`
 	Variants map[string]string     `json:"cost_variants,omitempty"`
 	Tried    map[string]string     `json:"gateways_tried"`
-
-	clients map[string]*client // each arm's client, kept across phases
 }
 
 func runFrontier(args []string, out io.Writer) error {
@@ -174,24 +172,22 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 			procs[i]()
 		}
 	}()
+	// One backend for every phase: each request's path sets its timing
+	// (mockllm's /_mock/PREFILL/GAP/), so that no arm's pooled upstream
+	// connections die with a restarted backend.
 	f.mockAddr = freePort()
-	var mockCmd *exec.Cmd
-	f.mock = func(extra ...string) error {
-		stop(mockCmd)
-		args := append([]string{"-listen", f.mockAddr, "-prefill-per-token", "0", "-stamp"}, extra...)
-		p, err := startProc(f.outDir, "mockllm", filepath.Join(f.bin, "mockllm"), nil, args...)
-		if err != nil {
-			return err
-		}
-		mockCmd = p
-		return waitReady("http://" + f.mockAddr + "/")
-	}
-	procs = append(procs, func() { stop(mockCmd) })
-	if err := f.mock("-prefill", f.backend.String(), "-token-gap", "0s"); err != nil {
+	mock, err := startProc(f.outDir, "mockllm", filepath.Join(f.bin, "mockllm"), nil,
+		"-listen", f.mockAddr, "-prefill-per-token", "0", "-jitter", "0.2", "-stamp")
+	if err != nil {
 		return nil, err
 	}
-	rep := &frontierReport{Machine: machine(), Skipped: map[string]string{}, IdleRSS: map[string]float64{}, Tried: gatewaysTried(),
-		clients: map[string]*client{}}
+	procs = append(procs, func() { stop(mock) })
+	if err := waitReady("http://" + f.mockAddr + "/"); err != nil {
+		return nil, err
+	}
+	f.clients = map[string]*client{}
+	defer f.closeAll()
+	rep := &frontierReport{Machine: machine(), Skipped: map[string]string{}, IdleRSS: map[string]float64{}, Tried: gatewaysTried()}
 	arms, stopArms, err := f.startArms(rep)
 	procs = append(procs, stopArms)
 	if err != nil {
@@ -202,17 +198,7 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 		"limits_ms": f.limits, "levels": f.levels, "cpu_rate": f.cpuRate, "idle_streams": f.idle, "arrivals": "Poisson (open loop)"}
 	for _, a := range arms {
 		rep.Arms = append(rep.Arms, a.Name)
-		cl, err := newClient(a.URL, a.Headers, time.Minute, nil)
-		if err != nil {
-			return nil, err
-		}
-		rep.clients[a.Name] = cl
 	}
-	defer func() {
-		for _, cl := range rep.clients {
-			cl.closeIdle()
-		}
-	}()
 	// Memory first, on processes that have served nothing yet: after the
 	// load phases a heap keeps what it grew to, and idle streams would
 	// fit in it unseen.
@@ -226,12 +212,9 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 				// never opens through it.
 				continue
 			}
-			// A backend of its own for each arm: the streams a proxy
-			// still holds upstream after its client left end with it.
-			if err := f.mock("-prefill", "1ms", "-token-gap", "10m", "-jitter", "0"); err != nil {
-				return nil, err
-			}
-			mb, err := idleRSS(a, f.idle)
+			// Two tokens a minute apart: the streams end by themselves
+			// after the figure is read, in every arm alike.
+			mb, err := idleRSS(f.at(a, idlePath), f.idle, idleBody)
 			if err != nil {
 				fmt.Fprintf(os.Stderr, "%s: idle streams: %v\n", a.Name, err)
 				continue
@@ -242,19 +225,14 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 	for r := 0; r < f.rounds; r++ {
 		fmt.Fprintf(os.Stderr, "round %d of %d\n", r+1, f.rounds)
 		var round frontierRound
-		if err := f.mock("-prefill", f.backend.String(), "-token-gap", "0s"); err != nil {
-			return nil, err
-		}
-		f.warmAll(rep, arms)
-		round.OneClient = f.oneClient(rep, arms, r)
-		round.Sweep, round.DirectCap = f.sweep(rep, arms, r)
-		round.CPU = f.cpuAtRate(rep, arms, r)
-		if err := f.mock("-prefill", "1ms", "-token-gap", f.pace.String(), "-jitter", "0.2"); err != nil {
-			return nil, err
-		}
-		f.closeAll(rep)
-		round.Streams = f.streams512(rep, arms, r)
-		round.Ceiling = f.ceiling(rep, arms, r)
+		small, streams := f.phase(arms, f.smallPath()), f.phase(arms, f.streamPath())
+		f.warmAll(small)
+		round.OneClient = f.oneClient(small, r)
+		round.Sweep, round.DirectCap = f.sweep(small, r)
+		round.CPU = f.cpuAtRate(small, r)
+		f.closeAll()
+		round.Streams = f.streams512(streams, r)
+		round.Ceiling = f.ceiling(streams, r)
 		rep.Rounds = append(rep.Rounds, round)
 	}
 	if f.costs {
@@ -398,33 +376,78 @@ func (f *frontierSettings) rates() []float64 {
 	return out
 }
 
+// The backend's timing per phase, in the request's path (mockllm).
+const (
+	idlePath = "/_mock/1ms/60s"
+	idleBody = `{"model":"m","stream":true,"max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`
+)
+
+func (f *frontierSettings) smallPath() string  { return "/_mock/" + f.backend.String() + "/0s" }
+func (f *frontierSettings) streamPath() string { return "/_mock/1ms/" + f.pace.String() }
+
+// at is arm a with the backend's timing of one phase in its requests'
+// path: in the URL, or for a gateway told the backend by a header, in
+// that header.
+func (f *frontierSettings) at(a *arm, path string) *arm {
+	b := *a
+	if _, ok := a.Headers["x-portkey-custom-host"]; ok {
+		b.Headers = maps.Clone(a.Headers)
+		b.Headers["x-portkey-custom-host"] = "http://" + f.mockAddr + path + "/v1"
+	} else {
+		b.URL = strings.Replace(a.URL, "/v1/chat/completions", path+"/v1/chat/completions", 1)
+	}
+	return &b
+}
+
+func (f *frontierSettings) phase(arms []*arm, path string) []*arm {
+	out := make([]*arm, len(arms))
+	for i, a := range arms {
+		out[i] = f.at(a, path)
+	}
+	return out
+}
+
+// client is the arm's client, kept (with its connections) across rounds.
+func (f *frontierSettings) client(a *arm) *client {
+	key := a.Name + " " + a.URL + " " + a.Headers["x-portkey-custom-host"]
+	if cl := f.clients[key]; cl != nil {
+		return cl
+	}
+	cl, err := newClient(a.URL, a.Headers, time.Minute, nil)
+	if err != nil {
+		panic(err) // the arms' URLs are made here
+	}
+	f.clients[key] = cl
+	return cl
+}
+
 func smallPlan(a *arm, cl *client, rate float64, d time.Duration, id string) plan {
 	return plan{URL: a.URL, Model: "m", Workloads: []workload{workloads["tiny"]}, Rate: rate, Burstiness: 1, Duration: d,
-		Timeout: 30 * time.Second, IDPrefix: id, Client: cl}
+		Timeout: 30 * time.Second, IDPrefix: id, Client: cl, MaxInflight: 4096}
 }
 
 // warmAll opens each arm's connections (to it and from it upstream).
-func (f *frontierSettings) warmAll(rep *frontierReport, arms []*arm) {
+func (f *frontierSettings) warmAll(arms []*arm) {
 	for _, a := range arms {
-		run(smallPlan(a, rep.clients[a.Name], 200, 500*time.Millisecond, "w-"+a.Name+"-"))
+		run(smallPlan(a, f.client(a), 200, 500*time.Millisecond, "w-"+a.Name+"-"))
 	}
 }
 
-func (f *frontierSettings) closeAll(rep *frontierReport) {
-	for _, cl := range rep.clients {
+func (f *frontierSettings) closeAll() {
+	for _, cl := range f.clients {
 		cl.closeIdle()
 	}
 }
 
 // oneClient measures each arm with one client, one request after the
 // other, for 4 probes' time.
-func (f *frontierSettings) oneClient(rep *frontierReport, arms []*arm, r int) map[string]roundStat {
+func (f *frontierSettings) oneClient(arms []*arm, r int) map[string]roundStat {
 	out := map[string]roundStat{}
 	fmt.Fprintln(os.Stderr, "one client")
 	for i := range arms {
 		a := arms[(i+r)%len(arms)]
 		p := plan{URL: a.URL, Model: "m", Workloads: []workload{workloads["tiny"]}, Concurrency: 1, Duration: 4 * f.probe,
-			Timeout: 30 * time.Second, IDPrefix: fmt.Sprintf("c1-%s-%d-", a.Name, r), Client: rep.clients[a.Name]}
+			Timeout: 30 * time.Second, IDPrefix: fmt.Sprintf("c1-%s-%d-", a.Name, r), Client: f.client(a)}
 		out[a.Name], _ = measure(a, p)
 	}
 	return out
@@ -434,7 +457,7 @@ func (f *frontierSettings) oneClient(rep *frontierReport, arms []*arm, r int) ma
 // within the largest limit, in an order rotated each rate. An arm stops at
 // its first rate past the largest limit or not held; all stop where direct
 // itself is not held (the load generator and the backend's ceiling).
-func (f *frontierSettings) sweep(rep *frontierReport, arms []*arm, r int) (map[string][]ratePoint, float64) {
+func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, float64) {
 	out := map[string][]ratePoint{}
 	going, over := map[string]bool{}, map[string]bool{}
 	for _, a := range arms {
@@ -450,7 +473,7 @@ func (f *frontierSettings) sweep(rep *frontierReport, arms []*arm, r int) (map[s
 			if !going[a.Name] {
 				continue
 			}
-			cl := rep.clients[a.Name]
+			cl := f.client(a)
 			// A p99 needs requests beyond it: at low rates the probe
 			// lasts long enough for minProbeRequests.
 			probe := max(f.probe, time.Duration(minProbeRequests/rate*float64(time.Second)))
@@ -458,7 +481,9 @@ func (f *frontierSettings) sweep(rep *frontierReport, arms []*arm, r int) (map[s
 			st, _ := measure(a, smallPlan(a, cl, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-", a.Name, r, rate)))
 			p := ratePoint{Offered: rate, Requests: st.Requests, Errors: st.Errors, P50: st.E2Ep50, P99: st.E2Ep99,
 				Achieved: float64(st.Requests) / probe.Seconds()}
-			p.Held = held(rate, probe, st.Requests+st.Errors, p.Errors)
+			// Held, and not behind: the last answers came within a second
+			// (and half the probe) of the last arrival.
+			p.Held = held(rate, probe, st.Requests+st.Errors, p.Errors) && st.Seconds <= 1.5*probe.Seconds()+1
 			if a.Name == "direct" {
 				// Past this the load generator or the backend is the
 				// bottleneck: added figures would measure them.
@@ -539,12 +564,12 @@ func frontierOf(pts []ratePoint, limit, directCap float64) (rate float64, capped
 }
 
 // cpuAtRate reads each arm's CPU per request at a fixed offered rate.
-func (f *frontierSettings) cpuAtRate(rep *frontierReport, arms []*arm, r int) map[string]roundStat {
+func (f *frontierSettings) cpuAtRate(arms []*arm, r int) map[string]roundStat {
 	out := map[string]roundStat{}
 	fmt.Fprintf(os.Stderr, "CPU at %.0f requests/s\n", f.cpuRate)
 	for i := range arms {
 		a := arms[(i+r)%len(arms)]
-		out[a.Name], _ = measure(a, smallPlan(a, rep.clients[a.Name], f.cpuRate, 2*f.probe, fmt.Sprintf("cpu-%s-%d-", a.Name, r)))
+		out[a.Name], _ = measure(a, smallPlan(a, f.client(a), f.cpuRate, 2*f.probe, fmt.Sprintf("cpu-%s-%d-", a.Name, r)))
 	}
 	return out
 }
@@ -557,14 +582,14 @@ func (f *frontierSettings) streamPlan(a *arm, cl *client, id string) plan {
 // streams512 offers streams by Poisson arrivals at the rate that keeps 512
 // in flight on average (Little's law over a stream's length), and reads
 // the TTFT of those that started after the first stream's length.
-func (f *frontierSettings) streams512(rep *frontierReport, arms []*arm, r int) map[string]roundStat {
+func (f *frontierSettings) streams512(arms []*arm, r int) map[string]roundStat {
 	out := map[string]roundStat{}
 	length := time.Duration(f.tokens) * f.pace
 	rate := 512 / length.Seconds()
 	fmt.Fprintf(os.Stderr, "512 streams in flight: %.0f arrivals/s\n", rate)
 	for i := range arms {
 		a := arms[(i+r)%len(arms)]
-		p := f.streamPlan(a, rep.clients[a.Name], fmt.Sprintf("s512-%s-%d-", a.Name, r))
+		p := f.streamPlan(a, f.client(a), fmt.Sprintf("s512-%s-%d-", a.Name, r))
 		p.Rate, p.Burstiness, p.Duration = rate, 1, length+4*f.probe
 		cpu0 := cpuSeconds(a)
 		res, wall, _ := run(p)
@@ -593,7 +618,7 @@ func (f *frontierSettings) streams512(rep *frontierReport, arms []*arm, r int) m
 		t, d := newDist(ttft), newDist(delay)
 		st.TTFTp50, st.TTFTp99, st.DelayP50, st.DelayP99 = t.P50, t.P99, d.P50, d.P99
 		out[a.Name] = st
-		rep.clients[a.Name].closeIdle()
+		f.client(a).closeIdle()
 	}
 	return out
 }
@@ -601,7 +626,7 @@ func (f *frontierSettings) streams512(rep *frontierReport, arms []*arm, r int) m
 // ceiling raises each arm's concurrent streams level by level (closed
 // loop, two streams' length per level) until a stream loses a frame, fails
 // or stalls longer than ten token gaps.
-func (f *frontierSettings) ceiling(rep *frontierReport, arms []*arm, r int) map[string][]ceilPoint {
+func (f *frontierSettings) ceiling(arms []*arm, r int) map[string][]ceilPoint {
 	out := map[string][]ceilPoint{}
 	length := time.Duration(f.tokens) * f.pace
 	for i := range arms {
@@ -610,10 +635,10 @@ func (f *frontierSettings) ceiling(rep *frontierReport, arms []*arm, r int) map[
 			if 2*n+64 > fileLimit() {
 				break
 			}
-			p := f.streamPlan(a, rep.clients[a.Name], fmt.Sprintf("ceil-%s-%d-%d-", a.Name, r, n))
+			p := f.streamPlan(a, f.client(a), fmt.Sprintf("ceil-%s-%d-%d-", a.Name, r, n))
 			p.Concurrency, p.Duration = n, 2*length
 			res, _, _ := run(p)
-			rep.clients[a.Name].closeIdle()
+			f.client(a).closeIdle()
 			c := judgeStreams(n, res, f.tokens, 10*f.pace)
 			out[a.Name] = append(out[a.Name], c)
 			fmt.Fprintf(os.Stderr, "stream ceiling: %s at %d: ok=%v (%d errors, %d short, longest gap %.0f ms)\n", a.Name, n, c.OK, c.Errors, c.Short, c.MaxGapMs)
@@ -753,41 +778,27 @@ func (f *frontierSettings) featureCosts(rep *frontierReport) error {
 		arms = append(arms, a)
 		rep.Variants[v.Name] = v.What
 	}
-	clients := map[string]*client{}
 	for _, a := range arms {
 		if err := waitReady(a.URL); err != nil {
 			return fmt.Errorf("%s: %w", a.Name, err)
 		}
-		cl, err := newClient(a.URL, nil, time.Minute, nil)
-		if err != nil {
-			return err
-		}
-		clients[a.Name] = cl
-		defer cl.closeIdle()
 	}
 	rep.Costs = map[string][]costStat{}
 	length := time.Duration(f.tokens) * f.pace
+	small, streams := f.phase(arms, f.smallPath()), f.phase(arms, f.streamPath())
 	for r := 0; r <= f.rounds; r++ {
 		fmt.Fprintf(os.Stderr, "feature costs: round %d of %d (the first is a warm-up)\n", r, f.rounds)
 		per := map[string]costStat{}
-		if err := f.mock("-prefill", f.backend.String(), "-token-gap", "0s"); err != nil {
-			return err
-		}
-		for i := range arms {
-			a := arms[(i+r)%len(arms)]
-			clients[a.Name].closeIdle()
-			run(smallPlan(a, clients[a.Name], f.cpuRate, f.probe/3, "cw-"))
+		for i := range small {
+			a := small[(i+r)%len(small)]
+			run(smallPlan(a, f.client(a), f.cpuRate, f.probe/3, "cw-"))
 			c := per[a.Name]
-			c.PerRequest, _ = measure(a, smallPlan(a, clients[a.Name], f.cpuRate, 2*f.probe, fmt.Sprintf("cr-%s-%d-", a.Name, r)))
+			c.PerRequest, _ = measure(a, smallPlan(a, f.client(a), f.cpuRate, 2*f.probe, fmt.Sprintf("cr-%s-%d-", a.Name, r)))
 			per[a.Name] = c
 		}
-		if err := f.mock("-prefill", "1ms", "-token-gap", f.pace.String(), "-jitter", "0.2"); err != nil {
-			return err
-		}
-		for i := range arms {
-			a := arms[(i+r)%len(arms)]
-			clients[a.Name].closeIdle()
-			p := f.streamPlan(a, clients[a.Name], fmt.Sprintf("ct-%s-%d-", a.Name, r))
+		for i := range streams {
+			a := streams[(i+r)%len(streams)]
+			p := f.streamPlan(a, f.client(a), fmt.Sprintf("ct-%s-%d-", a.Name, r))
 			p.Rate, p.Burstiness, p.Duration = 100/length.Seconds(), 1, length+2*f.probe
 			c := per[a.Name]
 			c.PerToken, _ = measure(a, p)

@@ -32,6 +32,10 @@ type plan struct {
 	Rate        float64
 	Burstiness  float64
 	Steps       []step
+	// MaxInflight bounds the open requests of the open loop (default
+	// 20000): an arm that falls behind holds up the arrivals instead of
+	// the load generator's descriptors.
+	MaxInflight int
 
 	Warmup   int           // requests sent first and not counted
 	Requests int           // counted requests (0: until Duration)
@@ -149,7 +153,11 @@ func run(p plan) ([]result, time.Duration, error) {
 		}
 		r := rand.New(rand.NewPCG(rand.Uint64(), 3))
 		next := time.Now()
-		inflight := make(chan struct{}, 20000) // a bound on open requests
+		maxOpen := p.MaxInflight
+		if maxOpen <= 0 {
+			maxOpen = 20000
+		}
+		inflight := make(chan struct{}, maxOpen) // a bound on open requests: past it arrivals wait
 	stepsLoop:
 		for _, st := range steps {
 			end := time.Now().Add(st.For)

@@ -148,15 +148,15 @@ func machine() map[string]string {
 	return m
 }
 
-// idleRSS opens n idle streams through a and returns the growth of its
+// idleRSS opens n idle streams through a, each a POST of body that
+// stays silent after its first event, and returns the growth of its
 // resident memory per 1000 streams, in MB.
-func idleRSS(a *arm, n int) (float64, error) {
+func idleRSS(a *arm, n int, body string) (float64, error) {
 	runtime.GC()
 	time.Sleep(300 * time.Millisecond)
 	base := rssKB(a)
 	host := strings.TrimPrefix(a.URL, "http://")
 	addr, path, _ := strings.Cut(host, "/")
-	body := `{"model":"m","stream":true,"max_tokens":2,"mock_hold_ms":600000,"messages":[{"role":"user","content":"hi"}]}`
 	var extra strings.Builder
 	for k, v := range a.Headers {
 		fmt.Fprintf(&extra, "%s: %s\r\n", k, v)

@@ -315,7 +315,7 @@ func (b *benchSettings) idlePhase(rep *proxiesReport, arms []*arm) {
 			// nothing about what a measuring proxy must hold.
 			continue
 		}
-		mb, err := idleRSS(a, b.idle)
+		mb, err := idleRSS(a, b.idle, `{"model":"m","stream":true,"max_tokens":2,"mock_hold_ms":600000,"messages":[{"role":"user","content":"hi"}]}`)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "%s: idle streams: %v\n", a.Name, err)
 			continue

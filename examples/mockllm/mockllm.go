@@ -18,7 +18,11 @@
 // A request may set "mock_reasoning_tokens": N to get N reasoning tokens
 // before the answer, and "mock_hold_ms": N to stay silent N ms after the
 // first token (an open, idle stream), or "mock_hold": true to stay silent
-// after it until Options.Hold is closed. tokentap's tests, demo and benchmarks run against it;
+// after it until Options.Hold is closed. A path that starts with
+// /_mock/PREFILL/GAP/ (Go durations: /_mock/20ms/0s/v1/chat/completions)
+// sets the prefill and the token gap of that request, for a client or a
+// gateway that can choose the path but not the body's fields (a gateway's
+// custom host). tokentap's tests, demo and benchmarks run against it;
 // cmd/mockllm serves it standalone.
 //
 //	srv := &http.Server{Handler: mockllm.New(mockllm.Options{})}
@@ -113,23 +117,26 @@ func (s *Server) Active() int64 { return s.active.Load() }
 
 // call is one request being answered.
 type call struct {
-	s         *Server
-	w         http.ResponseWriter
-	r         *http.Request
-	body      string
-	id        string
-	model     string
-	stream    bool
-	prompt    int           // prompt tokens (estimated)
-	cached    int           // of which found in the prefix cache
-	hold      time.Duration // silence after the first token (an idle stream)
-	gated     bool          // silence after the first token until Options.Hold closes
-	reasoning int           // reasoning tokens before the answer
-	answer    int           // answer tokens
-	start     time.Time
-	prefill   time.Duration
-	decode    time.Duration
-	writes    int
+	s      *Server
+	w      http.ResponseWriter
+	r      *http.Request
+	body   string
+	id     string
+	model  string
+	stream bool
+	prompt int           // prompt tokens (estimated)
+	cached int           // of which found in the prefix cache
+	hold   time.Duration // silence after the first token (an idle stream)
+	// prefillBase and tokenGap are the server's, or the request's from
+	// its /_mock/PREFILL/GAP/ path.
+	prefillBase, tokenGap time.Duration
+	gated                 bool // silence after the first token until Options.Hold closes
+	reasoning             int  // reasoning tokens before the answer
+	answer                int  // answer tokens
+	start                 time.Time
+	prefill               time.Duration
+	decode                time.Duration
+	writes                int
 }
 
 var words = strings.Fields("the quick brown fox jumps over a lazy dog while tokens stream out one by one to every user")
@@ -144,6 +151,20 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.active.Add(1)
 	defer s.active.Add(-1)
 	path := r.URL.Path
+	prefillBase, tokenGap := s.o.PrefillBase, s.o.TokenGap
+	if rest, ok := strings.CutPrefix(path, "/_mock/"); ok {
+		parts := strings.SplitN(rest, "/", 3)
+		var err1, err2 error
+		if len(parts) == 3 {
+			prefillBase, err1 = time.ParseDuration(parts[0])
+			tokenGap, err2 = time.ParseDuration(parts[1])
+		}
+		if len(parts) < 3 || err1 != nil || err2 != nil || prefillBase < 0 || tokenGap < 0 {
+			http.Error(w, `{"error":{"message":"/_mock/PREFILL/GAP/ wants two durations","type":"invalid_request_error"}}`, http.StatusBadRequest)
+			return
+		}
+		path = "/" + parts[2]
+	}
 	if r.Method == http.MethodGet && strings.HasSuffix(path, "/models") {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","owned_by":"mockllm"}]}`, s.o.Model)
@@ -161,7 +182,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, `{"error":{"message":"invalid JSON","type":"invalid_request_error"}}`)
 		return
 	}
-	c := &call{s: s, w: w, r: r, body: body, id: fmt.Sprintf("mock-%d", s.seq.Add(1)), start: time.Now()}
+	c := &call{s: s, w: w, r: r, body: body, id: fmt.Sprintf("mock-%d", s.seq.Add(1)), start: time.Now(),
+		prefillBase: prefillBase, tokenGap: tokenGap}
 	c.model = gjson.Get(body, "model").Str
 	c.answer = s.o.MaxTokens
 	for _, p := range maxTokensPaths {
@@ -229,7 +251,7 @@ type dialect interface {
 
 func (c *call) serve(d dialect) {
 	s := c.s
-	prefill := s.o.PrefillBase + time.Duration(c.prompt-c.cached)*s.o.PrefillPerToken
+	prefill := c.prefillBase + time.Duration(c.prompt-c.cached)*s.o.PrefillPerToken
 	prefill = time.Duration(float64(prefill) * (1 + s.o.BatchSlowdown*float64(s.active.Load())))
 	if !c.sleep(prefill) {
 		return
@@ -240,7 +262,7 @@ func (c *call) serve(d dialect) {
 	if !c.stream {
 		var text, thinking strings.Builder
 		for i := range total {
-			if i > 0 && !c.sleep(s.gap()) {
+			if i > 0 && !c.sleep(s.gap(c.tokenGap)) {
 				return
 			}
 			if i < c.reasoning {
@@ -263,7 +285,7 @@ func (c *call) serve(d dialect) {
 		return
 	}
 	for i := range total {
-		if i > 0 && !c.sleep(s.gap()) {
+		if i > 0 && !c.sleep(s.gap(c.tokenGap)) {
 			return
 		}
 		if !c.send(d.token(c, i, i < c.reasoning, word(i))) {
@@ -297,10 +319,10 @@ func (c *call) send(s string) bool {
 }
 
 // gap is one decode step: TokenGap ± Jitter, slowed by the batch.
-func (s *Server) gap() time.Duration {
+func (s *Server) gap(mean time.Duration) time.Duration {
 	j := 1 + s.o.Jitter*(2*rand.Float64()-1)
 	batch := 1 + s.o.BatchSlowdown*float64(max(0, s.active.Load()-1))
-	return time.Duration(float64(s.o.TokenGap) * j * batch)
+	return time.Duration(float64(mean) * j * batch)
 }
 
 // cachedPrefix returns how many leading bytes of body, in whole 512-byte
@@ -363,7 +385,7 @@ func (c *call) serveEmbeddings() {
 	if in.IsArray() && gjson.Get(in.Raw, "0").Type != gjson.Number {
 		n = int(gjson.Get(in.Raw, "#").Int())
 	}
-	if !c.sleep(c.s.o.PrefillBase + time.Duration(c.prompt)*c.s.o.PrefillPerToken) {
+	if !c.sleep(c.prefillBase + time.Duration(c.prompt)*c.s.o.PrefillPerToken) {
 		return
 	}
 	var b strings.Builder

@@ -83,3 +83,33 @@ func TestBatchSlowdown(t *testing.T) {
 		t.Fatalf("8 concurrent: worst TTFT %v, alone %v: no batching effect", worst, alone)
 	}
 }
+
+// A /_mock/PREFILL/GAP/ path sets one request's timing: the prefill and
+// the gap between its tokens, over the server's; a malformed one is a 400.
+func TestPathTiming(t *testing.T) {
+	s := httptest.NewServer(New(Options{PrefillBase: time.Millisecond, TokenGap: time.Millisecond, Jitter: 0.01, MaxTokens: 3}))
+	defer s.Close()
+	if d := ttft(t, s.URL+"/_mock/80ms/0s", `{"stream":true}`); d < 80*time.Millisecond {
+		t.Errorf("first byte after %v, want the path's 80 ms prefill", d)
+	}
+	start := time.Now()
+	resp, err := http.Post(s.URL+"/_mock/0s/40ms/v1/chat/completions", "application/json", strings.NewReader(`{"max_tokens":3}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if d := time.Since(start); resp.StatusCode != 200 || d < 78*time.Millisecond || !strings.Contains(string(body), "chat.completion") {
+		t.Errorf("three tokens 40 ms apart: %d after %v: %s", resp.StatusCode, d, body)
+	}
+	for _, p := range []string{"/_mock/80ms/v1/chat/completions", "/_mock/x/0s/v1/chat/completions", "/_mock/-1s/0s/v1/chat/completions"} {
+		resp, err := http.Post(s.URL+p, "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 400 {
+			t.Errorf("%s: %d, want 400", p, resp.StatusCode)
+		}
+	}
+}
