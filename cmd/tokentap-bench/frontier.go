@@ -30,7 +30,7 @@ type frontierSettings struct {
 	outDir, bin, nginxBin, haproxyBin string
 	portkeyJS, jsRuntime              string
 	gmp, rounds, idle, tokens         int
-	probe, warm, backend, pace        time.Duration
+	probe, backend, pace              time.Duration
 	minRate, maxRate, factor          float64
 	cpuRate                           float64
 	limits                            []float64
