@@ -8,7 +8,7 @@
 # 1,000 idle streams and CPU per request; then what each of tokentap's
 # measuring features costs (A/B of tokentap variants). Writes
 # examples/bench/frontier/{results.json,results.md,frontier.svg} and the
-# processes' logs. About 25 minutes with the default 3 rounds.
+# processes' logs. About 35 minutes with the default 3 rounds.
 #
 #   examples/bench/frontier.sh                      # everything
 #   examples/bench/frontier.sh -rounds 1 -costs=false
