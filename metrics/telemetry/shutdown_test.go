@@ -77,7 +77,7 @@ func TestShutdownStopsExportsWhenCollectorHangs(t *testing.T) {
 	}
 	next, closeNext := collector(t, ln2, false)
 	defer closeNext()
-	time.Sleep(500 * time.Millisecond) // what was queued when the hung exports ended
+	time.Sleep(1500 * time.Millisecond) // what was queued when the hung exports ended goes out
 	n := next.Load()
 	time.Sleep(time.Second) // twenty metric intervals
 	if m := next.Load(); m != n {
