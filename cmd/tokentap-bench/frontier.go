@@ -123,12 +123,9 @@ func runFrontier(args []string, out io.Writer) error {
 	if *render {
 		return rerenderFrontier(f.outDir, out)
 	}
-	for _, s := range strings.Split(*levelsSpec, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n <= 0 {
-			return fmt.Errorf("-levels: %q is not a count of streams", s)
-		}
-		f.levels = append(f.levels, n)
+	var err error
+	if f.levels, err = parseLevels(*levelsSpec); err != nil {
+		return err
 	}
 	for _, s := range strings.Split(*limitsSpec, ",") {
 		v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
@@ -141,12 +138,7 @@ func runFrontier(args []string, out io.Writer) error {
 	if f.factor <= 1 || f.minRate <= 0 || f.maxRate < f.minRate || f.rounds < 1 {
 		return fmt.Errorf("need -factor > 1, 0 < -min-rate ≤ -max-rate and -rounds ≥ 1")
 	}
-	if *armsSpec != "" {
-		f.only = map[string]bool{"direct": true}
-		for _, a := range strings.Split(*armsSpec, ",") {
-			f.only[strings.TrimSpace(a)] = true
-		}
-	}
+	f.only = armSet(*armsSpec)
 	if err := os.MkdirAll(f.outDir, 0o755); err != nil {
 		return err
 	}

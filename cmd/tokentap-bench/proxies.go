@@ -82,19 +82,11 @@ func runProxies(args []string, out io.Writer) error {
 	if *render {
 		return rerender(b.outDir, out)
 	}
-	for _, s := range strings.Split(*levelsSpec, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n <= 0 {
-			return fmt.Errorf("-levels: %q", s)
-		}
-		b.levels = append(b.levels, n)
+	var err error
+	if b.levels, err = parseLevels(*levelsSpec); err != nil {
+		return err
 	}
-	if *armsSpec != "" {
-		b.only = map[string]bool{"direct": true}
-		for _, a := range strings.Split(*armsSpec, ",") {
-			b.only[strings.TrimSpace(a)] = true
-		}
-	}
+	b.only = armSet(*armsSpec)
 	if err := os.MkdirAll(b.outDir, 0o755); err != nil {
 		return err
 	}
@@ -137,6 +129,32 @@ func runProxies(args []string, out io.Writer) error {
 	}
 	b.idlePhase(&rep, arms)
 	return writeReport(b.outDir, &rep, arms, b.levels, out)
+}
+
+// parseLevels reads -levels: counts of concurrent streams, comma-separated.
+func parseLevels(spec string) ([]int, error) {
+	var out []int
+	for _, s := range strings.Split(spec, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("-levels: %q is not a count of streams", s)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// armSet reads -arms: the arms to run, direct always among them (the
+// others are measured against it); nil for an empty spec: all.
+func armSet(spec string) map[string]bool {
+	if spec == "" {
+		return nil
+	}
+	only := map[string]bool{"direct": true}
+	for _, a := range strings.Split(spec, ",") {
+		only[strings.TrimSpace(a)] = true
+	}
+	return only
 }
 
 // buildBinaries builds tokentap and mockllm when no -bin was given.
