@@ -51,7 +51,7 @@ type ratePoint struct {
 	P50      float64 `json:"p50_ms"`
 	P99      float64 `json:"p99_ms"`
 	Added    float64 `json:"added_p99_ms"` // P99 − direct's P99 at this rate, this round
-	Held     bool    `json:"held"`         // the arm kept up (held)
+	Held     bool    `json:"held"`         // the arm kept up with the arrivals (held)
 }
 
 // ceilPoint is one arm at one level of concurrent streams.
@@ -252,7 +252,7 @@ func (f *frontierSettings) startArms(rep *frontierReport) ([]*arm, func(), error
 		fn   func() (*arm, error)
 	}{
 		{"tokentap", func() (*arm, error) {
-			return startTokentapVariant(f.outDir, "tokentap", f.bin, f.gmp, upstream, variantAll)
+			return startTokentapVariant(f.outDir, "tokentap", f.bin, f.gmp, upstream, variantAll, "")
 		}},
 		{"nginx", func() (*arm, error) {
 			if _, err := os.Stat(f.nginxBin); f.nginxBin == "" || err != nil {
@@ -446,9 +446,10 @@ func (f *frontierSettings) oneClient(arms []*arm, r int) map[string]roundStat {
 }
 
 // sweep offers each rate in turn to direct and then to every arm still
-// within the largest limit, in an order rotated each rate. An arm stops at
-// its first rate past the largest limit or not held; all stop where direct
-// itself is not held (the load generator and the backend's ceiling).
+// going, in an order rotated each rate. An arm stops at its second rate in
+// a row past the largest limit, or at its first not held; all stop where
+// direct itself is not held twice (the load generator's and the backend's
+// ceiling).
 func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, float64) {
 	out := map[string][]ratePoint{}
 	going, over := map[string]bool{}, map[string]bool{}
@@ -706,12 +707,9 @@ var (
 	}
 )
 
-// startTokentapVariant runs tokentap from a config file of v's features.
-func startTokentapVariant(outDir, name, dir string, gomaxprocs int, upstream string, v variant) (*arm, error) {
-	return startTokentapOTel(outDir, name, dir, gomaxprocs, upstream, v, "")
-}
-
-func startTokentapOTel(outDir, name, dir string, gomaxprocs int, upstream string, v variant, otelEndpoint string) (*arm, error) {
+// startTokentapVariant runs tokentap from a config file of v's features,
+// exporting to otelEndpoint when v has OTel on.
+func startTokentapVariant(outDir, name, dir string, gomaxprocs int, upstream string, v variant, otelEndpoint string) (*arm, error) {
 	addr, admin := freePort(), freePort()
 	var cfg strings.Builder
 	fmt.Fprintf(&cfg, "listen: %q\nadmin: %q\nupstream: %q\nrelay: %s\n", addr, admin, upstream, v.relay)
@@ -772,7 +770,7 @@ func (f *frontierSettings) featureCosts(rep *frontierReport) error {
 	}()
 	rep.Variants = map[string]string{}
 	for _, v := range variants {
-		a, err := startTokentapOTel(f.outDir, "cost-"+v.Name, f.bin, f.gmp, upstream, v, sink)
+		a, err := startTokentapVariant(f.outDir, "cost-"+v.Name, f.bin, f.gmp, upstream, v, sink)
 		if err != nil {
 			return err
 		}

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
@@ -129,21 +130,18 @@ func deriveFrontier(rep *frontierReport) map[string]any {
 }
 
 // figure is one row group of results.md.
-type figure struct {
-	key, title, unit string
-	higherBetter     bool
-}
+type figure struct{ key, title, unit string }
 
 func frontierFigures(rep *frontierReport) []figure {
-	fs := []figure{{"added_p99_ms_c1", "Added p99 at one client", "ms", false}}
+	fs := []figure{{"added_p99_ms_c1", "Added p99 at one client", "ms"}}
 	for _, l := range limitsOf(rep) {
-		fs = append(fs, figure{"frontier_rps_p99_" + limitKey(l), fmt.Sprintf("Throughput frontier: highest offered rate with added p99 ≤ %s", limitKey(l)), "requests/s", true})
+		fs = append(fs, figure{"frontier_rps_p99_" + limitKey(l), fmt.Sprintf("Throughput frontier: highest offered rate with added p99 ≤ %s", limitKey(l)), "requests/s"})
 	}
 	return append(fs,
-		figure{"stream_ceiling", "Stream ceiling: most concurrent streams, no lost frame, no stall over 10 token gaps", "streams", true},
-		figure{"added_ttft_p99_ms_512", "Added TTFT p99, 512 streams in flight (Poisson arrivals)", "ms", false},
-		figure{"idle_rss_mb_per_1000", "Memory per 1,000 idle streams", "MB", false},
-		figure{"cpu_us_per_request", "CPU per request", "µs", false})
+		figure{"stream_ceiling", "Stream ceiling: most concurrent streams, no lost frame, no stall over 10 token gaps", "streams"},
+		figure{"added_ttft_p99_ms_512", "Added TTFT p99, 512 streams in flight (Poisson arrivals)", "ms"},
+		figure{"idle_rss_mb_per_1000", "Memory per 1,000 idle streams", "MB"},
+		figure{"cpu_us_per_request", "CPU per request", "µs"})
 }
 
 func frontierMarkdown(rep *frontierReport) string {
@@ -202,26 +200,16 @@ func frontierMarkdown(rep *frontierReport) string {
 	}
 	if len(rep.Skipped) > 0 {
 		b.WriteString("Not measured:\n\n")
-		for _, k := range slices.Sorted(mapKeys(rep.Skipped)) {
+		for _, k := range slices.Sorted(maps.Keys(rep.Skipped)) {
 			fmt.Fprintf(&b, "- %s: %s\n", k, rep.Skipped[k])
 		}
 		b.WriteString("\n")
 	}
 	b.WriteString("LLM gateways tried:\n\n")
-	for _, k := range slices.Sorted(mapKeys(rep.Tried)) {
+	for _, k := range slices.Sorted(maps.Keys(rep.Tried)) {
 		fmt.Fprintf(&b, "- %s: %s\n", k, rep.Tried[k])
 	}
 	return b.String()
-}
-
-func mapKeys[V any](m map[string]V) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
-		}
-	}
 }
 
 var armColors = map[string]string{"direct": "#000000", "tokentap": "#d62728", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f",
@@ -246,13 +234,7 @@ func frontierSVG(rep *frontierReport) string {
 				byRate[p.Offered] = append(byRate[p.Offered], p.Added)
 			}
 		}
-		for _, rate := range slices.Sorted(func(yield func(float64) bool) {
-			for k := range byRate {
-				if !yield(k) {
-					return
-				}
-			}
-		}) {
+		for _, rate := range slices.Sorted(maps.Keys(byRate)) {
 			lines[name] = append(lines[name], [2]float64{rate, median(byRate[rate])})
 			lo, hi = min(lo, rate), max(hi, rate)
 		}
