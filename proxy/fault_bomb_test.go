@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"runtime"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -96,6 +97,12 @@ func TestFaultDecoderMemoryBounded(t *testing.T) {
 		w.Write(bombs[i].body)
 	})
 	tp := startProxy(t, up.URL, nil) // max_decoded_bytes: the default, 64 MiB
+	// The peak of the heap in use counts garbage too: at GOGC=100, on a
+	// machine busy enough to slow the collector, the decoders' freed
+	// buffers alone lifted it past the bound (169 MiB against 168, one
+	// run beside a second copy of the suite). A tighter pace keeps the
+	// peak near what is live, which is what the bounds speak of.
+	defer debug.SetGCPercent(debug.SetGCPercent(25))
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
@@ -153,9 +160,9 @@ func TestFaultDecoderMemoryBounded(t *testing.T) {
 	}
 	close(stop)
 	<-sampled
-	// Twice the bounds: the collector lets the heap grow to twice what is
-	// live before it runs (GOGC=100), and the test's own client and server
-	// hold the bombs' bytes.
+	// Twice the bounds: the collector still lets the heap grow past what
+	// is live before it runs, and the test's own client and server hold
+	// the bombs' bytes.
 	grown := peak.Load() - base
 	t.Logf("%d bombs in flight: heap in use grew by %d MiB (bounds %d MiB)", len(bombs), grown>>20, bound>>20)
 	if grown > 2*bound+32<<20 {
