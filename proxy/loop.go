@@ -78,6 +78,7 @@ type relayLoop struct {
 	// bound, renewed by each check (scan).
 	due     time.Time
 	armed   time.Time
+	spare   spareBufs     // read buffers lent to its streams (spareBufs)
 	again   bool          // a read filled the buffer: look again before parking
 	more    bool          // events are left after a batch: yield, then serve them
 	exiting bool          // the loop's own: stop was seen
@@ -106,6 +107,12 @@ type relayed interface {
 	// relayCancel: the client left (its socket reported its close with
 	// nothing waiting).
 	relayCancel()
+	// relayEntered: the loop took the stream (its sockets are watched).
+	relayEntered()
+	// relayEnded: the loop let go of the stream, for good (err: how it
+	// ended; errNoLoop: the loop could not take it). The loop touches
+	// neither the stream nor its loopStream after the call.
+	relayEnded(err error)
 }
 
 // loopBatch is how many ready events a loop serves before it lets other
@@ -119,10 +126,10 @@ const efdSlot = -1
 // body relay and is reused by the relay's next stream.
 type loopStream struct {
 	r      relayed
+	bufs   *spareBufs // the loop's, for the stream's reads
 	slot   int32
 	upFd   int // the connections' descriptors, held open for the loop
 	clFd   int
-	done   chan error
 	idle   time.Duration
 	wtime  time.Duration
 	readAt time.Time // when reading began or last returned bytes, for the idle timeout
@@ -131,6 +138,37 @@ type loopStream struct {
 	since   time.Time // when pending met a full socket buffer
 	blocked bool      // waiting for the client socket to take pending
 	rdhup   bool      // the client's close is watched (see clientClosed)
+}
+
+// spareBufs are a relay loop's spare read buffers. A stream in the loop
+// holds one only while a read of it is relayed (until its bytes are
+// written, or while a size line cut by the read's end is held) and gives it
+// back between events: an idle stream holds none. The loop keeps at most
+// maxSpareBufs; it shares more, and takes what it lacks, with every
+// stream (spareRelayBufs). Only the loop's goroutine uses them.
+type spareBufs struct{ bufs [][]byte }
+
+const maxSpareBufs = 8
+
+// take returns a spare buffer.
+func (b *spareBufs) take() []byte {
+	n := len(b.bufs)
+	if n == 0 {
+		return newRelayBuf()
+	}
+	v := b.bufs[n-1]
+	b.bufs[n-1] = nil
+	b.bufs = b.bufs[:n-1]
+	return v
+}
+
+// give keeps v for a later take.
+func (b *spareBufs) give(v []byte) {
+	if len(b.bufs) < maxSpareBufs && cap(v) >= relayBufSize {
+		b.bufs = append(b.bufs, v[:relayBufSize])
+		return
+	}
+	spareRelayBuf(v)
 }
 
 // loopStreams counts the streams handed to a relay loop, for tests.
@@ -381,22 +419,23 @@ func (l *relayLoop) takePosted() {
 			slot = int32(len(l.slots))
 			l.slots = append(l.slots, nil)
 		}
-		s.slot, s.readAt, s.rdhup = slot, now, true
+		s.slot, s.readAt, s.rdhup, s.bufs = slot, now, true, &l.spare
 		// The client's socket: its peer's close (the peer watch's job on
 		// the goroutine path), hang-ups and errors, until it is written to.
 		if l.poll.add(s.upFd, upEvents, slot, sideUp) != nil {
-			s.done <- errNoLoop
 			l.free = append(l.free, slot)
+			s.r.relayEnded(errNoLoop)
 			continue
 		}
 		if l.poll.add(s.clFd, s.clientEvents(), slot, sideClient) != nil {
 			if l.poll.remove(s.upFd) == nil {
 				l.free = append(l.free, slot)
 			}
-			s.done <- errNoLoop
+			s.r.relayEnded(errNoLoop)
 			continue
 		}
 		l.slots[slot] = s
+		s.r.relayEntered()
 		if s.idle > 0 {
 			l.expect(now.Add(s.idle))
 		}
@@ -549,7 +588,7 @@ func (s *loopStream) clientEvents() uint32 {
 	return ev
 }
 
-// end takes s out of the loop and wakes its exchange with err. A slot
+// end takes s out of the loop and hands it back with err. A slot
 // whose sockets the set may still report (a removal it refused) is never
 // used again.
 func (l *relayLoop) end(s *loopStream, err error) {
@@ -559,7 +598,7 @@ func (l *relayLoop) end(s *loopStream, err error) {
 		l.freed = append(l.freed, s.slot)
 	}
 	s.pending = nil
-	s.done <- err
+	s.r.relayEnded(err)
 }
 
 // scan ends the streams whose upstream was silent for their idle timeout

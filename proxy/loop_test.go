@@ -33,6 +33,7 @@ type pipeStream struct {
 	stalled time.Duration
 	cancels int
 	failed  error
+	done    chan error // relayEnded's err
 }
 
 func (p *pipeStream) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
@@ -66,6 +67,9 @@ func (p *pipeStream) relayFailed(err error, keepRead bool) {
 
 func (p *pipeStream) relaySent(n int)              { p.sent += n }
 func (p *pipeStream) relayStalled(d time.Duration) { p.stalled += d }
+
+func (p *pipeStream) relayEntered()        {}
+func (p *pipeStream) relayEnded(err error) { p.done <- err }
 
 // relayCancel does what an exchange's cancel does to a stream in a loop:
 // it shuts the upstream socket down, which ends the stream.
@@ -107,9 +111,9 @@ type loopCase struct {
 func newLoopCase(t *testing.T, idle, wtime time.Duration) *loopCase {
 	upFd, up := sockPair(t)
 	clFd, client := sockPair(t)
-	p := &pipeStream{buf: make([]byte, 8<<10), upFd: upFd}
+	p := &pipeStream{buf: make([]byte, 8<<10), upFd: upFd, done: make(chan error, 1)}
 	c := &loopCase{p: p, up: up, client: client}
-	c.s = loopStream{r: p, upFd: upFd, clFd: clFd, done: make(chan error, 1), idle: idle, wtime: wtime}
+	c.s = loopStream{r: p, upFd: upFd, clFd: clFd, idle: idle, wtime: wtime}
 	return c
 }
 
@@ -131,7 +135,7 @@ func startLoop(t *testing.T) (*loopSet, *relayLoop) {
 func ended(t *testing.T, c *loopCase) error {
 	t.Helper()
 	select {
-	case err := <-c.s.done:
+	case err := <-c.p.done:
 		return err
 	case <-time.After(30 * time.Second):
 		t.Fatal("the stream never left the loop")

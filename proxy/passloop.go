@@ -34,53 +34,94 @@ func (r *bodyRelay) loopable() bool {
 	return !r.x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && r.x.att.conn.loopable() && r.x.tap.dec == nil
 }
 
-// passLoop relays the rest of a passChunks stream on a relay loop, and
+// passLoop moves the rest of a passChunks stream onto a relay loop, and
 // reports false when it cannot (the stream then stays on its goroutine).
-func (r *bodyRelay) passLoop() (bool, error) {
+// Once it moved, the caller lets go of the exchange: the loop owns it, and
+// as it lets go of the stream it starts the goroutine that carries it on
+// (relayEnded). What the server had read ahead of the connection moves out
+// of hj first (takeBuffered), so that the hijack's goroutine can return
+// and the server's read buffer go with it: an open stream holds neither.
+func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	cc, c := r.x.client.(*clientConn), r.x.att.conn
 	l := r.x.p.loops.pick()
 	if l == nil {
-		return false, nil
+		return false
 	}
 	upFd, clFd := c.loopFd(), sockFd(cc.raw)
 	if upFd < 0 || clFd < 0 || !r.x.cancel.enterLoop() {
-		return false, nil
+		return false
 	}
 	if !cc.enterLoop() {
 		r.x.cancel.leaveLoop()
-		return false, nil
+		return false
+	}
+	if hj != nil {
+		cc.takeBuffered(hj, r.buf[r.keep:])
 	}
 	s := &r.loop
-	if s.done == nil {
-		s.done = make(chan error, 1)
-	}
 	s.r, s.upFd, s.clFd = r, upFd, clFd
 	s.idle, s.wtime = c.idle(), cc.d
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it).
 	r.x.watch.stop()
-	err := errNoLoop
-	if l.post(s) {
-		err = <-s.done
-	}
-	s.r, r.turn = nil, passTurn{}
-	cc.leaveLoop()
-	r.x.cancel.leaveLoop()
-	if err == errNoLoop {
+	// The upstream connection's reader is empty (passChunks moves only
+	// then) and unused while the loop reads the socket: it waits in a pool.
+	c.parkReader()
+	if !l.post(s) {
+		r.leftLoop()
 		r.x.watch.start(r.x.client, r.x.fire)
-		return false, nil
+		return false
 	}
-	loopStreams.Add(1)
-	return true, err
+	return true
+}
+
+// leftLoop undoes what passLoop did to move the stream.
+func (r *bodyRelay) leftLoop() {
+	r.loop.r, r.turn = nil, passTurn{}
+	r.x.att.conn.unparkReader()
+	r.x.client.(*clientConn).leaveLoop()
+	r.x.cancel.leaveLoop()
+}
+
+// relayEntered gives the read buffer to the loop until the next event:
+// an open stream waiting for its backend holds none.
+func (r *bodyRelay) relayEntered() { r.spareBuf() }
+
+// relayEnded carries the stream on, on a goroutine of its own, once the
+// loop let go of it: there when the loop could not take it (errNoLoop),
+// then to its end (endPass). A relay that left without a read buffer takes
+// one when it needs one again (newRelayBuf).
+func (r *bodyRelay) relayEnded(err error) { go r.afterLoop(err) }
+
+func (r *bodyRelay) afterLoop(err error) {
+	r.leftLoop()
+	if err == errNoLoop {
+		if r.buf == nil {
+			r.buf = newRelayBuf()
+		}
+		r.x.watch.start(r.x.client, r.x.fire)
+		err = r.passRest()
+	} else {
+		loopStreams.Add(1)
+	}
+	if r.wait != nil {
+		r.wait <- err
+		return
+	}
+	r.endPass(nil, err, false)
 }
 
 // relayRead reads the upstream socket once for the loop and scans what
 // came (passScan).
 func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
+	if r.buf == nil {
+		r.buf = r.loop.bufs.take()
+	}
 	room := r.buf[r.keep:]
 	n, errno := r.x.att.conn.recvFd(fd, room)
 	if errno == unix.EAGAIN {
+		r.spareBuf()
 		return nil, true, false, false
 	}
 	var err error
@@ -103,7 +144,20 @@ func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, aga
 
 // relayWritten ends the read relayed once its bytes are written (passDone).
 func (r *bodyRelay) relayWritten() (bool, error) {
-	return r.passDone(r.turn.data, r.turn.wrote, r.turn.err, r.turn.last)
+	end, err := r.passDone(r.turn.data, r.turn.wrote, r.turn.err, r.turn.last)
+	if !end {
+		r.spareBuf()
+	}
+	return end, err
+}
+
+// spareBuf gives the read buffer back to the loop between events, unless
+// it holds a size line cut by the last read's end.
+func (r *bodyRelay) spareBuf() {
+	if r.keep == 0 && r.buf != nil {
+		r.loop.bufs.give(r.buf)
+		r.buf = nil
+	}
 }
 
 // relayFailed keeps the upstream's error for the record.

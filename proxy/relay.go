@@ -22,7 +22,8 @@ import (
 //
 // Owner: the serving goroutine from relay on (the hijack's goroutine for
 // the responses tokentap writes); a relay loop while the stream is in one
-// (passLoop hands it over and waits for it back).
+// (passLoop hands it over and the hijack's goroutine returns); then the
+// goroutine the loop starts as it lets go of the stream (relayEnded).
 type bodyRelay struct {
 	x             *exchange // the exchange it relays the body of
 	body          io.Reader
@@ -44,12 +45,16 @@ type bodyRelay struct {
 	chunks   chunkScanner
 	loop     loopStream // the stream while a relay loop relays it (loop.go)
 	turn     passTurn   // the read the relay loop relays (passloop.go)
+	// wait, when set, takes the end of a stream that left a relay loop in
+	// place of endPass: for a caller that drives passChunks itself and
+	// waits for the stream's end (the relay's tests and benchmarks).
+	wait chan error
 }
 
 // kept is the relay's next life in a pooled exchange: its buffers, nothing
 // relayed.
 func (r *bodyRelay) kept() bodyRelay {
-	return bodyRelay{x: r.x, buf: r.buf, head: r.head[:0], loop: loopStream{done: r.loop.done}}
+	return bodyRelay{x: r.x, buf: r.buf, head: r.head[:0]}
 }
 
 // pull reads the upstream once into b and feeds what it read to the
@@ -92,7 +97,7 @@ func (r *bodyRelay) readTime() time.Time {
 // fasthttp uses WriteTo for chunked responses (see SupportsBodyWriteTo).
 func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 	if r.buf == nil {
-		r.buf = make([]byte, 8<<10)
+		r.buf = newRelayBuf()
 	}
 	var written int64
 	for {
@@ -146,30 +151,35 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 // chunk goes out bare). A size line cut by the end of a read is held, at
 // the front of the buffer, until it ends: only then can the last chunk be
 // told apart.
-func (r *bodyRelay) passChunks() (err error) {
+func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 	if r.buf == nil {
-		r.buf = make([]byte, 8<<10)
+		r.buf = newRelayBuf()
 	}
-	up, cl := r.x.att.conn, clientRx(r.x.client)
+	up := r.x.att.conn
 	up.setDirect(true)
-	setDirect(cl, true)
-	defer func() {
-		up.setDirect(false)
-		setDirect(cl, false)
-	}()
+	setDirect(clientRx(r.x.client), true)
 	if r.headOwed && up.buffered() == 0 {
 		if err := r.writeOut(nil); err != nil {
-			return err
+			return false, err
 		}
 	}
-	loop := r.loopable()
-	for {
-		if loop && !r.headOwed && up.buffered() == 0 {
-			if moved, err := r.passLoop(); moved {
-				return err
+	if r.loopable() {
+		for r.headOwed || up.buffered() > 0 {
+			if end, err := r.passRead(); end {
+				return false, err
 			}
-			loop = false
 		}
+		if r.passLoop(hj) {
+			return true, nil
+		}
+	}
+	return false, r.passRest()
+}
+
+// passRest relays the rest of a passChunks stream on the calling
+// goroutine.
+func (r *bodyRelay) passRest() error {
+	for {
 		if end, err := r.passRead(); end {
 			return err
 		}
@@ -402,6 +412,10 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
 		h.SetConnectionClose()
 	}
 	r.head, r.headOwed = h.AppendBytes(r.head[:0]), true
+	// passChunks reads the connection itself: the body stream, which
+	// holds the connection's reader (see upConn.parkReader), goes now.
+	_ = r.x.att.resp.CloseBodyStream()
+	r.body = nil
 	r.x.cs.cc.handing.Store(true)
 	r.x.cs.cc.handover.Add(1)
 	ctx.HijackSetNoResponse(true)
@@ -409,14 +423,29 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
 }
 
 // relayPass relays a passChunks response on the connection the server
-// handed over (hj, which reads through the server's read buffer), finishes
-// the exchange, and then gives the connection back to the server or closes
-// it. It runs on the hijack's goroutine, which owns the exchange from here.
+// handed over (hj, which reads through the server's read buffer). It runs
+// on the hijack's goroutine, which owns the exchange from here: it ends the
+// response (endPass) unless a relay loop took the stream, which carries the
+// exchange on from there (relayEnded); either way this goroutine then
+// returns, and the server lets go of its read buffer and the request's
+// context.
 func (r *bodyRelay) relayPass(hj net.Conn) {
+	if moved, err := r.passChunks(hj); !moved {
+		r.endPass(hj, err, true)
+	}
+}
+
+// endPass ends a passChunks response that ended with err: it finishes the
+// exchange and then gives the connection back to the server (Proxy.resume:
+// on a goroutine of its own with async, else on this one) or closes it.
+// hj, when not nil, is the hijacked connection, whose read-ahead bytes go
+// back with the connection.
+func (r *bodyRelay) endPass(hj net.Conn, err error, async bool) {
 	x, cc := r.x, r.x.cs.cc
-	err := r.passChunks()
+	x.att.conn.setDirect(false)
+	setDirect(clientRx(x.client), false)
 	keep := err == nil && r.upDone && r.keepConn
-	if keep {
+	if keep && hj != nil {
 		// A pipelined request the server had read ahead goes back with
 		// the connection.
 		cc.takeBuffered(hj, r.buf)
@@ -427,8 +456,10 @@ func (r *bodyRelay) relayPass(hj net.Conn) {
 		_ = cc.Close()
 		return
 	}
-	// The rest of the connection's life is the server's again, on a
-	// goroutine of its own: this one returns, and the server releases the
-	// request's context.
-	go p.resume(cc)
+	// The rest of the connection's life is the server's again.
+	if async {
+		go p.resume(cc)
+	} else {
+		p.resume(cc)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -19,11 +20,13 @@ import (
 type upConn struct {
 	net.Conn
 	up *upstream
+	// br reads the responses; nil while a relay loop reads the socket
+	// (parkReader). Requests are written through a pooled writer
+	// (writeRequest): a connection holds none while it waits or streams.
 	br *bufio.Reader
 	// headerLimit, when set, shortens the wait for the response header
 	// below the upstream's first-byte timeout (a route's failover).
 	headerLimit time.Duration
-	bw          *bufio.Writer
 	timeout     time.Duration
 	setAt       time.Time     // when the read deadline was last moved
 	setFor      time.Duration // the timeout it was moved for
@@ -118,6 +121,55 @@ func (c *upConn) recvFd(fd int, b []byte) (int, syscall.Errno) {
 
 // setDirect turns the relay loop's direct socket calls on or off.
 func (c *upConn) setDirect(on bool) { setDirect(c.rx, on) }
+
+// Upstream connections' buffers: a reader per connection (8 KiB, held by
+// every stream but those on a relay loop) and a writer per request written.
+const (
+	upReadBuffer  = 8 << 10
+	upWriteBuffer = 4 << 10
+)
+
+// requestWriters holds the writers requests are written through
+// (writeRequest).
+var requestWriters = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, upWriteBuffer) }}
+
+// parkReader lets go of c's reader while a relay loop reads the socket
+// (into spareReaders); only of an empty one (bytes read ahead stay where
+// they are).
+func (c *upConn) parkReader() {
+	if c.br == nil || c.br.Buffered() > 0 {
+		return
+	}
+	c.br.Reset(nil)
+	spareReaders.put(c.br)
+	c.br = nil
+}
+
+// unparkReader gives c a reader again once its stream left the loop.
+func (c *upConn) unparkReader() {
+	if c.br == nil {
+		c.br = newUpReader(c)
+	}
+}
+
+// writeRequest writes what write puts in a pooled writer, then flushes
+// it to the connection (counting the bytes sent on a plain one: see
+// ackedBefore). Larger writes (long prompts) bypass the writer's buffer.
+func (c *upConn) writeRequest(write func(*bufio.Writer) error) error {
+	w := requestWriters.Get().(*bufio.Writer)
+	if c.up != nil && c.up.tls != nil {
+		w.Reset(c.Conn)
+	} else {
+		w.Reset(sentCounter{c})
+	}
+	err := write(w)
+	if err == nil {
+		err = w.Flush()
+	}
+	w.Reset(nil)
+	requestWriters.Put(w)
+	return err
+}
 
 // sentCounter counts the bytes written to a plain upstream connection.
 type sentCounter struct{ c *upConn }
@@ -242,9 +294,7 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 		_ = c.Conn.SetWriteDeadline(time.Time{})
 		c.writeDeadline = false
 	}
-	if err = req.Write(c.bw); err == nil {
-		err = c.bw.Flush()
-	}
+	err = c.writeRequest(req.Write)
 	written = c.up.now()
 	if err != nil {
 		return written, fmt.Errorf("%w: %w", errWriteUpstream, err)

@@ -95,10 +95,7 @@ func (x *exchange) sendUpgrade(c *upConn) ([]byte, error) {
 	t := x.rt.Timeouts
 	_ = c.SetWriteDeadline(x.p.now().Add(t.Write))
 	x.tap.m.written = x.p.now()
-	if err := x.att.req.Header.Write(c.bw); err != nil {
-		return nil, err
-	}
-	if err := c.bw.Flush(); err != nil {
+	if err := c.writeRequest(x.att.req.Header.Write); err != nil {
 		return nil, err
 	}
 	_ = c.SetReadDeadline(x.p.now().Add(t.FirstByte))

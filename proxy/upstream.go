@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bufio"
 	"context"
 	"crypto/tls"
 	"encoding/base64"
@@ -294,16 +293,11 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 		conn = tc
 	}
 	c := &upConn{Conn: conn, up: up, rx: rx, usesLeft: -1}
-	// Held by every open stream: kept small. Larger writes (long prompts)
-	// bypass the writer's buffer.
-	c.br = bufio.NewReaderSize(c, 8<<10)
+	c.br = newUpReader(c)
 	if up.tls == nil {
-		// Count what reaches the socket: see ackedBefore. The kernel's
-		// count starts with the SYN; read it once, as the connection opens.
-		c.bw = bufio.NewWriterSize(sentCounter{c}, 4<<10)
+		// The kernel's count of acknowledged bytes starts with the SYN:
+		// read it once, as the connection opens (see ackedBefore).
 		c.ackBase = c.bytesAcked()
-	} else {
-		c.bw = bufio.NewWriterSize(conn, 4<<10)
 	}
 	return c, nil
 }

@@ -75,6 +75,9 @@ func (l *Lines) Next() bool {
 		l.lines++
 		return true
 	}
+	// The input is used up: no reference to it is kept (the last line is
+	// no longer valid).
+	l.in, l.line = nil, nil
 	return false
 }
 

@@ -153,13 +153,16 @@ func (p *Parser) Next() bool {
 			return true
 		}
 	}
-	// The input is about to go away: keep what still aliases it.
+	// The input is about to go away: keep what still aliases it, and let
+	// go of the rest (the last event is no longer valid), so that no
+	// reference keeps the caller's buffer alive.
 	if p.dataView != nil {
 		p.data = append(p.data[:0], p.dataView...)
 		p.data = append(p.data, '\n')
 		p.dataView = nil
 	}
 	p.in = nil
+	p.ev.Type, p.ev.Data = nil, nil
 	return false
 }
 
