@@ -4,10 +4,16 @@ import (
 	"bytes"
 	"io"
 	"net"
+	"net/http"
+	"os"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/metrics"
 )
 
 // heldUpstream answers each request with a chunked stream's header and
@@ -154,5 +160,74 @@ func TestIdleStreamsHoldLittle(t *testing.T) {
 	t.Logf("heap per open stream: %.0f bytes", perStream)
 	if perStream > 20<<10 {
 		t.Fatalf("an open stream holds %.0f bytes of heap, want at most %d", perStream, 20<<10)
+	}
+}
+
+// The relay loops watch each waiting request's client for its close and
+// let go of the socket when the request ends: after requests of every
+// kind (answered, streamed, and one whose client left), each loop's epoll
+// set holds only its own eventfd and every watch slot is free.
+func TestLoopPeerWatchLeavesNothingBehind(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		if r.URL.Path == "/slow" {
+			select {
+			case <-r.Context().Done():
+			case <-time.After(time.Minute):
+			}
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a"))
+		flush(w)
+		time.Sleep(20 * time.Millisecond) // past the watch's start on either path
+		io.WriteString(w, chatChunk("b"))
+	})
+	tp := startProxy(t, up.URL, nil)
+	// One keep-alive connection, open until the end: a socket left in a
+	// set would still be there (a closed one leaves by itself).
+	keep, br := rawRequest(t, tp.addr, "")
+	for range 10 {
+		io.WriteString(keep, postJSON("/v1/chat/completions", `{"stream":true}`))
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, err := io.ReadAll(resp.Body); err != nil || string(b) != chatChunk("a")+chatChunk("b") {
+			t.Fatalf("stream: %q, %v", b, err)
+		}
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+			t.Fatalf("record: %s", rec.Outcome)
+		}
+	}
+	c, _ := rawRequest(t, tp.addr, postJSON("/slow", `{"stream":true}`))
+	time.Sleep(50 * time.Millisecond)
+	c.Close()
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeClientCancel {
+		t.Fatalf("the request whose client left: %s", rec.Outcome)
+	}
+	loops := tp.p.loops.running.Load()
+	if loops == nil || len(*loops) == 0 {
+		t.Skip("no relay loop on this system")
+	}
+	for i, l := range *loops {
+		info, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(l.poll.fd))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := strings.Count(string(info), "tfd:"); n != 1 {
+			t.Errorf("loop %d: %d descriptors in its epoll set, want 1 (its eventfd):\n%s", i, n, info)
+		}
+		l.wmu.Lock()
+		watched, free := len(l.watched), len(l.wfree)
+		for _, w := range l.watched {
+			if w != nil {
+				t.Errorf("loop %d: a watch is still registered", i)
+			}
+		}
+		l.wmu.Unlock()
+		if watched != free {
+			t.Errorf("loop %d: %d watch slots, %d free", i, watched, free)
+		}
 	}
 }

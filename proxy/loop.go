@@ -76,9 +76,18 @@ type relayLoop struct {
 	// none); armed is the epoll file's read deadline, which wakes the loop.
 	// A stream's activity only moves its timeouts later, so due is a
 	// bound, renewed by each check (scan).
-	due     time.Time
-	armed   time.Time
-	spare   spareBufs     // read buffers lent to its streams (spareBufs)
+	due   time.Time
+	armed time.Time
+	spare spareBufs // read buffers lent to its streams (spareBufs)
+
+	// Client sockets watched for their peer's close while their request
+	// waits (watchPeer), by slot: registered and ended by the requests'
+	// goroutines, reported to the loop's; under wmu, which a verdict is
+	// given under, so that a watch that stopped is never called.
+	wmu     sync.Mutex
+	watched []*peerWatch
+	wfree   []int32
+	wclosed bool          // the epoll set is closed: no more watches
 	again   bool          // a read filled the buffer: look again before parking
 	more    bool          // events are left after a batch: yield, then serve them
 	exiting bool          // the loop's own: stop was seen
@@ -285,6 +294,9 @@ func (l *relayLoop) run() {
 	for {
 		_ = l.raw.Read(l.turnFn) // a deadline: a timeout may be due
 		if l.exiting {
+			l.wmu.Lock()
+			l.wclosed = true
+			l.wmu.Unlock()
 			_ = l.file.Close()
 			_ = unix.Close(l.efd)
 			return
@@ -331,6 +343,10 @@ func (l *relayLoop) turn(uintptr) bool {
 			ev := &l.events[i]
 			if ev.Fd == efdSlot {
 				l.takePosted()
+				continue
+			}
+			if ev.Pad == sideWatch {
+				l.peerEvent(ev.Fd)
 				continue
 			}
 			s := l.slots[ev.Fd]
@@ -627,4 +643,73 @@ func (l *relayLoop) scan(now time.Time) {
 			}
 		}
 	}
+}
+
+// watchPeer watches w's client socket for its peer's close: the loop
+// looks at it when the socket reports the close (peerEvent) and calls
+// w.gone if the client left. False when the socket cannot be watched.
+func (l *relayLoop) watchPeer(w *peerWatch) bool {
+	fd := sockFd(w.raw)
+	if fd < 0 {
+		return false
+	}
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if l.wclosed {
+		return false
+	}
+	var slot int32
+	if k := len(l.wfree); k > 0 {
+		slot, l.wfree = l.wfree[k-1], l.wfree[:k-1]
+	} else {
+		slot = int32(len(l.watched))
+		l.watched = append(l.watched, nil)
+	}
+	if l.poll.add(fd, unix.EPOLLRDHUP, slot, sideWatch) != nil {
+		l.wfree = append(l.wfree, slot)
+		return false
+	}
+	l.watched[slot], w.slot = w, slot
+	return true
+}
+
+// unwatchPeer ends w's watch, unless the loop ended it already. Once it
+// returns, w.gone is not called.
+func (l *relayLoop) unwatchPeer(w *peerWatch) {
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if int(w.slot) < len(l.watched) && l.watched[w.slot] == w {
+		l.endWatch(w)
+	}
+}
+
+// peerEvent looks at the watched socket of slot, which reported its
+// peer's close or a hang-up.
+func (l *relayLoop) peerEvent(slot int32) {
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if slot < 0 || int(slot) >= len(l.watched) || l.watched[slot] == nil {
+		return // its watch stopped since the report
+	}
+	w := l.watched[slot]
+	end, gone := w.lookClosed()
+	if !end {
+		return
+	}
+	l.endWatch(w)
+	if gone {
+		w.gone()
+	}
+}
+
+// endWatch takes w's socket out of the set and frees its slot (under
+// wmu). A socket closed meanwhile has left the set by itself. The slot is
+// freed once the socket is out, so that no later watch is reported its
+// events.
+func (l *relayLoop) endWatch(w *peerWatch) {
+	l.watched[w.slot] = nil
+	if !l.wclosed {
+		_ = w.raw.Control(func(fd uintptr) { _ = unix.EpollCtl(l.poll.fd, unix.EPOLL_CTL_DEL, int(fd), nil) })
+	}
+	l.wfree = append(l.wfree, w.slot)
 }

@@ -68,9 +68,17 @@ func rawConn(conn net.Conn) syscall.RawConn {
 // and gone is called. Bytes waiting (a pipelined request) end the watch
 // without calling gone, since closure can no longer be seen without reading.
 //
+// While the proxy's relay loops run, a loop watches the socket instead
+// (relayLoop.watchPeer): from the start, for its peer's close alone
+// (EPOLLRDHUP), with no goroutine, timer or deadline per request. The
+// goroutine watch is for a proxy without loops (relay: goroutine).
+//
 // A peerWatch lives in a pooled exchange and serves one request after
 // another: its timer and channel are made once.
 type peerWatch struct {
+	loops   *loopSet   // the proxy's relay loops (nil: none)
+	loop    *relayLoop // the loop watching the socket, while one does
+	slot    int32      // its slot there
 	conn    net.Conn
 	raw     syscall.RawConn
 	gone    func()
@@ -104,6 +112,12 @@ func (w *peerWatch) start(conn net.Conn, gone func()) {
 	_, w.tls = conn.(*tlsClient)
 	w.stopped.Store(false)
 	w.active = true
+	if w.loops != nil {
+		if l := w.loops.pick(); l != nil && l.watchPeer(w) {
+			w.loop = l
+			return
+		}
+	}
 	if w.timer == nil {
 		w.done = make(chan struct{}, 1)
 		w.peekFn = w.peekOnce
@@ -144,6 +158,29 @@ func (w *peerWatch) peekOnce(fd uintptr) bool {
 	return w.state != peerIdle
 }
 
+// lookClosed is the loop watch's look at a socket that reported its
+// peer's close or a hang-up: whether the watch ends, and whether the
+// client is gone. Bytes waiting on a plain connection end it without a
+// verdict (a pipelined request: closure cannot be told without reading);
+// on TLS they may be the close_notify alert a leaving client sends before
+// its FIN, so the close decides. Nothing waiting and no close (a stale
+// report) leaves the socket watched.
+func (w *peerWatch) lookClosed() (end, gone bool) {
+	state := peerUnknown
+	if w.raw.Control(func(fd uintptr) { state = peek(fd) }) != nil {
+		return true, false // closed under the watch: its owner knows
+	}
+	switch state {
+	case peerIdle:
+		return false, false
+	case peerClosed:
+		return true, true
+	case peerData:
+		return true, w.tls
+	}
+	return true, false
+}
+
 // hungUp reports a peer that shut its side of the connection down (or
 // reset it), whatever bytes it sent before.
 func hungUp(fd uintptr) bool {
@@ -161,6 +198,12 @@ func (w *peerWatch) stop() {
 	}
 	w.active = false
 	w.stopped.Store(true)
+	if w.loop != nil {
+		w.loop.unwatchPeer(w)
+		w.loop = nil
+		w.release()
+		return
+	}
 	if w.timer.Stop() {
 		w.release()
 		return // the watch never started

@@ -20,6 +20,7 @@ type poller struct {
 const (
 	sideUp     int32 = 0
 	sideClient int32 = 1
+	sideWatch  int32 = 2 // a client socket watched for its peer's close (relayLoop.watchPeer)
 )
 
 func newPoller() (*poller, error) {

@@ -247,30 +247,37 @@ func TestNextRequestThenHalfClose(t *testing.T) {
 	}
 }
 
+// A client that leaves during a long prefill cancels the request at the
+// backend, seen by the peer watch: a relay loop's (the default) and the
+// goroutine's of a proxy without loops.
 func TestClientCancelDuringPrefill(t *testing.T) {
-	cancelled := make(chan time.Time, 1)
-	started := make(chan struct{})
-	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body) // net/http notices a closed client only once the body is read
-		close(started)
-		select { // a long prefill: not one byte before a minute
-		case <-r.Context().Done():
-			cancelled <- time.Now()
-		case <-time.After(time.Minute):
-		}
-	})
-	tp := startProxy(t, up.URL, nil)
-	c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
-	<-started
-	c.Close()
-	closedAt := time.Now()
-	waitClosed(t, cancelled, closedAt, "prefill")
-	rec := tp.rec.next(t)
-	if rec.Outcome != metrics.OutcomeClientCancel || rec.TTFT != metrics.Absent {
-		t.Fatalf("record: %+v", rec)
-	}
-	if open, idle := tp.upstreamConns(); open != 0 || idle != 0 {
-		t.Fatalf("cancelled upstream connection kept: open=%d idle=%d", open, idle)
+	for _, path := range relayPaths {
+		t.Run(path.name, func(t *testing.T) {
+			cancelled := make(chan time.Time, 1)
+			started := make(chan struct{})
+			up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+				io.ReadAll(r.Body) // net/http notices a closed client only once the body is read
+				close(started)
+				select { // a long prefill: not one byte before a minute
+				case <-r.Context().Done():
+					cancelled <- time.Now()
+				case <-time.After(time.Minute):
+				}
+			})
+			tp := startProxyOpts(t, up.URL, nil, Options{GoroutineRelay: path.goroutine})
+			c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
+			<-started
+			c.Close()
+			closedAt := time.Now()
+			waitClosed(t, cancelled, closedAt, "prefill")
+			rec := tp.rec.next(t)
+			if rec.Outcome != metrics.OutcomeClientCancel || rec.TTFT != metrics.Absent {
+				t.Fatalf("record: %+v", rec)
+			}
+			if open, idle := tp.upstreamConns(); open != 0 || idle != 0 {
+				t.Fatalf("cancelled upstream connection kept: open=%d idle=%d", open, idle)
+			}
+		})
 	}
 }
 
