@@ -98,6 +98,10 @@ type SetOptions struct {
 	Buckets map[string][]float64
 	// SLO adds the goodput counters to every series.
 	SLO bool
+	// NoSeries makes the routes' series labels only: no histogram or
+	// counter is made or fed (measurement.series: false). The tenants'
+	// series and the gauges stay.
+	NoSeries bool
 }
 
 // UnmatchedRoute is the route label of requests that matched no route.
@@ -151,23 +155,28 @@ func NewSet(routes []RouteRow, models []string, o SetOptions) *Set {
 	for _, route := range routes {
 		row := make([]*Series, len(labels))
 		for j, model := range labels {
-			row[j] = newSeries(route.Route, route.Upstream, model, buckets, o.SLO)
+			row[j] = newSeries(route.Route, route.Upstream, model, buckets, o.SLO, o.NoSeries)
 		}
 		s.series = append(s.series, row)
 	}
-	s.unmatched = newSeries(UnmatchedRoute, "", OtherModel, buckets, false)
+	s.unmatched = newSeries(UnmatchedRoute, "", OtherModel, buckets, false, o.NoSeries)
 	return s
 }
 
 // Unmatched returns the series of requests that matched no route.
 func (s *Set) Unmatched() *Series { return s.unmatched }
 
-func newSeries(route, upstream, model string, buckets func(string) []float64, slo bool) *Series {
+// newSeries makes the series of one label pair; with labelsOnly, only
+// its labels (Observe and ITL then feed nothing).
+func newSeries(route, upstream, model string, buckets func(string) []float64, slo, labelsOnly bool) *Series {
 	l := fmt.Sprintf(`route=%q,model=%q`, route, model)
 	if upstream != "" {
 		l = fmt.Sprintf(`route=%q,upstream=%q,model=%q`, route, upstream, model)
 	}
 	x := &Series{route: route, upstream: upstream, model: model, labels: l, buckets: buckets}
+	if labelsOnly {
+		return x
+	}
 	h := x.histogram
 	x.ttft, x.ttfa, x.itl, x.tpot = h("ttft"), h("ttfa"), h("itl"), h("tpot")
 	x.e2e, x.queue, x.overhead, x.ttfb = h("e2e"), h("queue"), h("overhead"), h("upstream_ttfb")
@@ -250,7 +259,11 @@ func (s *Set) Register() { vm.RegisterSet(s.set) }
 func (s *Set) Unregister() { vm.UnregisterSet(s.set, true) }
 
 // ITL records one inter-token gap, as it happens.
-func (x *Series) ITL(gap time.Duration) { x.itl.Update(gap.Seconds()) }
+func (x *Series) ITL(gap time.Duration) {
+	if x.itl != nil {
+		x.itl.Update(gap.Seconds())
+	}
+}
 
 // Observe feeds a finished record into its series (r.Series; records
 // without one are ignored). ITL gaps are not repeated here: they were
@@ -260,7 +273,7 @@ func (s *Set) Observe(r *Record) {
 		r.TenantSeries.observe(r)
 	}
 	x := r.Series
-	if x == nil {
+	if x == nil || x.ttft == nil { // labels only: NoSeries
 		return
 	}
 	update := func(h *vm.PrometheusHistogram, d time.Duration) {

@@ -137,7 +137,7 @@ func (cs *clientSide) sent() int64 {
 // delivered at t with the connection's count at sent; one mark serves
 // both when one delivery carried them. Only streams are marked.
 func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
-	if x.tap.streamed {
+	if x.tap.streamed && !x.p.opts.NoClientSide {
 		x.cs.mark(x.p, tok, ans, t, sent)
 	}
 }
@@ -201,12 +201,13 @@ func (cs *clientSide) stalled() time.Duration {
 // read reads TCP_INFO at the end of the response, on the
 // handler's goroutine. It reports whether the record should wait for the
 // client's acknowledgement of the last bytes (watch: the connection is
-// healthy, so the wait can tell).
-func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors) (wait bool) {
+// healthy, so the wait can tell). With on false (Options.NoClientSide) it
+// reads nothing: only the client's stalls are kept.
+func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on bool) (wait bool) {
 	cc := cs.cc
 	d := &cs.deliv
 	*d = delivery{stall: cs.stalled()}
-	if cc == nil || cc.ackBase < 0 || !cs.ti.read(cc.sys) {
+	if !on || cc == nil || cc.ackBase < 0 || !cs.ti.read(cc.sys) {
 		return false
 	}
 	in := &cs.ti.info

@@ -369,7 +369,7 @@ func (x *exchange) finish(writeErr error) {
 	}
 	wait := false
 	if x.client != nil {
-		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors)
+		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors, !x.p.opts.NoClientSide)
 		if cc := clientOf(x.client); cc != nil {
 			cc.expectHead() // the next bytes begin the next request
 		}
@@ -460,7 +460,9 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		x.judge()
 		x.snap.metrics.Observe(rec)
 	}
-	x.p.stats.Observe(rec, x.tap.m.gaps)
+	if !x.p.opts.NoStats {
+		x.p.stats.Observe(rec, x.tap.m.gaps)
+	}
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
 		if x.att.mem != nil {

@@ -82,6 +82,15 @@ type Options struct {
 	// (loop.go). The loops cost less per event; this is the path to compare
 	// them against.
 	GoroutineRelay bool
+	// NoStats, NoSeries and NoClientSide turn measuring features off
+	// (measurement: in the config), each with what it costs: the live
+	// /stats table (StatsOff: the admin answers 404), the per-request
+	// Prometheus series of each route (latency histograms, goodput and
+	// outcome counters), and the client side's TCP_INFO readings at each
+	// response's end with the wait for the client's ACK and the marks of
+	// the first tokens' acknowledgement (the record's client_* fields and
+	// bytes_acked are then absent).
+	NoStats, NoSeries, NoClientSide bool
 	// Tracer starts each request's trace (nil: no tracing, and a client's
 	// traceparent passes through untouched). The upstream request then
 	// carries tokentap's span in traceparent, and the record its trace
@@ -204,7 +213,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		s.routes = append(s.routes, rt)
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
-	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO()})
+	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO(), NoSeries: p.opts.NoSeries})
 	for _, rt := range s.routes {
 		if g := rt.guard; g != nil {
 			s.metrics.AddGauge(fmt.Sprintf(`tokentap_guard_tripped{route=%q,upstream=%q}`, rt.Name, g.Candidate), func() float64 {
@@ -313,6 +322,10 @@ func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.S
 // Stats returns the live percentile table of every request the proxy
 // finished, across reloads.
 func (p *Proxy) Stats() *stats.Engine { return p.stats }
+
+// StatsOff says the live /stats table is off (Options.NoStats): the engine
+// is fed nothing.
+func (p *Proxy) StatsOff() bool { return p.opts.NoStats }
 
 // ClientConns returns the number of open client connections accepted
 // through Listen.

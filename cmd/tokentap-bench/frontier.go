@@ -694,6 +694,7 @@ type variant struct {
 	log, slo   bool
 	otel       bool
 	relay      string
+	off        string // the measurement switch turned off (stats, series, client_side)
 }
 
 var (
@@ -703,7 +704,10 @@ var (
 		{Name: "tokentap-nolog", What: "access log off", slo: true, relay: "loop"},
 		{Name: "tokentap-noslo", What: "SLO judging off (no objectives)", log: true, relay: "loop"},
 		{Name: "tokentap-otel", What: "OpenTelemetry export on (spans and GenAI metrics to a collector that answers at once)", log: true, slo: true, otel: true, relay: "loop"},
-		{Name: "tokentap-goroutine", What: "streams relayed on their request's goroutine instead of the epoll relay loops", log: true, slo: true, relay: "goroutine"},
+		{Name: "tokentap-nostats", What: "the live /stats sketches off (measurement.stats: false)", log: true, slo: true, relay: "loop", off: "stats"},
+		{Name: "tokentap-noseries", What: "the routes' Prometheus series off (measurement.series: false)", log: true, slo: true, relay: "loop", off: "series"},
+		{Name: "tokentap-noclientside", What: "client-side TCP_INFO and the ACK wait off (measurement.client_side: false)", log: true, slo: true, relay: "loop", off: "client_side"},
+		{Name: "tokentap-goroutine", What: "streams relayed, and clients watched for their close, on the request's goroutine instead of the epoll relay loops", log: true, slo: true, relay: "goroutine"},
 	}
 )
 
@@ -722,6 +726,9 @@ func startTokentapVariant(outDir, name, dir string, gomaxprocs int, upstream str
 	}
 	if v.slo {
 		cfg.WriteString("slo: {ttft: 1s, tpot: 100ms, e2e: 30s, target: 99%}\n")
+	}
+	if v.off != "" {
+		fmt.Fprintf(&cfg, "measurement: {%s: false}\n", v.off)
 	}
 	if v.otel && otelEndpoint != "" {
 		fmt.Fprintf(&cfg, "otel: {endpoint: %q, service_name: tokentap-bench}\n", otelEndpoint)

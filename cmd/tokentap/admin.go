@@ -77,9 +77,13 @@ func (a *admin) reload() error {
 	}
 	s := a.running
 	if next.listen != s.listen || next.admin != s.admin || next.accessLog != s.accessLog || !reflect.DeepEqual(next.otel, s.otel) ||
-		(next.tls == nil) != (s.tls == nil) || (next.adminTLS == nil) != (s.adminTLS == nil) {
-		a.logger.Warn("listen, admin, access_log, otel and turning tls on or off take effect only on restart")
+		(next.tls == nil) != (s.tls == nil) || (next.adminTLS == nil) != (s.adminTLS == nil) ||
+		next.opts.GoroutineRelay != s.opts.GoroutineRelay || next.opts.NoStats != s.opts.NoStats ||
+		next.opts.NoSeries != s.opts.NoSeries || next.opts.NoClientSide != s.opts.NoClientSide {
+		a.logger.Warn("listen, admin, access_log, relay, measurement, otel and turning tls on or off take effect only on restart")
 	}
+	next.opts.GoroutineRelay, next.opts.NoStats, next.opts.NoSeries, next.opts.NoClientSide =
+		s.opts.GoroutineRelay, s.opts.NoStats, s.opts.NoSeries, s.opts.NoClientSide
 	a.reloadCerts(a.certs, next.tls, "tls")
 	a.reloadCerts(a.adminCerts, next.adminTLS, "admin.tls")
 	if (next.tls == nil) != (s.tls == nil) {
@@ -222,6 +226,15 @@ func (a *admin) browserAllowed(ctx *fasthttp.RequestCtx) bool {
 
 // serveAuthorized answers the data and control paths, once authorized.
 func (a *admin) serveAuthorized(ctx *fasthttp.RequestCtx, path string) {
+	switch path {
+	case "/stats", "/stats/timeline":
+		if a.p.StatsOff() {
+			ctx.SetStatusCode(fasthttp.StatusNotFound)
+			ctx.SetContentType("application/json")
+			ctx.SetBodyString(`{"error":"the live stats are off (measurement.stats: false)"}` + "\n")
+			return
+		}
+	}
 	switch path {
 	case "/stats":
 		a.serveStats(ctx)

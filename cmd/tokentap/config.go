@@ -45,6 +45,8 @@ type fileConfig struct {
 	// loops, the default) or "goroutine" (each stream on its request's
 	// goroutine).
 	Relay string `yaml:"relay"`
+	// Measurement turns measuring features off, each on by default.
+	Measurement fileMeasurement `yaml:"measurement"`
 	// TLS serves the proxy listener over TLS (nil: plain).
 	TLS *fileTLS `yaml:"tls"`
 	// OTel exports spans and GenAI metrics to an OpenTelemetry collector
@@ -52,6 +54,18 @@ type fileConfig struct {
 	OTel  *fileOTel      `yaml:"otel"`
 	lines map[string]int // field path → line, for validation errors
 }
+
+// fileMeasurement is the measurement section: what tokentap measures
+// besides each request's record, its access log line and its OTel
+// export; each is on unless set false.
+type fileMeasurement struct {
+	Stats      *bool `yaml:"stats"`       // the live /stats table (and the dashboard's data)
+	Series     *bool `yaml:"series"`      // the routes' per-request Prometheus series
+	ClientSide *bool `yaml:"client_side"` // TCP_INFO at each response's end, the wait for the client's ACK
+}
+
+// off says a switch of the measurement section was set false.
+func off(b *bool) bool { return b != nil && !*b }
 
 // fileOTel is the otel section: present, it turns the export on.
 type fileOTel struct {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -355,5 +356,45 @@ func TestConfigSaysWhatItMeans(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"-config", writeFile(t, "upstream: \"http://user:hunter2secret@127.0.0.1:8000\"\n")}); err != nil {
 		t.Errorf("credentials in an upstream URL: %v", err)
+	}
+}
+
+// The measurement section turns each measuring feature off by name; a
+// value that is not a boolean names the field; the running program with
+// the live stats off answers /stats and /stats/timeline with a 404 and a
+// JSON error, and serves its requests and /metrics as before.
+func TestMeasurementSection(t *testing.T) {
+	s, err := parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nmeasurement: {stats: false, client_side: false}\n")})
+	if err != nil || !s.opts.NoStats || s.opts.NoSeries || !s.opts.NoClientSide {
+		t.Fatalf("%v: stats off %v, series off %v, client side off %v", err, s.opts.NoStats, s.opts.NoSeries, s.opts.NoClientSide)
+	}
+	s, err = parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nmeasurement: {series: false, stats: true}\n")})
+	if err != nil || s.opts.NoStats || !s.opts.NoSeries || s.opts.NoClientSide {
+		t.Fatalf("%v: stats off %v, series off %v, client side off %v", err, s.opts.NoStats, s.opts.NoSeries, s.opts.NoClientSide)
+	}
+	if _, err := parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nmeasurement:\n  stats: sometimes\n")}); err == nil ||
+		!strings.Contains(err.Error(), ":3:") {
+		t.Fatalf("a bad value: %v", err)
+	}
+	if _, err := parseFlags([]string{"-config", writeFile(t, "upstream: http://a\nmeasurement: {sketches: false}\n")}); err == nil ||
+		!strings.Contains(err.Error(), "sketches") {
+		t.Fatalf("an unknown switch: %v", err)
+	}
+
+	up := startBackend(t, time.Millisecond)
+	listen, admin := freeAddr(t), freeAddr(t)
+	cfg := writeFile(t, "upstream: "+up+"\nmeasurement: {stats: false}\n")
+	prog := startRun(t, []string{"-config", cfg, "-listen", listen, "-admin", admin, "-access-log", ""})
+	defer prog.stop()
+	waitUp(t, "http://"+admin+"/healthz")
+	postChats(t, listen, 1, 3)
+	for _, path := range []string{"/stats", "/stats/timeline?route=default"} {
+		var e map[string]any
+		if code := getJSON(t, "http://"+admin+path, &e); code != 404 || !strings.Contains(fmt.Sprint(e["error"]), "measurement.stats") {
+			t.Errorf("%s: %d %v", path, code, e)
+		}
+	}
+	if code := status(t, "GET", "http://"+admin+"/metrics", ""); code != 200 {
+		t.Errorf("/metrics: %d", code)
 	}
 }

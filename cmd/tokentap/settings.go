@@ -111,7 +111,8 @@ func (b *settingsBuilder) listeners() error {
 	return nil
 }
 
-// drain: how a shutdown drains, and which relay streams take.
+// drain: how a shutdown drains, which relay streams take and what is
+// measured.
 func (b *settingsBuilder) drain() error {
 	fc, s := b.fc, b.s
 	for _, d := range []struct {
@@ -127,6 +128,8 @@ func (b *settingsBuilder) drain() error {
 		}
 		*d.dst = d.v.d
 	}
+	m := fc.Measurement
+	s.opts.NoStats, s.opts.NoSeries, s.opts.NoClientSide = off(m.Stats), off(m.Series), off(m.ClientSide)
 	switch fc.Relay {
 	case "", "loop":
 	case "goroutine":
