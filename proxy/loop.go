@@ -428,13 +428,7 @@ func (l *relayLoop) takePosted() {
 	now := l.now()
 	for i, s := range l.taken {
 		l.taken[i] = nil
-		var slot int32
-		if k := len(l.free); k > 0 {
-			slot, l.free = l.free[k-1], l.free[:k-1]
-		} else {
-			slot = int32(len(l.slots))
-			l.slots = append(l.slots, nil)
-		}
+		slot := takeSlot(&l.slots, &l.free)
 		s.slot, s.readAt, s.rdhup, s.bufs = slot, now, true, &l.spare
 		// The client's socket: its peer's close (the peer watch's job on
 		// the goroutine path), hang-ups and errors, until it is written to.
@@ -658,13 +652,7 @@ func (l *relayLoop) watchPeer(w *peerWatch) bool {
 	if l.wclosed {
 		return false
 	}
-	var slot int32
-	if k := len(l.wfree); k > 0 {
-		slot, l.wfree = l.wfree[k-1], l.wfree[:k-1]
-	} else {
-		slot = int32(len(l.watched))
-		l.watched = append(l.watched, nil)
-	}
+	slot := takeSlot(&l.watched, &l.wfree)
 	if l.poll.add(fd, unix.EPOLLRDHUP, slot, sideWatch) != nil {
 		l.wfree = append(l.wfree, slot)
 		return false
@@ -712,4 +700,15 @@ func (l *relayLoop) endWatch(w *peerWatch) {
 		_ = w.raw.Control(func(fd uintptr) { _ = unix.EpollCtl(l.poll.fd, unix.EPOLL_CTL_DEL, int(fd), nil) })
 	}
 	l.wfree = append(l.wfree, w.slot)
+}
+
+// takeSlot returns a slot of slots from free, or a new one at its end.
+func takeSlot[T any](slots *[]*T, free *[]int32) int32 {
+	if k := len(*free); k > 0 {
+		slot := (*free)[k-1]
+		*free = (*free)[:k-1]
+		return slot
+	}
+	*slots = append(*slots, nil)
+	return int32(len(*slots) - 1)
 }

@@ -66,7 +66,8 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	// first byte came within watchDelay never start it).
 	r.x.watch.stop()
 	// The upstream connection's reader is empty (passChunks moves only
-	// then) and unused while the loop reads the socket: it waits in a pool.
+	// then) and unused while the loop reads the socket: it is put aside
+	// (parkReader) until the stream leaves the loop.
 	c.parkReader()
 	if !l.post(s) {
 		r.leftLoop()
