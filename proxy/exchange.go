@@ -83,7 +83,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	// upstream.
 	x.client = ctx.Conn()
 	x.cs.start(x.client)
-	x.watch.start(x.client, x.fire)
+	x.watch.start(x.client, x.fire, &x.p.loops)
 	if r := x.admit(); r != nil {
 		return r
 	}

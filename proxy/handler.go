@@ -286,7 +286,6 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 		x = &exchange{p: p, att: upstreamAttempt{req: new(fasthttp.Request), resp: new(fasthttp.Response)}}
 		x.fire = x.cancel.fire
 		x.relay.x, x.att.x = x, x
-		x.watch.loops = &p.loops
 	}
 	x.snap = s
 	x.tap.m.reset(arrival)
@@ -299,7 +298,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
 		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.kept(), relay: x.relay.kept(), cs: x.cs.kept(),
-		watch: peerWatch{loops: x.watch.loops, done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
+		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)
 }

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -38,8 +39,9 @@ func heldUpstream(t *testing.T) string {
 		mu.Unlock()
 		wg.Wait()
 	})
+	event := chatChunk("first")
 	first := "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" +
-		chunk(chatChunk("first"))
+		fmt.Sprintf("%x\r\n%s\r\n", len(event), event)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -75,16 +77,6 @@ func heldUpstream(t *testing.T) string {
 		}
 	}()
 	return "http://" + ln.Addr().String()
-}
-
-// chunk frames s as one chunk.
-func chunk(s string) string {
-	const hex = "0123456789abcdef"
-	var size []byte
-	for n := len(s); n > 0; n /= 16 {
-		size = append([]byte{hex[n%16]}, size...)
-	}
-	return string(size) + "\r\n" + s + "\r\n"
 }
 
 // liveHeap is the heap in use by live objects, after a collection.
@@ -184,9 +176,11 @@ func TestIdleStreamsHoldLittle(t *testing.T) {
 // kind (answered, streamed, and one whose client left), each loop's epoll
 // set holds only its own eventfd and every watch slot is free.
 func TestLoopPeerWatchLeavesNothingBehind(t *testing.T) {
+	slowStarted := make(chan struct{})
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.ReadAll(r.Body)
 		if r.URL.Path == "/slow" {
+			close(slowStarted)
 			select {
 			case <-r.Context().Done():
 			case <-time.After(time.Minute):
@@ -217,7 +211,7 @@ func TestLoopPeerWatchLeavesNothingBehind(t *testing.T) {
 		}
 	}
 	c, _ := rawRequest(t, tp.addr, postJSON("/slow", `{"stream":true}`))
-	time.Sleep(50 * time.Millisecond)
+	<-slowStarted // the request waits at the backend, its client watched
 	c.Close()
 	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeClientCancel {
 		t.Fatalf("the request whose client left: %s", rec.Outcome)

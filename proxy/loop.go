@@ -171,10 +171,10 @@ func (b *spareBufs) take() []byte {
 	return v
 }
 
-// give keeps v for a later take.
+// give keeps v, a buffer of take's, for a later take.
 func (b *spareBufs) give(v []byte) {
-	if len(b.bufs) < maxSpareBufs && cap(v) >= relayBufSize {
-		b.bufs = append(b.bufs, v[:relayBufSize])
+	if len(b.bufs) < maxSpareBufs {
+		b.bufs = append(b.bufs, v)
 		return
 	}
 	spareRelayBuf(v)
@@ -690,16 +690,19 @@ func (l *relayLoop) peerEvent(slot int32) {
 	}
 }
 
-// endWatch takes w's socket out of the set and frees its slot (under
-// wmu). A socket closed meanwhile has left the set by itself. The slot is
-// freed once the socket is out, so that no later watch is reported its
-// events.
+// endWatch takes w's socket out of the set (under wmu); a socket closed
+// meanwhile has left it by itself. As with a stream's (end), a slot whose
+// socket the set refused to remove is never used again: no later watch is
+// reported its events.
 func (l *relayLoop) endWatch(w *peerWatch) {
 	l.watched[w.slot] = nil
+	removed := true
 	if !l.wclosed {
-		_ = w.raw.Control(func(fd uintptr) { _ = unix.EpollCtl(l.poll.fd, unix.EPOLL_CTL_DEL, int(fd), nil) })
+		_ = w.raw.Control(func(fd uintptr) { removed = l.poll.remove(int(fd)) == nil })
 	}
-	l.wfree = append(l.wfree, w.slot)
+	if removed {
+		l.wfree = append(l.wfree, w.slot)
+	}
 }
 
 // takeSlot returns a slot of slots from free, or a new one at its end.

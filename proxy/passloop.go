@@ -71,7 +71,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	c.parkReader()
 	if !l.post(s) {
 		r.leftLoop()
-		r.x.watch.start(r.x.client, r.x.fire)
+		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
 		return false
 	}
 	return true
@@ -98,10 +98,8 @@ func (r *bodyRelay) relayEnded(err error) { go r.afterLoop(err) }
 func (r *bodyRelay) afterLoop(err error) {
 	r.leftLoop()
 	if err == errNoLoop {
-		if r.buf == nil {
-			r.buf = newRelayBuf()
-		}
-		r.x.watch.start(r.x.client, r.x.fire)
+		// The loop never took it: its read buffer is still its own.
+		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
 		err = r.passRest()
 	} else {
 		loopStreams.Add(1)
@@ -110,7 +108,7 @@ func (r *bodyRelay) afterLoop(err error) {
 		r.wait <- err
 		return
 	}
-	r.endPass(nil, err, false)
+	r.endPass(nil, err)
 }
 
 // relayRead reads the upstream socket once for the loop and scans what

@@ -76,7 +76,6 @@ func rawConn(conn net.Conn) syscall.RawConn {
 // A peerWatch lives in a pooled exchange and serves one request after
 // another: its timer and channel are made once.
 type peerWatch struct {
-	loops   *loopSet   // the proxy's relay loops (nil: none)
 	loop    *relayLoop // the loop watching the socket, while one does
 	slot    int32      // its slot there
 	conn    net.Conn
@@ -100,10 +99,11 @@ type peerWatch struct {
 // noticed at most this much later, against prefills of hundreds of ms.
 const watchDelay = 10 * time.Millisecond
 
-// start watches conn from watchDelay on; nothing happens when conn is not a
-// socket. gone is called at most once, from the watch goroutine. Every
-// start must be followed by a stop before the next.
-func (w *peerWatch) start(conn net.Conn, gone func()) {
+// start watches conn: on one of loops when one runs and takes it, else
+// from watchDelay on, on a goroutine; nothing happens when conn is not a
+// socket. gone is called at most once, from the loop or the watch
+// goroutine. Every start must be followed by a stop before the next.
+func (w *peerWatch) start(conn net.Conn, gone func(), loops *loopSet) {
 	raw := rawConn(conn)
 	if raw == nil {
 		return
@@ -112,11 +112,9 @@ func (w *peerWatch) start(conn net.Conn, gone func()) {
 	_, w.tls = conn.(*tlsClient)
 	w.stopped.Store(false)
 	w.active = true
-	if w.loops != nil {
-		if l := w.loops.pick(); l != nil && l.watchPeer(w) {
-			w.loop = l
-			return
-		}
+	if l := loops.pick(); l != nil && l.watchPeer(w) {
+		w.loop = l
+		return
 	}
 	if w.timer == nil {
 		w.done = make(chan struct{}, 1)

@@ -431,16 +431,18 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
 // context.
 func (r *bodyRelay) relayPass(hj net.Conn) {
 	if moved, err := r.passChunks(hj); !moved {
-		r.endPass(hj, err, true)
+		r.endPass(hj, err)
 	}
 }
 
 // endPass ends a passChunks response that ended with err: it finishes the
-// exchange and then gives the connection back to the server (Proxy.resume:
-// on a goroutine of its own with async, else on this one) or closes it.
-// hj, when not nil, is the hijacked connection, whose read-ahead bytes go
-// back with the connection.
-func (r *bodyRelay) endPass(hj net.Conn, err error, async bool) {
+// exchange and then gives the connection back to the server (Proxy.resume)
+// or closes it. On the hijack's goroutine, hj is the hijacked connection:
+// its read-ahead bytes go back with the connection, and the server takes
+// it on a goroutine of its own, so that the hijack's returns. On the
+// goroutine a relay loop started (hj nil: passLoop took those bytes), the
+// server takes it on this one.
+func (r *bodyRelay) endPass(hj net.Conn, err error) {
 	x, cc := r.x, r.x.cs.cc
 	x.att.conn.setDirect(false)
 	setDirect(clientRx(x.client), false)
@@ -457,7 +459,7 @@ func (r *bodyRelay) endPass(hj net.Conn, err error, async bool) {
 		return
 	}
 	// The rest of the connection's life is the server's again.
-	if async {
+	if hj != nil {
 		go p.resume(cc)
 	} else {
 		p.resume(cc)

@@ -157,7 +157,7 @@ func (c *upConn) unparkReader() {
 // ackedBefore). Larger writes (long prompts) bypass the writer's buffer.
 func (c *upConn) writeRequest(write func(*bufio.Writer) error) error {
 	w := requestWriters.Get().(*bufio.Writer)
-	if c.up != nil && c.up.tls != nil {
+	if c.up.tls != nil {
 		w.Reset(c.Conn)
 	} else {
 		w.Reset(sentCounter{c})

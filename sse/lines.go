@@ -48,8 +48,7 @@ func (l *Lines) Next() bool {
 		i := bytes.IndexByte(l.in, '\n')
 		if i < 0 {
 			l.carry(l.in)
-			l.in = nil
-			return false
+			break
 		}
 		var line []byte
 		truncated := false

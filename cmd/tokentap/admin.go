@@ -226,14 +226,11 @@ func (a *admin) browserAllowed(ctx *fasthttp.RequestCtx) bool {
 
 // serveAuthorized answers the data and control paths, once authorized.
 func (a *admin) serveAuthorized(ctx *fasthttp.RequestCtx, path string) {
-	switch path {
-	case "/stats", "/stats/timeline":
-		if a.p.StatsOff() {
-			ctx.SetStatusCode(fasthttp.StatusNotFound)
-			ctx.SetContentType("application/json")
-			ctx.SetBodyString(`{"error":"the live stats are off (measurement.stats: false)"}` + "\n")
-			return
-		}
+	if (path == "/stats" || path == "/stats/timeline") && a.p.StatsOff() {
+		ctx.SetStatusCode(fasthttp.StatusNotFound)
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"error":"the live stats are off (measurement.stats: false)"}` + "\n")
+		return
 	}
 	switch path {
 	case "/stats":
