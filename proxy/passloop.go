@@ -96,6 +96,7 @@ func (r *bodyRelay) relayEntered() { r.spareBuf() }
 func (r *bodyRelay) relayEnded(err error) { go r.afterLoop(err) }
 
 func (r *bodyRelay) afterLoop(err error) {
+	growStack()
 	r.leftLoop()
 	if err == errNoLoop {
 		// The loop never took it: its read buffer is still its own.

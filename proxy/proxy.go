@@ -425,6 +425,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 // response ended: the server takes it back as it takes a new connection,
 // unless the proxy is shutting down.
 func (p *Proxy) resume(cc *clientConn) {
+	growStack()
 	cc.handover.Wait() // the goroutine that served it has let go of it
 	p.srvMu.Lock()
 	srv := p.srv

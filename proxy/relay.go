@@ -430,6 +430,7 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
 // returns, and the server lets go of its read buffer and the request's
 // context.
 func (r *bodyRelay) relayPass(hj net.Conn) {
+	growStack()
 	if moved, err := r.passChunks(hj); !moved {
 		r.endPass(hj, err)
 	}
