@@ -78,7 +78,7 @@ func deriveFrontier(rep *frontierReport) map[string]any {
 			if a, ok := r.Streams[name]; ok && a.Requests > 0 {
 				ttft = append(ttft, a.TTFTp99-r.Streams["direct"].TTFTp99)
 			}
-			if a, ok := r.CPU[name]; ok && a.Requests > 0 && name != "direct" {
+			if a, ok := r.CPU[name]; ok && a.Requests > 0 && a.CPU > 0 && name != "direct" { // 0: the CPU could not be read
 				cpu = append(cpu, a.CPU/float64(a.Requests)*1e6)
 			}
 			if pts, ok := r.Ceiling[name]; ok {

@@ -331,3 +331,17 @@ func TestClientStalePooledConnection(t *testing.T) {
 		t.Fatalf("%d connections, want 3: a request answered in part is not sent again", n)
 	}
 }
+
+// A round whose CPU could not be read (0 s: the kernel's scheduler
+// statistics were off and the ticks had not moved) is left out of the CPU
+// figure, not counted as free.
+func TestFrontierCPUUnreadRoundLeftOut(t *testing.T) {
+	rep := &frontierReport{Arms: []string{"direct", "tokentap"}}
+	for _, cpu := range []float64{0, 0.12, 0.15} {
+		rep.Rounds = append(rep.Rounds, frontierRound{CPU: map[string]roundStat{"tokentap": {Requests: 1000, CPU: cpu}}})
+	}
+	got := deriveFrontier(rep)["cpu_us_per_request/tokentap"].(spread)
+	if math.Abs(got.Min-120) > 1e-9 || math.Abs(got.Max-150) > 1e-9 || math.Abs(got.Median-135) > 1e-9 {
+		t.Fatalf("CPU per request %+v, want median 135 over 120–150 µs (the unread round left out)", got)
+	}
+}

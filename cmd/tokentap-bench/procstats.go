@@ -73,11 +73,11 @@ func procStat(pid int) []string {
 	return append([]string{"", ""}, strings.Fields(string(b[i+1:]))...)
 }
 
-// cpuSeconds is the user+system CPU time of an arm's processes.
 // cpuSeconds returns the CPU time the arm's processes have used: the sum
 // over their threads of /proc/<pid>/task/<tid>/schedstat (nanoseconds; a
 // burst of a hundred small requests is a few ms of CPU, below the 10 ms
-// tick of /proc/<pid>/stat, which is the fallback).
+// tick of /proc/<pid>/stat, which is the fallback). A kernel whose
+// scheduler statistics are off reads "0 0 0" there; the ticks count then.
 func cpuSeconds(a *arm) float64 {
 	if a.pids == nil {
 		return 0
@@ -105,7 +105,7 @@ func cpuSeconds(a *arm) float64 {
 			ticks += u + s
 		}
 	}
-	if exact {
+	if exact && ns > 0 {
 		return ns / 1e9
 	}
 	return ticks / 100 // USER_HZ
