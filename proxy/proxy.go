@@ -425,7 +425,6 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 // response ended: the server takes it back as it takes a new connection,
 // unless the proxy is shutting down.
 func (p *Proxy) resume(cc *clientConn) {
-	growStack()
 	cc.handover.Wait() // the goroutine that served it has let go of it
 	p.srvMu.Lock()
 	srv := p.srv
@@ -446,6 +445,13 @@ func (p *Proxy) resume(cc *clientConn) {
 		delete(p.resumed, cc)
 	}
 	p.srvMu.Unlock()
+}
+
+// resumeApart is resume on a goroutine of its own (go p.resumeApart),
+// whose stack it grows first.
+func (p *Proxy) resumeApart(cc *clientConn) {
+	growStack()
+	p.resume(cc)
 }
 
 // connState follows the server's connections: one it let go of for a

@@ -461,7 +461,7 @@ func (r *bodyRelay) endPass(hj net.Conn, err error) {
 	}
 	// The rest of the connection's life is the server's again.
 	if hj != nil {
-		go p.resume(cc)
+		go p.resumeApart(cc)
 	} else {
 		p.resume(cc)
 	}
