@@ -688,13 +688,14 @@ func ceilingOf(pts []ceilPoint) int {
 }
 
 // The tokentap variants of the feature-cost A/B: each turns one measuring
-// feature off (or, for OTel, on) against variantAll.
+// feature off (or, for OTel, on) against variantAll, and one turns every
+// switchable one off, which leaves the proxy's own work.
 type variant struct {
 	Name, What string
 	log, slo   bool
 	otel       bool
 	relay      string
-	off        string // the measurement switch turned off (stats, series, client_side)
+	off        []string // the measurement switches turned off (stats, series, client_side)
 }
 
 var (
@@ -704,9 +705,10 @@ var (
 		{Name: "tokentap-nolog", What: "access log off", slo: true, relay: "loop"},
 		{Name: "tokentap-noslo", What: "SLO judging off (no objectives)", log: true, relay: "loop"},
 		{Name: "tokentap-otel", What: "OpenTelemetry export on (spans and GenAI metrics to a collector that answers at once)", log: true, slo: true, otel: true, relay: "loop"},
-		{Name: "tokentap-nostats", What: "the live /stats sketches off (measurement.stats: false)", log: true, slo: true, relay: "loop", off: "stats"},
-		{Name: "tokentap-noseries", What: "the routes' Prometheus series off (measurement.series: false)", log: true, slo: true, relay: "loop", off: "series"},
-		{Name: "tokentap-noclientside", What: "client-side TCP_INFO and the ACK wait off (measurement.client_side: false)", log: true, slo: true, relay: "loop", off: "client_side"},
+		{Name: "tokentap-nostats", What: "the live /stats sketches off (measurement.stats: false)", log: true, slo: true, relay: "loop", off: []string{"stats"}},
+		{Name: "tokentap-noseries", What: "the routes' Prometheus series off (measurement.series: false)", log: true, slo: true, relay: "loop", off: []string{"series"}},
+		{Name: "tokentap-noclientside", What: "client-side TCP_INFO and the ACK wait off (measurement.client_side: false)", log: true, slo: true, relay: "loop", off: []string{"client_side"}},
+		{Name: "tokentap-nomeasure", What: "every measuring feature with a switch off: access log, SLO judging, /stats sketches, Prometheus series, client-side TCP_INFO and the ACK wait; what is left is the proxy's own work", relay: "loop", off: []string{"stats", "series", "client_side"}},
 		{Name: "tokentap-goroutine", What: "streams relayed, and clients watched for their close, on the request's goroutine instead of the epoll relay loops", log: true, slo: true, relay: "goroutine"},
 	}
 )
@@ -727,8 +729,8 @@ func startTokentapVariant(outDir, name, dir string, gomaxprocs int, upstream str
 	if v.slo {
 		cfg.WriteString("slo: {ttft: 1s, tpot: 100ms, e2e: 30s, target: 99%}\n")
 	}
-	if v.off != "" {
-		fmt.Fprintf(&cfg, "measurement: {%s: false}\n", v.off)
+	if len(v.off) > 0 {
+		cfg.WriteString("measurement: {" + strings.Join(v.off, ": false, ") + ": false}\n")
 	}
 	if v.otel && otelEndpoint != "" {
 		fmt.Fprintf(&cfg, "otel: {endpoint: %q, service_name: tokentap-bench}\n", otelEndpoint)
