@@ -296,6 +296,87 @@ func TestFaultBufferedBodiesBounded(t *testing.T) {
 	}
 }
 
+// TestFaultStreamLetsItsBodyGo: a stream's request body leaves the budget
+// of all requests' bodies (and the exchange) once its response is being
+// relayed, since no attempt sends it again: while a stream with a 600 KiB
+// prompt runs, a second request as large fits in a 1 MiB budget, where it
+// was refused with 503 while the stream held its prompt to its end. The
+// backend still got the whole prompt. Both relay paths.
+func TestFaultStreamLetsItsBodyGo(t *testing.T) {
+	for _, path := range relayPaths {
+		t.Run(path.name, func(t *testing.T) {
+			release := make(chan struct{})
+			up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+				n, _ := io.Copy(io.Discard, r.Body)
+				if r.URL.Path != "/v1/chat/completions" {
+					io.WriteString(w, "ok "+itoa(int(n)))
+					return
+				}
+				w.Header().Set("Content-Type", "text/event-stream")
+				io.WriteString(w, chatChunk("got "+itoa(int(n))))
+				flush(w)
+				select {
+				case <-release:
+				case <-r.Context().Done():
+					return
+				}
+				io.WriteString(w, chatChunk("end")+"data: [DONE]\n\n")
+			})
+			const budget = 1 << 20
+			tp := startProxyOpts(t, up.URL, nil, Options{GoroutineRelay: path.goroutine, MaxRequestBodySize: budget,
+				MaxBufferedBodies: budget, RequestReadTimeout: time.Minute})
+			prompt := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 600<<10) + `"}]}`
+
+			c, br := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", prompt))
+			c.SetReadDeadline(time.Now().Add(time.Minute))
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil || resp.StatusCode != 200 {
+				t.Fatalf("stream: %v %v", resp, err)
+			}
+			first := make([]byte, 0, 256)
+			for !strings.Contains(string(first), "\n\n") {
+				var b [64]byte
+				n, err := resp.Body.Read(b[:])
+				if err != nil {
+					t.Fatalf("first event: %v (read %q)", err, first)
+				}
+				first = append(first, b[:n]...)
+			}
+			if !strings.Contains(string(first), "got "+itoa(len(prompt))) {
+				t.Fatalf("the backend did not get the whole prompt: %q", first)
+			}
+			// The body went before the response's first bytes did.
+			if held := tp.p.bodies.Load(); held > keptBodyBuffer {
+				t.Fatalf("a running stream holds %d body bytes", held)
+			}
+
+			big := strings.Repeat("y", 600<<10)
+			c2, br2 := rawRequest(t, tp.addr, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: "+itoa(len(big))+"\r\n\r\n"+big)
+			c2.SetReadDeadline(time.Now().Add(time.Minute))
+			resp2, err := http.ReadResponse(br2, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, _ := io.ReadAll(resp2.Body)
+			if resp2.StatusCode != 200 || string(got) != "ok "+itoa(len(big)) {
+				t.Fatalf("a request beside the stream: %d %q", resp2.StatusCode, got)
+			}
+
+			close(release)
+			rest, err := io.ReadAll(resp.Body)
+			if err != nil || !strings.Contains(string(rest), "data: [DONE]") {
+				t.Fatalf("the stream's end: %q %v", rest, err)
+			}
+			for range 2 {
+				if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+					t.Errorf("record %s: outcome %s", rec.Path, rec.Outcome)
+				}
+			}
+			waitUntil(t, func() bool { return tp.p.bodies.Load() == 0 })
+		})
+	}
+}
+
 // TestFaultUnreadResponseIsNotGood: a client that never reads a response
 // that fits in the sockets' buffers: tokentap's writes all succeed, but
 // the client did not acknowledge the end, so its record says so (unacked,

@@ -65,7 +65,7 @@ func (in *inbound) readBody(ctx *fasthttp.RequestCtx, limit int, p *Proxy) ([]by
 		if len(buf) == cap(buf) {
 			// Double as bytes arrive; never past what is declared, nor
 			// past the budget of all requests' bodies.
-			next := max(2*cap(buf), 16<<10)
+			next := max(2*cap(buf), keptBodyBuffer)
 			if cl >= 0 {
 				next = min(next, cl)
 			}
@@ -97,6 +97,30 @@ func (in *inbound) readBody(ctx *fasthttp.RequestCtx, limit int, p *Proxy) ([]by
 	in.reqBody = buf
 	return buf, nil
 }
+
+// letBodyGo drops the request body once no attempt can send it again: a
+// stream's prompt is not held for the stream's life, and its bytes leave
+// the budget of all requests' bodies (Options.MaxBufferedBodies), where
+// they would refuse new requests while long streams run. The upstream
+// request's view of it (req) goes too. A buffer no larger than
+// keptBodyBuffer stays with the exchange for its next request, and in the
+// budget.
+func (in *inbound) letBodyGo(p *Proxy, req *fasthttp.Request) {
+	in.body0 = nil
+	req.ResetBody()
+	if cap(in.injected) > keptBodyBuffer {
+		in.injected = nil
+	}
+	if cap(in.reqBody) > keptBodyBuffer {
+		in.reqBody = nil
+		p.bodies.Add(-in.bodyHeld)
+		in.bodyHeld = 0
+	}
+}
+
+// keptBodyBuffer is the largest request body buffer a stream keeps for
+// its exchange's next request: the size readBody first grows one to.
+const keptBodyBuffer = 16 << 10
 
 // holdBody counts n bytes of body buffer as this request's in the budget
 // of all requests' bodies (Options.MaxBufferedBodies), in place of what it
