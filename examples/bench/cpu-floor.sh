@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # What tokentap's CPU per request is made of, against the bare fasthttp proxy
 # (tokentap-bench fasthttp-relay) on the same libraries: each proxy alone on
-# one core (GOMAXPROCS=1), non-streamed requests to mockllm (20 ms), first
+# one core (GOMAXPROCS=1) in front of mockllm (20 ms): non-streamed requests
 # closed-loop with 256 in flight (the proxy busy: no idle wake-ups in the
-# figure), then open-loop at 1,000/s (the frontier bench's CPU figure).
+# figure), then open-loop at 1,000/s (the frontier bench's CPU figure), then
+# short streams (one token) at 1,000/s, what a stream's start and end cost.
 # perf samples each proxy's stacks; every sample is charged to the first duty
 # (below) whose function is on its stack, so the duties' shares add up. CPU
 # per request comes from perf's task clock. Needs perf (Debian: linux-perf)
 # and permission to profile (root, or kernel.perf_event_paranoid <= 1).
-# About 2 minutes. Writes the figures to stdout and the raw profiles to OUT
-# (default /tmp/tokentap-cpu-floor), the figures also to OUT/report.md.
+# About 5 minutes with 3 rounds; each figure is the median over them. Writes
+# the figures to stdout and OUT/report.md, the raw profiles to OUT (default
+# /tmp/tokentap-cpu-floor).
 #
-#   examples/bench/cpu-floor.sh [OUT]
+#   examples/bench/cpu-floor.sh [OUT]        # ROUNDS=N in the environment: rounds (3)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-/tmp/tokentap-cpu-floor}
+rounds=${ROUNDS:-3}
 mkdir -p "$out"
 rm -f "$out/access.log"
 command -v perf >/dev/null || { echo "perf not installed (apt-get install linux-perf)" >&2; exit 2; }
@@ -38,29 +41,33 @@ access_log: "$out/access.log"
 slo: {ttft: 1s, tpot: 100ms, e2e: 30s, target: 99%}
 EOF
 
-# Duties, first match wins: NAME|function prefixes on the stack (;-separated).
+# Duties, first match wins: NAME|functions (;-separated). A function ending
+# in "." names every method of a type; any other must end a frame's name.
 duties=(
   "peer watch (epoll_ctl add and remove)|proxy.(*peerWatch).start;proxy.(*peerWatch).stop"
   "record: stats sketches, series, SLO, access-log queue|proxy.(*exchange).record"
   "access log writer (zap JSON, write)|metrics.(*AccessLog).run"
-  "usage parse of the response (gjson)|proxy.(*exchange).accountBody"
-  "client side (TCP_INFO)|proxy.(*clientSide).read"
+  "usage parse of a whole response (gjson)|proxy.(*exchange).accountBody"
+  "stream events parse (SSE, dialect)|proxy.(*tap).parse;proxy.(*tap).observe"
+  "client side (TCP_INFO, ACK marks, end wait)|proxy.(*clientSide).;proxy.(*lookWatch).;proxy.(*ackMark).;proxy.(*ackWatch)."
   "header rewrite (hop-by-hop, X-Forwarded-*, request id)|proxy.prepareRequest;proxy.copyResponseHeader"
   "request parse and route (gjson, dialect)|proxy.(*exchange).readRequest;proxy.(*exchange).pickRoute"
   "pooled-connection check (MSG_PEEK)|proxy.(*upConn).peek"
   "upstream round trip (write, read header)|proxy.(*upConn).send;fasthttp.(*HostClient).Do"
   "upstream pool and attempt bookkeeping|proxy.(*upstream).get;proxy.(*upstream).put;proxy.(*upstreamAttempt).forward;proxy.(*upstreamAttempt).attempt"
-  "response write to the client|fasthttp.writeResponse;bufio.(*Writer).Flush"
+  "response to the client (fasthttp's write, relay loop, chunk pass)|fasthttp.writeResponse;bufio.(*Writer).Flush;proxy.(*bodyRelay).passChunks;proxy.(*bodyRelay).servePass;proxy.(*relayLoop).turn"
   "request read from the client|bufio.(*Reader).Peek;fasthttp.(*RequestHeader).readLoop;fasthttp.(*Request).readBodyStream;fasthttp.(*Request).readLimitBody"
-  "rest of the request goroutine|fasthttp.(*Server).serveConnCounted"
+  "rest of the request goroutines|fasthttp.(*Server).serveConnCounted"
+  "stream hand-offs (hijack, the loop's take and release, resume)|fasthttp.hijackConnHandler;proxy.(*bodyRelay).relayEnded.gowrap1;proxy.(*bodyRelay).endPass.gowrap1;proxy.(*relayLoop)."
   "Go runtime: sysmon|runtime.sysmon"
   "Go runtime: scheduler and netpoll while idle|runtime.mcall;runtime.findRunnable"
+  "Go runtime: garbage collection|runtime.gcBgMarkWorker;runtime.bgsweep;runtime.bgscavenge"
 )
 
-profile() { # NAME LOAD-ARGS... ; the proxy under test is $pid
-  local name=$1; shift
-  "$out/tokentap-bench" -url "http://$listen/_mock/20ms/0s/v1/chat/completions" -model m -workload tiny \
-    -stream=false -duration 14s -requests 0 "$@" >"$out/$name.load" 2>&1 &
+profile() { # NAME MOCK-TIMING STREAM LOAD-ARGS... ; the proxy under test is $pid
+  local name=$1 timing=$2 stream=$3; shift 3
+  "$out/tokentap-bench" -url "http://$listen/_mock/$timing/v1/chat/completions" -model m -workload tiny \
+    -stream="$stream" -duration 14s -requests 0 "$@" >"$out/$name.load" 2>&1 &
   local load=$!
   sleep 3
   rm -f "$out/$name.perf" "$out/$name.perf.old"
@@ -73,13 +80,17 @@ profile() { # NAME LOAD-ARGS... ; the proxy under test is $pid
   awk -v ms="$ms" -v rps="$rps" 'BEGIN { printf "%.1f", ms * 1000 / (2 * rps) }' >"$out/$name.us"
   perf script -i "$out/$name.perf" -F ip,sym 2>/dev/null | awk -v spec="$(printf '%s\n' "${duties[@]}")" '
     BEGIN { n = split(spec, lines, "\n"); for (i = 1; i <= n; i++) { split(lines[i], kv, "|"); name[i] = kv[1]; np[i] = split(kv[2], parts, ";"); for (j = 1; j <= np[i]; j++) pre[i, j] = parts[j] } ; nd = n }
+    function matches(f, p) {
+      if (substr(p, length(p)) == ".") return index(f, p) > 0
+      return length(f) >= length(p) && substr(f, length(f) - length(p) + 1) == p
+    }
     function flush(   i, j, k, hit) {
       if (ns == 0) return
       tot++; hit = 0
       for (i = 1; i <= nd && !hit; i++)
         for (k = 1; k <= ns && !hit; k++)
           for (j = 1; j <= np[i]; j++)
-            if (index(st[k], pre[i, j]) > 0) { c[i]++; hit = 1; break }
+            if (matches(st[k], pre[i, j])) { c[i]++; hit = 1; break }
       if (!hit) other++
       ns = 0
     }
@@ -88,36 +99,60 @@ profile() { # NAME LOAD-ARGS... ; the proxy under test is $pid
     END { flush(); for (i = 1; i <= nd; i++) printf "%s\t%.4f\n", name[i], c[i] / tot; printf "other (kernel and runtime elsewhere)\t%.4f\n", other / tot }' >"$out/$name.duties"
 }
 
-run_arm() { # ARM CMD...
-  local arm=$1; shift
+run_arm() { # ARM ROUND CMD...
+  local arm=$1 round=$2; shift 2
   GOMAXPROCS=1 "$@" >"$out/$arm.log" 2>&1 &
   pid=$!
   sleep 1
-  profile "$arm-busy" -concurrency 256
-  profile "$arm-1000" -rate 1000
+  profile "$arm-busy-r$round" 20ms/0s false -concurrency 256
+  profile "$arm-1000-r$round" 20ms/0s false -rate 1000
+  profile "$arm-streams-r$round" 20ms/1ms true -rate 1000
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
-run_arm tokentap "$out/tokentap" -config "$out/tokentap.yaml"
-run_arm fasthttp-relay "$out/tokentap-bench" fasthttp-relay -listen "$listen" -upstream "$mock"
-
-report() {
-for load in busy 1000; do
-  t=$(cat "$out/tokentap-$load.us"); f=$(cat "$out/fasthttp-relay-$load.us")
-  echo
-  if [ "$load" = busy ]; then echo "## 256 in flight (busy)"; else echo "## 1,000 requests/s, Poisson"; fi
-  echo
-  echo "CPU per request: tokentap $t µs, fasthttp-relay $f µs ($(awk -v t="$t" -v f="$f" 'BEGIN{printf "%.2f", t/f}')×)"
-  echo
-  echo "| where | tokentap µs | fasthttp-relay µs |"
-  echo "|---|---:|---:|"
-  paste "$out/tokentap-$load.duties" "$out/fasthttp-relay-$load.duties" | awk -F'\t' -v t="$t" -v f="$f" \
-    '{ printf "| %s | %.1f | %.1f |\n", $1, $2 * t, $4 * f }'
-  echo
-  paste "$out/tokentap-$load.duties" "$out/fasthttp-relay-$load.duties" | awk -F'\t' -v t="$t" -v f="$f" '
-    $4 == 0 && $2 > 0 { own += $2 * t; next }
-    { shared += $2 * t - $4 * f }
-    END { printf "tokentap'"'"'s own duties (the rows the bare proxy has no part of): %.1f µs a request; the work both do: %+.1f µs\n", own, shared }'
+# Rounds, the arms' order alternating: this machine's figures move from one
+# run to the next, so each figure is the median over the rounds.
+for round in $(seq 1 "$rounds"); do
+  tokentap_arm() { run_arm tokentap "$round" "$out/tokentap" -config "$out/tokentap.yaml"; }
+  relay_arm() { run_arm fasthttp-relay "$round" "$out/tokentap-bench" fasthttp-relay -listen "$listen" -upstream "$mock"; }
+  if [ $((round % 2)) = 1 ]; then tokentap_arm; relay_arm; else relay_arm; tokentap_arm; fi
 done
-}
-report | tee "$out/report.md"
+
+python3 - "$out" "$rounds" <<'PY' | tee "$out/report.md"
+import statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+titles = {"busy": "Non-streamed requests, 256 in flight (busy)",
+          "1000": "Non-streamed requests, 1,000/s, Poisson",
+          "streams": "Short streams (one token), 1,000/s, Poisson: what a stream's start and end cost"}
+def load(arm, kind):
+    cpu, rows = [], {}
+    for r in range(1, rounds + 1):
+        us = float(open(f"{out}/{arm}-{kind}-r{r}.us").read())
+        cpu.append(us)
+        for line in open(f"{out}/{arm}-{kind}-r{r}.duties"):
+            name, share = line.rstrip("\n").split("\t")
+            rows.setdefault(name, []).append(float(share) * us)
+    return statistics.median(cpu), cpu, {k: statistics.median(v) for k, v in rows.items()}, list(rows)
+for kind, title in titles.items():
+    unit = "stream" if kind == "streams" else "request"
+    t, tr, trows, names = load("tokentap", kind)
+    f, fr, frows, _ = load("fasthttp-relay", kind)
+    print(f"\n## {title}\n")
+    print(f"CPU per {unit} (median of {rounds} rounds): tokentap {t:.1f} µs [{min(tr):.1f}–{max(tr):.1f}], "
+          f"fasthttp-relay {f:.1f} µs [{min(fr):.1f}–{max(fr):.1f}] ({t / f:.2f}×)\n")
+    print("| where | tokentap µs | fasthttp-relay µs |\n|---|---:|---:|")
+    own = shared = apart = 0.0
+    for n in names:
+        a, b = trows[n], frows.get(n, 0.0)
+        print(f"| {n} | {a:.1f} | {b:.1f} |")
+        if n.startswith(("stream hand-offs", "Go runtime: garbage")):
+            apart += a - b
+        elif b == 0 and a > 0:
+            own += a
+        else:
+            shared += a - b
+    line = f"\ntokentap's own duties (the rows the bare proxy has no part of): {own:.1f} µs a {unit}; the work both do: {shared:+.1f} µs"
+    if apart >= 0.05:
+        line += f"; the stream's hand-offs and the garbage collector: {apart:+.1f} µs"
+    print(line)
+PY
