@@ -113,8 +113,7 @@ func (in *inbound) letBodyGo(p *Proxy, req *fasthttp.Request) {
 	}
 	if cap(in.reqBody) > keptBodyBuffer {
 		in.reqBody = nil
-		p.bodies.Add(-in.bodyHeld)
-		in.bodyHeld = 0
+		in.holdBody(p, 0)
 	}
 }
 

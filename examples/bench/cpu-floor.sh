@@ -31,7 +31,8 @@ listen=127.0.0.1:$(free_port)
 admin=127.0.0.1:$(free_port)
 GOMAXPROCS=1 "$out/mockllm" -listen "$mock" -prefill-per-token 0 -jitter 0.2 >"$out/mockllm.log" 2>&1 &
 mockpid=$!
-trap 'kill $mockpid 2>/dev/null || true' EXIT
+pid=
+trap 'kill $mockpid $pid 2>/dev/null || true' EXIT
 cat >"$out/tokentap.yaml" <<EOF
 listen: "$listen"
 admin: "$admin"
