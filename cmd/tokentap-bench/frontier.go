@@ -33,6 +33,7 @@ type frontierSettings struct {
 	probe, backend, pace              time.Duration
 	minRate, maxRate, factor          float64
 	cpuRate                           float64
+	burst                             float64 // shape of the frontier search's gamma gaps (1: Poisson)
 	limits                            []float64
 	levels                            []int
 	costs                             bool
@@ -111,6 +112,7 @@ func runFrontier(args []string, out io.Writer) error {
 	fs.Float64Var(&f.maxRate, "max-rate", 40000, "highest offered rate tried")
 	fs.Float64Var(&f.factor, "factor", 1.25, "ratio between successive offered rates")
 	fs.Float64Var(&f.cpuRate, "cpu-rate", 1000, "offered rate at which CPU per request is read")
+	fs.Float64Var(&f.burst, "burstiness", 1, "the frontier search's arrivals: gamma-distributed gaps of this shape at the offered rate; 1 is Poisson, below 1 arrivals come in bursts (0.25: gaps spread twice their mean)")
 	fs.IntVar(&f.idle, "idle", 2000, "idle streams held at once for the memory figure (0: skip it)")
 	levelsSpec := fs.String("levels", "256,512,1024,2048,4096,8192", "concurrent streams tried for the stream ceiling, in order")
 	limitsSpec := fs.String("limits", "1,5,10", "added p99 limits of the frontier, in ms")
@@ -135,8 +137,8 @@ func runFrontier(args []string, out io.Writer) error {
 		f.limits = append(f.limits, v)
 	}
 	slices.Sort(f.limits)
-	if f.factor <= 1 || f.minRate <= 0 || f.maxRate < f.minRate || f.rounds < 1 {
-		return fmt.Errorf("need -factor > 1, 0 < -min-rate ≤ -max-rate and -rounds ≥ 1")
+	if f.factor <= 1 || f.minRate <= 0 || f.maxRate < f.minRate || f.rounds < 1 || !(f.burst > 0) {
+		return fmt.Errorf("need -factor > 1, 0 < -min-rate ≤ -max-rate, -rounds ≥ 1 and -burstiness > 0")
 	}
 	f.only = armSet(*armsSpec)
 	if err := os.MkdirAll(f.outDir, 0o755); err != nil {
@@ -187,7 +189,7 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 	}
 	rep.Settings = map[string]any{"gomaxprocs": f.gmp, "rounds": f.rounds, "probe_s": f.probe.Seconds(), "backend_ms": ms(f.backend),
 		"pace_ms": ms(f.pace), "tokens_per_stream": f.tokens, "min_rate": f.minRate, "max_rate": f.maxRate, "factor": f.factor,
-		"limits_ms": f.limits, "levels": f.levels, "cpu_rate": f.cpuRate, "idle_streams": f.idle, "arrivals": "Poisson (open loop)"}
+		"limits_ms": f.limits, "levels": f.levels, "cpu_rate": f.cpuRate, "idle_streams": f.idle, "arrivals": f.arrivals()}
 	for _, a := range arms {
 		rep.Arms = append(rep.Arms, a.Name)
 	}
@@ -413,6 +415,14 @@ func (f *frontierSettings) client(a *arm) *client {
 	return cl
 }
 
+// arrivals names the frontier search's arrivals.
+func (f *frontierSettings) arrivals() string {
+	if f.burst == 1 {
+		return "Poisson (open loop)"
+	}
+	return fmt.Sprintf("gamma gaps of shape %g, bursts around the offered rate (open loop)", f.burst)
+}
+
 func smallPlan(a *arm, cl *client, rate float64, d time.Duration, id string) plan {
 	return plan{URL: a.URL, Model: "m", Workloads: []workload{workloads["tiny"]}, Rate: rate, Burstiness: 1, Duration: d,
 		Timeout: 30 * time.Second, IDPrefix: id, Client: cl, MaxInflight: 4096}
@@ -472,13 +482,15 @@ func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, fl
 			// A p99 needs requests beyond it: at low rates the probe
 			// lasts long enough for minProbeRequests.
 			probe := max(f.probe, time.Duration(minProbeRequests/rate*float64(time.Second)))
-			run(smallPlan(a, cl, rate, f.probe/5, "wu-"))
-			st, _ := measure(a, smallPlan(a, cl, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-", a.Name, r, rate)))
+			warm, plan := smallPlan(a, cl, rate, f.probe/5, "wu-"), smallPlan(a, cl, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-", a.Name, r, rate))
+			warm.Burstiness, plan.Burstiness = f.burst, f.burst
+			run(warm)
+			st, _ := measure(a, plan)
 			p := ratePoint{Offered: rate, Requests: st.Requests, Errors: st.Errors, P50: st.E2Ep50, P99: st.E2Ep99,
 				Achieved: float64(st.Requests) / probe.Seconds()}
 			// Held, and not behind: the last answers came within a second
 			// (and half the probe) of the last arrival.
-			p.Held = held(rate, probe, st.Requests+st.Errors, p.Errors) && st.Seconds <= 1.5*probe.Seconds()+1
+			p.Held = held(rate, probe, f.burst, st.Requests+st.Errors, p.Errors) && st.Seconds <= 1.5*probe.Seconds()+1
 			if a.Name == "direct" {
 				// Past this the load generator or the backend is the
 				// bottleneck: added figures would measure them. A stall
@@ -526,12 +538,14 @@ func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, fl
 }
 
 // held says whether n answers in d, errs of them errors, kept up with
-// Poisson arrivals at rate: no more than 0.1% errors, and no fewer answers
-// than three standard deviations under the rate's mean (an arm that falls
-// behind answers fewer within the window and the wait that ends it).
-func held(rate float64, d time.Duration, n, errs int) bool {
+// arrivals at rate whose gaps are gamma-distributed of shape (1: Poisson):
+// no more than 0.1% errors, and no fewer answers than three standard
+// deviations under the rate's mean (an arm that falls behind answers fewer
+// within the window and the wait that ends it). Such a count's variance
+// is its mean over the shape: bursts spread it.
+func held(rate float64, d time.Duration, shape float64, n, errs int) bool {
 	mean := rate * d.Seconds()
-	return float64(n) >= mean-3*math.Sqrt(mean)-1 && float64(errs) <= 0.001*float64(n)
+	return float64(n) >= mean-3*math.Sqrt(mean/shape)-1 && float64(errs) <= 0.001*float64(n)
 }
 
 func rotate(a []*arm, k int) []*arm {

@@ -149,8 +149,14 @@ func frontierMarkdown(rep *frontierReport) string {
 	d := rep.Derived
 	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. Every arm limited to %v CPU (GOMAXPROCS of the Go arms, nginx's workers, HAProxy's threads; the JavaScript gateway runs one thread). ",
 		rep.Machine["cpu"], rep.Machine["cores"], rep.Machine["kernel"], rep.Settings["gomaxprocs"])
-	fmt.Fprintf(&b, "Backend: %v ms per request; streams of %v tokens, one every %v ms. Arrivals open-loop (Poisson). %d rounds; each figure is the median over them [min–max].\n\n",
-		rep.Settings["backend_ms"], rep.Settings["tokens_per_stream"], rep.Settings["pace_ms"], len(rep.Rounds))
+	arrivals, _ := rep.Settings["arrivals"].(string)
+	if arrivals == "" || arrivals == "Poisson (open loop)" {
+		arrivals = "open-loop (Poisson)"
+	} else {
+		arrivals = "of the frontier search: " + arrivals + "; elsewhere open-loop (Poisson)"
+	}
+	fmt.Fprintf(&b, "Backend: %v ms per request; streams of %v tokens, one every %v ms. Arrivals %s. %d rounds; each figure is the median over them [min–max].\n\n",
+		rep.Settings["backend_ms"], rep.Settings["tokens_per_stream"], rep.Settings["pace_ms"], arrivals, len(rep.Rounds))
 	refs := []string{}
 	for _, r := range []string{"nginx", "portkey"} {
 		if slices.Contains(rep.Arms, r) {

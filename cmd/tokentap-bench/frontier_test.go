@@ -113,15 +113,18 @@ func TestFrontierSimulated(t *testing.T) {
 	}
 }
 
-// TestHeldPoisson: an arm that keeps up answers a Poisson count of
-// requests; held must pass nearly all such windows at small and large n
-// and fail an arm that answers 10% fewer at large n.
-func TestHeldPoisson(t *testing.T) {
+// TestHeldArrivals: an arm that keeps up answers as many requests as
+// arrived in the window, a Poisson count or, with bursts (gamma gaps of
+// shape 0.25), a more spread one; held must pass nearly all such windows at
+// small and large n, and fail an arm that answers 10% fewer at large n.
+func TestHeldArrivals(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	poisson := func(mean float64) int { // sum of exponential gaps within the window
+	// count is how many arrivals with gamma gaps of shape (mean gap 1/shape
+	// units, as the load generator makes them) fall within mean units.
+	count := func(shape, mean float64) int {
 		n, at := 0, 0.0
 		for {
-			at += r.ExpFloat64()
+			at += gamma(r, shape) / shape
 			if at > mean {
 				return n
 			}
@@ -129,27 +132,30 @@ func TestHeldPoisson(t *testing.T) {
 		}
 	}
 	for _, c := range []struct {
-		rate float64
-		d    time.Duration
-	}{{100, 300 * time.Millisecond}, {100, time.Second}, {5000, time.Second}, {20000, 1500 * time.Millisecond}} {
+		rate, shape float64
+		d           time.Duration
+	}{
+		{100, 1, 300 * time.Millisecond}, {100, 1, time.Second}, {5000, 1, time.Second}, {20000, 1, 1500 * time.Millisecond},
+		{100, 0.25, time.Second}, {5000, 0.25, time.Second}, {20000, 0.25, 1500 * time.Millisecond},
+	} {
 		mean := c.rate * c.d.Seconds()
 		fails := 0
 		for range 2000 {
-			if !held(c.rate, c.d, poisson(mean), 0) {
+			if !held(c.rate, c.d, c.shape, count(c.shape, mean), 0) {
 				fails++
 			}
 		}
 		if fails > 10 { // three sigma: about 0.1% one-sided, plus the discrete edge
-			t.Errorf("rate %v over %v: %d of 2000 windows of an arm that kept up were judged behind", c.rate, c.d, fails)
+			t.Errorf("rate %v, shape %v, over %v: %d of 2000 windows of an arm that kept up were judged behind", c.rate, c.shape, c.d, fails)
 		}
-		if mean >= 1000 && held(c.rate, c.d, int(0.9*mean), 0) {
-			t.Errorf("rate %v over %v: 90%% of the arrivals answered was judged held", c.rate, c.d)
+		if mean >= 1000/c.shape && held(c.rate, c.d, c.shape, int(0.9*mean), 0) {
+			t.Errorf("rate %v, shape %v, over %v: 90%% of the arrivals answered was judged held", c.rate, c.shape, c.d)
 		}
 	}
-	if held(1000, time.Second, 1000, 2) {
+	if held(1000, time.Second, 1, 1000, 2) {
 		t.Error("0.2% errors judged held")
 	}
-	if !held(1000, time.Second, 1000, 1) {
+	if !held(1000, time.Second, 1, 1000, 1) {
 		t.Error("0.1% errors judged not held")
 	}
 }
