@@ -44,11 +44,13 @@ var help = map[string]string{
 	"tokentap_tenant_inflight":            "Requests of a tenant admitted and not yet finished.",
 	"tokentap_tenant_queue_depth":         "Requests of a tenant waiting in its admission queue.",
 
-	"tokentap_admission_store_up":            "1 while the shared admission store (Redis) answers within its timeout, 0 while it does not.",
-	"tokentap_admission_store_calls":         "Calls made to the shared admission store since start.",
-	"tokentap_admission_store_call_failures": "Calls to the shared admission store that failed or ran past its timeout, since start.",
-	"tokentap_admission_store_call_seconds":  "Time spent in calls to the shared admission store since start, in seconds.",
-	"tokentap_admission_store_replicas":      "Replicas sharing the admission store, from their heartbeats.",
+	"tokentap_admission_store_up":               "1 while the shared admission store (Redis) answers; 0 from the third failed call in a row (the breaker: decisions no longer wait for it) until a probe is answered.",
+	"tokentap_admission_store_calls":            "Calls made to the shared admission store since start.",
+	"tokentap_admission_store_call_failures":    "Calls to the shared admission store that failed or ran past its timeout, since start.",
+	"tokentap_admission_store_call_seconds":     "Time spent in calls to the shared admission store since start, in seconds.",
+	"tokentap_admission_store_replicas":         "Replicas sharing the admission store, from their heartbeats.",
+	"tokentap_admission_store_releases_pending": "Releases of finished requests not yet confirmed by the shared admission store (sent in the background, pipelined).",
+	"tokentap_admission_store_releases_dropped": "Releases not sent because the shared admission store was down since start: their leases ran out on their own, their unused tokens stayed taken.",
 
 	"tokentap_upstream_conns_discarded_total": "Pooled upstream connections closed instead of reused, by reason.",
 	"tokentap_upstream_retries_total":         "Requests sent again on a new connection because the backend provably never received them.",

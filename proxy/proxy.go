@@ -227,11 +227,13 @@ func (p *Proxy) Apply(cfg Config) error {
 	old := p.snap.Load()
 	s.admit = admitterFor(cfg, old, p.now, s.metrics)
 	if s.admit != nil {
-		s.admit.OnStoreChange(func(up bool) {
+		addr := s.admit.StoreAddr()
+		s.admit.OnStoreChange(func(up bool, err error) {
 			if up {
-				p.log.Info("admission store answers again: limits are shared across replicas")
+				p.log.Info("admission store answers again: limits are shared across replicas", zap.String("addr", addr))
 			} else {
-				p.log.Warn("admission store does not answer", zap.Bool("fail_open", s.admit.StoreStats().FailOpen))
+				p.log.Warn("admission store does not answer: deciding without it until a probe is answered",
+					zap.String("addr", addr), zap.Error(err), zap.Bool("fail_open", s.admit.StoreStats().FailOpen))
 			}
 		})
 	}
@@ -315,6 +317,8 @@ func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.S
 		set.AddGauge("tokentap_admission_store_call_failures", func() float64 { return float64(a.StoreStats().Failures) })
 		set.AddGauge("tokentap_admission_store_call_seconds", func() float64 { return a.StoreStats().Seconds })
 		set.AddGauge("tokentap_admission_store_replicas", func() float64 { return float64(a.StoreStats().Replicas) })
+		set.AddGauge("tokentap_admission_store_releases_pending", func() float64 { return float64(a.StoreStats().ReleasesPending) })
+		set.AddGauge("tokentap_admission_store_releases_dropped", func() float64 { return float64(a.StoreStats().ReleasesDropped) })
 	}
 	return a
 }

@@ -71,6 +71,11 @@ type tenantState struct {
 	timer    *time.Timer
 	lastUse  time.Time
 	dead     bool // evicted: callers must fetch the state again
+	// deciding counts the decisions waiting on the shared store with the
+	// lock let go; pumping says one goroutine admits the queue's head
+	// (against a shared store), repump that a release came meanwhile.
+	deciding        int
+	pumping, repump bool
 
 	inflight atomic.Int64 // for gauges
 	queued   atomic.Int64
@@ -138,6 +143,7 @@ type waiter struct {
 	est       int64
 	ch        chan struct{}
 	admitted  bool
+	gone      bool // left the queue (timed out or cancelled) unadmitted
 	adm       admission
 }
 
@@ -186,10 +192,15 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 		a.tenants[t.Name] = t
 	}
 	if cfg.Store != nil {
-		if prev != nil && prev.shared != nil && reflect.DeepEqual(prev.shared.cfg, *cfg.Store) {
+		switch {
+		case prev != nil && prev.shared != nil && reflect.DeepEqual(prev.shared.cfg, *cfg.Store):
 			a.shared, prev.shared = prev.shared, nil // the same store: its client and leases carry on
-		} else {
-			a.shared = newStore(*cfg.Store)
+		case prev != nil && prev.shared != nil:
+			// Another store: it takes the leases of the requests in flight
+			// over, renews them and receives their releases.
+			a.shared = newStore(*cfg.Store, prev.shared)
+		default:
+			a.shared = newStore(*cfg.Store, nil)
 		}
 	}
 	if prev != nil {
@@ -424,7 +435,9 @@ func (st *tenantState) take(now time.Time, rl *limiter, est int64) {
 // allows it, taking them: in the shared store when there is one (or, while
 // it is down and the config says open, in this replica's share of the
 // limits), else here. Otherwise it reports how long until it could pass
-// (-1: until a request ends) and why. st is locked.
+// (-1: until a request ends) and why. st is locked; with a shared store
+// the lock is let go during the store's round trip (the tenant's other
+// requests decide meanwhile) and held again when try returns.
 func (a *Admitter) try(st *tenantState, rl *limiter, route string, est int64, now time.Time) (admission, bool, time.Duration, Reason) {
 	if a.shared == nil {
 		ok, wait, reason := st.check(now, rl, est)
@@ -435,23 +448,31 @@ func (a *Admitter) try(st *tenantState, rl *limiter, route string, est int64, no
 	}
 	var all, rlim *Limits
 	if st.all != nil {
-		all = &st.all.lim
+		l := st.all.lim
+		all = &l
 	}
 	if rl != nil {
-		rlim = &rl.lim
+		l := rl.lim
+		rlim = &l
 	}
-	lease, wait, reason, err := a.shared.admit(st.t.Name, route, all, rlim, est)
+	shared, name := a.shared, st.t.Name
+	st.deciding++
+	st.mu.Unlock()
+	lease, wait, reason, err := shared.admit(name, route, all, rlim, est)
+	st.mu.Lock()
+	st.deciding--
+	now = a.now()
 	switch {
 	case err == nil && wait == 0:
 		st.inflight.Add(1)
-		return admission{lease: lease, store: a.shared, route: rl}, true, 0, ""
+		return admission{lease: lease, store: shared, route: rl}, true, 0, ""
 	case err == nil:
 		return admission{}, false, wait, reason
 	case a.cfg.Store.Fail == FailClosed:
 		return admission{}, false, time.Second, ReasonStore
 	}
 	// The store is down and the config says open: this replica's share.
-	fa, fr := st.fallbackLimiters(route, rl != nil, a.shared.shareOf(), now)
+	fa, fr := st.fallbackLimiters(route, rl != nil, shared.shareOf(), now)
 	ok, wait, reason := checkPair(now, fa, fr, est)
 	if !ok {
 		return admission{}, false, wait, reason
@@ -571,6 +592,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 			break
 		}
 	}
+	w.gone = true
 	a.pumpLocked(st, a.now()) // the head may have changed
 	wait := time.Second
 	if a.shared == nil {
@@ -595,7 +617,20 @@ const sharedPoll = 25 * time.Millisecond
 
 // pumpLocked admits queued requests in order while the limits allow, and
 // otherwise arranges to try again when the head could pass. st is locked.
+// Against a shared store the queue is admitted by one goroutine of its own
+// (pumpShared), so that no caller waits on the store's round trips.
 func (a *Admitter) pumpLocked(st *tenantState, now time.Time) {
+	if a.shared != nil {
+		switch {
+		case len(st.queue) == 0:
+		case st.pumping:
+			st.repump = true
+		default:
+			st.pumping = true
+			go a.pumpShared(st)
+		}
+		return
+	}
 	for len(st.queue) > 0 {
 		w := st.queue[0]
 		adm, ok, wait, _ := a.try(st, w.route, w.routeName, w.est, now)
@@ -607,20 +642,69 @@ func (a *Admitter) pumpLocked(st *tenantState, now time.Time) {
 				if st.timer != nil {
 					st.timer.Stop()
 				}
-				st.timer = time.AfterFunc(wait, func() {
-					st.mu.Lock()
-					a.pumpLocked(st, a.now())
-					st.mu.Unlock()
-				})
+				a.pumpAfter(st, wait)
 			}
 			return // waiting on a release otherwise
 		}
-		st.queue[0] = nil
-		st.queue = st.queue[1:]
-		st.queued.Add(-1)
-		w.admitted, w.adm = true, adm
-		close(w.ch)
+		st.admitHead(w, adm)
 	}
+}
+
+// pumpAfter has the queue pumped again after wait. st is locked.
+func (a *Admitter) pumpAfter(st *tenantState, wait time.Duration) {
+	if st.timer != nil {
+		st.timer.Stop()
+	}
+	st.timer = time.AfterFunc(wait, func() {
+		st.mu.Lock()
+		a.pumpLocked(st, a.now())
+		st.mu.Unlock()
+	})
+}
+
+// admitHead takes the queue's head, w, out of it as admitted. st is locked.
+func (st *tenantState) admitHead(w *waiter, adm admission) {
+	st.queue[0] = nil
+	st.queue = st.queue[1:]
+	st.queued.Add(-1)
+	w.admitted, w.adm = true, adm
+	close(w.ch)
+}
+
+// pumpShared admits the queue's head against the shared store, one
+// decision at a time, until the queue is empty or its head must wait; it
+// is the only goroutine pumping st's queue while st.pumping is set.
+func (a *Admitter) pumpShared(st *tenantState) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	for len(st.queue) > 0 {
+		w := st.queue[0]
+		st.repump = false
+		adm, ok, wait, _ := a.try(st, w.route, w.routeName, w.est, a.now())
+		if w.gone {
+			// It left while the store decided: what it was given goes back.
+			if ok {
+				t := &Ticket{a: a, st: st, routeName: w.routeName, adm: adm, reserved: w.est}
+				st.mu.Unlock()
+				t.Release(0)
+				st.mu.Lock()
+			}
+			continue
+		}
+		if ok {
+			st.admitHead(w, adm)
+			continue
+		}
+		if st.repump {
+			continue // a release came while the store decided: at once again
+		}
+		if wait <= 0 {
+			wait = sharedPoll
+		}
+		a.pumpAfter(st, wait)
+		break
+	}
+	st.pumping = false
 }
 
 // Release ends an admitted request: its concurrency slot is freed and its
@@ -749,7 +833,8 @@ func (a *Admitter) Evict() int {
 	n := 0
 	for name, st := range a.states {
 		st.mu.Lock()
-		if len(st.queue) == 0 && st.inflight.Load() == 0 && now.Sub(st.lastUse) >= a.cfg.IdleTTL && st.all.fresh(now) && routesFresh(st, now) {
+		if len(st.queue) == 0 && st.inflight.Load() == 0 && st.deciding == 0 && !st.pumping &&
+			now.Sub(st.lastUse) >= a.cfg.IdleTTL && st.all.fresh(now) && routesFresh(st, now) {
 			st.dead = true
 			delete(a.states, name)
 			n++

@@ -7,7 +7,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"math"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -63,10 +65,19 @@ type RedisConfig struct {
 	Addr, Username, Password string
 	DB                       int
 	TLS                      bool
-	// Timeout bounds every store call (default 20 ms).
+	// Timeout bounds every decision's store call (default 100 ms: a busy
+	// host's scheduling delays pass 20 ms while Redis is healthy; a store
+	// that stops answering costs the timeout only until the breaker
+	// opens, tripAfter calls later).
 	Timeout   time.Duration
 	KeyPrefix string // default "tokentap:"
 }
+
+// The store's defaults and floors.
+const (
+	DefaultStoreTimeout = 100 * time.Millisecond
+	MinLeaseTTL         = time.Second
+)
 
 func (s StoreConfig) withDefaults() StoreConfig {
 	if s.Fail == "" {
@@ -76,7 +87,7 @@ func (s StoreConfig) withDefaults() StoreConfig {
 		s.LeaseTTL = 15 * time.Second
 	}
 	if s.Redis.Timeout == 0 {
-		s.Redis.Timeout = 20 * time.Millisecond
+		s.Redis.Timeout = DefaultStoreTimeout
 	}
 	if s.Redis.KeyPrefix == "" {
 		s.Redis.KeyPrefix = "tokentap:"
@@ -92,8 +103,14 @@ func (s *StoreConfig) validate() error {
 		return fieldErr("admission.store.fail", "%q must be closed or open", s.Fail)
 	case s.Redis.Timeout < 0:
 		return fieldErr("admission.store.redis.timeout", "must not be negative")
+	case s.Redis.Timeout != 0 && s.Redis.Timeout < time.Millisecond:
+		return fieldErr("admission.store.redis.timeout", "%v is below 1ms: no store answers that fast", s.Redis.Timeout)
 	case s.LeaseTTL < 0:
 		return fieldErr("admission.store.lease_ttl", "must not be negative")
+	case s.LeaseTTL != 0 && s.LeaseTTL < MinLeaseTTL:
+		// Renewed every third of it: 1 ms would be ~1,000 calls a second
+		// from an idle replica, and a 0 tick would stop every stream.
+		return fieldErr("admission.store.lease_ttl", "%v is below %v (leases are renewed every third of it)", s.LeaseTTL, MinLeaseTTL)
 	case s.MinShare < 0 || s.MinShare > 1:
 		return fieldErr("admission.store.min_share", "must be between 0 and 1")
 	case s.Redis.DB < 0:
@@ -105,24 +122,79 @@ func (s *StoreConfig) validate() error {
 // ReasonStore: the shared store did not answer (fail closed).
 const ReasonStore Reason = "store_unavailable"
 
+// The breaker: after tripAfter calls in a row failed, the store is taken as
+// down and no decision waits for it (fail decides at once) until a probe,
+// every probeEvery, is answered.
+const (
+	tripAfter  = 3
+	probeEvery = 100 * time.Millisecond
+	// poolSize bounds the connections to the store: decisions of one tenant
+	// run side by side, each one round trip.
+	poolSize = 64
+	// maxReleasing bounds the leases of one tenant whose release is on its
+	// way that a decision sends along (the concurrency check leaves them
+	// out); past it a decision may count a slot that is being freed.
+	maxReleasing = 64
+)
+
+// errDown is the answer of a store whose breaker is open.
+var errDown = errors.New("the admission store is down (the breaker is open until a probe is answered)")
+
 // store is the shared store's client, shared by the Admitters of
-// successive configurations that name the same store.
+// successive configurations that name the same store. A decision is one
+// call on the caller's goroutine, with no lock held; releases, heartbeats
+// and lease renewals are sent by the store's own goroutine (loop), in
+// order, so a renewal can never bring back a lease whose release it sent
+// before.
 type store struct {
 	c        *redis.Client
 	cfg      StoreConfig
 	id       string // this replica
 	up       atomic.Bool
+	streak   atomic.Int32 // calls failed in a row
 	replicas atomic.Int64 // live replicas seen in the heartbeats, at least 1
 	seq      atomic.Uint64
 
-	mu     sync.Mutex
-	leases map[string][]string // lease → the concurrency keys it holds
+	mu        sync.Mutex
+	leases    map[string]leaseHold  // the leases of requests in flight
+	releases  []releaseOp           // releases not yet sent
+	releasing map[string]*releasing // tenant → its releases sent or not, and not yet confirmed
+	next      *store                // the store of a later configuration that took the leases over
 
-	calls, failures, nanos atomic.Int64
-	onChange               atomic.Pointer[func(up bool)]
+	calls, failures, nanos, dropped atomic.Int64
+	onChange                        atomic.Pointer[func(up bool, err error)]
 
+	kick chan struct{}
 	stop chan struct{}
 	done chan struct{}
+}
+
+// leaseHold is where a lease holds a concurrency slot: the tenant's own
+// (all) and the tenant's on route.
+type leaseHold struct {
+	tenant, route string
+	all, onRoute  bool
+}
+
+// releasing is what a tenant's releases on their way give back: the
+// leases they free and the tokens they return (reserved minus used), to
+// the tenant's own limits and to its limits on each route. A decision
+// counts them as given back already, so that a client's next request on a
+// kept-alive connection is decided as if its last one's release had landed.
+type releasing struct {
+	leases      []string // at most maxReleasing
+	credit      int64
+	routeCredit map[string]int64
+	n           int
+}
+
+// releaseOp is a release waiting to be sent.
+type releaseOp struct {
+	tenant, route    string
+	lease            string
+	all, rl          Limits // zero: none
+	hasRoute         bool
+	reserved, actual int64
 }
 
 // quiet drops the Redis client's own log lines (its dial failures, with
@@ -134,22 +206,76 @@ func (quiet) Printf(context.Context, string, ...any) {}
 
 var quietOnce sync.Once
 
-func newStore(cfg StoreConfig) *store {
+// newStore connects to the store of cfg and warms the connection (the
+// scripts loaded, connections dialled) before it decides anything; a store
+// that does not answer then starts with its breaker open. prev, the store
+// of the configuration being replaced (or nil), hands over its leases:
+// the new store renews them (in its own keys) and the requests holding
+// them release there.
+func newStore(cfg StoreConfig, prev *store) *store {
 	quietOnce.Do(func() { redis.SetLogger(quiet{}) })
 	o := &redis.Options{Addr: cfg.Redis.Addr, Username: cfg.Redis.Username, Password: cfg.Redis.Password, DB: cfg.Redis.DB,
 		DialTimeout: 4 * cfg.Redis.Timeout, ReadTimeout: cfg.Redis.Timeout, WriteTimeout: cfg.Redis.Timeout,
-		MaxRetries: -1, PoolTimeout: cfg.Redis.Timeout, ContextTimeoutEnabled: true}
+		MaxRetries: -1, PoolTimeout: cfg.Redis.Timeout, ContextTimeoutEnabled: true,
+		PoolSize: poolSize, MinIdleConns: 2}
 	if cfg.Redis.TLS {
 		o.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	s := &store{c: redis.NewClient(o), cfg: cfg, id: hex.EncodeToString(b[:]), leases: map[string][]string{},
-		stop: make(chan struct{}), done: make(chan struct{})}
+	s := &store{c: redis.NewClient(o), cfg: cfg, id: hex.EncodeToString(b[:]), leases: map[string]leaseHold{},
+		releasing: map[string]*releasing{}, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 	s.up.Store(true)
 	s.replicas.Store(1)
+	if prev != nil {
+		s.adopt(prev)
+	}
+	if err := s.warm(); err != nil {
+		s.streak.Store(tripAfter)
+		s.up.Store(false)
+	}
 	go s.loop()
 	return s
+}
+
+// warm loads the scripts and makes the first round trips, so that the
+// first decision is not the one that pays for them.
+func (s *store) warm() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*s.cfg.Redis.Timeout+s.cfg.Redis.Timeout)
+	defer cancel()
+	for _, sc := range []*redis.Script{admitScript, releaseScript, renewScript, heartbeatScript} {
+		if err := sc.Load(ctx, s.c).Err(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// adopt takes over prev's leases and the releases it has not sent, and
+// makes prev hand later releases to s. A lease's release reconciles no
+// tokens in another Redis or under another key prefix than the one it was
+// taken in: only its slot is freed there.
+func (s *store) adopt(prev *store) {
+	prev.mu.Lock()
+	defer prev.mu.Unlock()
+	same := sameTarget(prev.cfg, s.cfg)
+	for l, h := range prev.leases {
+		s.leases[l] = h
+	}
+	for _, op := range prev.releases {
+		if !same {
+			op.reserved, op.actual = 0, 0
+		}
+		s.releases = append(s.releases, op)
+	}
+	prev.releases = nil
+	prev.next = s
+}
+
+// sameTarget reports that two store configurations keep their counts in
+// the same keys.
+func sameTarget(a, b StoreConfig) bool {
+	return a.Redis.Addr == b.Redis.Addr && a.Redis.DB == b.Redis.DB && a.Redis.KeyPrefix == b.Redis.KeyPrefix
 }
 
 func (s *store) close() {
@@ -159,9 +285,10 @@ func (s *store) close() {
 }
 
 // call runs f within the store's timeout, counting it and following up
-// and down.
-func (s *store) call(f func(ctx context.Context) error) error {
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.Redis.Timeout)
+// and down: tripAfter failures in a row open the breaker, an answer
+// closes it.
+func (s *store) call(timeout time.Duration, f func(ctx context.Context) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	start := time.Now()
 	err := f(ctx)
@@ -169,37 +296,63 @@ func (s *store) call(f func(ctx context.Context) error) error {
 	s.nanos.Add(int64(time.Since(start)))
 	if err != nil && !errors.Is(err, redis.Nil) {
 		s.failures.Add(1)
-		if s.up.Swap(false) {
-			if f := s.onChange.Load(); f != nil {
-				(*f)(false)
-			}
+		if s.streak.Add(1) >= tripAfter && s.up.Swap(false) {
+			s.notify(false, err)
 		}
 		return err
 	}
+	s.streak.Store(0)
 	if !s.up.Swap(true) {
-		if f := s.onChange.Load(); f != nil {
-			(*f)(true)
-		}
+		s.notify(true, nil)
 	}
 	return nil
 }
 
-// loop beats this replica's heartbeat, counts the live replicas and renews
-// the leases of the requests in flight, every LeaseTTL/3 (at most 1 s).
+func (s *store) notify(up bool, err error) {
+	if f := s.onChange.Load(); f != nil {
+		(*f)(up, err)
+	}
+}
+
+// background is the timeout of the calls the store's goroutine makes:
+// they hold no request, and a batch of releases takes longer than one.
+func (s *store) background() time.Duration { return max(s.cfg.Redis.Timeout, 250*time.Millisecond) }
+
+// loop sends the releases as they come, beats this replica's heartbeat,
+// counts the live replicas and renews the leases of the requests in
+// flight every LeaseTTL/3 (at most 1 s); while the breaker is open it
+// probes the store every probeEvery instead.
 func (s *store) loop() {
 	defer close(s.done)
-	every := min(s.cfg.LeaseTTL/3, time.Second)
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
+	every := max(min(s.cfg.LeaseTTL/3, time.Second), probeEvery) // the config's floor keeps it above; a tick is never 0
+	beat := time.NewTicker(every)
+	defer beat.Stop()
+	probe := time.NewTicker(probeEvery)
+	defer probe.Stop()
+	if s.up.Load() {
 		s.beat(every)
+	}
+	for {
 		select {
 		case <-s.stop:
-			_ = s.call(func(ctx context.Context) error {
-				return s.c.ZRem(ctx, s.cfg.Redis.KeyPrefix+"replicas", s.id).Err()
-			})
+			s.flush()
+			if s.up.Load() {
+				_ = s.call(s.background(), func(ctx context.Context) error {
+					return s.c.ZRem(ctx, s.cfg.Redis.KeyPrefix+"replicas", s.id).Err()
+				})
+			}
 			return
-		case <-t.C:
+		case <-s.kick:
+			s.flush()
+		case <-beat.C:
+			if s.up.Load() {
+				s.flush()
+				s.beat(every)
+			}
+		case <-probe.C:
+			if !s.up.Load() {
+				s.beat(every) // the heartbeat is the probe; answered, it restores the leases
+			}
 		}
 	}
 }
@@ -207,22 +360,29 @@ func (s *store) loop() {
 func (s *store) beat(every time.Duration) {
 	key := s.cfg.Redis.KeyPrefix + "replicas"
 	var live int64
-	_ = s.call(func(ctx context.Context) error {
+	if err := s.call(s.background(), func(ctx context.Context) error {
 		v, err := heartbeatScript.Run(ctx, s.c, []string{key}, s.id, (3 * every).Seconds()).Int64()
 		live = v
 		return err
-	})
+	}); err != nil {
+		return
+	}
 	if live > 0 {
 		s.replicas.Store(live)
 	}
 	// Every lease this replica holds, renewed in calls of up to
-	// renewBatch: the key of each holding, and its lease beside it.
+	// renewBatch: the key of each holding, and its lease beside it. A
+	// lease the store lost (a restart without persistence, a stall past
+	// its time) is put back.
 	var keys []string
 	args := []any{s.cfg.LeaseTTL.Seconds()}
 	s.mu.Lock()
-	for l, held := range s.leases {
-		for _, k := range held {
-			keys, args = append(keys, k), append(args, l)
+	for l, h := range s.leases {
+		if h.all {
+			keys, args = append(keys, s.base(h.tenant, "", false)+":conc"), append(args, l)
+		}
+		if h.onRoute {
+			keys, args = append(keys, s.base(h.tenant, h.route, true)+":conc"), append(args, l)
 		}
 	}
 	s.mu.Unlock()
@@ -230,12 +390,114 @@ func (s *store) beat(every time.Duration) {
 		n := min(len(keys), renewBatch)
 		k, a := keys[:n], append([]any{args[0]}, args[1:1+n]...)
 		keys, args = keys[n:], append(args[:1], args[1+n:]...)
-		_ = s.call(func(ctx context.Context) error { return renewScript.Run(ctx, s.c, k, a...).Err() })
+		if s.call(s.background(), func(ctx context.Context) error { return renewScript.Run(ctx, s.c, k, a...).Err() }) != nil {
+			return
+		}
 	}
 }
 
-// renewBatch bounds the leases one renewal call carries.
-const renewBatch = 512
+// renewBatch bounds the leases one renewal call carries; releaseBatch the
+// releases one pipeline carries.
+const (
+	renewBatch   = 512
+	releaseBatch = 256
+)
+
+// flush sends the releases waiting, pipelined. While the store is down
+// they are dropped (counted): their leases run out on their own, and the
+// tokens they would give back stay taken.
+func (s *store) flush() {
+	s.mu.Lock()
+	ops := s.releases
+	s.releases = nil
+	s.mu.Unlock()
+	for len(ops) > 0 {
+		batch := ops[:min(len(ops), releaseBatch)]
+		ops = ops[len(batch):]
+		if !s.up.Load() {
+			s.dropped.Add(int64(len(batch)))
+		} else {
+			_ = s.call(s.background(), func(ctx context.Context) error {
+				pipe := s.c.Pipeline()
+				for i := range batch {
+					keys, args := s.releaseCall(&batch[i])
+					releaseScript.EvalSha(ctx, pipe, keys, args...)
+				}
+				_, err := pipe.Exec(ctx)
+				if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+					// The store restarted and lost its scripts: load them once.
+					if err = releaseScript.Load(ctx, s.c).Err(); err == nil {
+						_, err = pipe.Exec(ctx)
+					}
+				}
+				if err != nil {
+					s.dropped.Add(int64(len(batch)))
+				}
+				return err
+			})
+		}
+		s.mu.Lock()
+		for i := range batch {
+			s.confirmed(&batch[i])
+		}
+		s.mu.Unlock()
+	}
+}
+
+// releasingAdd counts op among its tenant's releases on their way. s.mu
+// is held.
+func (s *store) releasingAdd(op *releaseOp) {
+	r := s.releasing[op.tenant]
+	if r == nil {
+		r = &releasing{}
+		s.releasing[op.tenant] = r
+	}
+	r.n++
+	if len(r.leases) < maxReleasing {
+		r.leases = append(r.leases, op.lease)
+	}
+	back := op.reserved - op.actual
+	r.credit += back
+	if op.hasRoute && back != 0 {
+		if r.routeCredit == nil {
+			r.routeCredit = map[string]int64{}
+		}
+		r.routeCredit[op.route] += back
+	}
+}
+
+// confirmed forgets op among its tenant's releases on their way, sent (or
+// dropped). s.mu is held.
+func (s *store) confirmed(op *releaseOp) {
+	r := s.releasing[op.tenant]
+	if r == nil {
+		return
+	}
+	if r.n--; r.n == 0 {
+		delete(s.releasing, op.tenant)
+		return
+	}
+	if i := slices.Index(r.leases, op.lease); i >= 0 {
+		r.leases = slices.Delete(r.leases, i, i+1)
+	}
+	back := op.reserved - op.actual
+	r.credit -= back
+	if op.hasRoute && back != 0 {
+		if r.routeCredit[op.route] -= back; r.routeCredit[op.route] == 0 {
+			delete(r.routeCredit, op.route)
+		}
+	}
+}
+
+func (s *store) releaseCall(op *releaseOp) ([]string, []any) {
+	keys := s.bases(op.tenant, op.route, op.hasRoute)
+	args := []any{op.lease, op.reserved, op.actual}
+	args = limitArgs(args, op.all)
+	if op.hasRoute {
+		args = limitArgs(args, op.rl)
+	}
+	return keys, args
+}
 
 // StoreStats is what a shared store's client has seen.
 type StoreStats struct {
@@ -244,6 +506,8 @@ type StoreStats struct {
 	Seconds           float64 // spent in store calls
 	Replicas          int64   // live replicas in the heartbeats
 	LeasesHeld        int
+	ReleasesPending   int   // releases not yet confirmed by the store
+	ReleasesDropped   int64 // releases not sent: the store was down
 	FailOpen, Present bool
 }
 
@@ -254,18 +518,34 @@ func (a *Admitter) StoreStats() StoreStats {
 		return StoreStats{}
 	}
 	s.mu.Lock()
-	n := len(s.leases)
+	n, pending := len(s.leases), 0
+	for _, r := range s.releasing {
+		pending += r.n
+	}
 	s.mu.Unlock()
 	return StoreStats{Present: true, Up: s.up.Load(), Calls: s.calls.Load(), Failures: s.failures.Load(),
-		Seconds: time.Duration(s.nanos.Load()).Seconds(), Replicas: s.replicas.Load(), LeasesHeld: n, FailOpen: s.cfg.Fail == FailOpen}
+		Seconds: time.Duration(s.nanos.Load()).Seconds(), Replicas: s.replicas.Load(), LeasesHeld: n,
+		ReleasesPending: pending, ReleasesDropped: s.dropped.Load(), FailOpen: s.cfg.Fail == FailOpen}
 }
 
 // OnStoreChange has f called, once per transition, when the shared store
-// stops or starts answering.
-func (a *Admitter) OnStoreChange(f func(up bool)) {
+// stops answering (with the error that opened the breaker) or answers
+// again (err nil). A store already down when f is set calls it at once.
+func (a *Admitter) OnStoreChange(f func(up bool, err error)) {
 	if a.shared != nil {
 		a.shared.onChange.Store(&f)
+		if !a.shared.up.Load() {
+			f(false, errDown)
+		}
 	}
+}
+
+// StoreAddr is the shared store's address ("" without one), for logs.
+func (a *Admitter) StoreAddr() string {
+	if a.shared == nil {
+		return ""
+	}
+	return a.shared.cfg.Redis.Addr
 }
 
 // shareOf is this replica's share of a limit while it falls back to its
@@ -274,12 +554,26 @@ func (s *store) shareOf() float64 {
 	return max(1/float64(max(s.replicas.Load(), 1)), s.cfg.MinShare)
 }
 
+// keyEscaper keeps tenant and route names from forming each other's keys
+// (a tenant "x|r:chat" against tenant x's route chat): the separators in
+// a name are escaped; names without them keep the keys they always had.
+var keyEscaper = strings.NewReplacer("%", "%25", "|", "%7C", ":", "%3A")
+
+// base is the key base of a tenant's limits, or of its limits on route.
+func (s *store) base(tenant, route string, onRoute bool) string {
+	b := s.cfg.Redis.KeyPrefix + "t:" + keyEscaper.Replace(tenant)
+	if onRoute {
+		b += "|r:" + keyEscaper.Replace(route)
+	}
+	return b
+}
+
 // bases are the key bases of a tenant's limits and of its limits on a
 // route (when it has some there).
-func (s *store) bases(tenant, route string, rl *Limits) []string {
-	b := []string{s.cfg.Redis.KeyPrefix + "t:" + tenant}
-	if rl != nil {
-		b = append(b, s.cfg.Redis.KeyPrefix+"t:"+tenant+"|r:"+route)
+func (s *store) bases(tenant, route string, onRoute bool) []string {
+	b := []string{s.base(tenant, "", false)}
+	if onRoute {
+		b = append(b, s.base(tenant, route, true))
 	}
 	return b
 }
@@ -294,19 +588,39 @@ func limitArgs(args []any, l Limits) []any {
 
 // admit checks and takes a request of est tokens against the tenant's
 // limits (all) and its route's (rl, may be nil): admitted with its lease,
-// or the wait (-1: until a release) and the reason.
+// or the wait (-1: until a release) and the reason. It is one round trip
+// on the caller's goroutine, or none while the breaker is open (errDown).
 func (s *store) admit(tenant, route string, all, rl *Limits, est int64) (lease string, wait time.Duration, reason Reason, err error) {
-	keys := s.bases(tenant, route, rl)
+	if !s.up.Load() {
+		return "", 0, "", errDown
+	}
+	keys := s.bases(tenant, route, rl != nil)
 	lease = s.id + ":" + strconv.FormatUint(s.seq.Add(1), 36)
 	args := []any{est, lease, s.cfg.LeaseTTL.Seconds()}
-	for _, l := range []*Limits{all, rl}[:len(keys)] {
+	// The tenant's releases on their way: the check takes their leases
+	// as freed and their tokens as given back, so that a client's next
+	// request on a kept-alive connection does not find its last one's
+	// slot still taken.
+	var credit [2]int64
+	s.mu.Lock()
+	if r := s.releasing[tenant]; r != nil {
+		args = append(args, len(r.leases))
+		for _, l := range r.leases {
+			args = append(args, l)
+		}
+		credit = [2]int64{r.credit, r.routeCredit[route]}
+	} else {
+		args = append(args, 0)
+	}
+	s.mu.Unlock()
+	for i, l := range []*Limits{all, rl}[:len(keys)] {
 		if l == nil {
 			l = &Limits{}
 		}
-		args = limitArgs(args, *l)
+		args = limitArgs(append(args, credit[i]), *l)
 	}
 	var res []any
-	err = s.call(func(ctx context.Context) error {
+	err = s.call(s.cfg.Redis.Timeout, func(ctx context.Context) error {
 		v, err := admitScript.Run(ctx, s.c, keys, args...).Slice()
 		res = v
 		return err
@@ -315,15 +629,10 @@ func (s *store) admit(tenant, route string, all, rl *Limits, est int64) (lease s
 		return "", 0, "", err
 	}
 	if len(res) == 1 {
-		var held []string
-		for i, l := range []*Limits{all, rl}[:len(keys)] {
-			if l != nil && l.MaxConcurrent > 0 {
-				held = append(held, keys[i]+":conc")
-			}
-		}
-		if len(held) > 0 {
+		h := leaseHold{tenant: tenant, route: route, all: all != nil && all.MaxConcurrent > 0, onRoute: rl != nil && rl.MaxConcurrent > 0}
+		if h.all || h.onRoute {
 			s.mu.Lock()
-			s.leases[lease] = held
+			s.leases[lease] = h
 			s.mu.Unlock()
 		}
 		return lease, 0, "", nil
@@ -341,40 +650,63 @@ func (s *store) admit(tenant, route string, all, rl *Limits, est int64) (lease s
 }
 
 // release ends an admitted request: its lease goes and its token
-// reservations are reconciled with actual.
+// reservations are reconciled with actual. It does not wait: the store's
+// goroutine sends it (to the store that took the leases over, after a
+// reload that changed the store).
 func (s *store) release(tenant, route string, all, rl *Limits, lease string, reserved, actual int64) {
 	s.mu.Lock()
-	delete(s.leases, lease)
-	s.mu.Unlock()
-	keys := s.bases(tenant, route, rl)
-	args := []any{lease, reserved, actual}
-	for _, l := range []*Limits{all, rl}[:len(keys)] {
-		if l == nil {
-			l = &Limits{}
+	for s.next != nil {
+		n := s.next
+		if !sameTarget(s.cfg, n.cfg) {
+			reserved, actual = 0, 0
 		}
-		args = limitArgs(args, *l)
+		s.mu.Unlock()
+		s = n
+		s.mu.Lock()
 	}
-	_ = s.call(func(ctx context.Context) error { return releaseScript.Run(ctx, s.c, keys, args...).Err() })
+	delete(s.leases, lease)
+	op := releaseOp{tenant: tenant, route: route, lease: lease, hasRoute: rl != nil, reserved: reserved, actual: actual}
+	if all != nil {
+		op.all = *all
+	}
+	if rl != nil {
+		op.rl = *rl
+	}
+	s.releases = append(s.releases, op)
+	s.releasingAdd(&op)
+	s.mu.Unlock()
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
 }
 
-// The scripts. Each limit set i has six arguments after the first three:
-// requests per second, burst, tokens per minute, max concurrent, requests
-// per day, tokens per day (0: none).
+// The scripts. Each limit set i has six arguments: requests per second,
+// burst, tokens per minute, max concurrent, requests per day, tokens per
+// day (0: none). The admission script's come after the estimate, the
+// lease, its time, and the count and names of the tenant's leases whose
+// release is on its way (taken out of the concurrency sets first: their
+// release is idempotent), each set after the tokens those releases give
+// back to it (counted by the check, written by the releases); the release
+// script's after its first three.
 var admitScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local day = math.floor(tonumber(t[1]) / 86400)
 local untilDay = (day + 1) * 86400 - now
-local est, lease, ttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local est, lease, ttl, nrel = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local base = 4 + nrel
 local wait, reason = 0, ''
 local st = {}
 for i = 1, #KEYS do
-  local o = 3 + (i - 1) * 6
+  local o = base + (i - 1) * 7 + 1
+  local credit = tonumber(ARGV[o])
   local rps, burst, tpm, maxc, rpd, tpd = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+5]), tonumber(ARGV[o+6])
   local b = KEYS[i]
   local s = {}
   if maxc > 0 then
     redis.call('ZREMRANGEBYSCORE', b .. ':conc', '-inf', now)
+    for j = 1, nrel do redis.call('ZREM', b .. ':conc', ARGV[4 + j]) end
     if redis.call('ZCARD', b .. ':conc') >= maxc then
       return {0, '-1', 'concurrency'}
     end
@@ -391,13 +723,13 @@ for i = 1, #KEYS do
     local l, ts = tonumber(v[1]) or tpm, tonumber(v[2]) or now
     l = math.min(tpm, l + math.max(0, now - ts) * tpm / 60)
     s.tpm = l
-    local need = math.min(est, tpm)
-    if l < need and (need - l) / (tpm / 60) > wait then wait, reason = (need - l) / (tpm / 60), 'tokens' end
+    local need, have = math.min(est, tpm), math.min(tpm, l + credit)
+    if have < need and (need - have) / (tpm / 60) > wait then wait, reason = (need - have) / (tpm / 60), 'tokens' end
   end
   if rpd > 0 and tonumber(redis.call('GET', b .. ':rpd:' .. day) or '0') >= rpd and untilDay > wait then
     wait, reason = untilDay, 'requests_per_day'
   end
-  if tpd > 0 and tonumber(redis.call('GET', b .. ':tpd:' .. day) or '0') + math.min(est, tpd) > tpd and untilDay > wait then
+  if tpd > 0 and tonumber(redis.call('GET', b .. ':tpd:' .. day) or '0') - credit + math.min(est, tpd) > tpd and untilDay > wait then
     wait, reason = untilDay, 'tokens_per_day'
   end
   st[i] = s
@@ -406,7 +738,7 @@ if wait > 0 then
   return {0, tostring(wait), reason}
 end
 for i = 1, #KEYS do
-  local o = 3 + (i - 1) * 6
+  local o = base + (i - 1) * 7 + 1
   local rps, burst, tpm, maxc, rpd, tpd = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+5]), tonumber(ARGV[o+6])
   local b, s = KEYS[i], st[i]
   if maxc > 0 then
@@ -463,13 +795,14 @@ return 1
 `)
 
 // renewScript: ARGV[1] the lease time, then for each key the lease it
-// holds in it.
+// holds in it. A lease the set lost is added back: only leases of requests
+// still in flight are renewed, and their releases are sent after.
 var renewScript = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local ttl = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  redis.call('ZADD', KEYS[i], 'XX', now + ttl, ARGV[i + 1])
+  redis.call('ZADD', KEYS[i], now + ttl, ARGV[i + 1])
   redis.call('EXPIRE', KEYS[i], math.ceil(ttl) + 60)
 end
 return 1

@@ -275,6 +275,10 @@ func TestTenantConfigErrorsNameTheField(t *testing.T) {
 	f("tenants:\n  - name: a\nadmission:\n  max_wait: soon\n", ":4:", "admission.max_wait")
 	f("tenants:\n  - name: a\nadmission:\n  mode: queue\n  max_queue: 0\n", ":5:", "admission.max_queue", "positive")
 	f("tenants:\n  - name: a\nadmission:\n  max_wait: 0s\n", ":4:", "admission.max_wait", "positive")
+	// A lease renewed every third of 2 ns panicked the reload; 1 ms cost
+	// ~1,000 store calls a second from an idle replica.
+	f("tenants:\n  - name: a\nadmission:\n  store:\n    redis: {addr: r:6379}\n    lease_ttl: 2ns\n", ":6:", "admission.store.lease_ttl", "below 1s")
+	f("tenants:\n  - name: a\nadmission:\n  store:\n    redis: {addr: r:6379}\n    lease_ttl: 1ms\n", ":6:", "admission.store.lease_ttl")
 }
 
 // TestConfigErrorsInFlowMaps: an error inside a one-line mapping names the
