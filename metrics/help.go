@@ -49,6 +49,9 @@ var help = map[string]string{
 	"tokentap_admission_store_call_failures":    "Calls to the shared admission store that failed or ran past its timeout, since start.",
 	"tokentap_admission_store_call_seconds":     "Time spent in calls to the shared admission store since start, in seconds.",
 	"tokentap_admission_store_replicas":         "Replicas sharing the admission store, from their heartbeats.",
+	"tokentap_stats_groups":                     "Groups (route × model × tenant × upstream × class) the live /stats table holds, at most measurement.max_groups and the fold groups.",
+	"tokentap_stats_requests_folded":            "Requests the live /stats table recorded in their route's (folded) tenant because it held measurement.max_groups groups, since start.",
+	"tokentap_stats_groups_evicted":             "Groups the live /stats table evicted after an hour without a request (their all-time figures folded into the (folded) tenant), since start.",
 	"tokentap_admission_store_releases_pending": "Releases of finished requests not yet confirmed by the shared admission store (sent in the background, pipelined).",
 	"tokentap_admission_store_releases_dropped": "Releases not sent because the shared admission store was down since start: their leases ran out on their own, their unused tokens stayed taken.",
 

@@ -158,6 +158,10 @@ type Config struct {
 	Buckets map[string][]float64
 	// Warn sets the thresholds of the /stats warnings.
 	Warn stats.WarnOptions
+	// StatsMaxGroups bounds the groups of the live /stats table (0:
+	// stats.DefaultMaxGroups); past it requests fold into their route's
+	// group of stats.FoldedTenant.
+	StatsMaxGroups int
 }
 
 // hasSLO reports whether any route can be judged.

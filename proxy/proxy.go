@@ -239,6 +239,13 @@ func (p *Proxy) Apply(cfg Config) error {
 	}
 	s.metrics.Register()
 	p.stats.SetWarn(cfg.Warn)
+	p.stats.SetMaxGroups(cfg.StatsMaxGroups)
+	if !p.opts.NoStats {
+		st := p.stats
+		s.metrics.AddGauge("tokentap_stats_groups", func() float64 { return float64(st.TableStats().Groups) })
+		s.metrics.AddGauge("tokentap_stats_requests_folded", func() float64 { return float64(st.TableStats().Folded) })
+		s.metrics.AddGauge("tokentap_stats_groups_evicted", func() float64 { return float64(st.TableStats().Evicted) })
+	}
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
 		for _, r := range old.routes {

@@ -62,6 +62,9 @@ type fileMeasurement struct {
 	Stats      *bool `yaml:"stats"`       // the live /stats table (and the dashboard's data)
 	Series     *bool `yaml:"series"`      // the routes' per-request Prometheus series
 	ClientSide *bool `yaml:"client_side"` // TCP_INFO at each response's end, the wait for the client's ACK
+	// MaxGroups bounds the live table's route × model × tenant × upstream
+	// × class groups (default 2,000; about 9 KB each once used).
+	MaxGroups int `yaml:"max_groups"`
 }
 
 // off says a switch of the measurement section was set false.

@@ -130,6 +130,10 @@ func (b *settingsBuilder) drain() error {
 	}
 	m := fc.Measurement
 	s.opts.NoStats, s.opts.NoSeries, s.opts.NoClientSide = off(m.Stats), off(m.Series), off(m.ClientSide)
+	if m.MaxGroups < 0 {
+		return fmt.Errorf("%s: must not be negative", b.where("measurement.max_groups"))
+	}
+	s.proxy.StatsMaxGroups = m.MaxGroups
 	switch fc.Relay {
 	case "", "loop":
 	case "goroutine":

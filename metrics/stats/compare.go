@@ -153,7 +153,7 @@ func compareAggs(route, a, b, window, class string, byClass map[string]*[2]agg) 
 	strataOf := func(m int) []stratum {
 		var st []stratum
 		for _, k := range both {
-			if da, db := &byClass[k][0].d[m], &byClass[k][1].d[m]; da.n > 0 && db.n > 0 {
+			if da, db := &byClass[k][0].d[m], &byClass[k][1].d[m]; da.count() > 0 && db.count() > 0 {
 				st = append(st, stratum{cdfOfDist(da), cdfOfDist(db)})
 			}
 		}

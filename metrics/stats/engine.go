@@ -33,6 +33,33 @@ type Options struct {
 	Now func() time.Time
 	// Thresholds of the warnings.
 	Warn WarnOptions
+	// MaxGroups bounds the groups held (default DefaultMaxGroups); a
+	// request whose group would pass it goes into its route × model ×
+	// upstream × class's group of FoldedTenant.
+	MaxGroups int
+}
+
+// Bounds of the table's memory. A group costs about 9 KB once it saw a
+// request and up to ~1 MB when busy with widely spread values in every
+// slot of the hour (27 aggs of 12 sketches); IdleGroup after its last
+// request it is evicted, its all-time figures folded into FoldedTenant's
+// group of its labels.
+const (
+	DefaultMaxGroups = 2000
+	IdleGroup        = time.Hour
+	// FoldedTenant is the tenant of the groups that hold what the cap and
+	// the eviction folded away.
+	FoldedTenant = "(folded)"
+)
+
+// idleSlots is IdleGroup in slots: past it nothing but all holds a
+// group's requests.
+const idleSlots = int64(IdleGroup / slotLen)
+
+// foldKey is the group k folds into.
+func foldKey(k Key) Key {
+	k.Tenant = FoldedTenant
+	return k
 }
 
 // Key names one group.
@@ -53,6 +80,8 @@ type group struct {
 	mu     sync.Mutex
 	w      *windows
 	target float64 // the goodput objective of the last judged request
+	last   int64   // the slot of its last request
+	dead   bool    // evicted: Observe looks its key up again
 }
 
 // Engine is the live percentile table. It is safe for concurrent use.
@@ -73,6 +102,12 @@ type Engine struct {
 	utl       map[[2]string]*timeline
 	ups       map[string][]string
 	upScratch map[string]*agg
+
+	// maxGroups bounds len(list); keys past it map to their fold group
+	// (aliases counts those entries of groups).
+	maxGroups       atomic.Int64
+	aliases         int
+	folded, evicted atomic.Int64
 }
 
 // New returns an empty engine.
@@ -85,7 +120,33 @@ func New(o Options) *Engine {
 	e.start = e.now()
 	e.slot.Store(slotOf(e.start))
 	e.SetWarn(o.Warn)
+	e.SetMaxGroups(o.MaxGroups)
 	return e
+}
+
+// SetMaxGroups replaces the bound on groups (0: DefaultMaxGroups). Groups
+// already held stay; new ones fold past it.
+func (e *Engine) SetMaxGroups(n int) {
+	if n <= 0 {
+		n = DefaultMaxGroups
+	}
+	e.maxGroups.Store(int64(n))
+}
+
+// TableStats is what the table holds and what it folded away.
+type TableStats struct {
+	Groups int
+	// Folded counts requests recorded in a FoldedTenant group because the
+	// table was full; Evicted the groups folded after IdleGroup idle.
+	Folded, Evicted int64
+}
+
+// TableStats returns what the table holds.
+func (e *Engine) TableStats() TableStats {
+	e.mu.RLock()
+	n := len(e.list)
+	e.mu.RUnlock()
+	return TableStats{Groups: n, Folded: e.folded.Load(), Evicted: e.evicted.Load()}
 }
 
 // SetWarn replaces the warning thresholds (zero fields take defaults).
@@ -114,24 +175,51 @@ func (e *Engine) Observe(r *metrics.Record, gaps []time.Duration) {
 	e.mu.RLock()
 	g := e.groups[k]
 	e.mu.RUnlock()
-	if g == nil {
-		g = e.create(k)
+	for {
+		if g == nil {
+			g = e.create(k)
+		}
+		g.mu.Lock()
+		if !g.dead {
+			break
+		}
+		g.mu.Unlock() // evicted since it was looked up
+		g = nil
 	}
-	g.mu.Lock()
 	g.w.open.add(r, gaps)
+	g.last = s
 	if r.SLOJudged {
 		g.target = r.SLOTarget
 	}
 	g.mu.Unlock()
+	if g.key.Tenant != k.Tenant {
+		e.folded.Add(1)
+	}
 }
 
+// create returns k's group, made now: its own while the table has room,
+// else its fold group, which k then maps to.
 func (e *Engine) create(k Key) *group {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if g := e.groups[k]; g != nil {
 		return g
 	}
-	g := &group{key: k, w: newWindows(e.slot.Load())}
+	if int64(len(e.list)) >= e.maxGroups.Load() && k.Tenant != FoldedTenant {
+		g := e.groupLocked(foldKey(k))
+		e.groups[k] = g
+		e.aliases++
+		return g
+	}
+	return e.groupLocked(k)
+}
+
+// groupLocked returns k's group, making it. e.mu is write-held.
+func (e *Engine) groupLocked(k Key) *group {
+	if g := e.groups[k]; g != nil {
+		return g
+	}
+	g := &group{key: k, w: newWindows(e.slot.Load()), last: e.slot.Load()}
 	e.groups[k] = g
 	e.list = append(e.list, g)
 	if e.tl[k.Route] == nil && !k.Shadow {
@@ -207,6 +295,48 @@ func (e *Engine) advance(s int64) {
 		}
 	}
 	e.slot.Store(s)
+	e.evictLocked(s)
+}
+
+// evictLocked folds away the groups idle for IdleGroup: nothing but their
+// all-time agg holds their requests any more, and it goes into their fold
+// group. When that made room, keys that were folded for want of it get
+// groups of their own again at their next request. e.mu is write-held.
+func (e *Engine) evictLocked(s int64) {
+	var dead []*group
+	kept := e.list[:0]
+	for _, g := range e.list {
+		g.mu.Lock()
+		if g.key.Tenant != FoldedTenant && s-g.last > idleSlots {
+			g.dead = true
+			dead = append(dead, g)
+		} else {
+			kept = append(kept, g)
+		}
+		g.mu.Unlock()
+	}
+	clear(e.list[len(kept):])
+	e.list = kept
+	if len(dead) == 0 {
+		return
+	}
+	for _, g := range dead {
+		f := e.groupLocked(foldKey(g.key))
+		f.mu.Lock()
+		f.w.all.merge(&g.w.all)
+		f.target = max(f.target, g.target)
+		f.mu.Unlock()
+		delete(e.groups, g.key)
+	}
+	e.evicted.Add(int64(len(dead)))
+	if e.aliases > 0 && int64(len(e.list)) < e.maxGroups.Load() {
+		for k, g := range e.groups {
+			if g.key != k {
+				delete(e.groups, k)
+			}
+		}
+		e.aliases = 0
+	}
 }
 
 // sync closes the slots that ended before now and returns the open slot.

@@ -173,10 +173,16 @@ func TestWindowsSlide(t *testing.T) {
 	if got := count("1h"); got != 1 {
 		t.Errorf("after 2h 1h: %d, want 1", got)
 	}
-	rep := e.Query(Query{Window: "all"})
+	// Idle past IdleGroup, the group was evicted: its all-time figures went
+	// into the route's folded group, the new request into a group anew.
+	rep := e.Query(Query{Window: "all", GroupBy: []string{"route"}})
 	g := rep.Groups[0]
 	if g.Count != 16 || g.TTFT.Max != 300 {
 		t.Errorf("all: count %d max %v, want 16 and 300", g.Count, g.TTFT.Max)
+	}
+	if byTenant := e.Query(Query{Window: "all"}).Groups; len(byTenant) != 2 || byTenant[0].Tenant != FoldedTenant ||
+		byTenant[0].Count != 15 || byTenant[1].Count != 1 {
+		t.Errorf("all by tenant: %+v, want the folded 15 and the new 1", byTenant)
 	}
 	// requests/s over all: 16 requests since start.
 	if want := 16 / rep.WindowS; math.Abs(g.RequestsPerS-want) > 0.001 {

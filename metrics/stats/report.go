@@ -92,11 +92,11 @@ type Dist struct {
 func round3(v float64) float64 { return math.Round(v*1000) / 1000 }
 
 func makeDist(d *dist) Dist {
-	if d.n == 0 {
+	if d.count() == 0 {
 		return Dist{}
 	}
-	return Dist{Count: d.n, P50: round3(d.quantile(0.50)), P90: round3(d.quantile(0.90)), P95: round3(d.quantile(0.95)),
-		P99: round3(d.quantile(0.99)), Max: round3(d.max), Mean: round3(d.mean())}
+	return Dist{Count: d.count(), P50: round3(d.quantile(0.50)), P90: round3(d.quantile(0.90)), P95: round3(d.quantile(0.95)),
+		P99: round3(d.quantile(0.99)), Max: round3(d.maximum()), Mean: round3(d.mean())}
 }
 
 func makeGoodput(a *agg, target float64) Goodput {

@@ -96,10 +96,8 @@ func sketchGroup(k Key, a *agg, target float64) SketchGroup {
 		Missed: slices.Clone(a.missed[:]), Target: target, Measures: make([]SketchDist, numMeasures)}
 	for i := range a.d {
 		d := &a.d[i]
-		sd := SketchDist{N: d.n, Sum: d.sum, Max: d.max}
-		if d.n > 0 {
-			d.sk.Encode(&sd.Sketch, true)
-		}
+		sd := SketchDist{N: d.count(), Sum: d.total(), Max: d.maximum()}
+		d.encode(&sd.Sketch)
 		g.Measures[i] = sd
 	}
 	return g
@@ -168,12 +166,9 @@ func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float6
 				if sd.N == 0 {
 					continue
 				}
-				if err := d.sk.DecodeAndMergeWith(sd.Sketch); err != nil {
+				if err := d.mergeEncoded(sd.Sketch, sd.N, sd.Sum, sd.Max); err != nil {
 					return nil, nil, nil, fmt.Errorf("a sketch of %s: %w", g.Route, err)
 				}
-				d.n += sd.N
-				d.sum += sd.Sum
-				d.max = max(d.max, sd.Max)
 			}
 		}
 	}

@@ -59,8 +59,8 @@ func cdfOfSorted(s []float64) cdf {
 func cdfOfDist(d *dist) cdf {
 	type bin struct{ v, n float64 }
 	var bins []bin
-	d.sk.ForEach(func(v, n float64) bool {
-		bins = append(bins, bin{min(v, d.max), n})
+	d.forEach(func(v, n float64) bool {
+		bins = append(bins, bin{min(v, d.maximum()), n})
 		return false
 	})
 	slices.SortFunc(bins, func(a, b bin) int { return cmp.Compare(a.v, b.v) })

@@ -155,7 +155,7 @@ func (e *Engine) trends(q Query, list []*group, s int64, now time.Time, w WarnOp
 	var out []Warning
 	for _, route := range order {
 		p := byRoute[route]
-		if p.recent.d[mTTFT].n < w.MinRequests || p.before.d[mTTFT].n < w.MinRequests {
+		if p.recent.d[mTTFT].count() < w.MinRequests || p.before.d[mTTFT].count() < w.MinRequests {
 			continue
 		}
 		recentSpan := e.span(recentFrom, now).Seconds()
