@@ -62,7 +62,7 @@ var help = map[string]string{
 	"tokentap_client_conns_refused_total":     "Client connections closed at once because a connection cap was reached, by cap.",
 	"tokentap_tls_handshake_failures_total":   "Client connections whose TLS handshake failed (no acceptable certificate, no common protocol version or cipher).",
 	"tokentap_failovers_total":                "Requests sent on to a route's next upstream, by the upstream that failed and why.",
-	"tokentap_shadow_skipped_total":           "Shadow copies not sent because max_inflight copies were in flight.",
+	"tokentap_shadow_skipped_total":           "Shadow copies not sent: max_inflight copies were in flight (reason max_inflight), or the copy of the request body would have passed max_buffered_bodies (body_budget).",
 	"tokentap_guard_tripped":                  "1 while the canary guard has taken the candidate upstream out of the split, else 0.",
 
 	"tokentap_access_log_dropped_total":      "Access log lines dropped because the log's queue was full.",

@@ -35,7 +35,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	RelayLoopError("add")
 	ConnRefused("total")
 	FailedOver(route, "a", "connect")
-	ShadowSkipped(route)
+	ShadowSkipped(route, "max_inflight")
 	SetBuildInfo("v1.2.3", "abc123")
 
 	var b bytes.Buffer

@@ -63,9 +63,10 @@ func FailedOver(route, from, reason string) {
 }
 
 // ShadowSkipped counts a shadow copy of route not sent: max_inflight
-// copies were in flight.
-func ShadowSkipped(route string) {
-	vm.GetOrCreateCounter(`tokentap_shadow_skipped_total{route="` + route + `"}`).Inc()
+// copies were in flight (reason "max_inflight"), or its copy of the body
+// would have passed max_buffered_bodies ("body_budget").
+func ShadowSkipped(route, reason string) {
+	vm.GetOrCreateCounter(`tokentap_shadow_skipped_total{route="` + route + `",reason="` + reason + `"}`).Inc()
 }
 
 var (

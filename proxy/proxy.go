@@ -116,6 +116,10 @@ type Proxy struct {
 	log     *zap.Logger
 	snap    atomic.Pointer[snapshot]
 	applyMu sync.Mutex // one Apply at a time
+	// pools are the connection pools of the configuration in use, by
+	// poolKey: the next configuration takes over those it reaches the same
+	// way and retires the others. Guarded by applyMu.
+	pools map[string]*connPool
 
 	srvMu sync.Mutex
 	srv   *fasthttp.Server // made by the first Serve
@@ -146,7 +150,8 @@ type snapshot struct {
 	cfg     Config
 	routes  []*route // by descending prefix length
 	metrics *metrics.Set
-	admit   *ratelimit.Admitter // nil: admission control off
+	admit   *ratelimit.Admitter  // nil: admission control off
+	pools   map[string]*connPool // its upstreams' connections, by poolKey
 }
 
 type route struct {
@@ -203,10 +208,10 @@ func (p *Proxy) Apply(cfg Config) error {
 		return err
 	}
 	cfg = cfg.withDefaults()
-	s := &snapshot{cfg: cfg}
+	s := &snapshot{cfg: cfg, pools: map[string]*connPool{}}
 	var rows []metrics.RouteRow
 	for i, r := range cfg.Routes {
-		rt, err := p.buildRoute(i, r, cfg.SLO, &rows)
+		rt, err := p.buildRoute(s, i, r, &rows)
 		if err != nil {
 			return err
 		}
@@ -246,10 +251,14 @@ func (p *Proxy) Apply(cfg Config) error {
 		s.metrics.AddGauge("tokentap_stats_requests_folded", func() float64 { return float64(st.TableStats().Folded) })
 		s.metrics.AddGauge("tokentap_stats_groups_evicted", func() float64 { return float64(st.TableStats().Evicted) })
 	}
+	pools := p.pools
+	p.pools = s.pools
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
-		for _, r := range old.routes {
-			r.closeIdle()
+	}
+	for k, pool := range pools {
+		if s.pools[k] != pool {
+			pool.retire()
 		}
 	}
 	return nil
@@ -257,8 +266,8 @@ func (p *Proxy) Apply(cfg Config) error {
 
 // buildRoute makes route i of a new generation: its upstreams (each a
 // metric row, appended to rows), shadow and guard.
-func (p *Proxy) buildRoute(i int, r Route, slo metrics.SLO, rows *[]metrics.RouteRow) (*route, error) {
-	rt := &route{Route: r, slo: slo.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect)}
+func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow) (*route, error) {
+	rt := &route{Route: r, slo: s.cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect)}
 	specs := r.Upstreams
 	if len(specs) == 0 {
 		specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label
@@ -271,6 +280,13 @@ func (p *Proxy) buildRoute(i int, r Route, slo metrics.SLO, rows *[]metrics.Rout
 		if err != nil {
 			return nil, fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}
+		// The connections of an earlier configuration's upstream that
+		// reaches the backend the same way carry on, with their count.
+		k := r.Name + "|" + u.Name + "|" + up.poolKey(r.TLS)
+		if pool := p.pools[k]; pool != nil {
+			up.connPool = pool
+		}
+		s.pools[k] = up.connPool
 		rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)})
 		rt.weights += u.Weight
 		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})

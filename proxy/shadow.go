@@ -47,10 +47,19 @@ func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
 	}
 	if sh.inflight.Add(1) > int64(sh.MaxInflight) {
 		sh.inflight.Add(-1)
-		metrics.ShadowSkipped(x.rt.Name)
+		metrics.ShadowSkipped(x.rt.Name, "max_inflight")
 		return
 	}
 	s := x.p.acquireExchange(x.snap, x.p.now())
+	// The copy holds a copy of the body for as long as it runs: it counts
+	// in the budget of all requests' bodies (released when it finishes),
+	// and is not sent when the budget is spent.
+	if !s.in.holdBody(x.p, int64(len(x.in.body0))) {
+		sh.inflight.Add(-1)
+		x.p.releaseExchange(s)
+		metrics.ShadowSkipped(x.rt.Name, "body_budget")
+		return
+	}
 	s.shadow = true
 	s.rt, s.att.mem, s.att.up, s.dialect, s.in.stream = x.rt, sh.member, sh.member.up, x.dialect, x.in.stream
 	s.att.mem.inflight.Add(1)

@@ -46,10 +46,23 @@ type upstream struct {
 	t       Timeouts
 	now     func() time.Time
 
+	// connPool holds the connections, counts and what was learned of the
+	// backend; the upstreams of successive configurations that reach the
+	// same backend the same way share it (Proxy.pools), so that
+	// max_conns counts across a reload and no connection is left in the
+	// pool of a configuration no request uses any more.
+	*connPool
+}
+
+// connPool is the connections of a route's upstream, kept across the
+// configurations that reach its backend the same way (scheme, address,
+// Host, TLS settings, forward proxy: poolKey).
+type connPool struct {
 	mu      sync.Mutex
 	idle    []*upConn // LIFO: the longest idle first
 	open    int       // connections open, idle or busy
 	reaping bool      // a reap is scheduled (only while connections are idle)
+	retired bool      // no configuration reaches the backend this way any more: connections close as they come back
 
 	// afterStream is what the backend was seen to do with a connection
 	// once a response of unknown length (a stream) ended on it: some
@@ -94,7 +107,7 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *Upstream
 	if u.RawQuery != "" || u.Fragment != "" {
 		return nil, errors.New("must not have a query or fragment")
 	}
-	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now}
+	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now, connPool: &connPool{}}
 	if u.User != nil {
 		pass, _ := u.User.Password()
 		up.auth = "Basic " + base64.StdEncoding.EncodeToString([]byte(u.User.Username()+":"+pass))
@@ -193,6 +206,7 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 			}
 		}
 		if state == peerIdle {
+			c.up = up // pooled by an earlier configuration's upstream, maybe: its timeouts are now up's
 			c.reused = true
 			if c.usesLeft > 0 {
 				c.usesLeft--
@@ -339,7 +353,7 @@ func (up *upstream) put(c *upConn, streamed bool) {
 	// (get peeks without it), and the next Read moves it (setFor is 0).
 	c.lastUsed = up.now()
 	up.mu.Lock()
-	if len(up.idle) < up.t.MaxIdleConns {
+	if len(up.idle) < up.t.MaxIdleConns && !up.retired {
 		up.idle = append(up.idle, c)
 		if !up.reaping && up.t.IdleConn > 0 {
 			up.reaping = true
@@ -386,8 +400,24 @@ func (up *upstream) discard(c *upConn) {
 	up.mu.Unlock()
 }
 
+// poolKey says how up reaches its backend: a route's upstream of the next
+// configuration with the same key takes its connections over.
+func (up *upstream) poolKey(rtls *UpstreamTLS) string {
+	return fmt.Sprintf("%s|%s|%s|%s|%+v", up.scheme, up.addr, up.host, up.fwdAddr, rtls)
+}
+
+// retire closes the idle connections of a pool no configuration uses any
+// more; those in use close when their responses end.
+func (p *connPool) retire() {
+	p.mu.Lock()
+	p.retired = true
+	p.mu.Unlock()
+	p.closeIdle()
+}
+
 // closeIdle closes every idle connection.
-func (up *upstream) closeIdle() {
+func (p *connPool) closeIdle() {
+	up := p
 	up.mu.Lock()
 	idle := up.idle
 	up.idle = nil

@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -300,5 +301,107 @@ func TestIdleConnectionsReaped(t *testing.T) {
 	case <-closed:
 	case <-time.After(30 * time.Second):
 		t.Fatal("the backend never saw a pooled connection close")
+	}
+}
+
+// max_conns holds across reloads: a configuration's upstream takes over
+// the connections (and their count) of the one it replaces when it reaches
+// the backend the same way. With a cap of 2 held by two streams, a reload
+// that changed the timeouts did not let a third connection open (it gave
+// 12 connections for a cap of 6 before); a reload storm under traffic
+// leaves no connection but those the pool keeps idle.
+func TestMaxConnsHoldAcrossReloads(t *testing.T) {
+	var open, peak atomic.Int64
+	release := make(chan struct{})
+	up := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/hold" {
+			w.Header().Set("Content-Type", "text/event-stream")
+			io.WriteString(w, "data: {}\n\n")
+			flush(w)
+			<-release
+		}
+		io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	up.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		switch s {
+		case http.StateNew:
+			if n := open.Add(1); n > peak.Load() {
+				peak.Store(n)
+			}
+		case http.StateClosed, http.StateHijacked:
+			open.Add(-1)
+		}
+	}
+	up.Start()
+	t.Cleanup(up.Close)
+	unblock := sync.OnceFunc(func() { close(release) })
+	cfgOf := func(firstByte time.Duration) Config {
+		tm := DefaultTimeouts
+		tm.MaxConns, tm.MaxIdleConns, tm.FirstByte = 2, 2, firstByte
+		return Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: up.URL, Timeouts: tm}}}
+	}
+	tp := serveProxy(t, cfgOf(30*time.Second), Options{}, nil)
+	t.Cleanup(unblock) // before the proxy and the backend stop, on a failure too
+	var streams []*http.Response
+	for range 2 {
+		resp, err := http.Post(tp.url+"/hold", "application/json", strings.NewReader(`{}`))
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("a held stream: %v %v", resp, err)
+		}
+		streams = append(streams, resp)
+	}
+	if err := tp.p.Apply(cfgOf(20 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Post(tp.url+"/other", "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode == 200 || peak.Load() > 2 {
+		t.Fatalf("a third request after the reload: %d, %d connections at the backend at most (max_conns 2)", resp.StatusCode, peak.Load())
+	}
+	unblock()
+	for _, s := range streams {
+		io.Copy(io.Discard, s.Body)
+		s.Body.Close()
+	}
+
+	// A reload storm under traffic.
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for range 4 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if resp, err := http.Post(tp.url+"/x", "application/json", strings.NewReader(`{}`)); err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			}
+		})
+	}
+	for i := range 50 {
+		if err := tp.p.Apply(cfgOf(time.Duration(10+i) * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	http.DefaultClient.CloseIdleConnections()
+	if p := peak.Load(); p > 2 {
+		t.Fatalf("%d connections open at the backend at once under reloads, max_conns 2", p)
+	}
+	pooled, idle := tp.upstreamConns()
+	for deadline := time.Now().Add(2 * time.Second); open.Load() != int64(pooled) && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		pooled, idle = tp.upstreamConns()
+	}
+	if open.Load() > 2 || int64(pooled) != open.Load() || idle != pooled {
+		t.Fatalf("after 50 reloads under traffic: %d connections open at the backend, the pool counts %d open and %d idle", open.Load(), pooled, idle)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -471,4 +472,37 @@ func postChats(t *testing.T, listen string, workers, n int) {
 		})
 	}
 	wg.Wait()
+}
+
+// A replica (or something posing as one) that answers a sketch no
+// tokentap gives makes `tokentap stats` and `compare` across replicas fail
+// with a message, not a panic, and without the memory its indexes name.
+func TestStatsRefusesAHostileReplica(t *testing.T) {
+	hostile := `{"format":"` + stats.SketchFormat + `","window":"all","window_s":10,"generated_at":"2026-01-01T00:00:00Z","groups":[{"route":"chat","model":"m","tenant":"","upstream":"","count":1,"errors":0,"output_tokens":0,"slo_judged":0,"slo_good":0,"slo_missed":[0,0,0,0,0,0],"measures":[` +
+		// One TTFT value in a bin past 2^32 (contiguous counts at index 2^33).
+		`{"n":1,"sum":1,"max":1,"sketch":"BQGAgICAQAI="}` + strings.Repeat(`,{"n":0,"sum":0,"max":0}`, len(stats.MeasureNames())-1) + `]}]}`
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, hostile)
+	}))
+	defer srv.Close()
+	a := strings.TrimPrefix(srv.URL, "http://")
+	for _, args := range [][]string{{"stats", "-admin", a + "," + a}, {"compare", "-admin", a + "," + a, "-route", "chat", "a", "b"}} {
+		var out strings.Builder
+		var err error
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Fatalf("%s panicked: %v", args[0], r)
+				}
+			}()
+			if args[0] == "stats" {
+				err = runStats(context.Background(), args[1:], &out)
+			} else {
+				err = runCompare(context.Background(), args[1:], &out)
+			}
+		}()
+		if err == nil || !strings.Contains(err.Error(), "refused") {
+			t.Errorf("%s across a hostile replica: %v, want a refusal", args[0], err)
+		}
+	}
 }

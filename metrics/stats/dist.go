@@ -119,17 +119,13 @@ func (d *dist) merge(o *dist) {
 	s.max = max(s.max, o.s.max)
 }
 
-// mergeEncoded adds an encoded sketch of n values summing to sum, the
-// largest max.
-func (d *dist) mergeEncoded(b []byte, n int64, sum, maxv float64) error {
+// mergeSketch adds a sketch of n values summing to sum, the largest maxv.
+func (d *dist) mergeSketch(sk *ddsketch.DDSketch, n int64, sum, maxv float64) {
 	s := d.state()
-	if err := s.sk.DecodeAndMergeWith(b); err != nil {
-		return err
-	}
+	_ = s.sk.MergeWith(sk)
 	s.n += n
 	s.sum += sum
 	s.max = max(s.max, maxv)
-	return nil
 }
 
 // encode appends d's sketch to b (nothing when empty).

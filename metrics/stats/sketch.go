@@ -3,8 +3,12 @@ package stats
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
+
+	"github.com/DataDog/sketches-go/ddsketch"
+	"github.com/DataDog/sketches-go/ddsketch/store"
 
 	"github.com/tokentap/tokentap/metrics"
 )
@@ -132,17 +136,105 @@ func MergeSketches(reps []SketchReport) (Report, error) {
 	return out, nil
 }
 
-// mergeSketchGroups adds the groups of reps by their labels.
+// What a replica's answer may hold: tokentap's own answers stay far inside
+// these bounds, and an answer past them is refused before anything of it
+// is merged (a bin index past 2^32 made sketches-go's dense store panic,
+// and one sketch of a few megabytes took 798 MB).
+const (
+	// maxSketchBytes bounds one encoded sketch: 3,300 bins (1 ns to hours
+	// at 0.5%) encode in under 30 KB.
+	maxSketchBytes = 64 << 10
+	// maxMergedGroups bounds the groups of all the answers merged.
+	maxMergedGroups = 100_000
+)
+
+// sketchIndexes are the bin indexes of the values a tokentap sketch can
+// hold: 1e-7 ms (durations are whole nanoseconds) to 1e10 (a rate of
+// tokens per second, or 115 days in milliseconds).
+var sketchIndexes = [2]int{valueMapping.Index(1e-7), valueMapping.Index(1e10)}
+
+// checkSketchGroup refuses a group whose counts cannot be a tokentap's.
+func checkSketchGroup(g *SketchGroup) error {
+	if len(g.Measures) != numMeasures || len(g.Missed) != metrics.NumSLO {
+		return errSketchShape
+	}
+	bad := func(what string) error {
+		return fmt.Errorf("a group of route %q: %s (refused: not what a tokentap answers)", g.Route, what)
+	}
+	switch {
+	case g.Count < 0 || g.Errors < 0 || g.OutTokens < 0 || g.Judged < 0 || g.Good < 0:
+		return bad("a negative count")
+	case g.Errors > g.Count || g.Judged > g.Count || g.Good > g.Judged:
+		return bad("more errors or judged requests than requests, or more good than judged")
+	case !finite(g.Target) || g.Target < 0 || g.Target > 1:
+		return bad("a goodput target outside 0…1")
+	}
+	for _, m := range g.Missed {
+		if m < 0 || m > g.Judged {
+			return bad("a miss count outside 0…judged")
+		}
+	}
+	for _, sd := range g.Measures {
+		switch {
+		case sd.N < 0 || !finite(sd.Sum) || !finite(sd.Max) || sd.Sum < 0 || sd.Max < 0:
+			return bad("a negative or infinite count, sum or maximum")
+		case sd.N == 0 && len(sd.Sketch) > 0, sd.N > 0 && len(sd.Sketch) == 0:
+			return bad("a sketch that does not match its count")
+		case len(sd.Sketch) > maxSketchBytes:
+			return bad(fmt.Sprintf("a sketch of %d bytes (at most %d)", len(sd.Sketch), maxSketchBytes))
+		}
+	}
+	return nil
+}
+
+func finite(f float64) bool { return !math.IsNaN(f) && !math.IsInf(f, 0) }
+
+// decodeChecked decodes an encoded sketch of n values into a sparse store
+// (memory grows with the bytes given, never with the indexes they name)
+// and refuses one whose bins lie outside sketchIndexes, with counts that
+// are not whole and positive, negative values, or a total other than n.
+func decodeChecked(b []byte, n int64) (*ddsketch.DDSketch, error) {
+	sk := ddsketch.NewDDSketch(valueMapping, store.NewSparseStore(), store.NewSparseStore())
+	if err := sk.DecodeAndMergeWith(b); err != nil {
+		return nil, err
+	}
+	if !sk.GetNegativeValueStore().IsEmpty() {
+		return nil, errors.New("negative values")
+	}
+	total, err := sk.GetZeroCount(), error(nil)
+	sk.GetPositiveValueStore().ForEach(func(i int, c float64) bool {
+		if i < sketchIndexes[0] || i > sketchIndexes[1] || c <= 0 || c != math.Trunc(c) {
+			err = fmt.Errorf("a bin (index %d, count %g) no tokentap sketch has", i, c)
+			return true
+		}
+		total += c
+		return false
+	})
+	if err != nil {
+		return nil, err
+	}
+	if z := sk.GetZeroCount(); z < 0 || z != math.Trunc(z) || total != float64(n) {
+		return nil, fmt.Errorf("its bins count %g values, its count says %d", total, n)
+	}
+	return sk, nil
+}
+
+// mergeSketchGroups adds the groups of reps by their labels, each checked
+// first.
 func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float64, error) {
 	sums, targets := map[Key]*agg{}, map[Key]float64{}
 	var order []Key
+	groups := 0
 	for _, r := range reps {
 		if r.Format != SketchFormat {
 			return nil, nil, nil, errSketchShape
 		}
+		if groups += len(r.Groups); groups > maxMergedGroups {
+			return nil, nil, nil, fmt.Errorf("the answers hold more than %d groups", maxMergedGroups)
+		}
 		for _, g := range r.Groups {
-			if len(g.Measures) != numMeasures || len(g.Missed) != metrics.NumSLO {
-				return nil, nil, nil, errSketchShape
+			if err := checkSketchGroup(&g); err != nil {
+				return nil, nil, nil, err
 			}
 			k := Key{Route: g.Route, Model: g.Model, Tenant: g.Tenant, Upstream: g.Upstream, Class: g.Class, Shadow: g.Shadow}
 			a := sums[k]
@@ -166,9 +258,11 @@ func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float6
 				if sd.N == 0 {
 					continue
 				}
-				if err := d.mergeEncoded(sd.Sketch, sd.N, sd.Sum, sd.Max); err != nil {
-					return nil, nil, nil, fmt.Errorf("a sketch of %s: %w", g.Route, err)
+				sk, err := decodeChecked(sd.Sketch, sd.N)
+				if err != nil {
+					return nil, nil, nil, fmt.Errorf("a sketch of route %q refused: %w", g.Route, err)
 				}
+				d.mergeSketch(sk, sd.N, sd.Sum, sd.Max)
 			}
 		}
 	}

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/DataDog/sketches-go/ddsketch"
+	"github.com/DataDog/sketches-go/ddsketch/store"
 	"github.com/tokentap/tokentap/metrics"
 )
 
@@ -76,5 +78,72 @@ func TestMergeSketchesEqualsOneEngine(t *testing.T) {
 	g, w := find(got, "ttft_ms", "p50"), find(want, "ttft_ms", "p50")
 	if g != w || len(got.ByClass) != 2 || got.CountA != want.CountA {
 		t.Errorf("merged verdict %+v (%d by class), one engine's %+v", g, len(got.ByClass), w)
+	}
+}
+
+// Answers no tokentap gives are refused with a message before anything of
+// them is merged: a bin index past 2^32 (it panicked sketches-go's dense
+// store), negative counts (TTFT printed as -2.6e137), a sketch of
+// megabytes (798 MB of RSS for 2.96 MB of JSON), counts that disagree.
+func TestMergeSketchesRefusesHostileAnswers(t *testing.T) {
+	c := newClock()
+	e := New(Options{Now: c.now})
+	for range 20 {
+		e.Observe(record(series(t), 100*time.Millisecond, time.Second, 10), []time.Duration{20 * time.Millisecond})
+	}
+	good := e.QuerySketches(Query{Window: "all"})
+	encoded := func(f func(st *store.SparseStore)) []byte {
+		st := store.NewSparseStore()
+		f(st)
+		sk := ddsketch.NewDDSketch(valueMapping, st, store.NewSparseStore())
+		var b []byte
+		sk.Encode(&b, true)
+		return b
+	}
+	hostile := map[string]func(g *SketchGroup){
+		"bin index past 2^32": func(g *SketchGroup) {
+			g.Measures[mTTFT].Sketch = encoded(func(st *store.SparseStore) { st.AddWithCount(1<<33, float64(g.Measures[mTTFT].N)) })
+		},
+		"negative bin index far below": func(g *SketchGroup) {
+			g.Measures[mTTFT].Sketch = encoded(func(st *store.SparseStore) { st.AddWithCount(-1<<40, float64(g.Measures[mTTFT].N)) })
+		},
+		"negative count":         func(g *SketchGroup) { g.Count = -5 },
+		"negative measure count": func(g *SketchGroup) { g.Measures[mTTFT].N = -1 },
+		"more errors than count": func(g *SketchGroup) { g.Errors = g.Count + 1 },
+		"infinite sum":           func(g *SketchGroup) { g.Measures[mE2E].Sum = math.Inf(1) },
+		"bins that miscount":     func(g *SketchGroup) { g.Measures[mTTFT].N++ },
+		"a sketch of 3 MB":       func(g *SketchGroup) { g.Measures[mTTFT].Sketch = make([]byte, 3<<20) },
+		"a count without sketch": func(g *SketchGroup) { g.Measures[mTTFT].Sketch = nil },
+		"fractional bin count": func(g *SketchGroup) {
+			g.Measures[mTTFT].Sketch = encoded(func(st *store.SparseStore) { st.AddWithCount(100, 19.5); st.AddWithCount(101, 0.5) })
+		},
+		"misses beyond judged":    func(g *SketchGroup) { g.Missed[0] = 1 },
+		"goodput target past one": func(g *SketchGroup) { g.Target = 7 },
+	}
+	for name, spoil := range hostile {
+		t.Run(name, func(t *testing.T) {
+			b, _ := json.Marshal(good)
+			var bad SketchReport
+			if err := json.Unmarshal(b, &bad); err != nil {
+				t.Fatal(err)
+			}
+			spoil(&bad.Groups[0])
+			var err error
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						t.Fatalf("merging panicked: %v", r)
+					}
+				}()
+				_, err = MergeSketches([]SketchReport{good, bad})
+			}()
+			if err == nil {
+				t.Fatal("merged without a word")
+			}
+			t.Log(err)
+		})
+	}
+	if _, err := MergeSketches([]SketchReport{good, good}); err != nil {
+		t.Fatalf("two good answers: %v", err)
 	}
 }
