@@ -60,8 +60,10 @@ var help = map[string]string{
 	"tokentap_relay_loop_errors_total":        "Failed epoll calls of the relay loops, by op (add: the stream stayed on its goroutine; modify: the stream ended; remove: the slot retired).",
 	"tokentap_accept_errors_total":            "Failed accepts of client connections (the listener backs off and goes on).",
 	"tokentap_client_conns_refused_total":     "Client connections closed at once because a connection cap was reached, by cap.",
+	"tokentap_plain_http_on_tls_total":        "Plain HTTP requests sent to a TLS port, answered 400 in plain text (also counted as failed handshakes).",
 	"tokentap_tls_handshake_failures_total":   "Client connections whose TLS handshake failed (no acceptable certificate, no common protocol version or cipher).",
 	"tokentap_failovers_total":                "Requests sent on to a route's next upstream, by the upstream that failed and why.",
+	"tokentap_client_conns_closed_idle_total": "Client connections closed before any byte of a request came (since they opened or since their last response), by reason: reset by the client, timeout (idle past idle_timeout, or request_read_timeout on a new connection), error. They have no record.",
 	"tokentap_shadow_skipped_total":           "Shadow copies not sent: max_inflight copies were in flight (reason max_inflight), or the copy of the request body would have passed max_buffered_bodies (body_budget).",
 	"tokentap_guard_tripped":                  "1 while the canary guard has taken the candidate upstream out of the split, else 0.",
 

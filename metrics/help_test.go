@@ -36,6 +36,8 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	ConnRefused("total")
 	FailedOver(route, "a", "connect")
 	ShadowSkipped(route, "max_inflight")
+	PlainHTTPOnTLS()
+	ClientConnClosedIdle("reset")
 	SetBuildInfo("v1.2.3", "abc123")
 
 	var b bytes.Buffer

@@ -62,6 +62,18 @@ func FailedOver(route, from, reason string) {
 	vm.GetOrCreateCounter(`tokentap_failovers_total{route="` + route + `",from="` + from + `",reason="` + reason + `"}`).Inc()
 }
 
+// ClientConnClosedIdle counts a client connection closed before any byte
+// of a request came on it (since it opened, or since its last response):
+// the client reset it ("reset"), it stayed idle past its time ("timeout"),
+// or its read failed ("error"). Such a connection has no record.
+func ClientConnClosedIdle(reason string) { idleCloses[reason].Inc() }
+
+var idleCloses = map[string]*vm.Counter{
+	"reset":   vm.NewCounter(`tokentap_client_conns_closed_idle_total{reason="reset"}`),
+	"timeout": vm.NewCounter(`tokentap_client_conns_closed_idle_total{reason="timeout"}`),
+	"error":   vm.NewCounter(`tokentap_client_conns_closed_idle_total{reason="error"}`),
+}
+
 // ShadowSkipped counts a shadow copy of route not sent: max_inflight
 // copies were in flight (reason "max_inflight"), or its copy of the body
 // would have passed max_buffered_bodies ("body_budget").
@@ -91,7 +103,14 @@ func OTelExportError(signal string) { otelExportErrors[signal].Inc() }
 // OTelSpansExported counts n spans the collector accepted.
 func OTelSpansExported(n int) { otelSpansExported.Add(n) }
 
-var tlsHandshakeFailures = vm.NewCounter("tokentap_tls_handshake_failures_total")
+var (
+	tlsHandshakeFailures = vm.NewCounter("tokentap_tls_handshake_failures_total")
+	plainHTTPOnTLS       = vm.NewCounter("tokentap_plain_http_on_tls_total")
+)
+
+// PlainHTTPOnTLS counts a plain HTTP request sent to a TLS port (answered
+// 400 in plain text; also a failed handshake).
+func PlainHTTPOnTLS() { plainHTTPOnTLS.Inc() }
 
 // TLSHandshakeFailed counts a client connection whose TLS handshake failed
 // (a client without an acceptable certificate, a protocol mismatch).

@@ -22,7 +22,9 @@ import (
 type clientListener struct {
 	net.Listener
 	d       time.Duration
-	stamped bool // receive timestamps are enabled on the listening socket
+	idle    time.Duration // the wait for a request on a connection given back (clientConn.idle)
+	read    time.Duration // the request read timeout (clientConn.read)
+	stamped bool          // receive timestamps are enabled on the listening socket
 	caps    *connCaps
 	log     *zap.Logger
 	tls     *tls.Config // nil: plain connections
@@ -61,7 +63,7 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuseConn(tc)
 			continue
 		}
-		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
+		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
 		cc.sys, _ = tc.SyscallConn()
 		var ti tcpInfo
 		if ti.read(cc.sys) {
@@ -171,6 +173,13 @@ type clientConn struct {
 	*rxConn
 	d     time.Duration
 	setAt time.Time // when the deadline was last moved
+	// idle is how long a connection given back to the server (resumedIdle)
+	// waits for its next request: the server serves it as a new
+	// connection, whose first byte it would wait for only its read
+	// timeout, but to the client it is a kept-alive one, told the idle
+	// timeout. Once its first byte came, the request has read (the read
+	// timeout) from then, as on any kept-alive connection.
+	idle, read time.Duration
 
 	reqRx int64 // kernel receive time of the first read of the next request
 
@@ -301,6 +310,9 @@ func (c *clientConn) readPlain(b []byte, src io.Reader) (int, error) {
 	n, err := src.Read(b)
 	if n > 0 && c.resumedIdle.Load() {
 		c.resumedIdle.Store(false)
+		if c.read > 0 {
+			_ = c.TCPConn.SetReadDeadline(time.Now().Add(c.read))
+		}
 	}
 	if n > 0 && c.inHead {
 		c.scanHead(b[:n])
@@ -418,6 +430,16 @@ func (c *clientConn) SetDeadline(t time.Time) error {
 func (c *clientConn) SetWriteDeadline(t time.Time) error {
 	c.setAt = time.Time{}
 	return c.TCPConn.SetWriteDeadline(t)
+}
+
+// SetReadDeadline sets the read deadline; for the server's wait for the
+// first byte of a connection given back (resumedIdle), the idle wait
+// instead of the read timeout it asks for.
+func (c *clientConn) SetReadDeadline(t time.Time) error {
+	if !t.IsZero() && c.idle > 0 && c.resumedIdle.Load() {
+		t = time.Now().Add(c.idle)
+	}
+	return c.TCPConn.SetReadDeadline(t)
 }
 
 // stallMin is the shortest write counted as waiting for the client: one

@@ -225,6 +225,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	copyResponseHeader(resp, &ctx.Response.Header, x.id)
+	x.p.keepAlive(ctx)
 	if x.ticket != nil {
 		setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
 	}
@@ -293,6 +294,7 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 			// The body was not read: close rather than drain it.
 			ctx.SetConnectionClose()
 		}
+		x.p.keepAlive(ctx)
 		if r.allow != "" {
 			ctx.Response.Header.Set("Allow", r.allow)
 		}

@@ -337,8 +337,11 @@ func usersBySide(tp *testProxy, n int) map[string][]string {
 // TestGuardStopsAFiftyPercentSlowerCanary: through tokentap, against
 // simulated backends, a canary whose first token comes 50% later (150 ms
 // against 100) under a guard allowing +10% with min_requests 200 is
-// stopped at one of the first looks once both sides have 200 requests
-// (within seconds: a look a second), and no request goes to it after.
+// stopped before either side has 4 × min_requests, and no request goes to
+// it after. The bound is on requests, which the test sends, not on looks,
+// which come once a second: a busy machine serves fewer requests a second,
+// so it looks more often for the same evidence (it tripped at look 5 on
+// one, where an idle one trips at look 1).
 func TestGuardStopsAFiftyPercentSlowerCanary(t *testing.T) {
 	base := startMock(t, mockllm.Options{PrefillBase: 100 * time.Millisecond, TokenGap: time.Millisecond})
 	slow := startMock(t, mockllm.Options{PrefillBase: 150 * time.Millisecond, TokenGap: time.Millisecond})
@@ -386,10 +389,11 @@ func TestGuardStopsAFiftyPercentSlowerCanary(t *testing.T) {
 	close(stop)
 	wg.Wait()
 	st := g.tripped.Load()
-	if st.Values["look"] > 3 || !strings.Contains(st.Reason, "p95") {
-		t.Fatalf("tripped at look %v: %s", st.Values["look"], st.Reason)
+	if n := max(st.Values["candidate_requests"], st.Values["baseline_requests"]); n > 4*200 || !strings.Contains(st.Reason, "p95") {
+		t.Fatalf("tripped with %v candidate and %v baseline requests (look %v): %s", st.Values["candidate_requests"], st.Values["baseline_requests"], st.Values["look"], st.Reason)
 	}
-	t.Logf("stopped at look %v, %v after both sides had 200 requests: %s", st.Values["look"], st.At.Sub(reached).Round(100*time.Millisecond), st.Reason)
+	t.Logf("stopped at look %v, %v after both sides had 200 requests, with %v and %v: %s", st.Values["look"], st.At.Sub(reached).Round(100*time.Millisecond),
+		st.Values["candidate_requests"], st.Values["baseline_requests"], st.Reason)
 	// Once tripped, the canary takes nothing new (records of requests
 	// sent before may still come: only these requests' are weighed).
 	for i := range 20 {

@@ -30,13 +30,46 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 // too large) and records them like any other.
 func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
 	if errors.As(err, new(handshakeError)) {
-		// No request: counted, not recorded, and nothing can be answered.
+		// No request: counted, not recorded, and nothing can be answered
+		// over TLS; a plain HTTP request on the TLS port is answered 400
+		// in plain text, as nginx does.
 		metrics.TLSHandshakeFailed()
+		answerPlainHTTP(err)
 		ctx.SetConnectionClose()
+		return
+	}
+	if reason := nothingRead(err); reason != "" {
+		// No byte of a request came (a fresh connection, or one given back
+		// after a response tokentap wrote, which the server serves anew):
+		// the client closed it, or it stayed idle past its time. There is
+		// no request to record or answer: the connection closes, and the
+		// server's write of the empty answer it makes now fails on it (a
+		// client that sent its next request just then would read that
+		// answer as its own).
+		metrics.ClientConnClosedIdle(reason)
+		_ = ctx.Conn().Close()
 		return
 	}
 	x := p.begin(ctx, nil)
 	x.refuse(ctx, parseRefusal(err))
+}
+
+// nothingRead says why the server stopped waiting for a request of which
+// no byte came ("reset", "timeout", "error"), or "" when err is about a
+// request that began to arrive. The server hands such an error on as the
+// connection's read returned it (a *net.OpError); once part of a header
+// came, it wraps the error in its own words, and parse errors are its own.
+func nothingRead(err error) string {
+	oe, ok := err.(*net.OpError)
+	switch {
+	case !ok:
+		return ""
+	case oe.Timeout():
+		return "timeout"
+	case errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed):
+		return "reset"
+	}
+	return "error"
 }
 
 // begin starts the exchange of a request: its arrival, its id (the

@@ -35,6 +35,7 @@ import (
 	"net/netip"
 	"runtime"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -116,6 +117,9 @@ type Proxy struct {
 	log     *zap.Logger
 	snap    atomic.Pointer[snapshot]
 	applyMu sync.Mutex // one Apply at a time
+	// keepAliveValue is the Keep-Alive header responses carry (nil: an
+	// idle timeout under a second, not said).
+	keepAliveValue []byte
 	// pools are the connection pools of the configuration in use, by
 	// poolKey: the next configuration takes over those it reaches the same
 	// way and retires the others. Guarded by applyMu.
@@ -188,6 +192,9 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy"),
 		caps: &connCaps{max: opts.MaxConns, maxPerIP: opts.MaxConnsPerIP, perIP: map[netip.Addr]int{}}}
 	_, _ = rand.Read(p.idPrefix[:])
+	if s := int64(opts.IdleTimeout / time.Second); s > 0 {
+		p.keepAliveValue = []byte("timeout=" + strconv.FormatInt(s, 10))
+	}
 	statsNow := opts.StatsNow
 	if statsNow == nil {
 		statsNow = opts.Now
@@ -532,7 +539,10 @@ func (p *Proxy) server() *fasthttp.Server {
 		// the tenant: a Content-Length alone reserves nothing.
 		StreamRequestBody: true,
 		ReadTimeout:       p.opts.RequestReadTimeout,
-		IdleTimeout:       p.opts.IdleTimeout,
+		// Responses advertise Keep-Alive: timeout=idle_timeout; the server
+		// waits keepAliveGrace longer, so that a client that reuses the
+		// connection within what it was told never races its close.
+		IdleTimeout: p.idleWait(),
 		// No WriteTimeout: it is one deadline for the whole response and
 		// would cut long streams. clientConn has a sliding per-write
 		// deadline instead.
@@ -546,6 +556,24 @@ func (p *Proxy) server() *fasthttp.Server {
 		SecureErrorLogMessage: true,
 		Logger:                zapPrintf{p.log},
 	}
+}
+
+// keepAliveGrace is how much longer than the Keep-Alive timeout it
+// advertises the server keeps an idle connection open.
+const keepAliveGrace = time.Second
+
+// idleWait is how long the server waits for the next request on a
+// kept-alive connection: the advertised timeout and the grace.
+func (p *Proxy) idleWait() time.Duration { return p.opts.IdleTimeout + keepAliveGrace }
+
+// keepAlive tells a client that may keep its connection how long it stays
+// open while idle (Keep-Alive: timeout=N, whole seconds, as RFC 9112's
+// predecessors and nginx's keepalive_timeout give it).
+func (p *Proxy) keepAlive(ctx *fasthttp.RequestCtx) {
+	if p.keepAliveValue == nil || ctx.Response.ConnectionClose() || ctx.Request.Header.ConnectionClose() {
+		return
+	}
+	ctx.Response.Header.SetBytesV("Keep-Alive", p.keepAliveValue)
 }
 
 // Listen opens a TCP listener for Serve: its connections bound every write
@@ -579,7 +607,7 @@ func (p *Proxy) ListenTLS(addr string, cfg *tls.Config) (net.Listener, error) {
 }
 
 func (p *Proxy) wrap(ln net.Listener) *clientListener {
-	l := &clientListener{Listener: ln, d: p.opts.ClientWriteTimeout, caps: p.caps, log: p.log}
+	l := &clientListener{Listener: ln, d: p.opts.ClientWriteTimeout, idle: p.idleWait(), read: p.opts.RequestReadTimeout, caps: p.caps, log: p.log}
 	if tl, ok := ln.(*net.TCPListener); ok {
 		if raw, err := tl.SyscallConn(); err == nil && enableRxStamps(raw) == nil {
 			l.stamped = true

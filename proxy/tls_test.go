@@ -423,3 +423,28 @@ func TestServerTLSServesRenewedCertificates(t *testing.T) {
 		t.Fatal("Reload took broken files")
 	}
 }
+
+// A plain HTTP request sent to the TLS port is answered 400 in plain text,
+// saying to use https (it got an empty reply); it reaches no upstream and
+// has no record, as a failed handshake.
+func TestPlainHTTPOnTheTLSPort(t *testing.T) {
+	calls := 0
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { calls++ })
+	ca := tlstest.NewCA(t, "server")
+	tp := startTLSProxy(t, up.URL, &tls.Config{Certificates: []tls.Certificate{ca.Issue(t, false)}})
+	c, br := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{}`))
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("no answer: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 400 || !strings.Contains(string(body), "plain_http_to_tls_port") || !resp.Close {
+		t.Fatalf("%d %q %s", resp.StatusCode, resp.Header, body)
+	}
+	if calls != 0 {
+		t.Fatal("the plain request reached the upstream")
+	}
+	tp.rec.none(t)
+}

@@ -2,8 +2,13 @@ package proxy
 
 import (
 	"crypto/tls"
+	"errors"
 	"net"
+	"strconv"
 	"syscall"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
 )
 
 // tlsClient is a client connection over TLS. The TLS layer reads and
@@ -59,6 +64,36 @@ func clientOf(c net.Conn) *clientConn {
 		return c.cc
 	}
 	return nil
+}
+
+// plainHTTPOnTLS is the answer to a plain HTTP request on a TLS port.
+var plainHTTPOnTLS = func() []byte {
+	body := `{"error":{"type":"tokentap_error","code":"plain_http_to_tls_port","message":"this port speaks TLS: send the request over https"}}` + "\n"
+	return []byte("HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " +
+		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
+}()
+
+// answerPlainHTTP answers 400 in plain text, on the socket under the TLS
+// layer, when err is a handshake that failed because its first bytes were
+// a plain HTTP request (Go's net/http server does the same).
+func answerPlainHTTP(err error) {
+	var re tls.RecordHeaderError
+	if !errors.As(err, &re) || re.Conn == nil || !looksLikeHTTP(re.RecordHeader[:]) {
+		return
+	}
+	metrics.PlainHTTPOnTLS()
+	_ = re.Conn.SetWriteDeadline(time.Now().Add(time.Second))
+	_, _ = re.Conn.Write(plainHTTPOnTLS)
+}
+
+// looksLikeHTTP says a TLS record header is the start of an HTTP method.
+func looksLikeHTTP(h []byte) bool {
+	for _, m := range []string{"GET ", "HEAD ", "POST ", "PUT ", "PATCH ", "DELETE ", "OPTIONS ", "CONNECT ", "TRACE "} {
+		if n := min(len(h), len(m)); string(h[:n]) == m[:n] {
+			return true
+		}
+	}
+	return false
 }
 
 // handshakeError is a failed TLS handshake: no request was read, none is

@@ -135,9 +135,9 @@ func statusOf(head []byte) int {
 // tunnel relays bytes both ways between the client (read through hj,
 // the server's read buffer first; written on client) and the upstream (c,
 // read through its buffer first) after the upstream's 101, which goes to
-// the client as it came. One side's end is passed on as a half-close, and
-// the tunnel ends when both ways ended; a session idle both ways for the
-// route's idle timeout is closed. The record says the bytes each way
+// the client as it came. One side's end closes both, and the tunnel ends
+// when both ways ended; a session idle both ways for the route's idle
+// timeout is closed. The record says the bytes each way
 // (bytes_in: client to upstream; bytes_out: upstream to client, the 101
 // left out) and the session's length.
 func (x *exchange) tunnel(hj, client net.Conn, c *upConn, head []byte) {
@@ -188,9 +188,8 @@ type tunnelWay struct {
 }
 
 // run copies from r (reading from) to dst, head first, until r ends; then
-// it half-closes dst (or closes both sides when dst cannot half-close). A
-// read that waited idle gives up only when the other way was idle as
-// long.
+// it closes both sides, which ends the other way. A read that waited idle
+// gives up only when the other way was idle as long.
 func (w *tunnelWay) run(t *tunnelState, dst net.Conn, r io.Reader, from net.Conn, head []byte) {
 	fail := func(err error) {
 		if !t.ended.Swap(true) || err == nil {
@@ -225,10 +224,12 @@ func (w *tunnelWay) run(t *tunnelState, dst net.Conn, r io.Reader, from net.Conn
 		case isTimeout(err) && time.Since(time.Unix(0, t.last.Load())) < t.idle && !t.ended.Load():
 			// The other way is busy: the session is not idle.
 		case errors.Is(err, io.EOF):
+			// One side closed: the session is over (WebSocket ends with its
+			// own close frames, which went through; a half-open tunnel to a
+			// silent upstream would hold the tenant's slot and the
+			// connection until the idle timeout). Both sides close, as
+			// nginx does.
 			t.ended.Store(true)
-			if cw, ok := dst.(interface{ CloseWrite() error }); ok && cw.CloseWrite() == nil {
-				return
-			}
 			fail(nil)
 			return
 		default:

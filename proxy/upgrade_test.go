@@ -182,3 +182,42 @@ func TestWebSocketCutAtShutdown(t *testing.T) {
 		t.Fatalf("record %+v", r)
 	}
 }
+
+// A client that closes its session while the upstream is silent ends the
+// tunnel at once: both sides close and the record is written. It kept the
+// tenant's slot and the upstream connection until the route's idle
+// timeout, waiting for the upstream to answer a half-close.
+func TestWebSocketClientCloseEndsTheTunnel(t *testing.T) {
+	release := make(chan struct{})
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		c, err := websocket.Accept(w, r, nil)
+		if err != nil {
+			return
+		}
+		defer c.CloseNow()
+		<-release // silent: it neither reads nor writes
+	})
+	tp := startProxy(t, up.URL, func(c *Config) {
+		c.Routes[0].WebSocket = true
+		c.Routes[0].Timeouts.Idle = 30 * time.Second
+	})
+	t.Cleanup(func() { close(release) })
+	c, _, err := dialWS(t, "ws://"+tp.addr+"/v1/realtime", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Write(context.Background(), websocket.MessageText, []byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	c.CloseNow() // the client leaves without a close handshake
+	select {
+	case r := <-tp.rec.ch:
+		if r.Status != 101 {
+			t.Fatalf("record %+v", r)
+		}
+		t.Logf("recorded %v after the client left", time.Since(start).Round(time.Millisecond))
+	case <-time.After(5 * time.Second):
+		t.Fatal("the tunnel outlives its client (idle timeout 30 s)")
+	}
+}
