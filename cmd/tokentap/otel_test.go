@@ -340,6 +340,20 @@ routes:
 			t.Errorf("%s attributes %v", name, dp.Attributes)
 		}
 	}
+	// Every point of every metric carries its route and operation: the
+	// output-token usage point lost its route when the input's was made
+	// from the same slice (NewSet sorts what it is given).
+	for name, m := range got {
+		if m.GetHistogram() == nil {
+			continue
+		}
+		for _, dp := range m.GetHistogram().DataPoints {
+			p := attrs(dp.Attributes)
+			if p["tokentap.route"].GetStringValue() == "" || p["gen_ai.operation.name"].GetStringValue() != "chat" {
+				t.Errorf("%s: a point without its route or operation: %v", name, dp.Attributes)
+			}
+		}
+	}
 	// Every inter-token gap of the two streams (5 each) is a chunk's time.
 	if n := count(got["gen_ai.client.operation.time_per_output_chunk"]); n != 10 {
 		t.Errorf("time_per_output_chunk count %d, want 10", n)

@@ -2,6 +2,7 @@ package telemetry
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -80,7 +81,7 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 	base := attribute.NewSet(kv...)
 	all := base
 	if et := errorType(r); et != "" {
-		all = attribute.NewSet(append(kv, attrErrorType.String(et))...)
+		all = with(kv, attrErrorType.String(et))
 	}
 	set := otelmetric.WithAttributeSet(all)
 
@@ -117,9 +118,17 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok)
 	}
 	if r.InputTokens > 0 {
-		in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(attribute.NewSet(append(kv, attrTokenType.String("input"))...)))
+		in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("input"))))
 	}
 	if r.TokensSource != "" {
-		in.usage.Record(ctx, float64(r.OutputTokens), otelmetric.WithAttributeSet(attribute.NewSet(append(kv, attrTokenType.String("output"))...)))
+		in.usage.Record(ctx, float64(r.OutputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("output"))))
 	}
+}
+
+// with is the set of kv and one more attribute. kv is left as it was:
+// the appended copy is a slice of its own (attribute.NewSet sorts what it
+// is given in place; two sets appended to one kv with room to spare shared
+// its array, and the second lost an attribute of the first, the route).
+func with(kv []attribute.KeyValue, more attribute.KeyValue) attribute.Set {
+	return attribute.NewSet(append(slices.Clip(kv), more)...)
 }
