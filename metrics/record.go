@@ -29,20 +29,48 @@ const (
 	OutcomeUpstreamTimeout Outcome = "upstream_timeout"
 	// OutcomeClientCancel: the client went away before the response ended.
 	OutcomeClientCancel Outcome = "client_cancel"
-	// OutcomeRejected: refused by admission control.
+	// OutcomeRejected: refused because tokentap could not serve it (the
+	// shared admission store did not answer, the budget of request bodies
+	// was spent): the service's failure.
 	OutcomeRejected Outcome = "rejected"
 	// OutcomeBadRequest: refused by tokentap itself as malformed or not allowed.
 	OutcomeBadRequest Outcome = "bad_request"
 	// OutcomeShutdown: still running when tokentap's drain at shutdown ran
 	// out of time, and cut.
 	OutcomeShutdown Outcome = "shutdown"
+	// OutcomeLimited: refused for the client's own limits: an unknown key
+	// (401), or its tenant past a rate, token, concurrency or day limit,
+	// its queue full or its wait in it over (429).
+	OutcomeLimited Outcome = "limited"
 )
 
 // Outcomes lists every Outcome, in a fixed order.
-var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest, OutcomeShutdown}
+var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest, OutcomeShutdown, OutcomeLimited}
 
 // numOutcomes is len(Outcomes).
-const numOutcomes = 7
+const numOutcomes = 8
+
+// The rule, the same in records, /stats, metrics, the example rules, the
+// dashboards and OTel: a request the service failed counts against its
+// route (an error, and not good in goodput); one refused for the client's
+// own doing (a malformed request, an unknown key, its tenant's limits)
+// says nothing of the route: it is counted apart and not judged; a client
+// that left is neither an error nor good.
+
+// Failure reports an outcome that is the service's failure: the backend's
+// error or timeout, tokentap unable to serve (rejected), a cut at shutdown.
+func (o Outcome) Failure() bool {
+	switch o {
+	case OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeRejected, OutcomeShutdown:
+		return true
+	}
+	return false
+}
+
+// Judged reports whether a request of this outcome is judged against its
+// route's SLO: all but those refused for the client's own doing
+// (bad_request, limited).
+func (o Outcome) Judged() bool { return o != OutcomeBadRequest && o != OutcomeLimited }
 
 // Absent marks a timing that did not happen (a non-streamed response has no
 // TTFT; a rejected request has no upstream timings). It is never logged.

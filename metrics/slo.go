@@ -92,9 +92,10 @@ func (m SLOMisses) String() string {
 }
 
 // Judge sets r.SLOJudged and r.SLOMisses against s (nothing when s is
-// zero). r's timings must be final.
+// zero, or when r was refused for the client's own doing: Outcome.Judged).
+// r's timings must be final.
 func (s SLO) Judge(r *Record) {
-	if s.IsZero() {
+	if s.IsZero() || !r.Outcome.Judged() {
 		return
 	}
 	r.SLOJudged, r.SLOTarget = true, s.Target

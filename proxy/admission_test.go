@@ -3,8 +3,8 @@ package proxy
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
-
 	"net/http"
 	"strconv"
 	"strings"
@@ -14,6 +14,7 @@ import (
 
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/ratelimit/redistest"
 )
@@ -95,7 +96,7 @@ func TestTenantsFromKeys(t *testing.T) {
 	if resp.StatusCode != 401 || !strings.Contains(string(body), "invalid_api_key") {
 		t.Fatalf("unknown key: %d %s", resp.StatusCode, body)
 	}
-	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeRejected || rec.Status != 401 || rec.UpstreamTTFB != metrics.Absent || rec.Tenant != "unknown" {
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeLimited || rec.Status != 401 || rec.UpstreamTTFB != metrics.Absent || rec.Tenant != "unknown" {
 		t.Fatalf("record: %+v", rec)
 	}
 	// A client cannot claim a tenant with tokentap's own header.
@@ -146,7 +147,7 @@ func TestUnknownKeyToDefaultTenantAndTrustedHeader(t *testing.T) {
 		t.Fatalf("trusted header: %+v", rec)
 	}
 	resp, _ = postKey(t, tp2.url+"/x", "k", `{}`)
-	if rec := tp2.rec.next(t); resp.StatusCode != 401 || rec.Outcome != metrics.OutcomeRejected {
+	if rec := tp2.rec.next(t); resp.StatusCode != 401 || rec.Outcome != metrics.OutcomeLimited {
 		t.Fatalf("no trusted header: %d %+v", resp.StatusCode, rec)
 	}
 }
@@ -175,7 +176,7 @@ func TestRateLimited429WithHeaders(t *testing.T) {
 		t.Fatalf("429 headers: %v", resp.Header)
 	}
 	rec := tp.rec.next(t)
-	if rec.Outcome != metrics.OutcomeRejected || rec.Status != 429 || rec.Tenant != "a" || rec.UpstreamTTFB != metrics.Absent || rec.Queue < 0 {
+	if rec.Outcome != metrics.OutcomeLimited || rec.Status != 429 || rec.Tenant != "a" || rec.UpstreamTTFB != metrics.Absent || rec.Queue < 0 {
 		t.Fatalf("record: %+v", rec)
 	}
 	if promValue(t, `tokentap_admission_rejected_total{tenant="a",reason="requests"}`)-rejectedBefore != 1 {
@@ -358,4 +359,102 @@ func waitUntil(t *testing.T, cond func() bool) {
 		}
 	}
 	t.Fatal("condition not met within a minute")
+}
+
+// seriesSum adds the values of the series of family whose labels hold
+// every one of want (label="value" pairs), from the process's registry.
+func seriesSum(family string, want ...string) float64 {
+	var b bytes.Buffer
+	vm.WritePrometheus(&b, false)
+	sum := 0.0
+	for _, line := range strings.Split(b.String(), "\n") {
+		name, rest, ok := strings.Cut(line, "{")
+		if !ok || name != family {
+			continue
+		}
+		labels, v, _ := strings.Cut(rest, "} ")
+		match := true
+		for _, w := range want {
+			match = match && strings.Contains(labels, w)
+		}
+		if f, err := strconv.ParseFloat(v, 64); match && err == nil {
+			sum += f
+		}
+	}
+	return sum
+}
+
+// The rule: a refusal for the client's own doing (its tenant's 429s, an
+// unknown key's 401) is counted apart and not judged; a failure of the
+// service (an upstream's 502, tokentap unable to serve: 503) counts
+// against goodput. A tenant sending past its rate took its route's
+// goodput to 25–59% and paged while the backend was healthy; in records,
+// /stats and the metrics the route now keeps goodput 100% until the
+// service fails a request.
+func TestOnlyServiceFailuresCountAgainstGoodput(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		if r.URL.Query().Get("fail") != "" {
+			w.WriteHeader(502)
+		}
+		io.WriteString(w, "{}")
+	})
+	route := fmt.Sprintf("quota%d", time.Now().UnixNano())
+	tp := startProxyOpts(t, up.URL, func(c *Config) {
+		withTenants(ratelimit.ModeReject,
+			ratelimit.Tenant{Name: "a", Keys: []string{"key-a"}, Limits: ratelimit.Limits{RequestsPerSecond: 0.01, Burst: 2}},
+			ratelimit.Tenant{Name: "b", Keys: []string{"key-b"}})(c)
+		c.Routes[0].Name = route
+		c.SLO = metrics.SLO{E2E: 10 * time.Second, Target: 0.99}
+	}, Options{MaxBufferedBodies: 4 << 10})
+	for i := range 10 {
+		resp, _ := postKey(t, tp.url+"/v1/chat/completions", "key-a", `{"model":"m"}`)
+		rec := tp.rec.next(t)
+		switch {
+		case i < 2 && (resp.StatusCode != 200 || !rec.Good()):
+			t.Fatalf("request %d within the limit: %d %+v", i, resp.StatusCode, rec)
+		case i >= 2 && (resp.StatusCode != 429 || rec.Outcome != metrics.OutcomeLimited || rec.SLOJudged):
+			t.Fatalf("request %d past the tenant's rate: %d, outcome %s, judged %v", i, resp.StatusCode, rec.Outcome, rec.SLOJudged)
+		}
+	}
+	if resp, _ := postKey(t, tp.url+"/v1/chat/completions", "no-such-key", `{}`); resp.StatusCode != 401 {
+		t.Fatalf("unknown key: %d", resp.StatusCode)
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeLimited || rec.SLOJudged {
+		t.Fatalf("unknown key's record: %s judged %v", rec.Outcome, rec.SLOJudged)
+	}
+	check := func(when string, count, errs, limited, judged, good int64) {
+		t.Helper()
+		rep := tp.p.Stats().Query(stats.Query{Window: "all", Route: route, GroupBy: []string{"route"}})
+		if len(rep.Groups) != 1 {
+			t.Fatalf("%s: %d groups", when, len(rep.Groups))
+		}
+		g := rep.Groups[0]
+		if g.Count != count || g.Errors != errs || g.Limited != limited || g.Goodput.Judged != judged || g.Goodput.Good != good {
+			t.Fatalf("%s: /stats count %d errors %d limited %d judged %d good %d; want %d %d %d %d %d",
+				when, g.Count, g.Errors, g.Limited, g.Goodput.Judged, g.Goodput.Good, count, errs, limited, judged, good)
+		}
+		r := `route="` + route + `"`
+		if j, gd := seriesSum("tokentap_slo_judged_requests_total", r), seriesSum("tokentap_goodput_requests_total", r); j != float64(judged) || gd != float64(good) {
+			t.Fatalf("%s: metrics judged %v good %v, want %d %d", when, j, gd, judged, good)
+		}
+		if n := seriesSum("tokentap_requests_total", r, `outcome="limited"`); n != float64(limited) {
+			t.Fatalf("%s: %v limited requests counted, want %d", when, n, limited)
+		}
+	}
+	check("a tenant past its limits", 11, 0, 9, 2, 2)
+
+	// The service fails: a 502 of the backend, and a 503 of tokentap's
+	// own (the budget of request bodies is spent).
+	if resp, _ := postKey(t, tp.url+"/v1/chat/completions?fail=1", "key-b", `{}`); resp.StatusCode != 502 {
+		t.Fatalf("failing upstream: %d", resp.StatusCode)
+	}
+	tp.rec.next(t)
+	if resp, _ := postKey(t, tp.url+"/v1/chat/completions", "key-b", `{"pad":"`+strings.Repeat("x", 8<<10)+`"}`); resp.StatusCode != 503 {
+		t.Fatalf("past the body budget: %d", resp.StatusCode)
+	}
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeRejected || !rec.SLOJudged || rec.Good() {
+		t.Fatalf("tokentap unable to serve: %s judged %v", rec.Outcome, rec.SLOJudged)
+	}
+	check("and the service failing twice", 13, 2, 9, 4, 2)
 }

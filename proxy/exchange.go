@@ -207,7 +207,7 @@ func (x *exchange) admit() *refusal {
 		return &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeRejected, code: "admission_store_unavailable",
 			msg: "admission control cannot reach its shared store, retry later", note: "rejected: admission store unavailable", retryAfter: time.Second}
 	}
-	return &refusal{status: fasthttp.StatusTooManyRequests, outcome: metrics.OutcomeRejected, code: "rate_limit_exceeded",
+	return &refusal{status: fasthttp.StatusTooManyRequests, outcome: metrics.OutcomeLimited, code: "rate_limit_exceeded",
 		msg:  "rate limit reached (" + string(refused.Reason) + "), retry later",
 		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, rateLimited: true}
 }

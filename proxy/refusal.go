@@ -43,7 +43,7 @@ var (
 		msg: "the request path cannot be normalised", close: true}
 	refuseNoRoute = &refusal{status: fasthttp.StatusNotFound, outcome: metrics.OutcomeBadRequest, code: "no_route",
 		msg: "no route matches this path", close: true}
-	refuseKey = &refusal{status: fasthttp.StatusUnauthorized, outcome: metrics.OutcomeRejected, code: "invalid_api_key",
+	refuseKey = &refusal{status: fasthttp.StatusUnauthorized, outcome: metrics.OutcomeLimited, code: "invalid_api_key",
 		msg: "unknown or missing API key", close: true}
 	refuseVersion = &refusal{status: fasthttp.StatusHTTPVersionNotSupported, outcome: metrics.OutcomeBadRequest, code: "http_version_not_supported",
 		msg: "only HTTP/1.1 and HTTP/1.0 are served", close: true}

@@ -269,7 +269,7 @@ func TestDashboardInBrowser(t *testing.T) {
 		}
 		want := tiles{Route: g.Route, TTFT: q(g.TTFT), ITL: q(g.ITL), E2E: q(g.E2E), Goodput: good,
 			Queue: fmtJS(g.Queue.P50) + " / " + fmtJS(g.Queue.P95), Overhead: fmtJS(g.Overhead.P50) + " / " + fmtJS(g.Overhead.P95),
-			Count: fmt.Sprintf("%d (%d)", g.Count, g.Errors), ClientTTFT: q(g.ClientTTFT),
+			Count: fmt.Sprintf("%d (%d, %d)", g.Count, g.Errors, g.Limited), ClientTTFT: q(g.ClientTTFT),
 			Split: fmt.Sprintf("Users waited %s ms for the first token (p50): %s in the network, %s in tokentap, the rest in the queue (%s) and the backend.",
 				fmtJS(g.ClientTTFT.P50), fmtJS(max(g.ClientTTFT.P50-g.TTFT.P50, 0)), fmtJS(g.Overhead.P50), fmtJS(g.Queue.P50))}
 		if *got != want {

@@ -320,7 +320,7 @@ func (c *counter) wait(n int) {
 // printStats prints a /stats report as a table, then its warnings.
 func printStats(out io.Writer, rep stats.Report) {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "route\tmodel\ttenant\tcount\terrors\tgoodput\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\tqueue p95\toverhead p95\ttokens/s\t")
+	fmt.Fprintln(tw, "route\tmodel\ttenant\tcount\terrors\tlimited\tgoodput\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\tqueue p95\toverhead p95\ttokens/s\t")
 	for _, g := range rep.Groups {
 		good := "-"
 		if g.Goodput.Ratio != nil {
@@ -332,8 +332,8 @@ func printStats(out io.Writer, rep stats.Report) {
 			}
 			return fmt.Sprintf("%.1f", v)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n",
-			dash(g.Route), dash(g.Model), dash(g.Tenant), g.Count, g.Errors, good,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n",
+			dash(g.Route), dash(g.Model), dash(g.Tenant), g.Count, g.Errors, g.Limited, good,
 			f(g.TTFT, g.TTFT.P50), f(g.TTFT, g.TTFT.P95), f(g.TTFT, g.TTFT.P99), f(g.TTFA, g.TTFA.P50), f(g.TTFA, g.TTFA.P99),
 			f(g.ITL, g.ITL.P50), f(g.ITL, g.ITL.P95), f(g.ITL, g.ITL.P99), f(g.E2E, g.E2E.P50), f(g.E2E, g.E2E.P95), f(g.E2E, g.E2E.P99),
 			f(g.Queue, g.Queue.P95), f(g.Overhead, g.Overhead.P95), g.OutputTokensPerS)

@@ -35,9 +35,13 @@ type Group struct {
 	// the route's or a tenant's groups).
 	Shadow bool `json:"shadow,omitempty"`
 	// Count is the requests that finished in the window; Errors those
-	// that failed (every outcome but ok and client_cancel).
+	// the service failed (upstream_error, upstream_timeout, rejected,
+	// shutdown); Limited those refused for their client's own limits (an
+	// unknown key, the tenant's limits), which are not judged against the
+	// SLO.
 	Count            int64   `json:"count"`
 	Errors           int64   `json:"errors"`
+	Limited          int64   `json:"limited"`
 	RequestsPerS     float64 `json:"requests_per_s"`
 	OutputTokensPerS float64 `json:"output_tokens_per_s"`
 	Goodput          Goodput `json:"goodput"`
@@ -117,7 +121,7 @@ func makeGoodput(a *agg, target float64) Goodput {
 // group_ renders a group's merged agg over span.
 func group_(k Key, a *agg, span time.Duration, target float64) Group {
 	g := Group{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
-		Count: a.count, Errors: a.errors,
+		Count: a.count, Errors: a.errors, Limited: a.limited,
 		RequestsPerS:     round3(float64(a.count) / span.Seconds()),
 		OutputTokensPerS: round3(float64(a.outTokens) / span.Seconds()),
 		Goodput:          makeGoodput(a, target),

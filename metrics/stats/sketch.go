@@ -44,6 +44,7 @@ type SketchGroup struct {
 	Shadow    bool    `json:"shadow,omitempty"`
 	Count     int64   `json:"count"`
 	Errors    int64   `json:"errors"`
+	Limited   int64   `json:"limited"`
 	OutTokens int64   `json:"output_tokens"`
 	Judged    int64   `json:"slo_judged"`
 	Good      int64   `json:"slo_good"`
@@ -96,7 +97,7 @@ func (e *Engine) QuerySketches(q Query) SketchReport {
 
 func sketchGroup(k Key, a *agg, target float64) SketchGroup {
 	g := SketchGroup{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
-		Count: a.count, Errors: a.errors, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
+		Count: a.count, Errors: a.errors, Limited: a.limited, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
 		Missed: slices.Clone(a.missed[:]), Target: target, Measures: make([]SketchDist, numMeasures)}
 	for i := range a.d {
 		d := &a.d[i]
@@ -162,9 +163,9 @@ func checkSketchGroup(g *SketchGroup) error {
 		return fmt.Errorf("a group of route %q: %s (refused: not what a tokentap answers)", g.Route, what)
 	}
 	switch {
-	case g.Count < 0 || g.Errors < 0 || g.OutTokens < 0 || g.Judged < 0 || g.Good < 0:
+	case g.Count < 0 || g.Errors < 0 || g.Limited < 0 || g.OutTokens < 0 || g.Judged < 0 || g.Good < 0:
 		return bad("a negative count")
-	case g.Errors > g.Count || g.Judged > g.Count || g.Good > g.Judged:
+	case g.Errors+g.Limited > g.Count || g.Judged > g.Count || g.Good > g.Judged:
 		return bad("more errors or judged requests than requests, or more good than judged")
 	case !finite(g.Target) || g.Target < 0 || g.Target > 1:
 		return bad("a goodput target outside 0…1")
@@ -246,6 +247,7 @@ func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float6
 			}
 			a.count += g.Count
 			a.errors += g.Errors
+			a.limited += g.Limited
 			a.outTokens += g.OutTokens
 			a.judged += g.Judged
 			a.good += g.Good

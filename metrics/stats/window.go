@@ -30,10 +30,10 @@ const (
 // agg is what a span of time holds for one group: counts and one
 // distribution per measure. Aggs of the same group merge.
 type agg struct {
-	id                                     int64 // the slot, minute or block it holds; -1: none
-	count, errors, outTokens, judged, good int64
-	missed                                 [metrics.NumSLO]int64
-	d                                      [numMeasures]dist
+	id                                              int64 // the slot, minute or block it holds; -1: none
+	count, errors, limited, outTokens, judged, good int64
+	missed                                          [metrics.NumSLO]int64
+	d                                               [numMeasures]dist
 }
 
 func newAgg() agg {
@@ -46,17 +46,19 @@ func newAgg() agg {
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-// isError says whether an outcome counts in a group's errors: every
-// failure but a client that went away.
-func isError(o metrics.Outcome) bool {
-	return o != metrics.OutcomeOK && o != metrics.OutcomeClientCancel
-}
+// isError says whether an outcome counts in a group's errors: the
+// service's failures (metrics.Outcome.Failure), not a client that left or
+// a request refused for its client's own doing.
+func isError(o metrics.Outcome) bool { return o.Failure() }
 
 // add records one finished request and its inter-token gaps.
 func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 	a.count++
 	if isError(r.Outcome) {
 		a.errors++
+	}
+	if r.Outcome == metrics.OutcomeLimited {
+		a.limited++
 	}
 	a.outTokens += int64(r.OutputTokens)
 	if r.SLOJudged {
@@ -97,6 +99,7 @@ func (a *agg) merge(o *agg) {
 	}
 	a.count += o.count
 	a.errors += o.errors
+	a.limited += o.limited
 	a.outTokens += o.outTokens
 	a.judged += o.judged
 	a.good += o.good
@@ -110,7 +113,7 @@ func (a *agg) merge(o *agg) {
 
 func (a *agg) clear() {
 	a.id = -1
-	a.count, a.errors, a.outTokens, a.judged, a.good = 0, 0, 0, 0, 0
+	a.count, a.errors, a.limited, a.outTokens, a.judged, a.good = 0, 0, 0, 0, 0, 0
 	a.missed = [metrics.NumSLO]int64{}
 	for i := range a.d {
 		a.d[i].clear()

@@ -191,7 +191,11 @@ func (e *Exporter) span(r *metrics.Record) {
 	if r.TTFA >= 0 {
 		sp.AddEvent("tokentap.first_answer_token", trace.WithTimestamp(r.Start.Add(r.TTFA)))
 	}
-	if r.Outcome != metrics.OutcomeOK {
+	if r.Outcome.Failure() {
+		// The service failed it. A request refused for its client's own
+		// doing (a 4xx) or whose client left leaves the server span's
+		// status unset, as OTel's HTTP conventions ask of 4xx: error.type
+		// still says its outcome.
 		sp.SetStatus(codes.Error, r.Error)
 	}
 	if len(r.Tries) > 0 {

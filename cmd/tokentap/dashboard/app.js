@@ -63,7 +63,7 @@ function renderTiles(g) {
     tile("goodput", "goodput", pct(g.goodput.ratio) + (g.goodput.target ? " (target " + pct(g.goodput.target) + ")" : "")),
     tile("queue", "queue p50/p95 ms", `${fmt(g.queue_ms.p50)} / ${fmt(g.queue_ms.p95)}`),
     tile("overhead", "overhead p50/p95 ms", `${fmt(g.overhead_ms.p50)} / ${fmt(g.overhead_ms.p95)}`),
-    tile("count", "requests (errors)", `${g.count} (${g.errors})`),
+    tile("count", "requests (errors, limited)", `${g.count} (${g.errors}, ${g.limited || 0})`),
     tile("client_ttft", "client TTFT p50/p95/p99 ms", g.client_ttft_ms.count ? q(g.client_ttft_ms) : "–"));
   let split = box.querySelector(".split");
   if (!split) {
@@ -89,7 +89,7 @@ function renderWarnings(ws) {
 function renderTable(groups) {
   const body = document.querySelector("#groups tbody");
   body.replaceChildren(...groups.map((g) => el("tr", {},
-    ...[g.route, g.model, g.tenant, g.upstream || "–", g.count, g.errors, fmt(g.requests_per_s), fmt(g.output_tokens_per_s), pct(g.goodput.ratio),
+    ...[g.route, g.model, g.tenant, g.upstream || "–", g.count, g.errors, g.limited || 0, fmt(g.requests_per_s), fmt(g.output_tokens_per_s), pct(g.goodput.ratio),
       fmt(g.ttft_ms.p50), fmt(g.ttft_ms.p95), fmt(g.ttft_ms.p99), fmt(g.itl_ms.p50), fmt(g.itl_ms.p95), fmt(g.e2e_ms.p50), fmt(g.e2e_ms.p95),
       fmt(g.queue_ms.p95), fmt(g.overhead_ms.p95)].map((v) => el("td", {}, String(v))))));
 }
