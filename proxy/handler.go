@@ -34,7 +34,7 @@ func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
 		// over TLS; a plain HTTP request on the TLS port is answered 400
 		// in plain text, as nginx does.
 		metrics.TLSHandshakeFailed()
-		answerPlainHTTP(err)
+		AnswerPlainHTTP(err)
 		ctx.SetConnectionClose()
 		return
 	}

@@ -73,17 +73,19 @@ var plainHTTPOnTLS = func() []byte {
 		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
 }()
 
-// answerPlainHTTP answers 400 in plain text, on the socket under the TLS
+// AnswerPlainHTTP answers 400 in plain text, on the socket under the TLS
 // layer, when err is a handshake that failed because its first bytes were
-// a plain HTTP request (Go's net/http server does the same).
-func answerPlainHTTP(err error) {
+// a plain HTTP request (Go's net/http server does the same), and reports
+// whether it did. The admin listener's error handler calls it too.
+func AnswerPlainHTTP(err error) bool {
 	var re tls.RecordHeaderError
 	if !errors.As(err, &re) || re.Conn == nil || !looksLikeHTTP(re.RecordHeader[:]) {
-		return
+		return false
 	}
 	metrics.PlainHTTPOnTLS()
 	_ = re.Conn.SetWriteDeadline(time.Now().Add(time.Second))
 	_, _ = re.Conn.Write(plainHTTPOnTLS)
+	return true
 }
 
 // looksLikeHTTP says a TLS record header is the start of an HTTP method.

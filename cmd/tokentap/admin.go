@@ -3,6 +3,8 @@ package main
 import (
 	"crypto/subtle"
 	"encoding/json"
+	"errors"
+	"net"
 	"reflect"
 	"strings"
 	"sync"
@@ -137,6 +139,23 @@ func (a *admin) server() *fasthttp.Server {
 		Concurrency:    adminConns + adminProbeConnsIn,
 		ReadBufferSize: 8 << 10,
 		NoDefaultDate:  true,
+		// Plain HTTP sent to a TLS admin listener gets a plain-text 400
+		// saying so, instead of a closed connection (read as EOF).
+		ErrorHandler: func(ctx *fasthttp.RequestCtx, err error) {
+			if proxy.AnswerPlainHTTP(err) {
+				ctx.SetConnectionClose()
+				return
+			}
+			var ne net.Error
+			switch {
+			case errors.As(err, &ne) && ne.Timeout():
+				ctx.SetStatusCode(fasthttp.StatusRequestTimeout)
+			case errors.Is(err, fasthttp.ErrBodyTooLarge):
+				ctx.SetStatusCode(fasthttp.StatusRequestEntityTooLarge)
+			default:
+				ctx.SetStatusCode(fasthttp.StatusBadRequest)
+			}
+		},
 		// Its error lines would quote a client's request bytes.
 		SecureErrorLogMessage: true,
 		Logger:                proxy.ServerLogger(a.logger.Named("admin")),

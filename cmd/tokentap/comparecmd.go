@@ -23,7 +23,8 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	route := fs.String("route", "", "the route (required)")
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	class := fs.String("class", "", "compare only the requests of this class (e.g. in-long.out-short)")
-	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
+	var ac adminClient
+	ac.flags(fs)
 	asJSON := fs.Bool("json", false, "print the JSON as it came")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -39,10 +40,10 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 		return fmt.Errorf("give two upstreams, or none")
 	}
 	if admins := strings.Split(*adminURL, ","); len(admins) > 1 {
-		return compareReplicas(ctx, admins, *tokenFile, *route, *window, *class, a, b, *asJSON, out)
+		return compareReplicas(ctx, admins, ac, *route, *window, *class, a, b, *asJSON, out)
 	}
 	if a == "" {
-		body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "group_by": {"upstream"}}.Encode())
+		body, err := ac.get(ctx, *adminURL, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "group_by": {"upstream"}}.Encode())
 		if err != nil {
 			return err
 		}
@@ -60,7 +61,7 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	if *class != "" {
 		v.Set("class", *class)
 	}
-	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+v.Encode())
+	body, err := ac.get(ctx, *adminURL, "/stats?"+v.Encode())
 	if err != nil {
 		return err
 	}
@@ -78,8 +79,8 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 
 // compareReplicas is `tokentap compare` over several replicas: their
 // sketches merged, then the verdict over all their requests.
-func compareReplicas(ctx context.Context, admins []string, tokenFile, route, window, class, a, b string, asJSON bool, out io.Writer) error {
-	reps, err := sketchesOf(ctx, admins, tokenFile, url.Values{"window": {window}, "route": {route}, "group_by": {"route,upstream,class"}})
+func compareReplicas(ctx context.Context, admins []string, ac adminClient, route, window, class, a, b string, asJSON bool, out io.Writer) error {
+	reps, err := sketchesOf(ctx, admins, ac, url.Values{"window": {window}, "route": {route}, "group_by": {"route,upstream,class"}})
 	if err != nil {
 		return err
 	}

@@ -2,13 +2,17 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
@@ -23,7 +27,8 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 	window := fs.String("window", "5m", "1m, 5m, 15m, 1h or all")
 	groupBy := fs.String("group-by", "", "labels to keep, comma separated (route,model,tenant,upstream,class; default the first four)")
 	route := fs.String("route", "", "only this route")
-	tokenFile := fs.String("token-file", "", "file holding the admin bearer token, if the listener asks for one")
+	var ac adminClient
+	ac.flags(fs)
 	asJSON := fs.Bool("json", false, "print the JSON as it came")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -39,7 +44,7 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 		q.Set("route", *route)
 	}
 	if admins := strings.Split(*adminURL, ","); len(admins) > 1 {
-		reps, err := sketchesOf(ctx, admins, *tokenFile, q)
+		reps, err := sketchesOf(ctx, admins, ac, q)
 		if err != nil {
 			return err
 		}
@@ -54,7 +59,7 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 		printStats(out, rep)
 		return nil
 	}
-	body, err := adminGet(ctx, *adminURL, *tokenFile, "/stats?"+q.Encode())
+	body, err := ac.get(ctx, *adminURL, "/stats?"+q.Encode())
 	if err != nil {
 		return err
 	}
@@ -73,11 +78,11 @@ func runStats(ctx context.Context, args []string, out io.Writer) error {
 
 // sketchesOf reads the query q as sketches (/stats?format=sketch) from
 // every admin listener of admins, to merge.
-func sketchesOf(ctx context.Context, admins []string, tokenFile string, q url.Values) ([]stats.SketchReport, error) {
+func sketchesOf(ctx context.Context, admins []string, ac adminClient, q url.Values) ([]stats.SketchReport, error) {
 	q.Set("format", "sketch")
 	var reps []stats.SketchReport
 	for _, adm := range admins {
-		body, err := adminGet(ctx, strings.TrimSpace(adm), tokenFile, "/stats?"+q.Encode())
+		body, err := ac.get(ctx, strings.TrimSpace(adm), "/stats?"+q.Encode())
 		if err != nil {
 			return nil, err
 		}
@@ -110,9 +115,21 @@ func adminBase(s string) (string, error) {
 	return strings.TrimRight(s, "/"), nil
 }
 
-// adminGet reads path from the admin listener at base, with the bearer
-// token of tokenFile when one is given.
-func adminGet(ctx context.Context, base, tokenFile, path string) ([]byte, error) {
+// adminClient is how the commands reach an admin listener: its bearer
+// token and, for a TLS listener of a private CA, that CA.
+type adminClient struct {
+	tokenFile, caFile string
+}
+
+// flags adds -token-file and -cacert to fs.
+func (ac *adminClient) flags(fs *flag.FlagSet) {
+	fs.StringVar(&ac.tokenFile, "token-file", "", "file holding the admin bearer token, if the listener asks for one")
+	fs.StringVar(&ac.caFile, "cacert", "", "PEM file of the CA that signed a TLS admin listener's certificate (-admin https://…); SSL_CERT_FILE works too")
+}
+
+// get reads path from the admin listener at base, with the bearer token
+// of tokenFile when one is given.
+func (ac adminClient) get(ctx context.Context, base, path string) ([]byte, error) {
 	base, err := adminBase(base)
 	if err != nil {
 		return nil, fmt.Errorf("-admin: %w", err)
@@ -121,21 +138,42 @@ func adminGet(ctx context.Context, base, tokenFile, path string) ([]byte, error)
 	if err != nil {
 		return nil, fmt.Errorf("-admin: %w", err)
 	}
-	if tokenFile != "" {
-		tok, err := readToken(tokenFile)
+	if ac.tokenFile != "" {
+		tok, err := readToken(ac.tokenFile)
 		if err != nil {
 			return nil, fmt.Errorf("-token-file: %w", err)
 		}
 		req.Header.Set("Authorization", "Bearer "+tok)
 	}
-	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	client := &http.Client{Timeout: 30 * time.Second}
+	if ac.caFile != "" {
+		pem, err := os.ReadFile(ac.caFile)
+		if err != nil {
+			return nil, fmt.Errorf("-cacert: %w", err)
+		}
+		pool, err := x509.SystemCertPool()
+		if err != nil {
+			pool = x509.NewCertPool()
+		}
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("-cacert: %s holds no PEM certificate", ac.caFile)
+		}
+		client.Transport = &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}}
+	}
+	resp, err := client.Do(req)
 	if err != nil {
+		if strings.HasPrefix(base, "http://") && (errors.Is(err, io.EOF) || strings.Contains(err.Error(), "malformed HTTP")) {
+			return nil, fmt.Errorf("cannot read %s: %w (a TLS admin listener? give -admin https://host:port, and -cacert for a private CA)", path, err)
+		}
 		return nil, fmt.Errorf("cannot read %s: %w", path, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
 	if err != nil {
 		return nil, fmt.Errorf("cannot read %s: %w", path, err)
+	}
+	if resp.StatusCode == http.StatusBadRequest && strings.Contains(string(body), "plain_http_to_tls_port") {
+		return nil, fmt.Errorf("the admin listener at %s speaks TLS: give -admin https://%s (and -cacert for a private CA)", base, strings.TrimPrefix(base, "http://"))
 	}
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("%s answered %s: %s", path, resp.Status, strings.TrimSpace(string(body)))

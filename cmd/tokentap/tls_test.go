@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/tls"
 	"fmt"
 	"io"
@@ -57,8 +58,24 @@ routes:
 	if err != nil {
 		t.Fatalf("admin over TLS: %v", err)
 	}
-	if _, err := http.Get("http://" + adm + "/healthz"); err == nil {
-		t.Fatal("the admin listener answered plain HTTP")
+	// Plain HTTP gets a plain-text 400 saying so (it read as EOF).
+	if resp, err := http.Get("http://" + adm + "/healthz"); err != nil {
+		t.Fatalf("plain HTTP to the TLS admin listener: %v", err)
+	} else {
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 400 || !strings.Contains(string(body), "plain_http_to_tls_port") {
+			t.Fatalf("plain HTTP to the TLS admin listener: %d %s", resp.StatusCode, body)
+		}
+	}
+	// tokentap stats over TLS with the admin's CA; as host:port (plain) it
+	// says to use https.
+	var out strings.Builder
+	if err := runStats(context.Background(), []string{"-admin", "https://" + adm, "-cacert", admins.File(t)}, &out); err != nil || !strings.Contains(out.String(), "window 5m") {
+		t.Fatalf("tokentap stats -cacert over TLS: %v\n%s", err, out.String())
+	}
+	if err := runStats(context.Background(), []string{"-admin", adm}, &out); err == nil || !strings.Contains(err.Error(), "https://") {
+		t.Fatalf("tokentap stats in plain HTTP to a TLS admin: %v", err)
 	}
 
 	client := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: front.Pool}}}
