@@ -98,9 +98,10 @@ func (s *ServerTLS) Config() *tls.Config {
 
 // Watch looks at the files every interval until ctx is done and reloads
 // them when one changed (its size, time or inode: a Kubernetes secret
-// swaps a symbolic link). onErr is told a reload that failed (the
-// config in use stays); a failed change is told once.
-func (s *ServerTLS) Watch(ctx context.Context, every time.Duration, onErr func(error)) {
+// swaps a symbolic link). onLoad is told each reload, nil when the new
+// files are served (Serving says what), or why they are not (the config in
+// use stays); a failed change is told once.
+func (s *ServerTLS) Watch(ctx context.Context, every time.Duration, onLoad func(error)) {
 	paths := func() []string {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -110,10 +111,21 @@ func (s *ServerTLS) Watch(ctx context.Context, every time.Duration, onErr func(e
 		s.mu.Lock()
 		err := s.load(s.files)
 		s.mu.Unlock()
-		if err != nil && onErr != nil {
-			onErr(err)
+		if onLoad != nil {
+			onLoad(err)
 		}
 	})
+}
+
+// Serving describes the certificate served now, for logs: its serial
+// number, subject and expiry (no key material).
+func (s *ServerTLS) Serving() (serial, subject string, notAfter time.Time) {
+	c := s.cur.Load()
+	if c == nil || len(c.Certificates) == 0 || c.Certificates[0].Leaf == nil {
+		return "", "", time.Time{}
+	}
+	leaf := c.Certificates[0].Leaf
+	return leaf.SerialNumber.String(), leaf.Subject.String(), leaf.NotAfter
 }
 
 // WatchFiles calls changed each time FileStamp of paths() differs from

@@ -378,8 +378,14 @@ func TestServerTLSServesRenewedCertificates(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var failures atomic.Int32
-	go st.Watch(ctx, 20*time.Millisecond, func(error) { failures.Add(1) })
+	var failures, renewals atomic.Int32
+	go st.Watch(ctx, 20*time.Millisecond, func(err error) {
+		if err != nil {
+			failures.Add(1)
+		} else {
+			renewals.Add(1)
+		}
+	})
 	tp := startTLSProxy(t, up.URL, st.Config())
 	first := tlstest.Serial(t, tp.addr)
 
@@ -398,6 +404,9 @@ func TestServerTLSServesRenewedCertificates(t *testing.T) {
 	}
 	if second == first {
 		t.Fatal("the renewed certificate was not served")
+	}
+	if serial, _, notAfter := st.Serving(); renewals.Load() == 0 || serial != second || notAfter.IsZero() {
+		t.Fatalf("renewal told %d times; serving %s (until %v), the listener %s", renewals.Load(), serial, notAfter, second)
 	}
 
 	// Broken files: the certificate in use stays, and the failure is told.

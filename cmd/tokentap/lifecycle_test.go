@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -423,4 +424,67 @@ func seriesValue(t *testing.T, admin, prefix string) int {
 		}
 	}
 	return counted
+}
+
+// The process log says what an operator needs: the drain's durations with
+// their units, one line on exit; the admission store's address and error
+// when it stops answering (a store that does not answer at start).
+func TestLogsThatHelp(t *testing.T) {
+	up := startMockllm(t, mockllm.Options{TokenGap: time.Millisecond})
+	cfg := writeFile(t, fmt.Sprintf(`routes:
+  - {name: chat, prefix: /, upstream: %q}
+drain_timeout: 7s
+tenants:
+  - {name: a, keys: [key-a-0123456789abcdef]}
+admission:
+  store: {redis: {addr: %q}}
+`, up, deadAddr(t)))
+	listen, admin := freeAddr(t), freeAddr(t)
+	cmd := exec.Command(os.Args[0], "-config", cfg, "-listen", listen, "-admin", admin, "-access-log", "")
+	cmd.Env = append(os.Environ(), "TOKENTAP_TEST_MAIN=1")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitUp(t, "http://"+admin+"/healthz")
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	lines := map[string]map[string]any{}
+	for _, l := range strings.Split(strings.TrimSpace(stderr.String()), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("a log line that is not JSON: %q", l)
+		}
+		lines[fmt.Sprint(m["msg"])] = m
+	}
+	if d := lines["draining"]; d == nil || d["drain_timeout"] != "7s" || d["drain_delay"] != "0s" {
+		t.Errorf("the drain's line: %v", d)
+	}
+	if s := lines["tokentap stopped"]; s == nil || s["uptime"] == nil {
+		t.Errorf("no line on exit:\n%s", stderr.String())
+	}
+	var store map[string]any
+	for msg, m := range lines {
+		if strings.HasPrefix(msg, "admission store does not answer") {
+			store = m
+		}
+	}
+	if store == nil || store["addr"] == "" || store["error"] == nil {
+		t.Errorf("the store's line names no address or error: %v\n%s", store, stderr.String())
+	}
+}
+
+// deadAddr is a loopback address where nothing listens.
+func deadAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.2:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
 }

@@ -236,6 +236,7 @@ func run(ctx context.Context, args []string) error {
 		}
 		go func() { _ = adminSrv.Serve(l) }()
 	}
+	started := time.Now()
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
 		zap.Int("routes", len(s.proxy.Routes)))
 
@@ -272,6 +273,7 @@ func run(ctx context.Context, args []string) error {
 		}
 		cancel()
 	}
+	logger.Info("tokentap stopped", zap.Stringer("uptime", time.Since(started).Round(time.Millisecond)))
 	return nil
 }
 
@@ -299,7 +301,13 @@ func startCerts(ctx context.Context, f *proxy.ServerTLSFiles, field string, logg
 		return nil, fmt.Errorf("%s: %w", field, err)
 	}
 	go c.Watch(ctx, certWatchEvery, func(err error) {
-		logger.Warn("the certificate files changed and cannot be read, keeping those in use", zap.String("field", field), zap.Error(err))
+		if err != nil {
+			logger.Warn("the certificate files changed and cannot be read, keeping those in use", zap.String("field", field), zap.Error(err))
+			return
+		}
+		serial, subject, notAfter := c.Serving()
+		logger.Info("serving a renewed certificate", zap.String("field", field), zap.String("serial", serial),
+			zap.String("subject", subject), zap.Time("not_after", notAfter))
 	})
 	return c, nil
 }
@@ -310,7 +318,7 @@ func startCerts(ctx context.Context, f *proxy.ServerTLSFiles, field string, logg
 func (a *admin) drain() {
 	s := a.settings()
 	a.ready.Store(false)
-	a.logger.Info("draining", zap.Duration("drain_delay", s.drainDelay), zap.Duration("drain_timeout", s.drainTimeout),
+	a.logger.Info("draining", zap.Stringer("drain_delay", s.drainDelay), zap.Stringer("drain_timeout", s.drainTimeout),
 		zap.Int("in_flight", a.p.InFlight()))
 	if s.drainDelay > 0 {
 		time.Sleep(s.drainDelay)
