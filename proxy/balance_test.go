@@ -243,3 +243,37 @@ func TestWeightsChangeOnReload(t *testing.T) {
 		t.Errorf("the request after the reload did not go to canary: %v", got)
 	}
 }
+
+// One rule picks the sides every comparison view weighs: a guard's
+// baseline and candidate whatever the weights or the traffic (tokentap
+// compare took the busier upstream as the baseline and printed a canary
+// 2.6 times slower as 62% faster); a route's main upstream and its shadow;
+// else the two of largest weight, the larger as A.
+func TestCompareSides(t *testing.T) {
+	tp := startProxy(t, "", func(c *Config) {
+		c.Routes = []Route{
+			{Name: "guarded", Prefix: "/g", Timeouts: DefaultTimeouts,
+				Upstreams: []Upstream{{Name: "canary", URL: "http://127.0.0.1:1", Weight: 9}, {Name: "stable", URL: "http://127.0.0.1:2", Weight: 1}},
+				Guard:     &Guard{Candidate: "canary", Baseline: "stable", MinRequests: 10, MaxTTFTP95Increase: 0.1}},
+			{Name: "shadowed", Prefix: "/s", Timeouts: DefaultTimeouts,
+				Upstreams: []Upstream{{Name: "next", URL: "http://127.0.0.1:1", Weight: 0}, {Name: "live", URL: "http://127.0.0.1:2", Weight: 1}},
+				Shadow:    &Shadow{Upstream: "next", Sample: 0.1}},
+			{Name: "weighted", Prefix: "/w", Timeouts: DefaultTimeouts,
+				Upstreams: []Upstream{{Name: "small", URL: "http://127.0.0.1:1", Weight: 1}, {Name: "big", URL: "http://127.0.0.1:2", Weight: 3}, {Name: "mid", URL: "http://127.0.0.1:3", Weight: 2}}},
+			{Name: "one", Prefix: "/o", Timeouts: DefaultTimeouts, Upstream: "http://127.0.0.1:1"},
+		}
+	})
+	for _, c := range []struct{ route, a, b, rule string }{
+		{"guarded", "stable", "canary", "guard"},
+		{"shadowed", "live", "next", "shadow"},
+		{"weighted", "big", "mid", "largest weight"},
+	} {
+		a, b, rule, ok := tp.p.CompareSides(c.route)
+		if !ok || a != c.a || b != c.b || !strings.Contains(rule, c.rule) {
+			t.Errorf("%s: A %s, B %s (%s), want %s and %s by its %s", c.route, a, b, rule, c.a, c.b, c.rule)
+		}
+	}
+	if _, _, _, ok := tp.p.CompareSides("one"); ok {
+		t.Error("a route of one upstream has sides to compare")
+	}
+}

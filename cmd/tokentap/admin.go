@@ -321,10 +321,20 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 	ctx.SetContentType("application/json")
 	if cmp := string(args.Peek("compare")); cmp != "" {
 		ua, ub, ok := strings.Cut(cmp, ",")
+		var sides string
+		if cmp == "auto" && q.Route != "" {
+			// The one rule every view follows (Proxy.CompareSides).
+			ua, ub, sides, ok = a.p.CompareSides(q.Route)
+			if !ok {
+				ctx.SetStatusCode(fasthttp.StatusNotFound)
+				writeJSON(ctx, map[string]any{"error": "route " + q.Route + " has no two upstreams to compare"})
+				return
+			}
+		}
 		switch {
 		case !ok || ua == "" || ub == "" || q.Route == "":
 			ctx.SetStatusCode(fasthttp.StatusBadRequest)
-			ctx.SetBodyString(`{"error":"compare takes two upstreams, compare=A,B, with route=R"}` + "\n")
+			ctx.SetBodyString(`{"error":"compare takes two upstreams, compare=A,B, or compare=auto, with route=R"}` + "\n")
 			return
 		case !stats.ValidWindow(q.Window):
 			ctx.SetStatusCode(fasthttp.StatusBadRequest)
@@ -332,9 +342,10 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 			return
 		}
 		c, err := a.p.Stats().CompareClass(q.Route, ua, ub, q.Window, q.Class)
+		c.Sides = sides
 		if err != nil {
 			ctx.SetStatusCode(fasthttp.StatusNotFound)
-			writeJSON(ctx, map[string]any{"error": err.Error(), "count_a": c.CountA, "count_b": c.CountB})
+			writeJSON(ctx, map[string]any{"error": err.Error(), "a": ua, "b": ub, "sides": sides, "count_a": c.CountA, "count_b": c.CountB})
 			return
 		}
 		writeJSON(ctx, c)

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net/url"
-	"slices"
 	"strings"
 	"text/tabwriter"
 
@@ -42,22 +41,11 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	if admins := strings.Split(*adminURL, ","); len(admins) > 1 {
 		return compareReplicas(ctx, admins, ac, *route, *window, *class, a, b, *asJSON, out)
 	}
+	pair := a + "," + b
 	if a == "" {
-		body, err := ac.get(ctx, *adminURL, "/stats?"+url.Values{"window": {*window}, "route": {*route}, "group_by": {"upstream"}}.Encode())
-		if err != nil {
-			return err
-		}
-		var rep stats.Report
-		if err := json.Unmarshal(body, &rep); err != nil {
-			return fmt.Errorf("/stats: %w", err)
-		}
-		slices.SortFunc(rep.Groups, func(x, y stats.Group) int { return int(y.Count - x.Count) })
-		if len(rep.Groups) < 2 || rep.Groups[1].Upstream == "" {
-			return fmt.Errorf("route %s has no two upstreams with requests in the window", *route)
-		}
-		a, b = rep.Groups[0].Upstream, rep.Groups[1].Upstream
+		pair = "auto" // the server's rule: the guard's baseline and candidate, else by weight
 	}
-	v := url.Values{"window": {*window}, "route": {*route}, "compare": {a + "," + b}}
+	v := url.Values{"window": {*window}, "route": {*route}, "compare": {pair}}
 	if *class != "" {
 		v.Set("class", *class)
 	}
@@ -84,26 +72,15 @@ func compareReplicas(ctx context.Context, admins []string, ac adminClient, route
 	if err != nil {
 		return err
 	}
+	var sides string
 	if a == "" {
-		count := map[string]int64{}
-		for _, r := range reps {
-			for _, g := range r.Groups {
-				if g.Upstream != "" && !g.Shadow {
-					count[g.Upstream] += g.Count
-				}
-			}
+		// The replicas share one config: the first names the sides.
+		if a, b, sides, err = sidesOf(ctx, ac, strings.TrimSpace(admins[0]), route); err != nil {
+			return err
 		}
-		var names []string
-		for n := range count {
-			names = append(names, n)
-		}
-		slices.SortFunc(names, func(x, y string) int { return int(count[y] - count[x]) })
-		if len(names) < 2 {
-			return fmt.Errorf("route %s has no two upstreams with requests in the window", route)
-		}
-		a, b = names[0], names[1]
 	}
 	c, err := stats.CompareSketches(reps, route, a, b, class)
+	c.Sides = sides
 	if err != nil {
 		return fmt.Errorf("%s against %s: %w", b, a, err)
 	}
@@ -123,6 +100,9 @@ func printComparison(out io.Writer, c stats.Comparison) {
 		of = ", class " + c.Class
 	}
 	fmt.Fprintf(out, "route %s, window %s%s: %s (%d requests) against %s (%d requests)\n", c.Route, c.Window, of, c.B, c.CountB, c.A, c.CountA)
+	if c.Sides != "" {
+		fmt.Fprintf(out, "A = %s, B = %s: %s\n", c.A, c.B, c.Sides)
+	}
 	if len(c.Classes) > 1 {
 		var cls []string
 		for _, k := range c.Classes {
@@ -131,17 +111,13 @@ func printComparison(out io.Writer, c stats.Comparison) {
 		fmt.Fprintf(out, "compared within classes (%s), each weighing the same on both sides; each class alone below\n", strings.Join(cls, ", "))
 	}
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "measure\t%s\t%s\tdifference (95%% interval)\t\n", c.A, c.B)
+	fmt.Fprintf(tw, "measure\t%s\t%s\tdifference (95%% interval)\tverdict\twhy\n", c.A, c.B)
 	row := func(name string, d stats.Diff) {
-		verdict := "within noise"
-		switch {
-		case d.TooFew:
-			fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t\n", name, d.A, d.B, tooFewText(d, c))
+		if d.TooFew {
+			fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t\t\n", name, d.A, d.B, tooFewText(d, c))
 			return
-		case d.Significant:
-			verdict = "outside the noise"
 		}
-		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t%s\n", name, d.A, d.B, diffText(d), verdict)
+		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t%s\t%s\n", name, d.A, d.B, diffText(d), verdictText(d, c), d.Why)
 	}
 	if c.Through.Name != "" {
 		row("tokens/s per request", c.Through)
@@ -183,6 +159,33 @@ func tooFewText(d stats.Diff, c stats.Comparison) string {
 }
 
 // diffText reads "+9% (+6% … +12%)".
+// verdictText is a row's verdict: which side does better when the row is
+// significant, "within noise" otherwise.
+func verdictText(d stats.Diff, c stats.Comparison) string {
+	switch d.Better {
+	case "b":
+		return c.B + " better"
+	case "a":
+		return c.B + " worse"
+	}
+	return "within noise"
+}
+
 func diffText(d stats.Diff) string {
 	return fmt.Sprintf("%+.1f%% (%+.1f%% … %+.1f%%)", 100*d.RelativeDiff, 100*d.CILow, 100*d.CIHigh)
+}
+
+// sidesOf asks the admin listener at adm which two upstreams of route a
+// comparison weighs (compare=auto: the server's one rule).
+func sidesOf(ctx context.Context, ac adminClient, adm, route string) (a, b, sides string, err error) {
+	// Its answer names the sides even when one has no request yet (404).
+	body, err := ac.get(ctx, adm, "/stats?"+url.Values{"route": {route}, "compare": {"auto"}, "window": {"all"}}.Encode())
+	var r struct{ A, B, Sides string }
+	if json.Unmarshal(body, &r) != nil || r.A == "" || r.B == "" {
+		if err == nil {
+			err = fmt.Errorf("route %s: no two upstreams to compare", route)
+		}
+		return "", "", "", err
+	}
+	return r.A, r.B, r.Sides, nil
 }

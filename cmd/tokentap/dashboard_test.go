@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math"
 	"math/big"
@@ -363,10 +364,10 @@ func TestDashboardComparisonInBrowser(t *testing.T) {
 	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](ready, chromedp.WithPollingTimeout(30*time.Second))); err != nil {
 		t.Fatalf("%v (problems: %v)", err, problems)
 	}
-	type row struct{ Measure, A, B, Diff, Verdict string }
+	type row struct{ Measure, A, B, Diff, Verdict, Why, Class string }
 	rows, err := chromedp.Run(ctx, chromedp.Evaluate[[]row](`Array.from(document.querySelectorAll('.compare .verdict tbody tr')).map(r => {
 		const c = r.querySelectorAll('td');
-		return {Measure: c[0].textContent, A: c[1].textContent, B: c[2].textContent, Diff: c[3].textContent, Verdict: c[4].textContent};
+		return {Measure: c[0].textContent, A: c[1].textContent, B: c[2].textContent, Diff: c[3].textContent, Verdict: c[4].textContent, Why: c[5].textContent, Class: r.className};
 	})`))
 	if err != nil {
 		t.Fatal(err)
@@ -393,7 +394,7 @@ func TestDashboardComparisonInBrowser(t *testing.T) {
 		return "-" + s + "%"
 	}
 	wantRow := func(name string, d stats.Diff) {
-		r := row{Measure: name, A: fmtJS(d.A), B: fmtJS(d.B)}
+		r := row{Measure: name, A: fmtJS(d.A), B: fmtJS(d.B), Why: d.Why}
 		switch {
 		case d.TooFew:
 			var need []string
@@ -410,9 +411,18 @@ func TestDashboardComparisonInBrowser(t *testing.T) {
 		default:
 			r.Diff = fmt.Sprintf("%s (%s … %s)", pct(d.RelativeDiff), pct(d.CILow), pct(d.CIHigh))
 			r.Verdict = "within noise"
-			if d.Significant {
-				r.Verdict = "outside the noise"
+			switch d.Better {
+			case "b":
+				r.Verdict, r.Class = shown.B+" better", "significant better"
+			case "a":
+				r.Verdict, r.Class = shown.B+" worse", "significant worse"
 			}
+			if d.CILow == d.CIHigh {
+				t.Errorf("%s %s: an interval of no width", d.Name, d.Quantile)
+			}
+		}
+		if d.TooFew {
+			r.Class = "too-few"
 		}
 		want = append(want, r)
 	}
@@ -432,8 +442,27 @@ func TestDashboardComparisonInBrowser(t *testing.T) {
 	if fmt.Sprint(rows) != fmt.Sprint(want) {
 		t.Errorf("the page's verdict rows\n  %v\nthe verdict's\n  %v", rows, want)
 	}
-	if shown.A != "stable" || shown.B != "canary" || !significant || tooFew == 0 {
-		t.Errorf("verdict %s against %s: TTFT p50 found slower %v, %d too-few rows (the p99s want more requests)", shown.B, shown.A, significant, tooFew)
+	if shown.A != "stable" || shown.B != "canary" || !significant || tooFew == 0 || !strings.Contains(shown.Sides, "guard") {
+		t.Errorf("verdict %s against %s (%s): TTFT p50 found slower %v, %d too-few rows (the p99s want more requests)", shown.B, shown.A, shown.Sides, significant, tooFew)
+	}
+	// tokentap compare without names takes the same sides and says the
+	// same of every row.
+	var out strings.Builder
+	if err := runCompare(context.Background(), []string{"-admin", strings.TrimPrefix(base, "http://"), "-route", route, "-window", "all", "-json"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var cli stats.Comparison
+	if err := json.Unmarshal([]byte(out.String()), &cli); err != nil {
+		t.Fatal(err)
+	}
+	if cli.A != shown.A || cli.B != shown.B || cli.Sides != shown.Sides || len(cli.Measures) != len(shown.Measures) {
+		t.Errorf("tokentap compare: %s against %s (%s), the dashboard: %s against %s (%s)", cli.B, cli.A, cli.Sides, shown.B, shown.A, shown.Sides)
+	} else {
+		for i, d := range cli.Measures {
+			if s := shown.Measures[i]; d.Name != s.Name || d.Quantile != s.Quantile || d.Better != s.Better || d.Significant != s.Significant {
+				t.Errorf("row %s %s: the CLI says %q, the dashboard %q", d.Name, d.Quantile, d.Why, s.Why)
+			}
+		}
 	}
 	if len(upCharts) != 3 {
 		t.Errorf("%d upstream charts, want 3", len(upCharts))

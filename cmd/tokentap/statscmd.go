@@ -128,7 +128,8 @@ func (ac *adminClient) flags(fs *flag.FlagSet) {
 }
 
 // get reads path from the admin listener at base, with the bearer token
-// of tokenFile when one is given.
+// of tokenFile when one is given. An answer other than 200 is an error,
+// its body returned with it.
 func (ac adminClient) get(ctx context.Context, base, path string) ([]byte, error) {
 	base, err := adminBase(base)
 	if err != nil {
@@ -176,7 +177,7 @@ func (ac adminClient) get(ctx context.Context, base, path string) ([]byte, error
 		return nil, fmt.Errorf("the admin listener at %s speaks TLS: give -admin https://%s (and -cacert for a private CA)", base, strings.TrimPrefix(base, "http://"))
 	}
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("%s answered %s: %s", path, resp.Status, strings.TrimSpace(string(body)))
+		return body, fmt.Errorf("%s answered %s: %s", path, resp.Status, strings.TrimSpace(string(body)))
 	}
 	return body, nil
 }

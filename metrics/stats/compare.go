@@ -2,6 +2,7 @@ package stats
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -29,6 +30,10 @@ type Comparison struct {
 	Errors   PairValue `json:"error_rate"`
 	// Class is the one class compared (CompareClass); empty: all.
 	Class string `json:"class,omitempty"`
+	// Sides says why A and B are the sides they are, when the server chose
+	// them (compare=auto): the guard's baseline and candidate, or the
+	// rule for a route without a guard.
+	Sides string `json:"sides,omitempty"`
 	// Classes are the requests' classes on each side. With more than one,
 	// the rows compare within the classes both sides saw, and weigh them
 	// the same on both sides (strata.go); ByClass is then the verdict of
@@ -69,6 +74,12 @@ type Diff struct {
 	// N is the samples on each side (a measure's count).
 	NA int64 `json:"n_a"`
 	NB int64 `json:"n_b"`
+	// Better is the side that does better on a significant row ("a" or
+	// "b": the lower for times, the higher for throughput), "" otherwise.
+	Better string `json:"better,omitempty"`
+	// Why says in words why the row is or is not significant, the same in
+	// every view (the dashboard, tokentap compare).
+	Why string `json:"why"`
 }
 
 // PairValue is a share on each side (null when a side judged nothing).
@@ -267,23 +278,55 @@ func diffOf(name, q string, r quantileRow) Diff {
 		d.TooFew, d.NeedA, d.NeedB = true, r.needA, r.needB
 		return d
 	}
-	d.RelativeDiff, d.CILow, d.CIHigh, d.PValue = round4(r.diff), round4(r.lo), round4(r.hi), r.pValue
+	// The sketches place each quantile within RelativeAccuracy of the
+	// exact one: the ratio of two is known no finer than that on each
+	// side, however many requests there are (two sides far apart gave an
+	// interval of no width, "+164.0% … +164.0%").
+	const e = RelativeAccuracy
+	lo, hi := (1+r.lo)*(1-e)/(1+e)-1, (1+r.hi)*(1+e)/(1-e)-1
+	d.RelativeDiff, d.CILow, d.CIHigh, d.PValue = round4(r.diff), round4(lo), round4(hi), r.pValue
 	return d
 }
 
 // judge marks the rows that Holm's method finds significant among those
-// that were tested.
+// that were tested, and says why of each.
 func judge(rows []*Diff) {
 	var ps []float64
 	var tested []*Diff
 	for _, d := range rows {
 		if !d.TooFew {
 			ps, tested = append(ps, d.PValue), append(tested, d)
+		} else {
+			d.Why = "too few requests for this quantile: no interval, no verdict"
 		}
 	}
 	for i, sig := range holm(ps, verdictAlpha) {
-		tested[i].Significant = sig
+		d := tested[i]
+		d.Significant = sig
+		d.Why = why(d, len(tested))
+		if sig {
+			higherBetter := d.Name == "output_tokens_per_s_per_request"
+			if (d.RelativeDiff < 0) != higherBetter {
+				d.Better = "b"
+			} else {
+				d.Better = "a"
+			}
+		}
 	}
+}
+
+// why says why a tested row is, or is not, significant.
+func why(d *Diff, m int) string {
+	p := fmt.Sprintf("p = %.2g", d.PValue)
+	switch {
+	case d.Significant:
+		return fmt.Sprintf("outside the noise: %s, under Holm's threshold across %d rows (5%% for the verdict as a whole)", p, m)
+	case d.CILow > 0 || d.CIHigh < 0:
+		// Its own 95% interval leaves 0 out, but with m rows tested one
+		// of them would do so by chance in about m in 20 verdicts.
+		return fmt.Sprintf("not significant across %d rows: %s passes 5%% for this row alone (its interval leaves 0 out) but not Holm's threshold for %d rows", m, p, m)
+	}
+	return fmt.Sprintf("within noise: %s, the interval holds 0", p)
 }
 
 func round4(v float64) float64 { return math.Round(v*1e4) / 1e4 }

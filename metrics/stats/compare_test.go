@@ -3,6 +3,7 @@ package stats
 import (
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -245,5 +246,39 @@ func TestVerdictPower(t *testing.T) {
 			t.Errorf("%d a side, TTFT %.0f%% slower: found in %d of %d runs", c.n, 100*(c.scale-1), found, runs)
 		}
 		t.Logf("power: %d a side, TTFT %+.0f%%: found in %d of %d runs", c.n, 100*(c.scale-1), found, runs)
+	}
+}
+
+// Two sides far apart (B 2.6 times slower, none of its requests as fast
+// as A's slowest) gave intervals of no width ("+164.0% … +164.0%"): every
+// interval is at least the sketches' resolution wide, and holds the truth.
+// Rows say why they are or are not significant, and a significant row
+// which side does better (the lower time).
+func TestVerdictIntervalsAndWords(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 8))
+	e := sidesFrom(rng, 2000, 2.6, func(r *rand.Rand) float64 { return 100 + 10*r.Float64() },
+		func(_ *rand.Rand, v float64) float64 { return 4 * v })
+	c, err := e.Compare("r", "a", "b", "all")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := find(c, "ttft_ms", "p50")
+	if width := d.CIHigh - d.CILow; width < 2*RelativeAccuracy || d.CILow > 1.6 || d.CIHigh < 1.6 {
+		t.Fatalf("ttft p50 %+.4f (%+.4f … %+.4f): want an interval at least the sketches' resolution wide, holding +160%%", d.RelativeDiff, d.CILow, d.CIHigh)
+	}
+	if !d.Significant || d.Better != "a" || !strings.Contains(d.Why, "outside the noise") {
+		t.Fatalf("a 2.6 times slower B: significant %v, better %q, why %q", d.Significant, d.Better, d.Why)
+	}
+	if tp := c.Through; !tp.Significant || tp.Better != "a" {
+		t.Fatalf("tokens/s per request of the slower B: better %q (%s)", tp.Better, tp.Why)
+	}
+
+	// A row that its own interval calls different and Holm's method does
+	// not: it says so.
+	rows := []*Diff{{PValue: 0.02, CILow: 0.01, CIHigh: 0.2}, {PValue: 0.5, CILow: -0.1, CIHigh: 0.1}, {PValue: 0.001, CILow: 0.1, CIHigh: 0.3}, {PValue: 0.4}, {PValue: 0.3}}
+	judge(rows)
+	if rows[0].Significant || !strings.Contains(rows[0].Why, "not significant across 5 rows") || !strings.Contains(rows[1].Why, "holds 0") ||
+		!rows[2].Significant || !strings.Contains(rows[2].Why, "outside the noise") {
+		t.Fatalf("the words: %q, %q, %q", rows[0].Why, rows[1].Why, rows[2].Why)
 	}
 }

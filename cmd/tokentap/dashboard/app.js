@@ -172,7 +172,7 @@ function compareBox(route) {
       el("div", { class: "chart" }, el("h3", {}, "E2E p95 by upstream (ms)"), el("div", { "data-chart": "up-e2e" }))),
     el("p", { class: "sub", "data-field": "verdict-head" }),
     el("table", { class: "verdict" }, el("thead", {}, el("tr", {},
-      ...["measure", "A", "B", "difference (95% interval)", "verdict"].map((h) => el("th", {}, h)))), el("tbody", {})));
+      ...["measure", "A", "B", "difference (95% interval)", "verdict", "why"].map((h) => el("th", {}, h)))), el("tbody", {})));
   box.append(cmp);
   return cmp;
 }
@@ -199,17 +199,6 @@ function renderUpstreamCharts(rt) {
   }
 }
 
-// sides picks the two upstreams to compare: the guard's baseline and
-// candidate, else the route's two busiest (the busier as A).
-function sides(route) {
-  const g = (state.guards || []).find((x) => x.route === route);
-  if (g) return [g.baseline, g.candidate];
-  const ups = state.all.groups.filter((x) => x.route === route && x.upstream && !x.shadow);
-  const count = {};
-  for (const x of ups) count[x.upstream] = (count[x.upstream] || 0) + x.count;
-  const names = Object.keys(count).sort((a, b) => count[b] - count[a]);
-  return names.length >= 2 ? names.slice(0, 2) : null;
-}
 
 function tooFewText(d, c) {
   const need = [];
@@ -228,14 +217,17 @@ function diffText(d) {
 function renderVerdict(route, c) {
   const cmp = compareBox(route);
   const cls = (c.classes || []).length > 1 ? `; compared within ${c.classes.length} classes, each weighing the same on both sides` : "";
+  const rule = c.sides ? ` (${c.sides})` : "";
   cmp.querySelector('[data-field="verdict-head"]').textContent =
-    `A = ${c.a} (${c.count_a} requests), B = ${c.b} (${c.count_b} requests), window ${c.window}${cls}. Significance: Holm's method at 5% across the rows.`;
+    `A = ${c.a} (${c.count_a} requests), B = ${c.b} (${c.count_b} requests)${rule}, window ${c.window}${cls}. Significance: Holm's method at 5% across the rows.`;
   const rows = [];
   const row = (name, d) => {
-    const verdict = d.too_few ? "" : d.significant ? "outside the noise" : "within noise";
-    rows.push(el("tr", { class: d.too_few ? "too-few" : d.significant ? "significant" : "" },
+    // The same words as tokentap compare: which side does better, and why.
+    const verdict = d.too_few ? "" : d.better === "b" ? `${c.b} better` : d.better === "a" ? `${c.b} worse` : "within noise";
+    const cls = d.too_few ? "too-few" : d.better === "b" ? "significant better" : d.better === "a" ? "significant worse" : "";
+    rows.push(el("tr", { class: cls },
       el("td", {}, name), el("td", {}, fmt(d.a)), el("td", {}, fmt(d.b)),
-      el("td", {}, d.too_few ? tooFewText(d, c) : diffText(d)), el("td", {}, verdict)));
+      el("td", {}, d.too_few ? tooFewText(d, c) : diffText(d)), el("td", {}, verdict), el("td", { class: "why" }, d.why || "")));
   };
   if (c.throughput && c.throughput.name) row("tokens/s per request p50", c.throughput);
   for (const d of c.measures) row(`${d.name.replace(/_ms$/, "")} ${d.quantile}`, d);
@@ -278,10 +270,9 @@ async function renderComparisons(timeline) {
     if (!rt.upstreams || rt.upstreams.length < 2) continue;
     renderUpstreamCharts(rt);
     renderGuard(rt.route);
-    const pair = sides(rt.route);
-    if (!pair) continue;
+    // The server picks the sides, by the rule every view follows.
     const w = encodeURIComponent(state.window);
-    const url = `/stats?route=${encodeURIComponent(rt.route)}&compare=${encodeURIComponent(pair[0] + "," + pair[1])}&window=${w}`;
+    const url = `/stats?route=${encodeURIComponent(rt.route)}&compare=auto&window=${w}`;
     const headers = state.token ? { Authorization: "Bearer " + state.token } : {};
     const r = await fetch(url, { headers, cache: "no-store" });
     const c = await r.json();
