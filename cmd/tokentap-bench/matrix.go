@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"os"
+	"slices"
 	"sort"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/tokentap/tokentap/metrics/stats"
@@ -128,38 +131,68 @@ func runCompare(args []string, out io.Writer) error {
 		tested                                bool
 	}
 	var rows []row
+	rng := rand.New(rand.NewPCG(sampleSeed, 1))
 	for _, n := range names {
 		x, y := a[n], b[n]
 		var sx, sy samples
 		if x.Samples != nil && y.Samples != nil {
 			sx, sy = *x.Samples, *y.Samples
 		}
+		// The gaps by request where both files keep them; a file written
+		// before kept them flat, and they are then taken as independent.
+		gapsA, gapsB, flat := sx.ITLByRequest, sy.ITLByRequest, false
+		if len(gapsA) == 0 || len(gapsB) == 0 {
+			gapsA, gapsB, flat = nil, nil, len(sx.ITL) > 0 && len(sy.ITL) > 0
+		}
 		for _, m := range []struct {
 			name   string
 			x, y   float64
-			q      float64   // the quantile of the samples below, for the interval
-			xs, ys []float64 // nil: no interval
+			q      float64     // the quantile of the samples below, for the interval
+			xs, ys []float64   // nil: no interval
+			cx, cy [][]float64 // the gaps by request: resampled by request
 		}{
-			{"TTFT p50 ms", x.TTFT.P50, y.TTFT.P50, 0.5, sx.TTFT, sy.TTFT}, {"TTFT p99 ms", x.TTFT.P99, y.TTFT.P99, 0.99, sx.TTFT, sy.TTFT},
-			{"ITL p50 ms", x.ITL.P50, y.ITL.P50, 0.5, sx.ITL, sy.ITL}, {"ITL p99 ms", x.ITL.P99, y.ITL.P99, 0.99, sx.ITL, sy.ITL},
-			{"E2E p50 ms", x.E2E.P50, y.E2E.P50, 0.5, sx.E2E, sy.E2E}, {"E2E p99 ms", x.E2E.P99, y.E2E.P99, 0.99, sx.E2E, sy.E2E},
-			{"tokens/s per request p50", median(sx.TokensPerS), median(sy.TokensPerS), 0.5, sx.TokensPerS, sy.TokensPerS},
-			{"req/s", x.RequestsPerS, y.RequestsPerS, 0, nil, nil}, {"tokens/s", x.OutputTokPerS, y.OutputTokPerS, 0, nil, nil},
-			{"goodput/s", x.GoodputPerS, y.GoodputPerS, 0, nil, nil}, {"errors", float64(x.Errors), float64(y.Errors), 0, nil, nil},
+			{name: "TTFT p50 ms", x: x.TTFT.P50, y: y.TTFT.P50, q: 0.5, xs: sx.TTFT, ys: sy.TTFT},
+			{name: "TTFT p99 ms", x: x.TTFT.P99, y: y.TTFT.P99, q: 0.99, xs: sx.TTFT, ys: sy.TTFT},
+			{name: "ITL p50 ms", x: x.ITL.P50, y: y.ITL.P50, q: 0.5, xs: flatIf(flat, sx.ITL), ys: flatIf(flat, sy.ITL), cx: gapsA, cy: gapsB},
+			{name: "ITL p99 ms", x: x.ITL.P99, y: y.ITL.P99, q: 0.99, xs: flatIf(flat, sx.ITL), ys: flatIf(flat, sy.ITL), cx: gapsA, cy: gapsB},
+			{name: "E2E p50 ms", x: x.E2E.P50, y: y.E2E.P50, q: 0.5, xs: sx.E2E, ys: sy.E2E},
+			{name: "E2E p99 ms", x: x.E2E.P99, y: y.E2E.P99, q: 0.99, xs: sx.E2E, ys: sy.E2E},
+			{name: "tokens/s per request p50", x: median(sx.TokensPerS), y: median(sy.TokensPerS), q: 0.5, xs: sx.TokensPerS, ys: sy.TokensPerS},
+			{name: "req/s", x: x.RequestsPerS, y: y.RequestsPerS}, {name: "tokens/s", x: x.OutputTokPerS, y: y.OutputTokPerS},
+			{name: "goodput/s", x: x.GoodputPerS, y: y.GoodputPerS}, {name: "errors", x: float64(x.Errors), y: float64(y.Errors)},
 		} {
 			if math.IsNaN(m.x) || m.name == "tokens/s per request p50" && (len(m.xs) == 0 || len(m.ys) == 0) {
 				continue
 			}
 			r := row{cond: n, name: m.name, x: m.x, y: m.y, change: rel(m.x, m.y)}
-			if len(m.xs) > 0 && len(m.ys) > 0 {
-				// The same method as the live verdict (/stats?compare).
-				_, lo, hi, p, tooFew := stats.QuantileDiff(m.xs, m.ys, m.q)
-				if tooFew {
-					r.verdict = fmt.Sprintf("too few requests (%d a side)", stats.Needed(m.q))
-				} else {
-					r.interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
-					r.p, r.tested = p, true
+			var lo, hi, p float64
+			var tooFew, tested bool
+			switch {
+			case len(m.cx) > 0:
+				// Before, after and the change from the same gaps the
+				// interval is drawn from, resampled by request.
+				var d float64
+				d, lo, hi, p, tooFew = clusterQuantileDiff(m.cx, m.cy, m.q, rng)
+				r.x, r.y = quantileOf(slices.Concat(m.cx...), m.q), quantileOf(slices.Concat(m.cy...), m.q)
+				r.change, tested = fmt.Sprintf("%+6.1f%%", 100*d), true
+			case len(m.xs) > 0 && len(m.ys) > 0:
+				// The same method as the live verdict (/stats?compare), on
+				// the samples: before, after and the change from them too,
+				// so that the change is the one the interval is about.
+				var d float64
+				d, lo, hi, p, tooFew = stats.QuantileDiff(m.xs, m.ys, m.q)
+				r.x, r.y = quantileOf(m.xs, m.q), quantileOf(m.ys, m.q)
+				r.change, tested = fmt.Sprintf("%+6.1f%%", 100*d), true
+			}
+			switch {
+			case tested && tooFew:
+				r.verdict = fmt.Sprintf("too few requests (%d a side)", stats.Needed(m.q))
+			case tested:
+				r.interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
+				if flat && m.cx == nil && strings.HasPrefix(m.name, "ITL") {
+					r.interval += " (gaps as independent: an older file)"
 				}
+				r.p, r.tested = p, true
 			}
 			rows = append(rows, r)
 		}
@@ -180,4 +213,12 @@ func runCompare(args []string, out io.Writer) error {
 		fmt.Fprintf(tw, "%s\t%s\t%.2f\t%.2f\t%s\t%s\t%s\t\n", r.cond, r.name, r.x, r.y, r.change, r.interval, r.verdict)
 	}
 	return tw.Flush()
+}
+
+// flatIf is xs when flat, else nil.
+func flatIf(flat bool, xs []float64) []float64 {
+	if flat {
+		return xs
+	}
+	return nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"time"
@@ -108,24 +109,61 @@ type summary struct {
 }
 
 // samples are a run's raw figures, in milliseconds (tokens/s for
-// TokensPerS: each request's output tokens over its E2E).
+// TokensPerS: each request's output tokens over its E2E): of each kind, a
+// uniform random sample of at most maxSamples (seeded: the same run keeps
+// the same sample), so that a run longer than that is represented whole,
+// not by its start. The gaps between tokens are kept by request
+// (ITLByRequest): one request's gaps are not independent of each other,
+// and compare resamples them by request. ITL is the flat form files
+// written before kept.
 type samples struct {
-	TTFT       []float64 `json:"ttft_ms"`
-	E2E        []float64 `json:"e2e_ms"`
-	ITL        []float64 `json:"itl_ms"`
-	TokensPerS []float64 `json:"tokens_per_s"`
+	TTFT         []float64   `json:"ttft_ms"`
+	E2E          []float64   `json:"e2e_ms"`
+	ITL          []float64   `json:"itl_ms,omitempty"`
+	ITLByRequest [][]float64 `json:"itl_ms_by_request,omitempty"`
+	TokensPerS   []float64   `json:"tokens_per_s"`
 }
 
-// maxSamples bounds each kind of sample kept in a result file.
+// maxSamples bounds each kind of sample kept in a result file (for the
+// gaps: all the gaps of the requests kept).
 const maxSamples = 20000
 
-func msSamples(d []time.Duration) []float64 {
+// sampleSeed seeds the choice of samples.
+const sampleSeed = 20261205
+
+// msRounded is v in milliseconds to the microsecond, as result files keep it.
+func msRounded(v time.Duration) float64 { return math.Round(float64(v.Microseconds())) / 1000 }
+
+// msSamples is a uniform random sample of at most maxSamples of d, in ms.
+func msSamples(d []time.Duration, rng *rand.Rand) []float64 {
 	out := make([]float64, 0, min(len(d), maxSamples))
-	for i, v := range d {
-		if i == maxSamples {
+	for _, i := range rng.Perm(len(d)) {
+		if len(out) == maxSamples {
 			break
 		}
-		out = append(out, math.Round(float64(v.Microseconds()))/1000)
+		out = append(out, msRounded(d[i]))
+	}
+	return out
+}
+
+// gapSamples keeps the gaps of requests drawn uniformly at random, whole,
+// until the next would pass maxSamples gaps in all.
+func gapSamples(byRequest [][]time.Duration, rng *rand.Rand) [][]float64 {
+	var out [][]float64
+	n := 0
+	for _, i := range rng.Perm(len(byRequest)) {
+		g := byRequest[i]
+		if len(g) == 0 {
+			continue
+		}
+		if n+len(g) > maxSamples {
+			break
+		}
+		row := make([]float64, len(g))
+		for k, v := range g {
+			row[k] = msRounded(v)
+		}
+		out, n = append(out, row), n+len(g)
 	}
 	return out
 }
@@ -133,6 +171,7 @@ func msSamples(d []time.Duration) []float64 {
 func summarize(name string, res []result, wall time.Duration, warmup int, o slo) summary {
 	s := summary{Name: name, Requests: len(res), Warmup: warmup, Seconds: wall.Seconds(), SLO: o}
 	var ttft, itl, tpot, e2e, delay []time.Duration
+	var itlByRequest [][]time.Duration
 	tokens, good := 0, 0
 	for i := range res {
 		r := &res[i]
@@ -146,7 +185,9 @@ func summarize(name string, res []result, wall time.Duration, warmup int, o slo)
 		if r.TTFT >= 0 {
 			ttft = append(ttft, r.TTFT)
 		}
-		itl = append(itl, r.ITL()...)
+		gaps := r.ITL()
+		itl = append(itl, gaps...)
+		itlByRequest = append(itlByRequest, gaps)
 		if t := r.TPOT(); t >= 0 {
 			tpot = append(tpot, t)
 		}
@@ -166,11 +207,19 @@ func summarize(name string, res []result, wall time.Duration, warmup int, o slo)
 		s.GoodFraction = float64(good) / float64(len(res))
 	}
 	s.TTFT, s.ITL, s.TPOT, s.E2E, s.Delay = newDist(ttft), newDist(itl), newDist(tpot), newDist(e2e), newDist(delay)
-	s.Samples = &samples{TTFT: msSamples(ttft), E2E: msSamples(e2e), ITL: msSamples(itl)}
+	rng := rand.New(rand.NewPCG(sampleSeed, uint64(len(res))))
+	s.Samples = &samples{TTFT: msSamples(ttft, rng), E2E: msSamples(e2e, rng), ITLByRequest: gapSamples(itlByRequest, rng)}
+	var perS []float64
 	for i := range res {
-		if r := &res[i]; r.Err == "" && r.Status < 400 && r.E2E > 0 && r.Output > 0 && len(s.Samples.TokensPerS) < maxSamples {
-			s.Samples.TokensPerS = append(s.Samples.TokensPerS, float64(r.Output)/r.E2E.Seconds())
+		if r := &res[i]; r.Err == "" && r.Status < 400 && r.E2E > 0 && r.Output > 0 {
+			perS = append(perS, float64(r.Output)/r.E2E.Seconds())
 		}
+	}
+	for _, i := range rng.Perm(len(perS)) {
+		if len(s.Samples.TokensPerS) == maxSamples {
+			break
+		}
+		s.Samples.TokensPerS = append(s.Samples.TokensPerS, perS[i])
 	}
 	return s
 }
