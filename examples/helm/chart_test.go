@@ -26,10 +26,13 @@ import (
 
 const chartDir = "tokentap"
 
+// pushed is the image values push-image.sh prints.
+var pushed = map[string]any{"image": map[string]any{"repository": "registry.example/platform/tokentap", "tag": "v1.2.3"}}
+
 func values(t *testing.T, file string) map[string]any {
 	t.Helper()
 	if file == "" {
-		return map[string]any{}
+		return pushed
 	}
 	v, err := chartutil.ReadValuesFile(file)
 	if err != nil {
@@ -165,6 +168,40 @@ func tokentapCheck(t *testing.T, config string, dir string) {
 	out, err := cmd.CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "config ok") {
 		t.Fatalf("tokentap -check: %v\n%s", err, out)
+	}
+}
+
+// The chart names no image of its own (the one it named was never
+// published: an install ended in ImagePullBackOff): without
+// image.repository it refuses to render, saying how to make one; the
+// script that makes one stamps the version and prints the values.
+func TestImageIsTheOnePushed(t *testing.T) {
+	ch, err := loader.Load(chartDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rv, err := chartutil.ToRenderValues(ch, map[string]any{}, chartutil.ReleaseOptions{Name: "tt", Namespace: "inference", IsInstall: true}, chartutil.DefaultCapabilities)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := engine.Render(ch, rv); err == nil || !strings.Contains(err.Error(), "push-image.sh") {
+		t.Fatalf("rendered without an image: %v", err)
+	}
+	d := typed[appsv1.Deployment](t, render(t, values(t, "")), "Deployment")
+	if img := d.Spec.Template.Spec.Containers[0].Image; img != "registry.example/platform/tokentap:v1.2.3" {
+		t.Fatalf("image %q", img)
+	}
+	cmd := exec.Command("bash", "push-image.sh", "registry.example/platform/tokentap", "v1.2.3")
+	cmd.Env = append(os.Environ(), "DRY_RUN=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, want := range []string{"+ docker build --build-arg VERSION=v1.2.3 -t registry.example/platform/tokentap:v1.2.3 .",
+		"+ docker push registry.example/platform/tokentap:v1.2.3", "--set image.repository=registry.example/platform/tokentap --set image.tag=v1.2.3", "helm template"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("push-image.sh lacks %q:\n%s", want, out)
+		}
 	}
 }
 
