@@ -31,6 +31,7 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer d.close()
+	fmt.Fprintln(out, "tokentap demo: starting a simulated backend and tokentap in front of it, on loopback...")
 	if err := d.start(); err != nil {
 		return err
 	}
@@ -241,7 +242,22 @@ func (d *demo) burst() {
 			}
 		}()
 	}
+	// A line a second while it runs: nothing is silent for long.
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				fmt.Fprintf(d.out, "  %d of %d sent\n", min(d.next.Load(), int64(d.n)), d.n)
+			}
+		}
+	}()
 	wg.Wait()
+	close(done)
 	d.wall = time.Since(start)
 	d.col.wait(d.n - int(d.failed.Load()))
 }
