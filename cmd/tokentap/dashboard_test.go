@@ -8,6 +8,7 @@ import (
 	"math/big"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -189,6 +190,37 @@ func TestDashboardInBrowser(t *testing.T) {
 	goodputAxis, err := chromedp.Run(ctx, chromedp.Evaluate[[][]float64](`Object.values(window.tokentap.charts).filter(c => c.scales["%"]).map(c => [c.scales["%"].min, c.scales["%"].max])`))
 	if err != nil {
 		t.Fatal(err)
+	}
+	// How the charts read: TTFT and E2E on axes of their own; times and
+	// rates from 0 (a 0.04 ms wiggle on 228 ms is not a swing); legends
+	// with names and no "--"; room between the time labels.
+	type look struct {
+		TTFTScales, E2EScales []string
+		Lows                  []float64
+		Legend                string
+		XSpace                float64
+	}
+	looks, err := chromedp.Run(ctx, chromedp.Evaluate[[]look](`Object.entries(window.tokentap.charts).map(([id, c]) => {
+		const scales = (re) => c.series.filter(s => s.label && re.test(s.label)).map(s => s.scale);
+		const lows = Object.entries(c.scales).filter(([k, s]) => k !== "x" && k !== "%" && s.min !== null && s.min !== undefined).map(([, s]) => s.min);
+		return {TTFTScales: id.endsWith("/latency") ? scales(/^TTFT/) : [], E2EScales: id.endsWith("/latency") ? scales(/^E2E/) : [],
+			Lows: lows, Legend: c.root.querySelector('.u-legend') ? c.root.querySelector('.u-legend').textContent : "", XSpace: typeof c.axes[0].space === "function" ? c.axes[0].space(c, 0, 0, 1, 420) : c.axes[0].space};
+	})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, l := range looks {
+		if len(l.TTFTScales) > 0 && (slices.Contains(l.TTFTScales, l.E2EScales[0]) || len(l.E2EScales) == 0) {
+			t.Errorf("chart %d: TTFT on %v and E2E on %v share an axis", i, l.TTFTScales, l.E2EScales)
+		}
+		for _, lo := range l.Lows {
+			if lo != 0 {
+				t.Errorf("chart %d: an axis starting at %v, not 0", i, lo)
+			}
+		}
+		if strings.Contains(l.Legend, "--") || l.XSpace < 80 {
+			t.Errorf("chart %d: legend %q, %v px between time labels", i, l.Legend, l.XSpace)
+		}
 	}
 	windows, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(document.querySelectorAll('#window option')).map(o => o.value)`))
 	if err != nil {

@@ -43,7 +43,7 @@ function routeBox(route) {
     el("h2", {}, "route " + route),
     el("div", { class: "tiles" }),
     el("div", { class: "charts" },
-      el("div", { class: "chart" }, el("h3", {}, "TTFT and E2E (ms)"), el("div", { "data-chart": "latency" })),
+      el("div", { class: "chart" }, el("h3", {}, "TTFT (left) and E2E (right), ms"), el("div", { "data-chart": "latency" })),
       el("div", { class: "chart" }, el("h3", {}, "trade-off: output tokens/s against TTFT p95"), el("div", { "data-chart": "tradeoff" })),
       el("div", { class: "chart" }, el("h3", {}, "ITL (ms) and goodput"), el("div", { "data-chart": "itl" }))));
   document.getElementById("routes").append(box);
@@ -124,19 +124,39 @@ function openSeries(series) {
   return series.concat(open);
 }
 
+// fromZero is the range of a scale of times or rates: from 0 to a little
+// over the highest value, so that a wiggle of 0.04 ms on 228 ms reads as
+// the flat line it is, not as a full swing.
+const fromZero = (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1];
+
+// xAxis leaves room between time labels (they overlapped at 420 px).
+const xAxis = { space: 90 };
+
 const chartOpts = {
-  latency: { series: openSeries([{}, { label: "TTFT p50", stroke: "#3b6fd1" }, { label: "TTFT p95", stroke: "#d13b3b" }, { label: "E2E p95", stroke: "#888" }]), axes: [{}, { label: "ms" }] },
+  // TTFT and E2E differ by orders of magnitude: each on an axis of its own
+  // (TTFT read flat at 0 beside a 6 s E2E).
+  latency: {
+    series: openSeries([{}, { label: "TTFT p50", stroke: "#3b6fd1", scale: "ttft" }, { label: "TTFT p95", stroke: "#d13b3b", scale: "ttft" },
+      { label: "E2E p95", stroke: "#888", scale: "e2e" }]),
+    axes: [xAxis, { scale: "ttft", label: "TTFT ms" }, { scale: "e2e", side: 1, label: "E2E ms", grid: { show: false } }],
+    scales: { ttft: { range: fromZero }, e2e: { range: fromZero } },
+  },
   tradeoff: {
     series: openSeries([{}, { label: "output tokens/s", stroke: "#2a9a4b", scale: "tps" }, { label: "TTFT p95 ms", stroke: "#d13b3b", scale: "ms" }]),
-    axes: [{}, { scale: "tps", label: "tokens/s" }, { scale: "ms", side: 1, label: "ms", grid: { show: false } }],
+    axes: [xAxis, { scale: "tps", label: "tokens/s" }, { scale: "ms", side: 1, label: "ms", grid: { show: false } }],
+    scales: { tps: { range: fromZero }, ms: { range: fromZero } },
   },
   itl: {
-    series: openSeries([{}, { label: "ITL p50", stroke: "#3b6fd1" }, { label: "ITL p95", stroke: "#d13b3b" }, { label: "goodput %", stroke: "#2a9a4b", scale: "%" }]),
-    axes: [{}, { label: "ms" }, { scale: "%", side: 1, label: "%", grid: { show: false } }],
+    series: openSeries([{}, { label: "ITL p50", stroke: "#3b6fd1", scale: "ms" }, { label: "ITL p95", stroke: "#d13b3b", scale: "ms" }, { label: "goodput %", stroke: "#2a9a4b", scale: "%" }]),
+    axes: [xAxis, { scale: "ms", label: "ms" }, { scale: "%", side: 1, label: "%", grid: { show: false } }],
     // Goodput is a share: always 0–100%, so that 99.9% does not read as a cliff.
-    scales: { "%": { auto: false, range: [0, 100] } },
+    scales: { ms: { range: fromZero }, "%": { auto: false, range: [0, 100] } },
   },
 };
+
+// The legend names the series; it shows no values (they were "--" on
+// every series a slot left empty, and on the open slot's copies).
+const legend = { live: false };
 
 function renderCharts(timeline) {
   for (const rt of timeline.routes) {
@@ -149,7 +169,7 @@ function renderCharts(timeline) {
         c.setData(data[kind]);
       } else {
         const o = chartOpts[kind];
-        const opts = Object.assign({ width: 420, height: 200 }, o, { scales: Object.assign({ x: { time: true } }, o.scales) });
+        const opts = Object.assign({ width: 420, height: 200, legend }, o, { scales: Object.assign({ x: { time: true } }, o.scales) });
         state.charts[id] = new uPlot(opts, data[kind], box.querySelector(`[data-chart="${kind}"]`));
       }
     }
@@ -170,7 +190,8 @@ function compareBox(route) {
       el("div", { class: "chart" }, el("h3", {}, "TTFT p95 by upstream (ms)"), el("div", { "data-chart": "up-ttft" })),
       el("div", { class: "chart" }, el("h3", {}, "ITL p95 by upstream (ms)"), el("div", { "data-chart": "up-itl" })),
       el("div", { class: "chart" }, el("h3", {}, "E2E p95 by upstream (ms)"), el("div", { "data-chart": "up-e2e" }))),
-    el("p", { class: "sub", "data-field": "verdict-head" }),
+    // Said at once, before the verdict's first answer.
+    el("p", { class: "sub", "data-field": "verdict-head" }, "the verdict on this route's upstreams: weighing…"),
     el("table", { class: "verdict" }, el("thead", {}, el("tr", {},
       ...["measure", "A", "B", "difference (95% interval)", "verdict", "why"].map((h) => el("th", {}, h)))), el("tbody", {})));
   box.append(cmp);
@@ -195,7 +216,8 @@ function renderUpstreamCharts(rt) {
     const series = openSeries([{}, ...ups.map((u, i) => ({ label: u.upstream, stroke: upColors[i % upColors.length] }))]);
     const target = cmp.querySelector(`[data-chart="${kind}"]`);
     target.replaceChildren();
-    state.charts[id] = new uPlot({ width: 420, height: 200, series, axes: [{}, { label: "ms" }], scales: { x: { time: true } } }, data, target);
+    state.charts[id] = new uPlot({ width: 420, height: 200, legend, series, axes: [xAxis, { label: "ms" }],
+      scales: { x: { time: true }, y: { range: fromZero } } }, data, target);
   }
 }
 
