@@ -113,7 +113,7 @@ type Record struct {
 	E2E          time.Duration // arrival → last byte flushed to the client
 	Overhead     time.Duration // time tokentap added before the first token
 	Upload       time.Duration // the request's first byte → its last, received by the kernel (when > 0)
-	// The client's side, network included (estimates: README, "What the
+	// The client's side, network included (estimates: docs/MEASUREMENT.md, "What the
 	// client lived"). ClientRTT is the path's round trip, the kernel's
 	// minimum RTT of the client connection (tcpi_min_rtt: delayed ACKs do
 	// not inflate it); ClientSRTT the smoothed one (they do).

@@ -19,7 +19,7 @@ var (
 )
 
 // instruments are the GenAI metrics. tokentap stands between the client
-// and the server, so it fills both sides' names (README, "OpenTelemetry"):
+// and the server, so it fills both sides' names (docs/OPERATIONS.md, "OpenTelemetry"):
 //
 //   - gen_ai.client.*: what the client lived: the client-side estimates
 //     (network included) where tokentap has them, its own marks

@@ -21,11 +21,18 @@ type Server struct {
 	tb   testing.TB
 	Addr string
 	cmd  *exec.Cmd
+	// Password, when set before Restart (StartWithPassword), is the one
+	// the server requires.
+	Password string
 }
 
 // Start starts a redis-server, or skips the test when there is none (and
 // fails it under CI, which installs one).
-func Start(tb testing.TB) *Server {
+func Start(tb testing.TB) *Server { return StartWithPassword(tb, "") }
+
+// StartWithPassword starts a redis-server that requires password (none:
+// "").
+func StartWithPassword(tb testing.TB, password string) *Server {
 	tb.Helper()
 	if _, err := exec.LookPath("redis-server"); err != nil {
 		if os.Getenv("CI") != "" {
@@ -37,7 +44,7 @@ func Start(tb testing.TB) *Server {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	s := &Server{tb: tb, Addr: ln.Addr().String()}
+	s := &Server{tb: tb, Addr: ln.Addr().String(), Password: password}
 	ln.Close()
 	s.Restart()
 	tb.Cleanup(s.Stop)
@@ -47,11 +54,15 @@ func Start(tb testing.TB) *Server {
 // Restart starts the server again on its address (after Stop).
 func (s *Server) Restart() {
 	_, port, _ := net.SplitHostPort(s.Addr)
-	s.cmd = exec.Command("redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", s.tb.TempDir())
+	args := []string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", s.tb.TempDir()}
+	if s.Password != "" {
+		args = append(args, "--requirepass", s.Password)
+	}
+	s.cmd = exec.Command("redis-server", args...)
 	if err := s.cmd.Start(); err != nil {
 		s.tb.Fatal(err)
 	}
-	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, Password: s.Password})
 	defer c.Close()
 	for deadline := time.Now().Add(10 * time.Second); c.Ping(context.Background()).Err() != nil; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -88,7 +99,7 @@ func (s *Server) Stop() {
 
 // Client returns a client of the server, closed at the test's end.
 func (s *Server) Client() *redis.Client {
-	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, Password: s.Password})
 	s.tb.Cleanup(func() { c.Close() })
 	return c
 }
