@@ -243,8 +243,9 @@ func (d *demo) burst() {
 		}()
 	}
 	// A line a second while it runs: nothing is silent for long.
-	done := make(chan struct{})
+	done, stopped := make(chan struct{}), make(chan struct{})
 	go func() {
+		defer close(stopped)
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
 		for {
@@ -258,6 +259,7 @@ func (d *demo) burst() {
 	}()
 	wg.Wait()
 	close(done)
+	<-stopped // its last line written before the report's
 	d.wall = time.Since(start)
 	d.col.wait(d.n - int(d.failed.Load()))
 }
