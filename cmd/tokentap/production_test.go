@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -70,7 +71,7 @@ func TestProductionConfig(t *testing.T) {
 	}
 	cmd := exec.Command(os.Args[0], "-config", path)
 	cmd.Env = append(os.Environ(), "TOKENTAP_TEST_MAIN=1")
-	var logs strings.Builder
+	var logs lockedBuffer // written by the command's copying goroutine, read here
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -117,4 +118,23 @@ func TestProductionConfig(t *testing.T) {
 			t.Fatalf("after 20 s: %d Redis keys of team-a, %d spans received, the access log:\n%s", len(keys), spans, logs.String())
 		}
 	}
+}
+
+// lockedBuffer is a strings.Builder safe to write from one goroutine and
+// read from another.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
