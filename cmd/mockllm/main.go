@@ -23,6 +23,7 @@ func main() {
 	flag.IntVar(&o.MaxTokens, "max-tokens", 0, "output tokens when the request sets none (default 32)")
 	flag.StringVar(&o.Model, "model", "", "model name reported (default mock-llm)")
 	flag.Float64Var(&o.BatchSlowdown, "batch-slowdown", 0, "continuous batching: relative slowdown of prefill and decode per concurrent request (0: off)")
+	flag.IntVar(&o.Slots, "slots", 0, "requests served at once (a server's batch); past it they wait in order (0: no bound)")
 	flag.BoolVar(&o.PrefixCache, "prefix-cache", false, "model prefix caching: repeated prompt prefixes cost no prefill")
 	flag.BoolVar(&o.Stamp, "stamp", false, "add mock_sent (Unix ns) to streamed chat chunks, for delivery-delay benchmarks")
 	flag.Parse()

@@ -32,6 +32,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"strings"
@@ -62,6 +63,12 @@ type Options struct {
 	// concurrency buys throughput with per-user latency, as on real servers.
 	// 0 turns it off.
 	BatchSlowdown float64
+	// Slots bounds the requests served at once, as a server's batch does
+	// (vLLM's max_num_seqs, llama.cpp's slots): past it requests wait,
+	// in the order they came, before their prefill starts (their wait is
+	// part of their time to first token), and the batch slowdown counts
+	// the requests being served. 0: no bound.
+	Slots int
 	// PrefixCache models prefix caching: prompt bytes in 512-byte blocks
 	// that start the same as an earlier request's cost no prefill.
 	PrefixCache bool
@@ -84,6 +91,11 @@ type Server struct {
 	o      Options
 	seq    atomic.Uint64
 	active atomic.Int64
+	// slots holds a token per request being served (Options.Slots);
+	// serving counts them. slowdown is SetSlowdown's factor (float64 bits).
+	slots    chan struct{}
+	serving  atomic.Int64
+	slowdown atomic.Uint64
 
 	cacheMu sync.Mutex
 	cache   map[uint64]struct{} // hashes of cached prompt prefixes
@@ -109,7 +121,53 @@ func New(o Options) *Server {
 	if o.Model == "" {
 		o.Model = "mock-llm"
 	}
-	return &Server{o: o}
+	s := &Server{o: o}
+	if o.Slots > 0 {
+		s.slots = make(chan struct{}, o.Slots)
+	}
+	s.slowdown.Store(math.Float64bits(1))
+	return s
+}
+
+// SetSlowdown makes every prefill and decode step f times as long from now
+// on (1: as configured): a backend that slows down (a noisy neighbour, a
+// throttled GPU) and recovers.
+func (s *Server) SetSlowdown(f float64) { s.slowdown.Store(math.Float64bits(f)) }
+
+func (s *Server) slow(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * math.Float64frombits(s.slowdown.Load()))
+}
+
+// batch is the number of requests in the batch: those being served (with
+// Slots), else those being answered.
+func (s *Server) batch() int64 {
+	if s.slots != nil {
+		return s.serving.Load()
+	}
+	return s.active.Load()
+}
+
+// take waits for a slot (Options.Slots), in arrival order, unless the
+// client goes away first; release gives it back.
+func (c *call) take() bool {
+	s := c.s
+	if s.slots == nil {
+		return true
+	}
+	select {
+	case s.slots <- struct{}{}:
+		s.serving.Add(1)
+		return true
+	case <-c.r.Context().Done():
+		return false
+	}
+}
+
+func (c *call) release() {
+	if s := c.s; s.slots != nil {
+		s.serving.Add(-1)
+		<-s.slots
+	}
 }
 
 // Active returns the number of requests being served.
@@ -251,8 +309,12 @@ type dialect interface {
 
 func (c *call) serve(d dialect) {
 	s := c.s
+	if !c.take() {
+		return
+	}
+	defer c.release()
 	prefill := c.prefillBase + time.Duration(c.prompt-c.cached)*s.o.PrefillPerToken
-	prefill = time.Duration(float64(prefill) * (1 + s.o.BatchSlowdown*float64(s.active.Load())))
+	prefill = s.slow(time.Duration(float64(prefill) * (1 + s.o.BatchSlowdown*float64(s.batch()))))
 	if !c.sleep(prefill) {
 		return
 	}
@@ -321,8 +383,8 @@ func (c *call) send(s string) bool {
 // gap is one decode step: TokenGap ± Jitter, slowed by the batch.
 func (s *Server) gap(mean time.Duration) time.Duration {
 	j := 1 + s.o.Jitter*(2*rand.Float64()-1)
-	batch := 1 + s.o.BatchSlowdown*float64(max(0, s.active.Load()-1))
-	return time.Duration(float64(mean) * j * batch)
+	batch := 1 + s.o.BatchSlowdown*float64(max(0, s.batch()-1))
+	return s.slow(time.Duration(float64(mean) * j * batch))
 }
 
 // cachedPrefix returns how many leading bytes of body, in whole 512-byte

@@ -113,3 +113,32 @@ func TestPathTiming(t *testing.T) {
 		}
 	}
 }
+
+// With Slots, at most that many requests are served at once: the others
+// wait in arrival order, their wait part of their TTFT; SetSlowdown
+// stretches every step.
+func TestSlotsQueueAndSlowdown(t *testing.T) {
+	srv := New(Options{PrefillBase: 40 * time.Millisecond, TokenGap: 20 * time.Millisecond, Jitter: 0.01, MaxTokens: 4, Slots: 2})
+	s := httptest.NewServer(srv)
+	defer s.Close()
+	var wg sync.WaitGroup
+	got := make([]time.Duration, 4)
+	for i := range got {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(i) * 5 * time.Millisecond) // in order
+			got[i] = ttft(t, s.URL, `{"stream":true}`)
+		}()
+	}
+	wg.Wait()
+	// The first two start at once; the last two wait for a whole request
+	// (40 ms + 3 gaps of 20 ms) before their own prefill.
+	if got[0] > 90*time.Millisecond || got[3] < 120*time.Millisecond {
+		t.Fatalf("TTFTs %v: want the first ~40 ms and the last two after a slot freed (>= 140 ms)", got)
+	}
+	srv.SetSlowdown(3)
+	if d := ttft(t, s.URL, `{"stream":true}`); d < 110*time.Millisecond {
+		t.Fatalf("slowed 3x: TTFT %v, want >= 120 ms", d)
+	}
+}
