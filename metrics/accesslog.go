@@ -384,6 +384,11 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	ms("server_prefill_ms", r.ServerPrefill)
 	ms("server_decode_ms", r.ServerDecode)
 	ms("server_ttft_ms", r.ServerTTFT)
+	if r.Priority != "" {
+		f = append(f, zap.String("priority", r.Priority))
+	}
+	ms("predicted_ttft_ms", r.PredictedTTFT)
+	ms("predicted_tpot_ms", r.PredictedTPOT)
 	f = append(f,
 		zap.Int("output_tokens", r.OutputTokens),
 		zap.Int("input_tokens", r.InputTokens),

@@ -64,6 +64,7 @@ var help = map[string]string{
 	"tokentap_tls_handshake_failures_total":   "Client connections whose TLS handshake failed (no acceptable certificate, no common protocol version or cipher).",
 	"tokentap_failovers_total":                "Requests sent on to a route's next upstream, by the upstream that failed and why.",
 	"tokentap_client_conns_closed_idle_total": "Client connections closed before any byte of a request came (since they opened or since their last response), by reason: reset by the client, timeout (idle past idle_timeout, or request_read_timeout on a new connection), error. They have no record.",
+	"tokentap_shed_total":                     "Requests refused by overload control (outcome shed): their upstream was predicted to serve them past their objectives, by route, upstream and priority.",
 	"tokentap_shadow_skipped_total":           "Shadow copies not sent: max_inflight copies were in flight (reason max_inflight), or the copy of the request body would have passed max_buffered_bodies (body_budget).",
 	"tokentap_guard_tripped":                  "1 while the canary guard has taken the candidate upstream out of the split, else 0.",
 

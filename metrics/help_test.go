@@ -37,6 +37,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	FailedOver(route, "a", "connect")
 	ShadowSkipped(route, "max_inflight")
 	PlainHTTPOnTLS()
+	Shed(route, "a", "sheddable")
 	ClientConnClosedIdle("reset")
 	SetBuildInfo("v1.2.3", "abc123")
 

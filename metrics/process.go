@@ -62,6 +62,12 @@ func FailedOver(route, from, reason string) {
 	vm.GetOrCreateCounter(`tokentap_failovers_total{route="` + route + `",from="` + from + `",reason="` + reason + `"}`).Inc()
 }
 
+// Shed counts a request of route refused by overload control, on
+// upstream ("" for a route of one), at its priority.
+func Shed(route, upstream, priority string) {
+	vm.GetOrCreateCounter(`tokentap_shed_total{route="` + route + `",upstream="` + upstream + `",priority="` + priority + `"}`).Inc()
+}
+
 // ClientConnClosedIdle counts a client connection closed before any byte
 // of a request came on it (since it opened, or since its last response):
 // the client reset it ("reset"), it stayed idle past its time ("timeout"),

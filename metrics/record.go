@@ -42,13 +42,17 @@ const (
 	// (401), or its tenant past a rate, token, concurrency or day limit,
 	// its queue full or its wait in it over (429).
 	OutcomeLimited Outcome = "limited"
+	// OutcomeShed: refused by overload control, the upstream predicted to
+	// serve it past its objectives: the service's failure (it counts
+	// against goodput: refusing is no way to meet an SLO).
+	OutcomeShed Outcome = "shed"
 )
 
 // Outcomes lists every Outcome, in a fixed order.
-var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest, OutcomeShutdown, OutcomeLimited}
+var Outcomes = []Outcome{OutcomeOK, OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeClientCancel, OutcomeRejected, OutcomeBadRequest, OutcomeShutdown, OutcomeLimited, OutcomeShed}
 
 // numOutcomes is len(Outcomes).
-const numOutcomes = 8
+const numOutcomes = 9
 
 // The rule, the same in records, /stats, metrics, the example rules, the
 // dashboards and OTel: a request the service failed counts against its
@@ -61,7 +65,7 @@ const numOutcomes = 8
 // error or timeout, tokentap unable to serve (rejected), a cut at shutdown.
 func (o Outcome) Failure() bool {
 	switch o {
-	case OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeRejected, OutcomeShutdown:
+	case OutcomeUpstreamError, OutcomeUpstreamTimeout, OutcomeRejected, OutcomeShutdown, OutcomeShed:
 		return true
 	}
 	return false
@@ -99,6 +103,13 @@ type Record struct {
 	Partial bool
 	// Error is a short reason when Outcome is not ok.
 	Error string
+
+	// Priority is the request's priority on a route with overload control
+	// (critical, standard, sheddable; "": none); PredictedTTFT and
+	// PredictedTPOT what its upstream's model predicted before it was sent
+	// (Absent: no prediction), beside what it then lived.
+	Priority                     string
+	PredictedTTFT, PredictedTPOT time.Duration
 
 	Queue        time.Duration // held by admission control
 	UpstreamTTFB time.Duration // upstream request written → first upstream response byte
@@ -206,6 +217,7 @@ func (r *Record) Reset() {
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
 		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1,
+		PredictedTTFT: Absent, PredictedTPOT: Absent,
 	}
 }
 

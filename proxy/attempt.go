@@ -23,6 +23,7 @@ type upstreamAttempt struct {
 	tried          []*member     // upstreams tried before the current one
 	attemptAt      time.Time     // when the current attempt began
 	firstByteLimit time.Duration // bounds the wait for the response header (failover)
+	startK         int           // the upstream's requests in flight when this one was sent to it
 }
 
 // kept is the part's next life in a pooled exchange: the request and

@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strings"
-	"sync/atomic"
 
 	"github.com/valyala/fasthttp"
 )
@@ -34,11 +33,10 @@ const (
 
 // member is an upstream of a route at run time.
 type member struct {
-	name     string
-	up       *upstream
-	weight   int
-	row      int          // its metric series row
-	inflight atomic.Int64 // requests sent to it and not finished
+	name   string
+	up     *upstream
+	weight int
+	row    int // its metric series row
 }
 
 // pick chooses the upstream of a request of route r. With Sticky, the
@@ -75,7 +73,7 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) (m *member, key u
 			if w == 0 {
 				continue
 			}
-			if n := m.inflight.Load(); best == nil || n < bestN || n == bestN && w > r.weight(best) {
+			if n := m.up.inflight.Load(); best == nil || n < bestN || n == bestN && w > r.weight(best) {
 				best, bestN = m, n
 			}
 		}

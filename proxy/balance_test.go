@@ -177,7 +177,7 @@ func TestLeastInflight(t *testing.T) {
 	first := ""
 	waitUntil(t, func() bool {
 		for _, m := range tp.p.snap.Load().routes[0].members {
-			if m.inflight.Load() == 1 {
+			if m.up.inflight.Load() == 1 {
 				first = m.name
 			}
 		}
@@ -222,7 +222,7 @@ func holdStream(t *testing.T, tp *testProxy) chan struct{} {
 func TestWeightsChangeOnReload(t *testing.T) {
 	tp, hold := twoBackendsHeld(t, func(r *Route) { r.Upstreams[0].Weight, r.Upstreams[1].Weight = 1, 0 })
 	held := holdStream(t, tp)
-	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].members[0].inflight.Load() == 1 })
+	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].members[0].up.inflight.Load() == 1 })
 	cfg := tp.p.snap.Load().cfg
 	cfg.Routes[0].Upstreams = []Upstream{{Name: "stable", URL: cfg.Routes[0].Upstreams[0].URL, Weight: 0}, {Name: "canary", URL: cfg.Routes[0].Upstreams[1].URL, Weight: 1}}
 	if err := tp.p.Apply(cfg); err != nil {

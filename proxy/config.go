@@ -122,6 +122,9 @@ type Route struct {
 	TLS *UpstreamTLS
 	// SLO is the route's objectives, over Config.SLO key by key.
 	SLO metrics.SLO
+	// Overload refuses requests that the upstream would serve too late
+	// (nil: every request is forwarded). See Overload.
+	Overload *Overload
 }
 
 // Config is one generation of the proxy's configuration.
@@ -158,6 +161,9 @@ type Config struct {
 	Buckets map[string][]float64
 	// Warn sets the thresholds of the /stats warnings.
 	Warn stats.WarnOptions
+	// TenantPriorities are the highest priority each tenant's requests
+	// may claim (overload control; absent: standard).
+	TenantPriorities map[string]Priority
 	// StatsMaxGroups bounds the groups of the live /stats table (0:
 	// stats.DefaultMaxGroups); past it requests fold into their route's
 	// group of stats.FoldedTenant.
@@ -284,6 +290,9 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 			return nil, err
 		}
 		if err := r.validUpstreams(field); err != nil {
+			return nil, err
+		}
+		if err := c.validOverload(r, field); err != nil {
 			return nil, err
 		}
 	}

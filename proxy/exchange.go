@@ -76,6 +76,9 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	if upgrade && !x.rt.WebSocket {
 		return refuseUpgrade
 	}
+	if r := x.overload(ctx); r != nil {
+		return r
+	}
 	if r := x.readRequest(ctx); r != nil {
 		return r
 	}
@@ -141,7 +144,7 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 		rec.TenantSeries = snap.metrics.Tenant(tenant)
 	}
 	x.att.mem, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, &ctx.Request.Header)
-	x.att.mem.inflight.Add(1)
+	x.att.startK = int(x.att.mem.up.inflight.Add(1) - 1)
 	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
 	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
 	return nil
@@ -289,7 +292,11 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 		ctx.HijackSetNoResponse(true)
 		ctx.Hijack(func(c net.Conn) { _ = c.Close() })
 	default:
-		writeJSONError(ctx, r.status, r.code, r.msg, x.id)
+		if r.errType != "" {
+			writeErrorBody(ctx, r.status, r.errType, r.code, r.msg, x.id, r.anthropic)
+		} else {
+			writeJSONError(ctx, r.status, r.code, r.msg, x.id)
+		}
 		if r.close {
 			// The body was not read: close rather than drain it.
 			ctx.SetConnectionClose()
@@ -343,7 +350,7 @@ func (x *exchange) finish(writeErr error) {
 	}
 	now := x.p.now()
 	if x.att.mem != nil {
-		x.att.mem.inflight.Add(-1)
+		x.att.mem.up.inflight.Add(-1)
 	}
 
 	complete := x.relay.upDone || (x.relay.contentLength >= 0 && x.relay.bytesOut == int64(x.relay.contentLength))
@@ -467,6 +474,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	if !x.p.opts.NoStats {
 		x.p.stats.Observe(rec, x.tap.m.gaps)
 	}
+	x.observeUpstream()
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
 		if x.att.mem != nil {

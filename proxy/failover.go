@@ -98,9 +98,9 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	}
 	a.attemptAt = now
 	a.tried = append(a.tried, a.mem)
-	a.mem.inflight.Add(-1)
+	a.mem.up.inflight.Add(-1)
 	a.mem = next
-	next.inflight.Add(1)
+	a.startK = int(next.up.inflight.Add(1) - 1)
 	a.up = next.up
 	a.x.rec.Upstream = next.name
 	a.x.rec.Series = a.x.snap.metrics.Series(next.row, a.x.modelIdx)

@@ -27,6 +27,10 @@ type refusal struct {
 	allow       string        // the Allow header of a 405
 	rateLimited bool          // a 429: Retry-After and the x-ratelimit-* headers
 	retryAfter  time.Duration // when a retry can succeed
+	// errType is the error body's type ("": tokentap_error); anthropic
+	// answers in Anthropic's shape ({"type":"error","error":{…}}).
+	errType   string
+	anthropic bool
 }
 
 func (r *refusal) Error() string { return r.msg }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/shed"
 )
 
 // upstream is one backend address with its own small pool of keep-alive
@@ -64,6 +65,12 @@ type connPool struct {
 	reaping bool      // a reap is scheduled (only while connections are idle)
 	retired bool      // no configuration reaches the backend this way any more: connections close as they come back
 
+	// inflight is the requests sent to the upstream and not finished, from
+	// every configuration's exchanges; gate predicts what a new one would
+	// live there (overload control).
+	inflight atomic.Int64
+	gate     *shed.Gate
+
 	// afterStream is what the backend was seen to do with a connection
 	// once a response of unknown length (a stream) ended on it: some
 	// (llama.cpp's server) announce keep-alive and close it right after,
@@ -107,7 +114,7 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *Upstream
 	if u.RawQuery != "" || u.Fragment != "" {
 		return nil, errors.New("must not have a query or fragment")
 	}
-	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now, connPool: &connPool{}}
+	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now, connPool: &connPool{gate: shed.New(now)}}
 	if u.User != nil {
 		pass, _ := u.User.Password()
 		up.auth = "Basic " + base64.StdEncoding.EncodeToString([]byte(u.User.Username()+":"+pass))

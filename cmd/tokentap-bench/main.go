@@ -8,6 +8,7 @@
 //	tokentap-bench compare before.json after.json
 //	tokentap-bench proxies -out bench/                 # direct vs tokentap vs nginx vs HAProxy
 //	tokentap-bench frontier -out bench/                # open loop: added p99, frontier, stream ceiling, costs
+//	tokentap-bench overload -out bench/                # goodput against offered load, overload control off and on
 //
 // It measures on the client side: time to first token (first SSE event
 // with a non-empty delta), the gaps between token events, time per output
@@ -39,6 +40,8 @@ func main() {
 		err = runProxies(args[1:], os.Stdout)
 	case len(args) > 0 && args[0] == "frontier":
 		err = runFrontier(args[1:], os.Stdout)
+	case len(args) > 0 && args[0] == "overload":
+		err = runOverload(args[1:], os.Stdout)
 	case len(args) > 0 && args[0] == "relay":
 		err = runRelay(args[1:])
 	case len(args) > 0 && args[0] == "fasthttp-relay":

@@ -372,6 +372,14 @@ func (a *admin) serveStats(ctx *fasthttp.RequestCtx) {
 			rep.Warnings = append(rep.Warnings, stats.GuardWarning(g))
 		}
 	}
+	for _, o := range a.p.Overload() {
+		if (q.Route == "" || q.Route == o.Route) && (q.Upstream == "" || q.Upstream == o.Upstream) {
+			rep.Overload = append(rep.Overload, o)
+			if o.Shedding {
+				rep.Warnings = append(rep.Warnings, stats.OverloadWarning(o))
+			}
+		}
+	}
 	writeJSON(ctx, rep)
 }
 

@@ -184,6 +184,7 @@ type fileRoute struct {
 	Guard     *fileGuard     `yaml:"guard"`
 	Failover  *fileFailover  `yaml:"failover"`
 	Shadow    *fileShadow    `yaml:"shadow"`
+	Overload  *fileOverload  `yaml:"overload"`
 	// TLS is how the route's https upstreams are trusted, and the client
 	// certificate tokentap presents to them.
 	TLS *fileUpstreamTLS `yaml:"tls"`
@@ -223,6 +224,20 @@ func (f *fileGuard) guard() *proxy.Guard {
 	return &proxy.Guard{Candidate: f.Candidate, Baseline: f.Baseline, Class: f.Class, Window: f.Window, MinRequests: f.MinRequests, MinKeys: f.MinKeys,
 		MaxTTFTP95Increase: float64(f.MaxTTFTP95Increase), MaxE2EP95Increase: float64(f.MaxE2EP95Increase),
 		MaxErrorRateIncrease: float64(f.MaxErrorRateIncrease)}
+}
+
+// fileOverload is a route's overload control (proxy.Overload).
+type fileOverload struct {
+	Shed           bool   `yaml:"shed"`
+	PriorityHeader string `yaml:"priority_header"`
+	SLOHeaders     bool   `yaml:"slo_headers"`
+}
+
+func (f *fileOverload) overload() *proxy.Overload {
+	if f == nil {
+		return nil
+	}
+	return &proxy.Overload{Shed: f.Shed, PriorityHeader: f.PriorityHeader, SLOHeaders: f.SLOHeaders}
 }
 
 // fileShadow is a route's shadow traffic.
@@ -343,6 +358,9 @@ type fileTenant struct {
 	fileLimitSet `yaml:",inline"`
 	Routes       map[string]fileLimitSet `yaml:"routes"`
 	SLO          *fileSLO                `yaml:"slo"`
+	// Priority is the most its requests may claim under overload control
+	// (critical, standard, sheddable; default standard).
+	Priority string `yaml:"priority"`
 }
 
 type fileLimitSet struct {

@@ -279,6 +279,49 @@ func TestTenantConfigErrorsNameTheField(t *testing.T) {
 	// ~1,000 store calls a second from an idle replica.
 	f("tenants:\n  - name: a\nadmission:\n  store:\n    redis: {addr: r:6379}\n    lease_ttl: 2ns\n", ":6:", "admission.store.lease_ttl", "below 1s")
 	f("tenants:\n  - name: a\nadmission:\n  store:\n    redis: {addr: r:6379}\n    lease_ttl: 1ms\n", ":6:", "admission.store.lease_ttl")
+	// Overload control: a priority the bands do not have, shedding with
+	// no objective to judge by, a header that is no header name.
+	f("tenants:\n  - name: a\n    priority: urgent\n", ":3:", "tenants[0].priority", "urgent", "critical, standard, sheddable")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    overload:\n      shed: true\n", ":6:", "routes[0].overload.shed", "slo.ttft")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {ttft: 1s}\n    overload:\n      shed: true\n      priority_header: \"X Priority\"\n", ":8:", "routes[0].overload.priority_header")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    overload: {shed: yes please}\n", ":5:", "routes[0].overload.shed")
+}
+
+// An overload block and tenants' priorities reach the proxy's config:
+// shedding by the route's objectives, by a request's own with
+// slo_headers, the header named, a tenant's band.
+func TestOverloadConfig(t *testing.T) {
+	c, err := parseFlags([]string{"-config", writeFile(t, `
+routes:
+  - name: chat
+    prefix: /
+    upstream: http://x
+    slo: {ttft: 500ms, tpot: 50ms}
+    overload: {shed: true, priority_header: X-Priority}
+  - name: batch
+    prefix: /batch
+    upstream: http://x
+    overload: {shed: true, slo_headers: true}
+tenants:
+  - name: gold
+    priority: critical
+  - name: bulk
+    priority: sheddable
+  - name: plain
+`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := c.proxy
+	if o := p.Routes[0].Overload; o == nil || !o.Shed || o.PriorityHeader != "X-Priority" || o.SLOHeaders {
+		t.Errorf("chat's overload: %+v", o)
+	}
+	if o := p.Routes[1].Overload; o == nil || !o.Shed || !o.SLOHeaders {
+		t.Errorf("batch's overload: %+v", o)
+	}
+	if got := p.TenantPriorities; got["gold"] != proxy.PriorityCritical || got["bulk"] != proxy.PrioritySheddable || len(got) != 2 {
+		t.Errorf("tenants' priorities %v", got)
+	}
 }
 
 // TestConfigErrorsInFlowMaps: an error inside a one-line mapping names the

@@ -31,6 +31,9 @@ func runDemo(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer d.close()
+	if d.overload {
+		return runOverloadDemo(ctx, out, 3*time.Second, d.overloadFor)
+	}
 	fmt.Fprintln(out, "tokentap demo: starting a simulated backend and tokentap in front of it, on loopback...")
 	if err := d.start(); err != nil {
 		return err
@@ -52,7 +55,8 @@ type demo struct {
 	n, conc, liveConc   int
 	logPath             string
 	serveAddr           string
-	canary              bool
+	canary, overload    bool
+	overloadFor         time.Duration
 	adminLn             net.Listener
 	upstream, canaryURL string
 	p                   *proxy.Proxy
@@ -72,8 +76,13 @@ func (d *demo) parse(args []string) error {
 	fs.StringVar(&d.serveAddr, "serve", "", "then keep sending traffic and serve the dashboard and /stats on this admin address (e.g. 127.0.0.1:9090) until interrupted")
 	fs.IntVar(&d.liveConc, "live", -1, "with -serve: requests in flight while serving (default: -concurrency; 0: none)")
 	fs.BoolVar(&d.canary, "canary", false, "split the chat route 90/10 between the backend and a canary that batches harder (longer prefill, faster decode) and print the verdict (1,000 requests unless -requests says otherwise)")
+	fs.BoolVar(&d.overload, "overload", false, "instead: offer twice a simulated server's capacity through tokentap, forwarding everything and then shedding by prediction, and print the goodput of each side by side")
+	fs.DurationVar(&d.overloadFor, "overload-for", 10*time.Second, "with -overload: the time measured on each side (after 3 s of warm-up)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if d.overloadFor <= 0 {
+		return fmt.Errorf("-overload-for must be positive")
 	}
 	if d.liveConc < 0 {
 		d.liveConc = d.conc
@@ -357,6 +366,7 @@ func printStats(out io.Writer, rep stats.Report) {
 			f(g.Queue, g.Queue.P95), f(g.Overhead, g.Overhead.P95), g.OutputTokensPerS)
 	}
 	_ = tw.Flush()
+	printOverload(out, rep.Overload)
 	for _, g := range rep.Groups {
 		if line := waitSplit(g); line != "" {
 			fmt.Fprintln(out, line)
@@ -370,6 +380,42 @@ func printStats(out io.Writer, rep stats.Report) {
 	for _, w := range rep.Warnings {
 		fmt.Fprintf(out, "  [%s] %s\n", w.Kind, w.Message)
 	}
+}
+
+// printOverload prints what overload control sees of each upstream: its
+// learned limit, the prediction now against how well it predicted, and
+// what it shed.
+func printOverload(out io.Writer, os []stats.Overload) {
+	if len(os) == 0 {
+		return
+	}
+	fmt.Fprintln(out, "\noverload control:")
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "route\tupstream\tmode\tin flight\tlimit\tpredicted TTFT\tTPOT\tprediction error\tbias\tarrivals/s\tcompleted/s\tshed\tshed/s\t")
+	for _, o := range os {
+		mode := "predicting"
+		if o.Enforcing {
+			mode = "shedding on"
+			if o.Shedding {
+				mode = "SHEDDING"
+			}
+		}
+		limit, ttft, tpot, errs := "-", "-", "-", "-"
+		if o.Known {
+			limit, ttft = fmt.Sprint(o.Limit), fmt.Sprintf("%.0f ms", o.PredictedTTFTMs)
+			if o.PredictedTPOTMs >= 0 {
+				tpot = fmt.Sprintf("%.1f ms", o.PredictedTPOTMs)
+			}
+		}
+		if o.Judged > 0 {
+			errs = fmt.Sprintf("%.0f%%\t%+.0f%%", 100*o.AbsError, 100*o.Bias)
+		} else {
+			errs = "-\t-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%.1f\t%.1f\t%d\t%.1f\t\n",
+			o.Route, dash(o.Upstream), mode, o.InFlight, limit, ttft, tpot, errs, o.ArrivalsPerS, o.CompletionsPerS, o.Shed, o.ShedPerS)
+	}
+	_ = tw.Flush()
 }
 
 func dash(s string) string {

@@ -164,6 +164,7 @@ func (b *settingsBuilder) routes() error {
 			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, WebSocket: r.WebSocket, Timeouts: t,
 			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
 			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(), TLS: r.TLS.upstreamTLS(),
+			Overload: r.Overload.overload(),
 		})
 	}
 	return b.catchAll()
@@ -300,7 +301,17 @@ func (b *settingsBuilder) admission() error {
 		}
 		ad.Store = sc
 	}
-	for _, t := range fc.Tenants {
+	for i, t := range fc.Tenants {
+		if t.Priority != "" {
+			p, ok := proxy.ParsePriority(t.Priority)
+			if !ok {
+				return fmt.Errorf("%s: %q is not a priority (critical, standard, sheddable)", b.where(fmt.Sprintf("tenants[%d].priority", i)), t.Priority)
+			}
+			if s.proxy.TenantPriorities == nil {
+				s.proxy.TenantPriorities = map[string]proxy.Priority{}
+			}
+			s.proxy.TenantPriorities[t.Name] = p
+		}
 		rt := ratelimit.Tenant{Name: t.Name, Keys: t.Keys, KeySHA256: t.KeySHA256, Limits: t.limits()}
 		if len(t.Routes) > 0 {
 			rt.Routes = map[string]ratelimit.Limits{}

@@ -21,6 +21,9 @@ type Report struct {
 	// Guards are the canary guards tripped now (set by the admin
 	// listener, which knows the routes).
 	Guards []TrippedGuard `json:"guards"`
+	// Overload is each overload-controlled route's upstreams, as their
+	// gates see them now (set by the admin listener).
+	Overload []Overload `json:"overload,omitempty"`
 }
 
 // Group is one route × model × tenant × upstream over the window.

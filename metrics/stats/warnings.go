@@ -50,6 +50,7 @@ const (
 	WarnOverhead  = "overhead"        // tokentap's own time above the threshold
 	WarnGoodput   = "goodput"         // goodput under its SLO target
 	WarnGuard     = "guard_tripped"   // a canary guard stopped its candidate
+	WarnShedding  = "shedding"        // overload control refuses requests
 )
 
 // Warning says what looks wrong, where, and the numbers that say so.

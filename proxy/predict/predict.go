@@ -16,6 +16,7 @@ package predict
 
 import (
 	"math"
+	"slices"
 	"sync"
 	"time"
 )
@@ -39,22 +40,22 @@ const (
 	maxFitWeight = 5
 	// staleWeight is what a level not seen for Stale weighs in the fit.
 	staleWeight = 0.05
+	staleFloor  = 0.002
+	// minPairs is the requests the per-token cost needs before it is
+	// believed (each measured beside others of its level).
+	minPairs = 20
 )
 
 // level is what the requests started at one in-flight level lived: an
-// average of their TTFT (at the reference input size) and of their TPOT,
-// in milliseconds, each request weighing exp(−age/tau), and the weights.
+// average of their TTFT and input tokens and of their TPOT, in
+// milliseconds, each request weighing exp(−age/tau), and the weights. The
+// TTFT is kept as measured, and brought to the reference input size when
+// the curve is fitted, by the per-token cost known then: an early guess
+// at that cost corrupts no level.
 type level struct {
-	ttft, tpot float64
-	w, wTPOT   float64
-	at         time.Time // the last request's
-}
-
-// add averages x into v of weight w, last updated at, at now.
-func decayed(v, w *float64, x float64, at, now time.Time) {
-	*w *= math.Exp(-float64(now.Sub(at)) / float64(tau))
-	*v = (*v**w + x) / (*w + 1)
-	*w++
+	ttft, in, tpot float64
+	w, wTPOT       float64
+	at             time.Time // the last request's
 }
 
 // Model is one upstream's model.
@@ -63,10 +64,12 @@ type Model struct {
 
 	mu     sync.Mutex
 	levels []level // by in-flight level at start, up to the highest seen
-	// The cost of each input token above or below the reference size
-	// (inRef): a regression of a request's TTFT, less its level's figure,
-	// on its input size's distance from the reference, with forgetting.
+	// The cost of each input token: a regression, pooled over the levels
+	// and with forgetting, of a request's TTFT less its level's mean on
+	// its input less its level's mean; believed from minPairs requests.
+	// inRef is the reference input size (a running mean).
 	inRef, sxy, sxx float64
+	pairs           int
 	// done is the completions a second (exponential average over ~5 s)
 	// and doneAt the last completion: how fast a queue drains.
 	done   float64
@@ -82,6 +85,7 @@ type Model struct {
 	fitted        bool
 	fitAt         time.Time
 	seen, fitSeen int
+	wBuf, yBuf    []float64 // the fit's scratch: the levels' weights and figures
 }
 
 // New returns an empty model on the clock now (nil: time.Now).
@@ -110,22 +114,27 @@ func (m *Model) Observe(k, in int, ttft, tpot, predicted time.Duration) {
 		m.levels = append(m.levels, level{})
 	}
 	l := &m.levels[k]
-	y := ms(ttft)
-	// The per-token cost, from the request's distance to its level.
-	if m.inRef == 0 {
-		m.inRef = float64(in)
+	y, x := ms(ttft), float64(in)
+	if m.pairs == 0 && m.inRef == 0 {
+		m.inRef = x
 	}
-	x := float64(in) - m.inRef
+	m.inRef += 0.01 * (x - m.inRef)
 	if l.w > 0 {
 		const forget = 0.999
-		m.sxy = forget*m.sxy + x*(y-l.ttft)
-		m.sxx = forget*m.sxx + x*x
+		m.sxy = forget*m.sxy + (x-l.in)*(y-l.ttft)
+		m.sxx = forget*m.sxx + (x-l.in)*(x-l.in)
+		m.pairs++
 	}
-	m.inRef += 0.01 * (float64(in) - m.inRef)
-	decayed(&l.ttft, &l.w, y-m.perToken()*x, l.at, now)
+	// The level's averages, its requests' weight decayed since the last.
+	d := math.Exp(-float64(now.Sub(l.at)) / float64(tau))
+	l.w *= d
+	l.ttft, l.in = (l.ttft*l.w+y)/(l.w+1), (l.in*l.w+x)/(l.w+1)
+	l.w++
 	m.seen++
 	if tpot >= 0 {
-		decayed(&l.tpot, &l.wTPOT, ms(tpot), l.at, now)
+		l.wTPOT *= d
+		l.tpot = (l.tpot*l.wTPOT + ms(tpot)) / (l.wTPOT + 1)
+		l.wTPOT++
 	}
 	l.at = now
 	if predicted >= 0 && y > 0 {
@@ -155,14 +164,15 @@ func (m *Model) completed(now time.Time) {
 // perToken is the TTFT cost of one input token, in ms (never negative).
 // m.mu is held.
 func (m *Model) perToken() float64 {
-	if m.sxx <= 0 {
+	if m.sxx <= 0 || m.pairs < minPairs {
 		return 0
 	}
 	return max(m.sxy/m.sxx, 0)
 }
 
 // Predict returns the TTFT and TPOT a request of in input tokens would
-// live if sent now with k requests in flight on the upstream; ok is false
+// live if sent now with k requests in flight on the upstream (in < 0: of
+// the usual size); ok is false
 // while the model believes nothing (less than minWeight of requests
 // measured recently), and then nothing should be decided on it.
 func (m *Model) Predict(k, in int) (ttft, tpot time.Duration, ok bool) {
@@ -174,7 +184,9 @@ func (m *Model) Predict(k, in int) (ttft, tpot time.Duration, ok bool) {
 		return -1, -1, false
 	}
 	t, p := f.at(float64(min(max(k, 0), MaxLevel)))
-	t += m.perToken() * (float64(in) - m.inRef)
+	if in >= 0 {
+		t += m.perToken() * (float64(in) - m.inRef)
+	}
 	return fromMS(max(t, 0)), fromMS(p), true
 }
 
@@ -220,7 +232,9 @@ func (m *Model) curve(now time.Time) *fit {
 // flight never makes the first token come sooner).
 func (m *Model) fitLevels(now time.Time) fit {
 	n := len(m.levels)
-	w := make([]float64, n)
+	m.wBuf, m.yBuf = slices.Grow(m.wBuf[:0], n)[:n], slices.Grow(m.yBuf[:0], n)[:n]
+	w := m.wBuf
+	clear(w)
 	total := 0.0
 	for i := range m.levels {
 		l := &m.levels[i]
@@ -236,18 +250,40 @@ func (m *Model) fitLevels(now time.Time) fit {
 			// Not seen lately: still the best word on its level where
 			// nothing fresher is (the idle levels after a long queue), and
 			// next to nothing where fresh levels are.
-			w[i] = staleWeight
+			w[i] = max(staleWeight*math.Exp(-float64(now.Sub(l.at)-Stale)/float64(4*tau)), staleFloor)
 		}
 	}
 	if total < minWeight {
 		return fit{}
 	}
+	// Every knee's normal equations come from sums over the levels on
+	// each side of it: running sums make the search linear in the levels.
+	// Each level's TTFT at the reference input size.
+	pt := m.perToken()
+	y := m.yBuf
+	var left, all sums
+	for i := range m.levels {
+		y[i] = m.levels[i].ttft - pt*(m.levels[i].in-m.inRef)
+		all.add(w[i], float64(i), y[i])
+	}
 	best, bestErr := fit{ok: true}, math.Inf(1)
 	for c := 0; c < n; c++ {
-		f, e := m.fitKnee(w, float64(c))
+		left.add(w[c], float64(c), y[c])
+		f, e := fitKnee(&left, &all, float64(c))
 		if e < bestErr {
 			best, bestErr = f, e
 		}
+	}
+	// A physical bound on the slopes: in a queue served in order, each
+	// request ahead delays a new one by one completion's interval, and
+	// the completion rate now is at most the rate the server can keep
+	// up; twice its interval bounds a slope read off levels few requests
+	// saw (an early burst, figures gone stale) from growing without
+	// reason, and keeps a guess nothing refreshes (requests refused at
+	// levels it put too high) from holding itself up.
+	if rate := m.done * math.Exp(-now.Sub(m.doneAt).Seconds()/5); rate > 0 {
+		most := 2 * 1000 / rate
+		best.b1, best.b2 = min(best.b1, most), min(best.b2, most)
 	}
 	// The TPOT: its level, at the same knee.
 	best.pa, best.pb = -1, 0
@@ -271,26 +307,34 @@ func (m *Model) fitLevels(now time.Time) fit {
 	return best
 }
 
-// fitKnee is the weighted least-squares fit of the TTFT curve with its knee
-// at c, and its weighted squared error.
-func (m *Model) fitKnee(w []float64, c float64) (fit, float64) {
-	// Normal equations of y = a + b1·u + b2·v, u = min(k, c), v = max(0, k − c).
-	var s [3][3]float64
-	var r [3]float64
-	for i := range m.levels {
-		if w[i] == 0 {
-			continue
-		}
-		k := float64(i)
-		x := [3]float64{1, min(k, c), max(0, k-c)}
-		y := m.levels[i].ttft
-		for p := range 3 {
-			for q := range 3 {
-				s[p][q] += w[i] * x[p] * x[q]
-			}
-			r[p] += w[i] * x[p] * y
-		}
+// sums are the weighted sums over levels i of figures y that a knee's
+// normal equations are made of.
+type sums struct{ w, i, i2, y, iy, y2 float64 }
+
+func (s *sums) add(w, i, y float64) {
+	if w == 0 {
+		return
 	}
+	s.w, s.i, s.i2 = s.w+w, s.i+w*i, s.i2+w*i*i
+	s.y, s.iy, s.y2 = s.y+w*y, s.iy+w*i*y, s.y2+w*y*y
+}
+
+// fitKnee is the weighted least-squares fit of the TTFT curve with its knee
+// at c, and its weighted squared error; left holds the sums of the levels
+// up to c, all those of every level.
+func fitKnee(left, all *sums, c float64) (fit, float64) {
+	// Normal equations of y = a + b1·u + b2·v, u = min(k, c), v = max(0,
+	// k − c): levels up to c have u = k, v = 0; those past it u = c, v =
+	// k − c.
+	rw, ri, ri2 := all.w-left.w, all.i-left.i, all.i2-left.i2
+	ry, riy := all.y-left.y, all.iy-left.iy
+	v1 := ri - c*rw
+	s := [3][3]float64{
+		{all.w, left.i + c*rw, v1},
+		{left.i + c*rw, left.i2 + c*c*rw, c * v1},
+		{v1, c * v1, ri2 - 2*c*ri + c*c*rw},
+	}
+	r := [3]float64{all.y, left.iy + c*ry, riy - c*ry}
 	// Solve with the slopes kept apart when there is nothing on a side of
 	// the knee, and never negative.
 	f := fit{c: c, ok: true}
@@ -326,12 +370,13 @@ func (m *Model) fitKnee(w []float64, c float64) (fit, float64) {
 		// goes on past it.
 		f.b2 = f.b1
 	}
-	e := 0.0
-	for i := range m.levels {
-		if w[i] > 0 {
-			got, _ := f.at(float64(i))
-			d := got - m.levels[i].ttft
-			e += w[i] * d * d
+	// The weighted squared error, Σw(y − x·β)², from the same sums.
+	beta := [3]float64{f.a, f.b1, f.b2}
+	e := all.y2
+	for p := range 3 {
+		e -= 2 * beta[p] * r[p]
+		for q := range 3 {
+			e += beta[p] * s[p][q] * beta[q]
 		}
 	}
 	return f, e
@@ -340,20 +385,20 @@ func (m *Model) fitKnee(w []float64, c float64) (fit, float64) {
 // solve solves the normal equations s·x = r for the coefficients in use
 // (the others 0), by Gaussian elimination.
 func solve(s [3][3]float64, r [3]float64, use [3]bool) ([3]float64, bool) {
-	var idx []int
+	var idx [3]int
+	n := 0
 	for i, u := range use {
 		if u {
-			idx = append(idx, i)
+			idx[n] = i
+			n++
 		}
 	}
-	n := len(idx)
-	a := make([][]float64, n)
-	for i, p := range idx {
-		a[i] = make([]float64, n+1)
-		for j, q := range idx {
-			a[i][j] = s[p][q]
+	var a [3][4]float64
+	for i := range n {
+		for j := range n {
+			a[i][j] = s[idx[i]][idx[j]]
 		}
-		a[i][n] = r[p]
+		a[i][n] = r[idx[i]]
 	}
 	for col := range n {
 		piv := col
@@ -376,8 +421,8 @@ func solve(s [3][3]float64, r [3]float64, use [3]bool) ([3]float64, bool) {
 		}
 	}
 	var out [3]float64
-	for i, p := range idx {
-		out[p] = a[i][n] / a[i][i]
+	for i := range n {
+		out[idx[i]] = a[i][n] / a[i][i]
 	}
 	return out, true
 }
@@ -399,7 +444,9 @@ func (m *Model) Limit(in int, ttft, tpot time.Duration) (limit int, ok bool) {
 	limit = -1
 	for k := 0; k <= top; k++ {
 		t, p := f.at(float64(k))
-		t += m.perToken() * (float64(in) - m.inRef)
+		if in >= 0 {
+			t += m.perToken() * (float64(in) - m.inRef)
+		}
 		if ttft > 0 && t > ms(ttft) || tpot > 0 && p > ms(tpot) {
 			break
 		}
@@ -422,6 +469,14 @@ func (m *Model) DrainTime(k, limit int) time.Duration {
 	return max(time.Second, time.Duration(ahead/rate*float64(time.Second)))
 }
 
+// CompletionRate is the upstream's requests completed a second lately
+// (an exponential average over about 5 s).
+func (m *Model) CompletionRate() float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.done * math.Exp(-m.now().Sub(m.doneAt).Seconds()/5)
+}
+
 // Calibration is how well the model predicted: the mean relative error
 // of its TTFT predictions (positive: it predicts too long) and the mean
 // absolute relative error, over the requests it predicted, recent ones
@@ -439,4 +494,16 @@ func fromMS(v float64) time.Duration {
 		return -1
 	}
 	return time.Duration(v * float64(time.Millisecond))
+}
+
+// Knee is the level where the fitted curve's batch is full and requests
+// start to queue (MaxLevel while nothing is believed).
+func (m *Model) Knee() float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f := m.curve(m.now())
+	if !f.ok {
+		return MaxLevel
+	}
+	return f.c
 }

@@ -1,93 +1,14 @@
 package predict
 
 import (
-	"container/heap"
 	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/predict/predictsim"
 )
-
-// backend simulates an inference server whose truth the tests know: slots
-// requests served at once, the others waiting in order; a request's
-// prefill of base + perToken per input token, then out tokens each a gap
-// that grows with the batch (gap × (1 + 0.1·(batch−1))), everything
-// slowed by slow(t).
-type backend struct {
-	slots         int
-	base, perTok  time.Duration
-	gap           time.Duration
-	out           int
-	slow          func(t time.Duration) float64
-	free          floatHeap // when each busy slot frees
-	busyTill      floatHeap // completions of the requests in the system
-	completed     []finished
-	rng           *rand.Rand
-	inLow, inHigh int
-}
-
-// finished is a simulated request, observed at its completion.
-type finished struct {
-	at, ttft, tpot time.Duration
-	k, in          int
-}
-
-type floatHeap []time.Duration
-
-func (h floatHeap) Len() int           { return len(h) }
-func (h floatHeap) Less(i, j int) bool { return h[i] < h[j] }
-func (h floatHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
-func (h *floatHeap) Push(x any)        { *h = append(*h, x.(time.Duration)) }
-func (h *floatHeap) Pop() any {
-	old := *h
-	x := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return x
-}
-
-// arrive sends one request at a (arrivals in order) and returns it.
-func (b *backend) arrive(a time.Duration) finished {
-	for b.busyTill.Len() > 0 && b.busyTill[0] <= a {
-		heap.Pop(&b.busyTill)
-	}
-	k := b.busyTill.Len()
-	start := a
-	if b.free.Len() == b.slots {
-		start = max(a, heap.Pop(&b.free).(time.Duration))
-	}
-	for b.free.Len() > 0 && b.free[0] <= start {
-		heap.Pop(&b.free) // slots already free by then
-	}
-	batch := b.free.Len() + 1
-	in := b.inLow + b.rng.IntN(b.inHigh-b.inLow+1)
-	s := b.slow(start)
-	prefill := time.Duration(float64(b.base+time.Duration(in)*b.perTok) * s)
-	gap := time.Duration(float64(b.gap) * (1 + 0.1*float64(batch-1)) * s)
-	done := start + prefill + time.Duration(b.out-1)*gap
-	heap.Push(&b.free, done)
-	heap.Push(&b.busyTill, done)
-	f := finished{at: done, ttft: start - a + prefill, tpot: gap, k: k, in: in}
-	b.completed = append(b.completed, f)
-	return f
-}
-
-// run sends Poisson arrivals at rate(t) per second from 0 to end, and
-// returns every request in the order it completed.
-func (b *backend) run(end time.Duration, rate func(t time.Duration) float64) []finished {
-	for t := time.Duration(0); t < end; {
-		t += time.Duration(b.rng.ExpFloat64() / rate(t) * float64(time.Second))
-		b.arrive(t)
-	}
-	out := slices.Clone(b.completed)
-	slices.SortFunc(out, func(x, y finished) int { return int(x.at - y.at) })
-	return out
-}
-
-func newBackend(seed uint64) *backend {
-	return &backend{slots: 8, base: 20 * time.Millisecond, perTok: 50 * time.Microsecond, gap: 6 * time.Millisecond, out: 32,
-		slow: func(time.Duration) float64 { return 1 }, rng: rand.New(rand.NewPCG(seed, 1)), inLow: 100, inHigh: 2000}
-}
 
 // fakeClock is the model's clock, moved by the test.
 type fakeClock struct{ t time.Time }
@@ -95,24 +16,24 @@ type fakeClock struct{ t time.Time }
 func (c *fakeClock) now() time.Time { return c.t }
 
 // feed observes the requests that completed up to until, in order.
-func feed(m *Model, c *fakeClock, reqs []finished, from *int, until time.Duration, zero time.Time) {
-	for ; *from < len(reqs) && reqs[*from].at <= until; *from++ {
+func feed(m *Model, c *fakeClock, reqs []predictsim.Request, from *int, until time.Duration, zero time.Time) {
+	for ; *from < len(reqs) && reqs[*from].At <= until; *from++ {
 		r := reqs[*from]
-		c.t = zero.Add(r.at)
-		m.Observe(r.k, r.in, r.ttft, r.tpot, -1)
+		c.t = zero.Add(r.At)
+		m.Observe(r.K, r.In, r.TTFT, r.TPOT, -1)
 	}
 	c.t = zero.Add(until)
 }
 
 // truth is the simulation's mean TTFT at in-flight level k for requests of
 // about in tokens, from the requests completed in [from, to).
-func truth(reqs []finished, k int, from, to time.Duration, perTok time.Duration, in int) (float64, int) {
+func truth(reqs []predictsim.Request, k int, from, to time.Duration, perTok time.Duration, in int) (float64, int) {
 	var sum float64
 	n := 0
 	for _, r := range reqs {
-		if r.k == k && r.at >= from && r.at < to {
+		if r.K == k && r.At >= from && r.At < to {
 			// Brought to the reference input size by the true per-token cost.
-			sum += ms(r.ttft) + ms(perTok)*float64(in-r.in)
+			sum += ms(r.TTFT) + ms(perTok)*float64(in-r.In)
 			n++
 		}
 	}
@@ -120,24 +41,6 @@ func truth(reqs []finished, k int, from, to time.Duration, perTok time.Duration,
 		return 0, 0
 	}
 	return sum / float64(n), n
-}
-
-// bursts is a load of 5 s at high times capacity, then 5 s at low: the
-// queue builds and drains, and every level up to a few dozen is seen
-// again and again.
-func bursts(capacity, high, low float64) func(time.Duration) float64 {
-	return func(t time.Duration) float64 {
-		if (t/(5*time.Second))%2 == 0 {
-			return high * capacity
-		}
-		return low * capacity
-	}
-}
-
-// capacity is the simulated server's requests a second at a full batch.
-func (b *backend) capacity() float64 {
-	in := float64(b.inLow+b.inHigh) / 2
-	return float64(b.slots) / (ms(b.base) + in*ms(b.perTok) + float64(b.out-1)*ms(b.gap)*(1+0.1*float64(b.slots-1))) * 1000
 }
 
 // On a server of 8 slots under bursts of 1.5 times its capacity (its queue
@@ -150,16 +53,16 @@ func (b *backend) capacity() float64 {
 // within 30% of the truth (0.05 ms); its limit for a 300 ms TTFT is the
 // level where the truth crosses 300 ms, to within two levels.
 func TestModelLearnsTheCurve(t *testing.T) {
-	b := newBackend(1)
-	capacity := b.capacity()
+	b := predictsim.New(1)
+	capacity := b.Capacity()
 	end := 60 * time.Second
-	reqs := b.run(end, bursts(capacity, 1.5, 0.3))
+	reqs := b.Run(end, predictsim.Bursts(capacity, 1.5, 0.3))
 	c := &fakeClock{t: time.Unix(1_800_000_000, 0)}
 	zero := c.t
 	m := New(c.now)
 	i := 0
 	feed(m, c, reqs, &i, end+time.Minute, zero)
-	c.t = zero.Add(reqs[len(reqs)-1].at) // nothing stale yet
+	c.t = zero.Add(reqs[len(reqs)-1].At) // nothing stale yet
 
 	if pt := m.perToken(); math.Abs(pt-0.05)/0.05 > 0.3 {
 		t.Errorf("learned %.4f ms per input token, the truth 0.05", pt)
@@ -167,7 +70,7 @@ func TestModelLearnsTheCurve(t *testing.T) {
 	checked, crossing := 0, -1
 	var errs []float64
 	for k := 0; k < 40; k++ {
-		want, n := truth(reqs, k, 0, end+time.Minute, b.perTok, 1000)
+		want, n := truth(reqs, k, 0, end+time.Minute, b.PerToken, 1000)
 		if n < 10 {
 			continue
 		}
@@ -207,16 +110,16 @@ func TestModelLearnsTheCurve(t *testing.T) {
 // after the recovery both are back to the normal truth,
 // the slow levels' figures aged out.
 func TestModelFollowsASlowdownAndRecovery(t *testing.T) {
-	b := newBackend(2)
-	b.slow = func(t time.Duration) float64 {
+	b := predictsim.New(2)
+	b.Slow = func(t time.Duration) float64 {
 		if t >= 30*time.Second && t < 50*time.Second {
 			return 2
 		}
 		return 1
 	}
-	capacity := b.capacity()
+	capacity := b.Capacity()
 	end := 75 * time.Second
-	reqs := b.run(end, bursts(capacity, 0.8, 0.1))
+	reqs := b.Run(end, predictsim.Bursts(capacity, 0.8, 0.1))
 	c := &fakeClock{t: time.Unix(1_800_000_000, 0)}
 	zero := c.t
 	m := New(c.now)
@@ -224,8 +127,8 @@ func TestModelFollowsASlowdownAndRecovery(t *testing.T) {
 	// The truth, as queueing has it: a request's prefill while the batch
 	// has room, then a slot's turn (the service time over 8 slots) per
 	// request ahead of it; everything doubled while slow.
-	prefill := ms(b.base) + 1000*ms(b.perTok)
-	turn := (ms(b.base) + 1050*ms(b.perTok) + float64(b.out-1)*ms(b.gap)*1.7) / 8
+	prefill := ms(b.Base) + 1000*ms(b.PerToken)
+	turn := (ms(b.Base) + 1050*ms(b.PerToken) + float64(b.Out-1)*ms(b.Gap)*1.7) / 8
 	want := func(k int, slow float64) float64 { return slow * (prefill + float64(max(0, k-7))*turn) }
 	crossing := func(slow float64) int { return 7 + int((300-slow*prefill)/(slow*turn)) }
 	look := func(at time.Duration, slow float64) {
@@ -275,5 +178,56 @@ func TestCalibration(t *testing.T) {
 	bias, absErr, n := m.Calibration()
 	if n != 50 || math.Abs(bias-0.2) > 0.01 || math.Abs(absErr-0.2) > 0.01 {
 		t.Fatalf("bias %.3f, error %.3f over %d", bias, absErr, n)
+	}
+}
+
+// The knee search reads each knee's fit off running sums; its error is
+// the weighted squared error of the fitted curve, computed level by level,
+// for any figures (here random ones over 60 levels, some unseen).
+func TestKneeFitErrorIsTheCurves(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 3))
+	for trial := range 50 {
+		n := 5 + rng.IntN(55)
+		w, y := make([]float64, n), make([]float64, n)
+		var all sums
+		for i := range n {
+			if rng.IntN(4) > 0 {
+				w[i], y[i] = rng.Float64()*5, 20+float64(i)*rng.Float64()*40+rng.NormFloat64()*10
+			}
+			all.add(w[i], float64(i), y[i])
+		}
+		var left sums
+		for c := range n {
+			left.add(w[c], float64(c), y[c])
+			f, e := fitKnee(&left, &all, float64(c))
+			if !f.ok {
+				continue
+			}
+			direct := 0.0
+			for i := range n {
+				got, _ := f.at(float64(i))
+				direct += w[i] * (got - y[i]) * (got - y[i])
+			}
+			if math.Abs(e-direct) > 1e-6*max(direct, 1) {
+				t.Fatalf("trial %d, knee %d: error %g from the sums, %g level by level", trial, c, e, direct)
+			}
+		}
+	}
+}
+
+// BenchmarkPredict is a prediction with the curve fitted again (a request
+// measured since the last), with 1,024 levels seen: what a route that
+// sheds pays per request at the most, its model deep in a long queue.
+func BenchmarkPredict(b *testing.B) {
+	c := &fakeClock{t: time.Unix(1_800_000_000, 0)}
+	m := New(c.now)
+	for k := range MaxLevel + 1 {
+		m.Observe(k, 500, time.Duration(40+k*30)*time.Millisecond, 12*time.Millisecond, -1)
+	}
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		c.t = c.t.Add(refitEvery)
+		m.Observe(i%MaxLevel, 500, time.Duration(40+(i%MaxLevel)*30)*time.Millisecond, 12*time.Millisecond, -1)
+		m.Predict(i%64, 700)
 	}
 }
