@@ -161,8 +161,8 @@ func headerMS(v []byte) time.Duration {
 // is tokentap's, not the backend's) and its time per output token, with
 // the prediction made for it.
 func (x *exchange) observeUpstream() {
-	if x.rt == nil || x.rt.Overload == nil || x.att.up == nil || x.rec.Attempts == 0 {
-		return
+	if x.rt == nil || x.rt.Overload == nil || x.att.up == nil || x.rec.Attempts == 0 || !x.rec.Stream {
+		return // a whole response's first byte is its end: no first token to learn from
 	}
 	rec := &x.rec
 	ttft := rec.TTFT

@@ -35,12 +35,17 @@ type tally struct {
 	critSent, critGood        int
 	shedAnswer, servedTTFT    []time.Duration
 	missingRetryAfter, others int
+	arrivals                  int
+	failed                    int // recorded failures other than sheds
 }
+
+// chatBody is the overload tests' request.
+const chatBody = `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
 
 // offer sends Poisson arrivals at rate a second to tp for d, critical a
 // share of them critical (X-Priority), and counts each request once its
 // record is in. It returns after every request has ended.
-func offer(t *testing.T, tp *testProxy, rate float64, d time.Duration, critical float64, rng *rand.Rand) *tally {
+func offer(t *testing.T, tp *testProxy, body string, rate float64, d time.Duration, critical float64, rng *rand.Rand) *tally {
 	t.Helper()
 	var tl tally
 	var wg sync.WaitGroup
@@ -50,8 +55,9 @@ func offer(t *testing.T, tp *testProxy, rate float64, d time.Duration, critical 
 	for next := time.Duration(0); next < d; next += time.Duration(rng.ExpFloat64() / rate * float64(time.Second)) {
 		time.Sleep(time.Until(start.Add(next)))
 		crit := rng.Float64() < critical
+		tl.arrivals++
 		wg.Go(func() {
-			req, _ := http.NewRequest("POST", tp.url+"/v1/chat/completions", strings.NewReader(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`))
+			req, _ := http.NewRequest("POST", tp.url+"/v1/chat/completions", strings.NewReader(body))
 			if crit {
 				req.Header.Set("X-Priority", "critical")
 			}
@@ -92,6 +98,8 @@ func countRecords(t *testing.T, tp *testProxy, tl *tally, n int) {
 		}
 		if r.Outcome == metrics.OutcomeShed {
 			tl.shed++
+		} else if r.Outcome.Failure() {
+			tl.failed++
 		} else if r.TTFT > 0 {
 			tl.servedTTFT = append(tl.servedTTFT, r.TTFT)
 		}
@@ -125,13 +133,12 @@ func overloadProxy(t *testing.T, shed bool) *testProxy {
 func run(t *testing.T, tp *testProxy, rate float64, warm, d time.Duration, critical float64, seed uint64) (*tally, float64) {
 	t.Helper()
 	rng := rand.New(rand.NewPCG(seed, 7))
-	w := offer(t, tp, rate, warm, critical, rng)
-	_ = w
-	for len(tp.rec.ch) > 0 {
-		<-tp.rec.ch
+	w := offer(t, tp, chatBody, rate, warm, critical, rng)
+	for range w.arrivals {
+		tp.rec.next(t) // the warm-up's, not counted
 	}
-	tl := offer(t, tp, rate, d, critical, rng)
-	countRecords(t, tp, tl, len(tp.rec.ch))
+	tl := offer(t, tp, chatBody, rate, d, critical, rng)
+	countRecords(t, tp, tl, tl.arrivals)
 	return tl, float64(tl.good) / d.Seconds()
 }
 

@@ -4,10 +4,13 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -130,4 +133,74 @@ func TestRealLlamaServer(t *testing.T) {
 	}
 	t.Logf("%d requests through tokentap to %s: %v by kind (%s, %s, %s, %s); %d failed, %d token mismatches, %d without timings",
 		n, base, byKind, kinds[0].name, kinds[1].name, kinds[2].name, kinds[3].name, failed, mismatched, untimed)
+}
+
+// TestRealLlamaServerOverload offers llama.cpp's own server
+// (LLAMA_SERVER_URL) three times its capacity through tokentap shedding by
+// TTFT 500 ms and TPOT 50 ms: the capacity measured first (32 requests
+// at once, straight to it), then Poisson arrivals for 5 s of warm-up and
+// 15 s counted. Goodput is kept at 60% of the capacity at least (forwarding
+// everything keeps none: its queue grows by twice the capacity a second),
+// every refusal comes with Retry-After, and nothing fails but what was
+// shed.
+func TestRealLlamaServerOverload(t *testing.T) {
+	base := os.Getenv("LLAMA_SERVER_URL")
+	if base == "" {
+		t.Skip("LLAMA_SERVER_URL is not set: start llama.cpp's server (../shared/realbackend/start.sh) and set it to its URL")
+	}
+	base = strings.TrimRight(base, "/")
+	const body = `{"model":"m","stream":true,"max_tokens":64,"messages":[{"role":"user","content":"tell me a story"}]}`
+	// The capacity: completions a second with the server busy throughout.
+	var done atomic.Int64
+	var wg sync.WaitGroup
+	stop := time.Now().Add(8 * time.Second)
+	for range 32 {
+		wg.Go(func() {
+			client := &http.Client{Timeout: time.Minute}
+			for time.Now().Before(stop) {
+				resp, err := client.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					continue
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode == 200 && time.Now().Before(stop) {
+					done.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	capacity := float64(done.Load()) / 8
+	if capacity < 1 {
+		t.Fatalf("the server served %d requests in 8 s", done.Load())
+	}
+	tp := startProxyOpts(t, base, func(c *Config) {
+		c.SLO = metrics.SLO{TTFT: 500 * time.Millisecond, TPOT: 50 * time.Millisecond}
+		c.Routes[0].Overload = &Overload{Shed: true}
+	}, Options{})
+	tp.rec.ch = make(chan metrics.Record, 10000)
+	rng := rand.New(rand.NewPCG(11, 7))
+	w := offer(t, tp, body, 3*capacity, 5*time.Second, 0, rng)
+	for range w.arrivals {
+		tp.rec.next(t)
+	}
+	const d = 15 * time.Second
+	tl := offer(t, tp, body, 3*capacity, d, 0, rng)
+	countRecords(t, tp, tl, tl.arrivals)
+	good := float64(tl.good) / d.Seconds()
+	t.Logf("capacity %.1f/s; at 3x: %d requests, %d good (%.1f/s), %d shed, %d transport errors; sheds answered p99 %v",
+		capacity, tl.sent, tl.good, good, tl.shed, tl.others, p99(tl.shedAnswer))
+	if good < 0.6*capacity || tl.shed == 0 || tl.missingRetryAfter > 0 || tl.others > 0 || tl.failed > 0 {
+		t.Errorf("at 3x capacity: %.1f good/s of %.1f, %d shed (%d without Retry-After), %d transport errors, %d failed otherwise", good, capacity, tl.shed, tl.missingRetryAfter, tl.others, tl.failed)
+	}
+}
+
+func p99(d []time.Duration) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return s[len(s)*99/100]
 }

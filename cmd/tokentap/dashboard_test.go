@@ -241,6 +241,12 @@ func TestDashboardInBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The overload table: the demo's chat route predicts (no shedding).
+	gates, err := chromedp.Run(ctx, chromedp.Evaluate[[][]string](`document.getElementById('overload').hidden ? [] :
+		Array.from(document.querySelectorAll('#overload tbody tr')).map(r => [r.dataset.route, r.cells[2].textContent, r.cells[4].textContent])`))
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	mu.Lock()
 	if len(problems) > 0 {
@@ -275,6 +281,10 @@ func TestDashboardInBrowser(t *testing.T) {
 	var byRoute, all stats.Report
 	getJSON(t, "http://"+admin+"/stats?window=5m&group_by=route", &byRoute)
 	getJSON(t, "http://"+admin+"/stats?window=5m", &all)
+	if len(gates) != 1 || len(all.Overload) != 1 || gates[0][0] != all.Overload[0].Route || gates[0][0] != "chat" || gates[0][1] != "predicting" ||
+		all.Overload[0].Known && gates[0][2] == "–" {
+		t.Errorf("overload table %v, /stats %+v", gates, all.Overload)
+	}
 	if len(shown) != len(byRoute.Groups) || len(shown) != 4 {
 		t.Fatalf("page shows %d routes, /stats has %d", len(shown), len(byRoute.Groups))
 	}

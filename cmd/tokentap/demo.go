@@ -153,7 +153,10 @@ func (d *demo) backend(o mockllm.Options) (string, error) {
 // startProxy starts tokentap on loopback in front of the backends, with
 // the demo's routes and SLOs.
 func (d *demo) startProxy() error {
-	chat := proxy.Route{Name: "chat", Prefix: "/v1/chat/", Upstream: d.upstream, Timeouts: proxy.DefaultTimeouts, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond}}
+	chat := proxy.Route{Name: "chat", Prefix: "/v1/chat/", Upstream: d.upstream, Timeouts: proxy.DefaultTimeouts, InjectUsage: true, SLO: metrics.SLO{TTFT: 150 * time.Millisecond},
+		// Overload control predicting (not shedding): what it learns of
+		// the backend shows in /stats and on the dashboard.
+		Overload: &proxy.Overload{}}
 	if d.canary {
 		chat.Upstream = ""
 		chat.Upstreams = []proxy.Upstream{{Name: "stable", URL: d.upstream, Weight: 90}, {Name: "canary", URL: d.canaryURL, Weight: 10}}
@@ -280,7 +283,9 @@ func (d *demo) report() {
 	if d.canary {
 		groupBy = append(groupBy, "upstream")
 	}
-	printStats(out, d.p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy}))
+	rep := d.p.Stats().Query(stats.Query{Window: "all", GroupBy: groupBy})
+	rep.Overload = d.p.Overload()
+	printStats(out, rep)
 	if d.canary {
 		fmt.Fprintln(out)
 		c, err := d.p.Stats().Compare("chat", "stable", "canary", "all")

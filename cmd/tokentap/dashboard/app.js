@@ -94,6 +94,24 @@ function renderTable(groups) {
       fmt(g.queue_ms.p95), fmt(g.overhead_ms.p95)].map((v) => el("td", {}, String(v))))));
 }
 
+// renderOverload shows each overload-controlled upstream's gate: what its
+// model learned, how well it predicts, what it shed (/stats "overload").
+function renderOverload(os) {
+  const box = document.getElementById("overload");
+  box.hidden = !os || !os.length;
+  if (box.hidden) return;
+  const body = box.querySelector("tbody");
+  body.replaceChildren(...os.map((o) => {
+    const mode = !o.enforcing ? "predicting" : o.shedding ? "SHEDDING" : "shedding on";
+    const known = (v) => (o.known ? v : "–");
+    const cells = [o.route, o.upstream || "–", mode, o.in_flight, known(String(o.limit)),
+      known(fmt(o.predicted_ttft_ms) + " ms"), known(o.predicted_tpot_ms >= 0 ? fmt(o.predicted_tpot_ms) + " ms" : "–"),
+      o.judged ? (100 * o.abs_error).toFixed(0) + "%" : "–", o.judged ? (o.bias >= 0 ? "+" : "") + (100 * o.bias).toFixed(0) + "%" : "–",
+      fmt(o.arrivals_per_s), fmt(o.completions_per_s), o.shed, fmt(o.shed_per_s)];
+    return el("tr", { "data-route": o.route, class: o.shedding ? "shedding" : "" }, ...cells.map((v, i) => el("td", i === 2 ? { "data-field": "mode" } : {}, String(v))));
+  }));
+}
+
 const nz = (v, c) => (c > 0 ? v : null); // no requests in a slot: a gap, not a zero
 
 // The newest slot is still open (/stats/timeline marks it partial): its
@@ -324,6 +342,7 @@ async function refresh() {
     byRoute.groups.forEach(renderTiles);
     renderWarnings(all.warnings);
     renderTable(all.groups);
+    renderOverload(all.overload);
     renderCharts(timeline);
     await renderComparisons(timeline);
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
