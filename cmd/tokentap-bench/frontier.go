@@ -19,6 +19,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -29,7 +31,8 @@ import (
 type frontierSettings struct {
 	outDir, bin, nginxBin, haproxyBin string
 	portkeyJS, jsRuntime              string
-	gmp, rounds, idle, tokens         int
+	gmp, rounds, idle, tokens, probes int
+	pin                               bool
 	probe, backend, pace              time.Duration
 	minRate, maxRate, factor          float64
 	cpuRate                           float64
@@ -51,8 +54,13 @@ type ratePoint struct {
 	Errors   int     `json:"errors"`
 	P50      float64 `json:"p50_ms"`
 	P99      float64 `json:"p99_ms"`
-	Added    float64 `json:"added_p99_ms"` // P99 − direct's P99 at this rate, this round
-	Held     bool    `json:"held"`         // the arm kept up with the arrivals (held)
+	Added    float64 `json:"added_p99_ms"` // P99 − direct's P99 at this rate, this round: the median over the probes
+	Held     bool    `json:"held"`         // the arm kept up with the arrivals (held) in most probes
+	// Each probe's added p99 (the arm's p99 less direct's in the same
+	// probe), and the rate's noise band: the median of the A/A control's
+	// (direct measured again, as an arm) added p99s, in absolute value.
+	Probes []float64 `json:"added_probes_ms,omitempty"`
+	Band   float64   `json:"noise_band_ms"`
 }
 
 // ceilPoint is one arm at one level of concurrent streams.
@@ -104,6 +112,8 @@ func runFrontier(args []string, out io.Writer) error {
 	fs.StringVar(&f.jsRuntime, "js-runtime", "bun", "the JavaScript runtime that runs -portkey (bun: Node 20 and 22 fail its streamed responses)")
 	fs.IntVar(&f.gmp, "gomaxprocs", 1, "the CPU limit of every arm: GOMAXPROCS of the Go arms, nginx's workers, HAProxy's threads (the JavaScript gateway runs on one thread)")
 	fs.IntVar(&f.rounds, "rounds", 3, "measured rounds; each figure is the median over them")
+	fs.IntVar(&f.probes, "probes", 3, "measurements of every arm at each offered rate of the search, the arms interleaved, with an A/A control (direct measured again); an arm's added p99 at a rate is the median of its probes'")
+	fs.BoolVar(&f.pin, "pin", runtime.NumCPU() >= 2, "pin the arms to the last CPU and this program and the backend to the others, so that the load generator never takes an arm's CPU")
 	fs.DurationVar(&f.probe, "probe", 1500*time.Millisecond, "time measured at each offered rate, after a warm-up of a fifth of it")
 	fs.DurationVar(&f.backend, "backend", 20*time.Millisecond, "the simulated backend's time per non-streamed request")
 	fs.DurationVar(&f.pace, "pace", 50*time.Millisecond, "token pace of the streams (a stall is a gap over ten of it)")
@@ -137,8 +147,8 @@ func runFrontier(args []string, out io.Writer) error {
 		f.limits = append(f.limits, v)
 	}
 	slices.Sort(f.limits)
-	if f.factor <= 1 || f.minRate <= 0 || f.maxRate < f.minRate || f.rounds < 1 || !(f.burst > 0) {
-		return fmt.Errorf("need -factor > 1, 0 < -min-rate ≤ -max-rate, -rounds ≥ 1 and -burstiness > 0")
+	if f.factor <= 1 || f.minRate <= 0 || f.maxRate < f.minRate || f.rounds < 1 || !(f.burst > 0) || f.probes < 1 {
+		return fmt.Errorf("need -factor > 1, 0 < -min-rate ≤ -max-rate, -rounds ≥ 1, -probes ≥ 1 and -burstiness > 0")
 	}
 	f.only = armSet(*armsSpec)
 	if err := os.MkdirAll(f.outDir, 0o755); err != nil {
@@ -215,6 +225,12 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 			}
 			rep.IdleRSS[a.Name] = mb
 		}
+	}
+	if f.pin {
+		if err := f.pinArms(arms, mock.Process.Pid); err != nil {
+			return nil, fmt.Errorf("-pin: %w", err)
+		}
+		rep.Settings["pinned"] = fmt.Sprintf("the arms on CPU %d; the load generator and the backend on the others", runtime.NumCPU()-1)
 	}
 	for r := 0; r < f.rounds; r++ {
 		fmt.Fprintf(os.Stderr, "round %d of %d\n", r+1, f.rounds)
@@ -455,68 +471,97 @@ func (f *frontierSettings) oneClient(arms []*arm, r int) map[string]roundStat {
 	return out
 }
 
-// sweep offers each rate in turn to direct and then to every arm still
-// going, in an order rotated each rate. An arm stops at its second rate in
-// a row past the largest limit, or at its first not held; all stop where
-// direct itself is not held twice (the load generator's and the backend's
-// ceiling).
+// aaControl is the name of the A/A control of the sweep: direct, measured
+// again as if it were an arm. What it adds to direct is the instrument's
+// own noise at that rate.
+const aaControl = "direct A/A"
+
+// sweep offers each rate in turn, f.probes times, to direct, the A/A
+// control and every arm still going, interleaved in an order rotated each
+// probe. An arm's point at a rate is the median of its probes' added p99s
+// (each its p99 less direct's in the same probe); the rate's noise band is
+// the control's median added p99, in absolute value. An arm stops at its
+// second rate in a row past the largest limit (a rate whose band is itself
+// past it counts for nothing), or at its first not held in most probes; all stop where direct itself is not
+// held twice (the load generator's and the backend's ceiling).
 func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, float64) {
 	out := map[string][]ratePoint{}
 	going, over := map[string]bool{}, map[string]bool{}
 	for _, a := range arms {
 		going[a.Name] = true
 	}
+	control := *arms[0]
+	control.Name = aaControl
+	all := append(slices.Clone(arms), &control)
+	going[aaControl] = true
 	lim := f.limits[len(f.limits)-1]
 	capRate := 0.0
 	for k, rate := range f.rates() {
 		fmt.Fprintf(os.Stderr, "offered %.0f/s:", rate)
-		pts := map[string]ratePoint{}
-		retried := false
-		order := append([]*arm{arms[0]}, rotate(arms[1:], k+r)...)
-		for i := 0; i < len(order); i++ {
-			a := order[i]
-			if !going[a.Name] {
-				continue
-			}
-			cl := f.client(a)
-			// A p99 needs requests beyond it: at low rates the probe
-			// lasts long enough for minProbeRequests.
-			probe := max(f.probe, time.Duration(minProbeRequests/rate*float64(time.Second)))
-			warm, plan := smallPlan(a, cl, rate, f.probe/5, "wu-"), smallPlan(a, cl, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-", a.Name, r, rate))
-			warm.Burstiness, plan.Burstiness = f.burst, f.burst
-			run(warm)
-			st, _ := measure(a, plan)
-			p := ratePoint{Offered: rate, Requests: st.Requests, Errors: st.Errors, P50: st.E2Ep50, P99: st.E2Ep99,
-				Achieved: float64(st.Requests) / probe.Seconds()}
-			// Held, and not behind: the last answers came within a second
-			// (and half the probe) of the last arrival.
-			p.Held = held(rate, probe, f.burst, st.Requests+st.Errors, p.Errors) && st.Seconds <= 1.5*probe.Seconds()+1
-			if a.Name == "direct" {
-				// Past this the load generator or the backend is the
-				// bottleneck: added figures would measure them. A stall
-				// of either in one probe is not its ceiling: direct is
-				// measured once more before the search ends.
-				p.Held = p.Held && p.P99 <= ms(f.backend)+lim
-				if !p.Held && !retried {
-					retried = true
-					fmt.Fprintf(os.Stderr, " direct p99 %.1fms, again", p.P99)
-					i--
+		// A p99 needs requests beyond it: at low rates the probe lasts
+		// long enough for minProbeRequests.
+		probe := max(f.probe, time.Duration(minProbeRequests/rate*float64(time.Second)))
+		probes := map[string][]ratePoint{}
+		directHeld := true
+		for n := 0; n < f.probes && directHeld; n++ {
+			retried := false
+			order := rotate(all, k+r+n)
+			direct := ratePoint{}
+			got := map[string]ratePoint{}
+			for i := 0; i < len(order); i++ {
+				a := order[i]
+				if !going[a.Name] {
 					continue
 				}
+				p := f.probeAt(a, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-%d-", strings.ReplaceAll(a.Name, " ", ""), r, rate, n))
+				if a.Name == "direct" {
+					// Past this the load generator or the backend is the
+					// bottleneck: added figures would measure them. A
+					// stall of either in one probe is not its ceiling:
+					// direct is measured once more before the search ends.
+					p.Held = p.Held && p.P99 <= ms(f.backend)+lim
+					if !p.Held && !retried {
+						retried = true
+						fmt.Fprintf(os.Stderr, " direct p99 %.1fms, again", p.P99)
+						i--
+						continue
+					}
+					direct = p
+				}
+				got[a.Name] = p
 			}
-			if a.Name != "direct" {
-				p.Added = p.P99 - pts["direct"].P99
+			for name, p := range got {
+				if name != "direct" {
+					p.Added = p.P99 - direct.P99
+				}
+				probes[name] = append(probes[name], p)
 			}
+			directHeld = direct.Held
+		}
+		band := math.Abs(median(addedOf(probes[aaControl])))
+		pts := map[string]ratePoint{}
+		for _, a := range all {
+			ps := probes[a.Name]
+			if len(ps) == 0 {
+				continue
+			}
+			p := mergeProbes(ps)
+			p.Band = band
 			pts[a.Name] = p
 			out[a.Name] = append(out[a.Name], p)
-			fmt.Fprintf(os.Stderr, " %s %+.2fms", a.Name, p.Added)
+			if a.Name != "direct" {
+				fmt.Fprintf(os.Stderr, " %s %+.2fms [%+.1f…%+.1f]", a.Name, p.Added, slices.Min(p.Probes), slices.Max(p.Probes))
+			}
 			// An arm stops at its second rate in a row past the largest
-			// limit (one alone may be the noise of two p99s), or at once
-			// when it fell behind.
+			// limit (one alone may still be noise; one where the control
+			// itself is past it tells nothing), or at once when it fell
+			// behind.
 			switch {
+			case a.Name == aaControl:
+				// The control goes on as long as direct does.
 			case !p.Held:
 				going[a.Name] = false
-			case p.Added > lim:
+			case p.Added > lim && band <= lim:
 				if over[a.Name] {
 					going[a.Name] = false
 				}
@@ -525,7 +570,7 @@ func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, fl
 				over[a.Name] = false
 			}
 		}
-		fmt.Fprintln(os.Stderr)
+		fmt.Fprintf(os.Stderr, " (band %.2fms)\n", band)
 		if !pts["direct"].Held {
 			break
 		}
@@ -535,6 +580,84 @@ func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, fl
 		}
 	}
 	return out, capRate
+}
+
+// pinArms puts every arm's processes on the last CPU and this program and
+// the backend (its pid; 0 or less: already placed) on the others: the load generator's work and its pauses
+// never take the CPU an arm runs on, and every arm has the same one.
+func (f *frontierSettings) pinArms(arms []*arm, backend int) error {
+	last := runtime.NumCPU() - 1
+	var others []int
+	for c := range last {
+		others = append(others, c)
+	}
+	own := []int{os.Getpid()}
+	if backend > 0 {
+		own = append(own, backend)
+	}
+	if err := pinTasks(own, others); err != nil {
+		return err
+	}
+	for _, a := range arms {
+		if a.pids == nil {
+			continue
+		}
+		if err := pinTasks(a.pids(), []int{last}); err != nil {
+			return fmt.Errorf("%s: %w", a.Name, err)
+		}
+	}
+	return nil
+}
+
+// probeAt measures arm a once at rate for probe, after a warm-up of a
+// fifth of f.probe. The load generator's garbage collector is held off
+// while it measures (collected just before): its pauses are not the
+// arm's.
+func (f *frontierSettings) probeAt(a *arm, rate float64, probe time.Duration, id string) ratePoint {
+	cl := f.client(a)
+	warm, plan := smallPlan(a, cl, rate, f.probe/5, "wu-"), smallPlan(a, cl, rate, probe, id)
+	warm.Burstiness, plan.Burstiness = f.burst, f.burst
+	run(warm)
+	runtime.GC()
+	old := debug.SetGCPercent(-1)
+	st, _ := measure(a, plan)
+	debug.SetGCPercent(old)
+	p := ratePoint{Offered: rate, Requests: st.Requests, Errors: st.Errors, P50: st.E2Ep50, P99: st.E2Ep99,
+		Achieved: float64(st.Requests) / probe.Seconds()}
+	// Held, and not behind: the last answers came within a second (and
+	// half the probe) of the last arrival.
+	p.Held = held(rate, probe, f.burst, st.Requests+st.Errors, p.Errors) && st.Seconds <= 1.5*probe.Seconds()+1
+	return p
+}
+
+func addedOf(ps []ratePoint) []float64 {
+	out := make([]float64, len(ps))
+	for i, p := range ps {
+		out[i] = p.Added
+	}
+	return out
+}
+
+// mergeProbes is an arm's point at a rate from its probes: the medians of
+// its figures, each probe's added p99, held when most probes held.
+func mergeProbes(ps []ratePoint) ratePoint {
+	col := func(f func(ratePoint) float64) float64 {
+		v := make([]float64, len(ps))
+		for i, p := range ps {
+			v[i] = f(p)
+		}
+		return median(v)
+	}
+	held := 0
+	for _, p := range ps {
+		if p.Held {
+			held++
+		}
+	}
+	return ratePoint{Offered: ps[0].Offered, Achieved: col(func(p ratePoint) float64 { return p.Achieved }),
+		Requests: int(col(func(p ratePoint) float64 { return float64(p.Requests) })), Errors: int(col(func(p ratePoint) float64 { return float64(p.Errors) })),
+		P50: col(func(p ratePoint) float64 { return p.P50 }), P99: col(func(p ratePoint) float64 { return p.P99 }),
+		Added: col(func(p ratePoint) float64 { return p.Added }), Held: 2*held > len(ps), Probes: addedOf(ps)}
 }
 
 // held says whether n answers in d, errs of them errors, kept up with
@@ -557,7 +680,9 @@ func rotate(a []*arm, k int) []*arm {
 }
 
 // frontierOf is the highest offered rate of pts (in increasing order) that
-// was held within limit ms before two rates in a row were not: a single
+// was held within limit ms before two rates in a row were not (a rate
+// whose noise band, the A/A control's added p99, is itself past the limit
+// is passed over: it cannot tell): a single
 // rate past the limit between rates within it is taken for the noise of
 // two p99s (the arm's and direct's), and is itself never the frontier.
 // capped says the search ended at direct's ceiling (or the last rate
@@ -568,6 +693,9 @@ func frontierOf(pts []ratePoint, limit, directCap float64) (rate float64, capped
 	for _, p := range pts {
 		if p.Offered > directCap {
 			return rate, bad == 0
+		}
+		if p.Held && p.Band > limit {
+			continue // the instrument's own noise at this rate is past the limit: it decides nothing
 		}
 		if !p.Held || p.Added > limit {
 			if bad++; bad == 2 {
@@ -804,6 +932,11 @@ func (f *frontierSettings) featureCosts(rep *frontierReport) error {
 	for _, a := range arms {
 		if err := waitReady(a.URL); err != nil {
 			return fmt.Errorf("%s: %w", a.Name, err)
+		}
+	}
+	if f.pin {
+		if err := f.pinArms(arms, -1); err != nil {
+			return fmt.Errorf("-pin: %w", err)
 		}
 	}
 	rep.Costs = map[string][]costStat{}

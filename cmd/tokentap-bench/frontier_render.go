@@ -194,6 +194,7 @@ func frontierMarkdown(rep *frontierReport) string {
 		}
 		b.WriteString("\n")
 	}
+	b.WriteString(perRateTable(rep))
 	if len(rep.Costs) > 0 {
 		b.WriteString("### What each measuring feature costs (tokentap variants, A/B in the same run)\n\n| variant | what differs | CPU µs/request | Δ vs tokentap | CPU µs/token | Δ vs tokentap |\n|---|---|---:|---:|---:|---:|\n")
 		all := func(k string) float64 { return get(d, k+"/tokentap").Median }
@@ -215,6 +216,61 @@ func frontierMarkdown(rep *frontierReport) string {
 	for _, k := range slices.Sorted(maps.Keys(rep.Tried)) {
 		fmt.Fprintf(&b, "- %s: %s\n", k, rep.Tried[k])
 	}
+	return b.String()
+}
+
+// perRateTable is the search's added p99 at each offered rate: per arm the
+// median over the rounds of each round's median over its probes, and the
+// range of every probe of every round; the A/A control's likewise, which
+// is the rate's noise.
+func perRateTable(rep *frontierReport) string {
+	names := append(slices.Clone(rep.Arms[1:]), aaControl)
+	rounds := map[string]map[float64][]float64{} // arm → rate → per-round median
+	probes := map[string]map[float64][]float64{} // arm → rate → every probe
+	rates := map[float64]bool{}
+	for _, r := range rep.Rounds {
+		for _, name := range names {
+			for _, p := range r.Sweep[name] {
+				if rounds[name] == nil {
+					rounds[name], probes[name] = map[float64][]float64{}, map[float64][]float64{}
+				}
+				rounds[name][p.Offered] = append(rounds[name][p.Offered], p.Added)
+				probes[name][p.Offered] = append(probes[name][p.Offered], p.Probes...)
+				rates[p.Offered] = true
+			}
+		}
+	}
+	if len(rates) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteString("### Added p99 at each offered rate of the search (ms)\n\nEach cell: the median over the rounds of each round's median over its probes, then the range of every probe. " +
+		"The A/A control is direct measured again as an arm: what it adds is the instrument's own noise at that rate (a rate's band, by which the frontier's limits are widened, is its median).\n\n| offered/s |")
+	for _, n := range names {
+		fmt.Fprintf(&b, " %s |", n)
+	}
+	b.WriteString("\n|---:|")
+	for range names {
+		b.WriteString("---:|")
+	}
+	b.WriteString("\n")
+	for _, rate := range slices.Sorted(maps.Keys(rates)) {
+		fmt.Fprintf(&b, "| %.0f |", rate)
+		for _, n := range names {
+			v := rounds[n][rate]
+			if len(v) == 0 {
+				b.WriteString(" – |")
+				continue
+			}
+			all := probes[n][rate]
+			if len(all) == 0 {
+				all = v
+			}
+			fmt.Fprintf(&b, " %+.2f [%+.1f…%+.1f] |", median(v), slices.Min(all), slices.Max(all))
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("\n")
 	return b.String()
 }
 

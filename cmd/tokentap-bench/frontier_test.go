@@ -47,6 +47,16 @@ func TestFrontierOf(t *testing.T) {
 	if got, capped := frontierOf(two, 1, 1e9); got != 100 || capped {
 		t.Errorf("two rates in a row past the limit: %v capped=%v, want 100", got, capped)
 	}
+	// Two rates where the A/A control itself was past 5 ms (a machine
+	// stall over all arms) decide nothing at 5 ms; at 10 ms they count.
+	noisy := []ratePoint{{Offered: 100, Added: 0.3, Held: true}, {Offered: 200, Added: 12, Band: 6, Held: true},
+		{Offered: 300, Added: 12, Band: 6, Held: true}, {Offered: 400, Added: 0.4, Held: true}}
+	if got, _ := frontierOf(noisy, 5, 1e9); got != 400 {
+		t.Errorf("rates the control could not judge: frontier %v, want 400", got)
+	}
+	if got, _ := frontierOf(noisy, 10, 1e9); got != 100 {
+		t.Errorf("at 10 ms: frontier %v, want 100 (two rates in a row past it)", got)
+	}
 }
 
 // TestFrontierSimulated: sweeps of an arm whose true added p99 is known,
@@ -349,5 +359,89 @@ func TestFrontierCPUUnreadRoundLeftOut(t *testing.T) {
 	got := deriveFrontier(rep)["cpu_us_per_request/tokentap"].(spread)
 	if math.Abs(got.Min-120) > 1e-9 || math.Abs(got.Max-150) > 1e-9 || math.Abs(got.Median-135) > 1e-9 {
 		t.Fatalf("CPU per request %+v, want median 135 over 120–150 µs (the unread round left out)", got)
+	}
+}
+
+// TestFrontierProbesOutvoteStalls: the sweep's rule on simulated probes
+// whose truth is known. Each probe's added p99 is the true one, Gaussian
+// scatter, and now and then (10% of probes, either side) a stall of the
+// machine of 5 to 30 ms, as the rounds saw: in the arm's p99 it
+// adds, in direct's it takes away. With one probe a rate, such a stall
+// decides the 5 ms frontier of a sweep, more than a step early, in a tenth
+// of runs or more; with the median of three probes (and the A/A control's
+// band), the frontier is within a step of the truth in at least 95% of
+// sweeps, and found more than a step above it no more often than one
+// probe finds it.
+func TestFrontierProbesOutvoteStalls(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	f := frontierSettings{minRate: 100, maxRate: 40000, factor: 1.25}
+	rates := f.rates()
+	const limit, truth = 5.0, 3000.0
+	trueAdded := func(rate float64) float64 { return 0.5 + 4.5*math.Pow(rate/truth, 3) }
+	truthRate := 0.0
+	for _, x := range rates {
+		if trueAdded(x) <= limit {
+			truthRate = x
+		}
+	}
+	stall := func() float64 {
+		if r.Float64() < 0.1 {
+			return 5 + 25*r.Float64()
+		}
+		return 0
+	}
+	probe := func(added float64) float64 { return added + 0.3*r.NormFloat64() + stall() - stall() }
+	sweepWith := func(probes int) float64 {
+		var pts []ratePoint
+		for _, x := range rates {
+			var ps, control []ratePoint
+			for range probes {
+				ps = append(ps, ratePoint{Offered: x, Added: probe(trueAdded(x)), Held: true})
+				control = append(control, ratePoint{Offered: x, Added: probe(0), Held: true})
+			}
+			p := mergeProbes(ps)
+			if probes > 1 {
+				p.Band = math.Abs(median(addedOf(control)))
+			}
+			pts = append(pts, p)
+			if trueAdded(x) > 3*limit {
+				break
+			}
+		}
+		got, _ := frontierOf(pts, limit, 1e9)
+		return got
+	}
+	const n = 2000
+	var early, above [2]int
+	for range n {
+		for i, probes := range []int{1, 3} {
+			got := sweepWith(probes)
+			if got < truthRate/f.factor/1.01 {
+				early[i]++
+			}
+			if got > truthRate*f.factor*1.01 {
+				above[i]++
+			}
+		}
+	}
+	t.Logf("true frontier %v/s; more than a step early: one probe %d, three %d of %d; above: %d, %d", truthRate, early[0], early[1], n, above[0], above[1])
+	if early[0] < n/10 || early[1]+above[1] > n/20 || above[1] > above[0] {
+		t.Errorf("more than a step early: one probe %d, three %d of %d; above: %d, %d", early[0], early[1], n, above[0], above[1])
+	}
+}
+
+// mergeProbes takes the medians and keeps every probe; a point is held
+// when most of its probes were.
+func TestMergeProbes(t *testing.T) {
+	p := mergeProbes([]ratePoint{
+		{Offered: 300, P99: 25, Added: 1, Held: true, Requests: 400},
+		{Offered: 300, P99: 50, Added: 26, Held: false, Requests: 380},
+		{Offered: 300, P99: 24, Added: 0.5, Held: true, Requests: 410},
+	})
+	if p.Offered != 300 || p.P99 != 25 || p.Added != 1 || !p.Held || p.Requests != 400 || len(p.Probes) != 3 || p.Probes[1] != 26 {
+		t.Errorf("%+v", p)
+	}
+	if q := mergeProbes([]ratePoint{{Held: true}, {Held: false}}); q.Held {
+		t.Error("held in one probe of two counts as held")
 	}
 }

@@ -7,6 +7,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -18,6 +19,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 	"time"
 )
 
@@ -208,4 +211,29 @@ func idleRSS(a *arm, n int, body string) (float64, error) {
 		return 0, firstErr
 	}
 	return float64(with-base) / 1024 / float64(n) * 1000, nil
+}
+
+// pinTasks sets the CPUs every thread of each process of pids may run on
+// (a thread started later inherits its creator's).
+func pinTasks(pids []int, cpus []int) error {
+	var set unix.CPUSet
+	for _, c := range cpus {
+		set.Set(c)
+	}
+	for _, pid := range pids {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		if err != nil {
+			return err
+		}
+		for _, t := range tasks {
+			tid, err := strconv.Atoi(t.Name())
+			if err != nil {
+				continue
+			}
+			if err := unix.SchedSetaffinity(tid, &set); err != nil && !errors.Is(err, unix.ESRCH) {
+				return fmt.Errorf("pid %d, thread %d: %w", pid, tid, err)
+			}
+		}
+	}
+	return nil
 }
