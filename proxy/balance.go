@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/valyala/fasthttp"
 )
@@ -29,6 +31,24 @@ const (
 	// BalanceLeastInflight picks the upstream with the fewest requests in
 	// flight, among those with a weight; ties go to the larger weight.
 	BalanceLeastInflight = "least_inflight"
+	// BalanceLeastTTFT picks the upstream with the least predicted time to
+	// first token for this request (its input, each upstream's in flight
+	// and what its requests lived: proxy/predict), among those with a
+	// weight; a small share probes the others (leastTTFT).
+	BalanceLeastTTFT = "least_ttft"
+)
+
+// StickyPrefix is Route.Sticky's prefix affinity: requests whose prompts
+// begin alike go to one upstream, its load bounded (affinity.go).
+const StickyPrefix = "prefix"
+
+// probeShare is the share of a least_ttft route's requests sent to an
+// upstream other than the predicted best, so that one that recovered is
+// seen to and wins its traffic back; exploreShare is that share while an
+// upstream has no prediction yet (a new one, or one unused for long).
+const (
+	probeShare   = 0.02
+	exploreShare = 0.2
 )
 
 // member is an upstream of a route at run time.
@@ -37,6 +57,10 @@ type member struct {
 	up     *upstream
 	weight int
 	row    int // its metric series row
+	// picked counts the requests sent to it since the configuration;
+	// cache what its backend said of its prompt cache (affinity.go).
+	picked atomic.Int64
+	cache  cacheTally
 }
 
 // pick chooses the upstream of a request of route r. With Sticky, the
@@ -80,6 +104,63 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) (m *member, key u
 		return best, 0, false
 	}
 	return r.byWeight(rand.IntN(total)), 0, false
+}
+
+// leastTTFT chooses the upstream of a least_ttft route for a request of in
+// input tokens (in < 0: unknown): the one predicted to give its first
+// token soonest, ties to the larger weight. An upstream without a
+// prediction is tried for exploreShare of requests (all of them while
+// none has one: then the fewest in flight); probeShare of requests go to
+// another upstream with a weight, chosen by weight. roll is uniform in
+// [0, 1). It returns the chosen upstream and its prediction (-1: none).
+func (r *route) leastTTFT(in int, roll float64) (*member, time.Duration) {
+	var best, fresh *member
+	bestT, total, eligible := time.Duration(-1), 0, 0
+	for _, m := range r.members {
+		w := r.weight(m)
+		if w == 0 {
+			continue
+		}
+		total += w
+		eligible++
+		t, _, ok := m.up.gate.Model.Predict(int(m.up.inflight.Load()), in)
+		switch {
+		case !ok:
+			if fresh == nil || m.up.inflight.Load() < fresh.up.inflight.Load() {
+				fresh = m
+			}
+		case best == nil || t < bestT || t == bestT && w > r.weight(best):
+			best, bestT = m, t
+		}
+	}
+	switch {
+	case best == nil:
+		return fresh, -1
+	case fresh != nil && roll < exploreShare:
+		return fresh, -1
+	case eligible > 1 && roll < probeShare:
+		// Any other upstream, by weight.
+		at := int(roll / probeShare * float64(total-r.weight(best)))
+		for _, m := range r.members {
+			if w := r.weight(m); m != best && w > 0 {
+				if at < w {
+					t, _, _ := m.up.gate.Model.Predict(int(m.up.inflight.Load()), in)
+					return m, t
+				}
+				at -= w
+			}
+		}
+	}
+	return best, bestT
+}
+
+// late reports whether route r's upstream is chosen once the request's
+// body is read: by the model it names, or by its input's predicted TTFT.
+func (r *route) late() bool {
+	if len(r.members) < 2 {
+		return len(r.Models) > 0
+	}
+	return len(r.Models) > 0 || r.Sticky == StickyPrefix || r.Balance == BalanceLeastTTFT && r.Sticky == ""
 }
 
 // weight is m's share of new requests now: its configured weight, or 0

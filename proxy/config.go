@@ -81,6 +81,10 @@ type Route struct {
 	Name string
 	// Prefix is the path prefix the route matches; the longest match wins.
 	Prefix string
+	// Models are the models the route serves (globs: * any run, ? one
+	// character), matched against the model a request names; routes that
+	// name models may share a prefix (models.go). Empty: every model.
+	Models []string
 	// Upstream is the backend's base URL (http or https); a path in it is
 	// put in front of the request path.
 	Upstream string
@@ -88,10 +92,12 @@ type Route struct {
 	// goes to one, chosen by Balance and Sticky, and each is measured
 	// apart (records, /stats and metrics carry its name as upstream).
 	Upstreams []Upstream
-	// Balance is BalanceWeighted (default) or BalanceLeastInflight.
+	// Balance is BalanceWeighted (default), BalanceLeastInflight or
+	// BalanceLeastTTFT.
 	Balance string
 	// Sticky keeps a user on one upstream: "tenant", or "header:NAME"
-	// (the value of that request header); empty: none.
+	// (the value of that request header); or a prompt's prefix on the
+	// upstream whose cache holds it: StickyPrefix; empty: none.
 	Sticky string
 	// Guard stops a canary upstream that is worse than its baseline.
 	Guard *Guard
@@ -259,7 +265,6 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 		return nil, fieldErr("routes", "at least one route is required (or give -upstream)")
 	}
 	names := map[string]bool{}
-	prefixes := map[string]bool{}
 	for i, r := range c.Routes {
 		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
 		switch {
@@ -271,15 +276,16 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 			return nil, fieldErr(field("name"), "duplicate route name %q", r.Name)
 		case r.Prefix == "" || r.Prefix[0] != '/':
 			return nil, fieldErr(field("prefix"), "must start with /, got %q", r.Prefix)
-		case prefixes[r.Prefix]:
-			return nil, fieldErr(field("prefix"), "duplicate prefix %q", r.Prefix)
+		}
+		if err := c.validModels(i, field); err != nil {
+			return nil, err
 		}
 		// Requests are matched in normal form, so a prefix in any other
 		// form would never match.
 		if norm, err := normalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
 			return nil, fieldErr(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
 		}
-		names[r.Name], prefixes[r.Prefix] = true, true
+		names[r.Name] = true
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
 			return nil, fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
 		}
@@ -384,12 +390,12 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		return fieldErr(field("upstreams"), "at least one upstream needs a weight above 0")
 	}
 	switch r.Balance {
-	case "", BalanceWeighted, BalanceLeastInflight:
+	case "", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT:
 	default:
-		return fieldErr(field("balance"), "must be %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, r.Balance)
+		return fieldErr(field("balance"), "must be %s, %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT, r.Balance)
 	}
-	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && (!ok || !validToken(h)) {
-		return fieldErr(field("sticky"), "must be tenant or header:NAME, got %q", r.Sticky)
+	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && r.Sticky != StickyPrefix && (!ok || !validToken(h)) {
+		return fieldErr(field("sticky"), "must be tenant, prefix or header:NAME, got %q", r.Sticky)
 	}
 	return r.validSplit(field, names)
 }

@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"io"
+	"math/rand/v2"
 	"net"
 	"strconv"
 	"time"
@@ -76,11 +77,18 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	if upgrade && !x.rt.WebSocket {
 		return refuseUpgrade
 	}
-	if r := x.overload(ctx); r != nil {
-		return r
+	if !x.in.late { // judged on the headers alone
+		if r := x.overload(ctx); r != nil {
+			return r
+		}
 	}
 	if r := x.readRequest(ctx); r != nil {
 		return r
+	}
+	if x.in.late { // its upstream known from its body
+		if r := x.overload(ctx); r != nil {
+			return r
+		}
 	}
 	// From here on a client that goes away cancels the request, queued or
 	// upstream.
@@ -143,11 +151,39 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 		x.tenant, rec.Tenant = tenant, tenant
 		rec.TenantSeries = snap.metrics.Tenant(tenant)
 	}
-	x.att.mem, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, &ctx.Request.Header)
+	if r.late() {
+		// The body says which route (its model) or upstream (its input).
+		x.in.late = true
+		return nil
+	}
+	x.pickUpstream(r, &ctx.Request.Header)
+	return nil
+}
+
+// pickUpstream chooses the request's upstream on route r and counts it in
+// flight there.
+func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
+	rec, snap := &x.rec, x.snap
+	var m *member
+	if r.late() && r.Sticky == StickyPrefix {
+		if key, ok := promptKey(x.in.body0); ok {
+			m, x.in.stickyKey, x.in.stickyKeyed = r.byPrefix(key, x.p.now()), key, true
+		}
+	}
+	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
+		var t time.Duration
+		if m, t = r.leastTTFT(len(x.in.body0)/4, rand.Float64()); t >= 0 {
+			rec.PredictedTTFT = t
+		}
+	}
+	if m == nil {
+		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
+	}
+	x.att.mem = m
+	m.picked.Add(1)
 	x.att.startK = int(x.att.mem.up.inflight.Add(1) - 1)
 	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
 	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
-	return nil
 }
 
 // readRequest reads the body and what it says: the model (the metric
@@ -169,6 +205,11 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	x.in.body0 = body
 	req := x.dialect.Request(x.in.path, body)
 	model := req.Model
+	if x.in.late {
+		if r := x.pickLate(string(model), &ctx.Request.Header); r != nil {
+			return r
+		}
+	}
 	rec.Model = boundedString(model, maxLoggedModel)
 	rec.Stream = req.Stream
 	x.in.stream = req.Stream
@@ -475,6 +516,9 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		x.p.stats.Observe(rec, x.tap.m.gaps)
 	}
 	x.observeUpstream()
+	if x.att.mem != nil && rec.Attempts > 0 && rec.CachedTokens >= 0 {
+		x.att.mem.cache.note(rec.CachedTokens, rec.TTFT.Microseconds())
+	}
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
 		if x.att.mem != nil {

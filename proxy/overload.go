@@ -161,7 +161,7 @@ func headerMS(v []byte) time.Duration {
 // is tokentap's, not the backend's) and its time per output token, with
 // the prediction made for it.
 func (x *exchange) observeUpstream() {
-	if x.rt == nil || x.rt.Overload == nil || x.att.up == nil || x.rec.Attempts == 0 || !x.rec.Stream {
+	if x.rt == nil || !x.rt.predicts() || x.att.up == nil || x.rec.Attempts == 0 || !x.rec.Stream {
 		return // a whole response's first byte is its end: no first token to learn from
 	}
 	rec := &x.rec
@@ -176,19 +176,26 @@ func (x *exchange) observeUpstream() {
 	x.att.up.gate.Model.Observe(x.att.startK, in, ttft, rec.TPOT, rec.PredictedTTFT)
 }
 
+// predicts reports whether route r's upstreams keep a prediction and show
+// in /stats' overload table: for overload control, to balance by it, or
+// beside prefix affinity.
+func (r *route) predicts() bool {
+	return r.Overload != nil || r.Balance == BalanceLeastTTFT || r.Sticky == StickyPrefix
+}
+
 // Overload is what overload control sees of each upstream of the routes
 // that have it, now (for /stats and the dashboard), in the routes' order.
 func (p *Proxy) Overload() []stats.Overload {
 	out := []stats.Overload{}
 	now := p.now()
 	for _, r := range p.snap.Load().routes {
-		if r.Overload == nil {
+		if !r.predicts() {
 			continue
 		}
 		for _, m := range r.members {
 			k := int(m.up.inflight.Load())
 			st := m.up.gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
-			o := stats.Overload{Route: r.Name, Upstream: m.name, Enforcing: r.Overload.Shed, Known: st.Known, InFlight: k,
+			o := stats.Overload{Route: r.Name, Upstream: m.name, Enforcing: r.Overload != nil && r.Overload.Shed, Known: st.Known, InFlight: k,
 				Limit: st.Limit, PredictedTTFTMs: -1, PredictedTPOTMs: -1, Bias: st.Bias, AbsError: st.AbsErr, Judged: st.Judged,
 				ArrivalsPerS: st.Arrivals, CompletionsPerS: st.Completions, Standing: st.Standing,
 				Shed: st.Sheds, ShedPerS: st.ShedRate, LastShed: st.LastShed,
@@ -199,8 +206,32 @@ func (p *Proxy) Overload() []stats.Overload {
 					o.PredictedTPOTMs = float64(st.TPOT) / 1e6
 				}
 			}
+			fillShares(&o, r, m)
 			out = append(out, o)
 		}
 	}
 	return out
+}
+
+// fillShares puts in o upstream m's share of route r's requests and what
+// its backend said of its prompt cache, since the configuration.
+func fillShares(o *stats.Overload, r *route, m *member) {
+	var all int64
+	for _, n := range r.members {
+		all += n.picked.Load()
+	}
+	if all > 0 {
+		o.Share = float64(m.picked.Load()) / float64(all)
+	}
+	c := &m.cache
+	o.CacheReported, o.TTFTHitMs, o.TTFTMissMs = c.reported.Load(), -1, -1
+	if o.CacheReported > 0 {
+		o.CacheHitShare = float64(c.hits.Load()) / float64(o.CacheReported)
+	}
+	if n := c.hitTTFTn.Load(); n > 0 {
+		o.TTFTHitMs = float64(c.hitTTFTus.Load()) / float64(n) / 1000
+	}
+	if n := c.missTTFTn.Load(); n > 0 {
+		o.TTFTMissMs = float64(c.missTTFTus.Load()) / float64(n) / 1000
+	}
 }

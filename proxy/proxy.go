@@ -152,7 +152,7 @@ type Proxy struct {
 // built from it: routes with their upstream pools, and metric handles.
 type snapshot struct {
 	cfg     Config
-	routes  []*route // by descending prefix length
+	routes  []*route // by descending prefix length, then those naming models (byModelOrder)
 	metrics *metrics.Set
 	admit   *ratelimit.Admitter  // nil: admission control off
 	pools   map[string]*connPool // its upstreams' connections, by poolKey
@@ -167,6 +167,7 @@ type route struct {
 	guard   *guardState     // nil: none
 	shadow  *shadowState    // nil: none
 	dialect dialect.Dialect // nil: chosen per request from the path
+	aff     *affinity       // sticky: prefix: the hash ring and the loads (affinity.go)
 }
 
 // member returns r's upstream named name (validated to exist).
@@ -224,7 +225,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		}
 		s.routes = append(s.routes, rt)
 	}
-	sort.SliceStable(s.routes, func(i, j int) bool { return len(s.routes[i].Prefix) > len(s.routes[j].Prefix) })
+	sort.SliceStable(s.routes, func(i, j int) bool { return byModelOrder(s.routes[i], s.routes[j]) })
 	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO(), NoSeries: p.opts.NoSeries})
 	for _, rt := range s.routes {
 		if g := rt.guard; g != nil {
@@ -297,6 +298,9 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 		rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)})
 		rt.weights += u.Weight
 		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
+	}
+	if r.Sticky == StickyPrefix {
+		rt.aff = newAffinity(rt.members)
 	}
 	if r.Shadow != nil {
 		sh := &shadowState{Shadow: r.Shadow.withDefaults()}

@@ -23,6 +23,7 @@ type inbound struct {
 	traceparent []byte // the traceparent sent upstream (Options.Tracer)
 	stickyKey   uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
 	stickyKeyed bool
+	late        bool // the route or upstream waits for the body (route.late)
 }
 
 // kept is the part's next life in a pooled exchange: its buffers (a large

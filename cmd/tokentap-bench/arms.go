@@ -24,6 +24,8 @@ type arm struct {
 	// Headers are sent with every request through the arm (a gateway's
 	// routing headers).
 	Headers map[string]string
+	// Admin is tokentap's admin address (host:port; "": not tokentap).
+	Admin string
 }
 
 // measure runs one plan against one arm and reads the arm's CPU time.

@@ -31,6 +31,7 @@ import (
 type frontierSettings struct {
 	outDir, bin, nginxBin, haproxyBin string
 	portkeyJS, jsRuntime              string
+	trace                             string // "lo-hi": the rates whose tokentap probe is traced
 	gmp, rounds, idle, tokens, probes int
 	pin                               bool
 	probe, backend, pace              time.Duration
@@ -128,6 +129,7 @@ func runFrontier(args []string, out io.Writer) error {
 	limitsSpec := fs.String("limits", "1,5,10", "added p99 limits of the frontier, in ms")
 	armsSpec := fs.String("arms", "", "only these arms, comma-separated (direct always runs); empty: all")
 	fs.BoolVar(&f.costs, "costs", true, "also measure what each of tokentap's measuring features costs (A/B of tokentap variants)")
+	fs.StringVar(&f.trace, "trace", "", "rates (lo-hi, requests/s) at which the tokentap arm's first probe is traced: an execution trace from its admin (runtime/trace) beside results, tokentap-<rate>.trace; empty: none")
 	render := fs.Bool("render", false, "only rewrite results.md and frontier.svg of -out from its results.json")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -620,14 +622,50 @@ func (f *frontierSettings) probeAt(a *arm, rate float64, probe time.Duration, id
 	run(warm)
 	runtime.GC()
 	old := debug.SetGCPercent(-1)
+	tr := f.traceDuring(a, rate, probe, id)
 	st, _ := measure(a, plan)
 	debug.SetGCPercent(old)
+	tr()
 	p := ratePoint{Offered: rate, Requests: st.Requests, Errors: st.Errors, P50: st.E2Ep50, P99: st.E2Ep99,
 		Achieved: float64(st.Requests) / probe.Seconds()}
 	// Held, and not behind: the last answers came within a second (and
 	// half the probe) of the last arrival.
 	p.Held = held(rate, probe, f.burst, st.Requests+st.Errors, p.Errors) && st.Seconds <= 1.5*probe.Seconds()+1
 	return p
+}
+
+// traceDuring starts an execution trace of tokentap arm a for d when rate
+// is within -trace and this is its first probe there (id ends "-0-"), and
+// returns what waits for it to be written.
+func (f *frontierSettings) traceDuring(a *arm, rate float64, d time.Duration, id string) func() {
+	var lo, hi float64
+	if f.trace == "" || a.Admin == "" || !strings.HasSuffix(id, "-0-") {
+		return func() {}
+	}
+	if n, _ := fmt.Sscanf(f.trace, "%g-%g", &lo, &hi); n != 2 || rate < lo || rate > hi {
+		return func() {}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		url := fmt.Sprintf("http://%s/debug/pprof/trace?seconds=%d", a.Admin, max(1, int(d.Seconds())))
+		resp, err := http.Get(url)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, " (trace: %v)", err)
+			return
+		}
+		defer resp.Body.Close()
+		path := filepath.Join(f.outDir, fmt.Sprintf("%s-%.0f.trace", strings.ReplaceAll(a.Name, " ", ""), rate))
+		out, err := os.Create(path)
+		if err == nil {
+			_, err = io.Copy(out, resp.Body)
+			out.Close()
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, " (trace: %v)", err)
+		}
+	}()
+	return func() { <-done }
 }
 
 func addedOf(ps []ratePoint) []float64 {
@@ -885,7 +923,7 @@ func startTokentapVariant(outDir, name, dir string, gomaxprocs int, upstream str
 	if err != nil {
 		return nil, err
 	}
-	return &arm{Name: name, URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd)}, nil
+	return &arm{Name: name, URL: "http://" + addr + "/v1/chat/completions", cmd: cmd, pids: pidsOf(cmd), Admin: admin}, nil
 }
 
 // otlpSink answers every OTLP/HTTP export at once with an empty success.

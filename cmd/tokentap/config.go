@@ -169,6 +169,7 @@ func (a *fileAdmin) UnmarshalYAML(n *yaml.Node) error {
 type fileRoute struct {
 	Name        string        `yaml:"name"`
 	Prefix      string        `yaml:"prefix"`
+	Models      []string      `yaml:"models"`
 	Upstream    string        `yaml:"upstream"`
 	StripPrefix bool          `yaml:"strip_prefix"`
 	Dialect     string        `yaml:"dialect"`

@@ -161,7 +161,7 @@ func (b *settingsBuilder) routes() error {
 			}
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
-			Name: r.Name, Prefix: r.Prefix, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, WebSocket: r.WebSocket, Timeouts: t,
+			Name: r.Name, Prefix: r.Prefix, Models: r.Models, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, WebSocket: r.WebSocket, Timeouts: t,
 			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
 			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(), TLS: r.TLS.upstreamTLS(),
 			Overload: r.Overload.overload(),

@@ -29,6 +29,7 @@
 package mockllm
 
 import (
+	"container/list"
 	"fmt"
 	"hash/fnv"
 	"io"
@@ -72,6 +73,11 @@ type Options struct {
 	// PrefixCache models prefix caching: prompt bytes in 512-byte blocks
 	// that start the same as an earlier request's cost no prefill.
 	PrefixCache bool
+	// PrefixCachePrompts bounds the prefix cache to this many prompts
+	// (told apart by their first block), the least recently used evicted
+	// first, as a server's KV cache holds a few prompts' blocks. 0: no
+	// bound.
+	PrefixCachePrompts int
 	// Stamp adds "mock_sent" (Unix nanoseconds) to every streamed OpenAI
 	// chunk, so a client on the same machine can measure each token's
 	// delivery delay.
@@ -99,6 +105,14 @@ type Server struct {
 
 	cacheMu sync.Mutex
 	cache   map[uint64]struct{} // hashes of cached prompt prefixes
+	prompts *list.List          // with PrefixCachePrompts: *cachedPrompt, most recent first
+	byFirst map[uint64]*list.Element
+}
+
+// cachedPrompt is one prompt in a bounded prefix cache: its blocks' hashes.
+type cachedPrompt struct {
+	first  uint64
+	blocks map[uint64]struct{}
 }
 
 // New returns a Server with o's timing.
@@ -396,6 +410,9 @@ func (s *Server) cachedPrefix(body []byte) int {
 	const block = 512
 	s.cacheMu.Lock()
 	defer s.cacheMu.Unlock()
+	if s.o.PrefixCachePrompts > 0 {
+		return s.cachedPrompt(body, block)
+	}
 	if s.cache == nil || len(s.cache) > 1<<20 {
 		s.cache = map[uint64]struct{}{}
 	}
@@ -409,6 +426,45 @@ func (s *Server) cachedPrefix(body []byte) int {
 		} else {
 			hit = false
 			s.cache[sum] = struct{}{}
+		}
+	}
+	return cached
+}
+
+// cachedPrompt is cachedPrefix with the cache bounded to
+// PrefixCachePrompts prompts.
+func (s *Server) cachedPrompt(body []byte, block int) int {
+	if len(body) < block {
+		return 0
+	}
+	if s.prompts == nil {
+		s.prompts, s.byFirst = list.New(), map[uint64]*list.Element{}
+	}
+	h := fnv.New64a()
+	h.Write(body[:block])
+	first := h.Sum64()
+	e, ok := s.byFirst[first]
+	if ok {
+		s.prompts.MoveToFront(e)
+	} else {
+		e = s.prompts.PushFront(&cachedPrompt{first: first, blocks: map[uint64]struct{}{}})
+		s.byFirst[first] = e
+		if s.prompts.Len() > s.o.PrefixCachePrompts {
+			old := s.prompts.Remove(s.prompts.Back()).(*cachedPrompt)
+			delete(s.byFirst, old.first)
+		}
+	}
+	p := e.Value.(*cachedPrompt)
+	h.Reset()
+	cached, hit := 0, true
+	for off := 0; off+block <= len(body); off += block {
+		h.Write(body[off : off+block])
+		sum := h.Sum64()
+		if _, ok := p.blocks[sum]; ok && hit {
+			cached = off + block
+		} else {
+			hit = false
+			p.blocks[sum] = struct{}{}
 		}
 	}
 	return cached

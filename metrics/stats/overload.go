@@ -44,6 +44,17 @@ type Overload struct {
 	ShedPerS float64   `json:"shed_per_s"`
 	Shedding bool      `json:"shedding"`
 	LastShed time.Time `json:"last_shed,omitzero"`
+	// Share is the upstream's share of its route's requests since the
+	// configuration (0–1).
+	Share float64 `json:"share"`
+	// CacheReported is the requests whose backend said how many input
+	// tokens its prompt cache served; CacheHitShare the share of those
+	// with some; TTFTHitMs and TTFTMissMs their mean first token (−1:
+	// none), since the configuration.
+	CacheReported int64   `json:"cache_reported"`
+	CacheHitShare float64 `json:"cache_hit_share"`
+	TTFTHitMs     float64 `json:"ttft_cache_hit_ms"`
+	TTFTMissMs    float64 `json:"ttft_cache_miss_ms"`
 }
 
 // OverloadWarning is the warning an upstream that sheds raises.

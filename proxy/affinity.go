@@ -1,0 +1,240 @@
+package proxy
+
+import (
+	"cmp"
+	"math"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/tidwall/gjson"
+)
+
+// Prefix affinity (sticky: prefix): requests whose prompts begin alike go
+// to the same upstream, where its prefix cache holds the prompt's blocks
+// (the ring and the keys hashed alike in every process: replicas agree),
+// with the load bounded: consistent hashing with bounded loads (Mirrokni,
+// Thorup and Zadimoghaddam), each upstream taking at most affinityLoad
+// times its weight's share of the requests sent lately. A key stays on
+// its upstream while that one is within its bound; past it the key moves
+// to the next on the ring with room (byPrefix).
+
+// affinityLoad is the bound: no upstream is given more than this many
+// times its weight's share of the route's recent requests.
+const affinityLoad = 1.25
+
+// maxPrefixBytes bounds the bytes of a prompt hashed into its key.
+const maxPrefixBytes = 4096
+
+// ringPointsPerUpstream is each upstream's points on the ring at the
+// largest weight (fewer, in proportion, for smaller weights).
+const ringPointsPerUpstream = 160
+
+// affinityTau is the memory of an upstream's load: a request sent to it
+// weighs exp(−age/affinityTau).
+const affinityTau = 2 * time.Second
+
+// ringPoint is one place on the ring and the index of the upstream it
+// belongs to.
+type ringPoint struct {
+	hash uint64
+	at   int
+}
+
+// affinity is a sticky: prefix route's ring, the load each upstream was
+// given lately (requests, decaying), by member index, and where each key
+// seen lately was sent: a key stays on its upstream until that one passes
+// its bound, and then moves, as a whole, to the next on the ring with
+// room, so that each prompt is cached on one upstream rather than spread.
+type affinity struct {
+	ring []ringPoint
+	mu   sync.Mutex
+	load []float64
+	at   time.Time
+	keys map[uint64]placed
+}
+
+// placed is where a key was sent, and when last.
+type placed struct {
+	at   int
+	seen time.Time
+}
+
+// The key table's bounds: at most maxAffinityKeys keys (past it, keys
+// idle for affinityIdle are dropped; a new key finds no room and is placed
+// by the ring alone).
+const (
+	maxAffinityKeys = 16384
+	affinityIdle    = 10 * time.Minute
+)
+
+// newAffinity places each member with a weight on the ring, its points in
+// proportion to its weight.
+func newAffinity(members []*member) *affinity {
+	most := 0
+	for _, m := range members {
+		most = max(most, m.weight)
+	}
+	a := &affinity{load: make([]float64, len(members)), keys: map[uint64]placed{}}
+	for i, m := range members {
+		if m.weight == 0 {
+			continue
+		}
+		name := m.name
+		if name == "" {
+			name = strconv.Itoa(i)
+		}
+		for j := range max(1, ringPointsPerUpstream*m.weight/most) {
+			a.ring = append(a.ring, ringPoint{hash: xxhash.Sum64String(name + "#" + strconv.Itoa(j)), at: i})
+		}
+	}
+	slices.SortFunc(a.ring, func(x, y ringPoint) int { return cmp.Compare(x.hash, y.hash) })
+	return a
+}
+
+// byPrefix returns the upstream for a prompt key at now: where the key
+// was sent before while that upstream's recent load, with this request,
+// stays within affinityLoad times its weight's share (and one request
+// more, so that a quiet route keeps its keys in place); else the first on
+// the ring from the key within its bound, where the key then stays; else
+// the least loaded.
+func (r *route) byPrefix(key uint64, now time.Time) *member {
+	a := r.aff
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	decay := math.Exp(-float64(now.Sub(a.at)) / float64(affinityTau))
+	a.at = now
+	total, weights := 0.0, 0
+	for i, m := range r.members {
+		a.load[i] *= decay
+		if w := r.weight(m); w > 0 {
+			total += a.load[i]
+			weights += w
+		}
+	}
+	fits := func(i int) bool {
+		w := r.weight(r.members[i])
+		return w > 0 && a.load[i]+1 <= affinityLoad*(total+1)*float64(w)/float64(weights)+1
+	}
+	send := func(i int) *member {
+		a.load[i]++
+		a.place(key, i, now)
+		return r.members[i]
+	}
+	if p, ok := a.keys[key]; ok && fits(p.at) {
+		return send(p.at)
+	}
+	start, _ := slices.BinarySearchFunc(a.ring, key, func(p ringPoint, k uint64) int { return cmp.Compare(p.hash, k) })
+	least := -1
+	for j := range a.ring {
+		i := a.ring[(start+j)%len(a.ring)].at
+		if fits(i) {
+			return send(i)
+		}
+		if r.weight(r.members[i]) > 0 && (least < 0 || a.load[i] < a.load[least]) {
+			least = i
+		}
+	}
+	if least < 0 {
+		return r.byWeight(0)
+	}
+	a.load[least]++
+	return r.members[least]
+}
+
+// place remembers that key was sent to upstream i at now, within the
+// table's bound.
+func (a *affinity) place(key uint64, i int, now time.Time) {
+	if _, ok := a.keys[key]; !ok && len(a.keys) >= maxAffinityKeys {
+		for k, p := range a.keys {
+			if now.Sub(p.seen) > affinityIdle {
+				delete(a.keys, k)
+			}
+		}
+		if len(a.keys) >= maxAffinityKeys {
+			return
+		}
+	}
+	a.keys[key] = placed{at: i, seen: now}
+}
+
+// promptKey hashes the beginning of a request's prompt, the part that
+// requests of one application share: the system prompt and every message
+// but the last (the new turn); a prompt of one message, or a completion's
+// prompt, by its first bytes; at most maxPrefixBytes in all. ok is false
+// for a body without a prompt.
+func promptKey(body []byte) (key uint64, ok bool) {
+	h := xxhash.New()
+	left := maxPrefixBytes
+	add := func(raw string) {
+		if left <= 0 {
+			return
+		}
+		if len(raw) > left {
+			raw = raw[:left]
+		}
+		h.WriteString(raw)
+		left -= len(raw)
+		ok = true
+	}
+	for _, f := range []string{"system", "systemInstruction", "instructions"} {
+		if v := gjson.GetBytes(body, f); v.Exists() {
+			add(v.Raw)
+		}
+	}
+	for _, f := range []string{"messages", "contents", "input"} {
+		v := gjson.GetBytes(body, f)
+		if !v.IsArray() {
+			continue
+		}
+		msgs := v.Array()
+		switch {
+		case len(msgs) == 0:
+		case len(msgs) == 1 && !ok:
+			add(msgs[0].Raw) // one message: its first bytes
+		default:
+			for _, m := range msgs[:len(msgs)-1] {
+				add(m.Raw) // with a system prompt alone, that is the shared part
+			}
+		}
+		return h.Sum64(), ok
+	}
+	for _, f := range []string{"prompt", "input"} {
+		if v := gjson.GetBytes(body, f); v.Type == gjson.String {
+			add(v.Str)
+			break
+		}
+	}
+	return h.Sum64(), ok
+}
+
+// cacheTally is what an upstream's backend said of its prompt cache: the
+// requests that reported cached tokens, those with some (a hit), and the
+// first-token times of each kind (microseconds summed), for /stats.
+type cacheTally struct {
+	reported, hits        atomic.Int64
+	hitTTFTus, missTTFTus atomic.Int64
+	hitTTFTn, missTTFTn   atomic.Int64
+}
+
+// note counts a finished request's cached tokens (negative: not
+// reported) and its TTFT (negative: none).
+func (c *cacheTally) note(cached int, ttftUS int64) {
+	if cached < 0 {
+		return
+	}
+	c.reported.Add(1)
+	if cached > 0 {
+		c.hits.Add(1)
+		if ttftUS >= 0 {
+			c.hitTTFTus.Add(ttftUS)
+			c.hitTTFTn.Add(1)
+		}
+	} else if ttftUS >= 0 {
+		c.missTTFTus.Add(ttftUS)
+		c.missTTFTn.Add(1)
+	}
+}

@@ -1,0 +1,146 @@
+package proxy
+
+import (
+	"fmt"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/valyala/fasthttp"
+)
+
+// Routing by model. Several routes may share a path prefix when they name
+// the models they serve (Route.Models, globs): one endpoint fronts several
+// deployments. Routes are tried longest prefix first and, at one prefix,
+// those that name models before the one that does not; the first whose
+// globs match the request's model (the body's, or the path's where the
+// dialect puts it there) serves it, a route without models any model. A
+// route that names models is known only once the body is read, so its
+// request's upstream is chosen, and its overload judged, then (as a
+// least_ttft route's, which weighs the request's input).
+
+// globMatch reports whether name matches pattern, where * matches any run
+// of bytes (slashes included: model names hold them) and ? any one byte.
+func globMatch(pattern, name string) bool {
+	p, n := 0, 0
+	star, mark := -1, 0
+	for n < len(name) {
+		switch {
+		case p < len(pattern) && (pattern[p] == '?' || pattern[p] == name[n]):
+			p++
+			n++
+		case p < len(pattern) && pattern[p] == '*':
+			star, mark = p, n
+			p++
+		case star >= 0:
+			p, mark = star+1, mark+1
+			n = mark
+		default:
+			return false
+		}
+	}
+	for p < len(pattern) && pattern[p] == '*' {
+		p++
+	}
+	return p == len(pattern)
+}
+
+// serves reports whether the route takes requests for model: a route
+// without models takes every model.
+func (r *route) serves(model string) bool {
+	if len(r.Models) == 0 {
+		return true
+	}
+	for _, g := range r.Models {
+		if globMatch(g, model) {
+			return true
+		}
+	}
+	return false
+}
+
+// matchModel returns the route for a request to path naming model, once
+// the body has said it (or nil: no route serves the model). A request that
+// names no model goes to the first route without models, else to the
+// first that matches its path.
+func (s *snapshot) matchModel(path []byte, model string) *route {
+	var first *route
+	for _, r := range s.routes {
+		if !prefixMatch(path, r.Prefix) {
+			continue
+		}
+		if first == nil {
+			first = r
+		}
+		if len(r.Models) == 0 || (model != "" && r.serves(model)) {
+			return r
+		}
+	}
+	if model == "" {
+		return first
+	}
+	return nil
+}
+
+// byModelOrder sorts routes for matching: longest prefix first and, at one
+// prefix, the routes that name models before the one that does not.
+func byModelOrder(a, b *route) bool {
+	if len(a.Prefix) != len(b.Prefix) {
+		return len(a.Prefix) > len(b.Prefix)
+	}
+	return len(a.Models) > 0 && len(b.Models) == 0
+}
+
+// validModels checks route i's models and that routes sharing a prefix
+// are told apart by them: at most one of them takes every model.
+func (c *Config) validModels(i int, field func(string) string) error {
+	r := c.Routes[i]
+	for j, g := range r.Models {
+		if g == "" {
+			return fieldErr(field(fmt.Sprintf("models[%d]", j)), "must not be empty")
+		}
+	}
+	for j := 0; j < i; j++ {
+		o := c.Routes[j]
+		if o.Prefix != r.Prefix {
+			continue
+		}
+		if len(o.Models) == 0 && len(r.Models) == 0 {
+			return fieldErr(field("prefix"), "duplicate prefix %q: routes that share a prefix must name the models they serve (models:), all but one at most", r.Prefix)
+		}
+	}
+	return nil
+}
+
+// modelNotFound is the refusal of a request whose model no route serves,
+// in the dialect's words: a 404 as the provider gives for a model it does
+// not have (the model's name is not echoed: it is the client's input).
+func (x *exchange) modelNotFound() *refusal {
+	r := &refusal{status: fasthttp.StatusNotFound, outcome: metrics.OutcomeBadRequest, code: "model_not_found",
+		errType: "invalid_request_error", msg: "the model this request names is not served here"}
+	if x.dialect != nil && x.dialect.Name() == "anthropic" {
+		r.errType, r.anthropic = "not_found_error", true
+	}
+	return r
+}
+
+// pickLate settles the route of a request that waited for its body
+// (route.late): by the model it names where routes name models; then
+// chooses its upstream.
+func (x *exchange) pickLate(model string, h *fasthttp.RequestHeader) *refusal {
+	snap, rec := x.snap, &x.rec
+	r := x.rt
+	if len(r.Models) > 0 {
+		r = snap.matchModel(x.in.path, model)
+	}
+	if r == nil {
+		x.rt = nil
+		rec.Route, rec.Series = metrics.UnmatchedRoute, snap.metrics.Unmatched()
+		return x.modelNotFound()
+	}
+	x.rt, rec.Route = r, r.Name
+	if r.dialect != nil {
+		x.dialect = r.dialect
+		rec.Dialect = x.dialect.Name()
+	}
+	x.pickUpstream(r, h)
+	return nil
+}
