@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"os"
+	"runtime"
 	"sync"
 	"time"
 
@@ -166,6 +167,13 @@ func (a *AccessLog) Close() {
 // 50 ms a few µs. A crash loses the lines of the last period at most.
 const batchEvery = 50 * time.Millisecond
 
+// yieldEvery is the lines rendered between two yields of the writer's
+// goroutine: an execution trace at 381 requests/s on one CPU showed each
+// period's drain (19 lines and their write) on the CPU for 115–233 µs at
+// once, the requests that arrived meanwhile waiting for it; yielding
+// every 4 lines bounds that wait to about one line's rendering.
+const yieldEvery = 4
+
 func (a *AccessLog) run() {
 	defer close(a.done)
 	fields := make([]zap.Field, 0, 40)
@@ -201,7 +209,12 @@ func (a *AccessLog) run() {
 			if len(a.queue) == 0 {
 				break
 			}
-			for drained := false; !drained; {
+			for n, drained := 0, false; !drained; n++ {
+				if n > 0 && n%yieldEvery == 0 {
+					// Let requests run between lines: on one CPU a
+					// period's drain would hold it for its whole length.
+					runtime.Gosched()
+				}
 				select {
 				case it, ok := <-a.queue:
 					if !ok {
