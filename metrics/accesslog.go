@@ -413,6 +413,12 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	if r.CachedTokens >= 0 {
 		f = append(f, zap.Int("cached_tokens", r.CachedTokens))
 	}
+	if r.UsageSource != "" {
+		f = append(f, zap.Int("cache_write_tokens", r.CacheWriteTokens), zap.String("usage_source", r.UsageSource))
+	}
+	if r.CostUSD >= 0 {
+		f = append(f, zap.Float64("cost_usd", r.CostUSD))
+	}
 	if r.Class != "" {
 		f = append(f, zap.String("class", r.Class))
 	}

@@ -62,6 +62,21 @@ func FailedOver(route, from, reason string) {
 	vm.GetOrCreateCounter(`tokentap_failovers_total{route="` + route + `",from="` + from + `",reason="` + reason + `"}`).Inc()
 }
 
+// BackendScrape counts a scrape of an upstream's metrics_url, by whether
+// it answered with a metric tokentap reads.
+func BackendScrape(ok bool) {
+	if ok {
+		scrapesOK.Inc()
+	} else {
+		scrapesFailed.Inc()
+	}
+}
+
+var (
+	scrapesOK     = vm.NewCounter(`tokentap_backend_scrapes_total{result="ok"}`)
+	scrapesFailed = vm.NewCounter(`tokentap_backend_scrapes_total{result="failed"}`)
+)
+
 // Shed counts a request of route refused by overload control, on
 // upstream ("" for a route of one), at its priority.
 func Shed(route, upstream, priority string) {

@@ -157,6 +157,18 @@ type Record struct {
 	// CachedTokens is how many input tokens the backend served from its
 	// prompt cache (a reused prefix), -1 when it does not say.
 	CachedTokens int
+	// CacheWriteTokens is how many input tokens the backend wrote to its
+	// prompt cache (Anthropic's cache_creation_input_tokens; 0 where a
+	// dialect has none). InputTokens holds them, and CachedTokens.
+	CacheWriteTokens int
+	// UsageSource says where the tokens came from: UsageProvider (the
+	// backend's usage block), UsageCounted (none: tokentap counted the
+	// stream's tokens, the input estimated from the body's size) or
+	// UsageEstimated (neither: the input from the body's size alone).
+	UsageSource string
+	// CostUSD is what the request cost at its model's price (Config.Prices),
+	// in dollars; −1 when no price matches.
+	CostUSD float64
 	// Class is the request's class (proxy.Classes): its input and output
 	// sizes and whether its prefix was reused, so that upstreams are
 	// compared like with like. Empty outside a route.
@@ -209,6 +221,13 @@ type Record struct {
 	TenantSeries *TenantSeries
 }
 
+// The sources of a record's token counts (Record.UsageSource).
+const (
+	UsageProvider  = "provider"
+	UsageCounted   = "counted"
+	UsageEstimated = "estimated"
+)
+
 // Reset clears r for reuse, with every timing Absent.
 func (r *Record) Reset() {
 	*r = Record{
@@ -216,7 +235,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent, ServerTTFT: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
-		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1,
+		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1, CostUSD: -1,
 		PredictedTTFT: Absent, PredictedTPOT: Absent,
 	}
 }

@@ -272,6 +272,7 @@ func (s *Set) Observe(r *Record) {
 	if r.TenantSeries != nil {
 		r.TenantSeries.observe(r)
 	}
+	account(r)
 	x := r.Series
 	if x == nil || x.ttft == nil { // labels only: NoSeries
 		return

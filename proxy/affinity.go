@@ -101,7 +101,7 @@ func newAffinity(members []*member) *affinity {
 // more, so that a quiet route keeps its keys in place); else the first on
 // the ring from the key within its bound, where the key then stays; else
 // the least loaded.
-func (r *route) byPrefix(key uint64, now time.Time) *member {
+func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
 	a := r.aff
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -124,25 +124,29 @@ func (r *route) byPrefix(key uint64, now time.Time) *member {
 		a.place(key, i, now)
 		return r.members[i]
 	}
-	if p, ok := a.keys[key]; ok && fits(p.at) {
-		return send(p.at)
+	p, placed := a.keys[key]
+	if placed && fits(p.at) {
+		return send(p.at), pickPrefix
 	}
 	start, _ := slices.BinarySearchFunc(a.ring, key, func(p ringPoint, k uint64) int { return cmp.Compare(p.hash, k) })
 	least := -1
 	for j := range a.ring {
 		i := a.ring[(start+j)%len(a.ring)].at
 		if fits(i) {
-			return send(i)
+			if placed && i != p.at {
+				return send(i), pickSpill
+			}
+			return send(i), pickPrefix
 		}
 		if r.weight(r.members[i]) > 0 && (least < 0 || a.load[i] < a.load[least]) {
 			least = i
 		}
 	}
 	if least < 0 {
-		return r.byWeight(0)
+		return r.byWeight(0), pickSpill
 	}
 	a.load[least]++
-	return r.members[least]
+	return r.members[least], pickSpill
 }
 
 // place remembers that key was sent to upstream i at now, within the

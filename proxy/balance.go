@@ -3,6 +3,7 @@ package proxy
 import (
 	"cmp"
 	"hash/maphash"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -22,6 +23,10 @@ type Upstream struct {
 	// Weight is the upstream's share of new requests, relative to the
 	// route's other weights; 0 takes none.
 	Weight int
+	// MetricsURL is the backend's Prometheus metrics, scraped every second
+	// for the requests it runs and holds waiting and its KV cache's use
+	// (scrape.go); empty: none.
+	MetricsURL string
 }
 
 // Balance policies.
@@ -60,7 +65,73 @@ type member struct {
 	// picked counts the requests sent to it since the configuration;
 	// cache what its backend said of its prompt cache (affinity.go).
 	picked atomic.Int64
+	slot   atomic.Uint64                // slotTime's average, float64 nanoseconds
+	why    [numPickReasons]atomic.Int64 // picked, by why
 	cache  cacheTally
+	scrape *scraper // nil: no metrics_url
+}
+
+// Why a request went to its upstream, for /stats (Overload.Why).
+type pickReason uint8
+
+const (
+	pickBalance   pickReason = iota // the route's balance: weighted or least in flight
+	pickSticky                      // the tenant's or header's sticky key
+	pickLeastTTFT                   // the least predicted first token
+	pickProbe                       // a probe of an upstream that looks worse
+	pickExplore                     // an upstream without a prediction yet
+	pickPrefix                      // its prompt's upstream (sticky: prefix)
+	pickSpill                       // its prompt's upstream was past its bound: the next with room
+	numPickReasons
+)
+
+var pickReasonNames = [numPickReasons]string{"balance", "sticky", "least_ttft", "probe", "explore", "prefix", "prefix_moved"}
+
+// held is the requests upstream m holds as a new one is sent: its k in
+// flight from tokentap, and those the backend reports beyond them.
+func (m *member) held(now time.Time, k int) int { return k + m.scrape.others(now, k) }
+
+// predictTTFT is the first token a request of in input tokens would get
+// on m now, with k of tokentap's requests in flight there. Where the
+// backend reports a queue (metrics_url), the prediction is at least its
+// turn in that queue: the idle first token plus, for each request waiting
+// ahead and this one, a slot's time shared by the slots running, the
+// turn a model learned from tokentap's own traffic alone cannot know.
+func (m *member) predictTTFT(now time.Time, k, in int) (time.Duration, bool) {
+	model := m.up.gate.Model
+	t, _, ok := model.Predict(m.held(now, k), in)
+	if !ok {
+		return t, false
+	}
+	if st, fresh := m.scrape.fresh(now); fresh && st.Waiting > 0 {
+		if slot := m.slotTime(); slot > 0 {
+			idle, _, _ := model.Predict(0, in)
+			turn := time.Duration((st.Waiting + 1) * float64(slot) / max(st.Running, 1))
+			t = max(t, idle+turn)
+		}
+	}
+	return t, true
+}
+
+// slotTime is how long m's requests hold the backend lately: an average
+// of their time there (arrival to end, tokentap's queue left out).
+func (m *member) slotTime() time.Duration { return time.Duration(math.Float64frombits(m.slot.Load())) }
+
+// noteSlot adds a finished request's time on the backend to slotTime's
+// average (each a tenth of it).
+func (m *member) noteSlot(d time.Duration) {
+	for {
+		old := m.slot.Load()
+		v := math.Float64frombits(old)
+		if v == 0 {
+			v = float64(d)
+		} else {
+			v += 0.1 * (float64(d) - v)
+		}
+		if m.slot.CompareAndSwap(old, math.Float64bits(v)) {
+			return
+		}
+	}
 }
 
 // pick chooses the upstream of a request of route r. With Sticky, the
@@ -113,7 +184,7 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) (m *member, key u
 // none has one: then the fewest in flight); probeShare of requests go to
 // another upstream with a weight, chosen by weight. roll is uniform in
 // [0, 1). It returns the chosen upstream and its prediction (-1: none).
-func (r *route) leastTTFT(in int, roll float64) (*member, time.Duration) {
+func (r *route) leastTTFT(now time.Time, in int, roll float64) (*member, time.Duration, pickReason) {
 	var best, fresh *member
 	bestT, total, eligible := time.Duration(-1), 0, 0
 	for _, m := range r.members {
@@ -123,7 +194,7 @@ func (r *route) leastTTFT(in int, roll float64) (*member, time.Duration) {
 		}
 		total += w
 		eligible++
-		t, _, ok := m.up.gate.Model.Predict(int(m.up.inflight.Load()), in)
+		t, ok := m.predictTTFT(now, int(m.up.inflight.Load()), in)
 		switch {
 		case !ok:
 			if fresh == nil || m.up.inflight.Load() < fresh.up.inflight.Load() {
@@ -135,23 +206,23 @@ func (r *route) leastTTFT(in int, roll float64) (*member, time.Duration) {
 	}
 	switch {
 	case best == nil:
-		return fresh, -1
+		return fresh, -1, pickExplore
 	case fresh != nil && roll < exploreShare:
-		return fresh, -1
+		return fresh, -1, pickExplore
 	case eligible > 1 && roll < probeShare:
 		// Any other upstream, by weight.
 		at := int(roll / probeShare * float64(total-r.weight(best)))
 		for _, m := range r.members {
 			if w := r.weight(m); m != best && w > 0 {
 				if at < w {
-					t, _, _ := m.up.gate.Model.Predict(int(m.up.inflight.Load()), in)
-					return m, t
+					t, _ := m.predictTTFT(now, int(m.up.inflight.Load()), in)
+					return m, t, pickProbe
 				}
 				at -= w
 			}
 		}
 	}
-	return best, bestT
+	return best, bestT, pickLeastTTFT
 }
 
 // late reports whether route r's upstream is chosen once the request's

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"net/url"
 	"strings"
 	"time"
 
@@ -136,6 +137,9 @@ type Route struct {
 // Config is one generation of the proxy's configuration.
 type Config struct {
 	Routes []Route
+	// Prices are the models' prices (the first whose glob matches): each
+	// record's CostUSD.
+	Prices []Price
 	// Models is the model allowlist: metric label values for models. Every
 	// other model is labelled "other".
 	Models []string
@@ -230,6 +234,9 @@ func (c *Config) Validate() error {
 		return err
 	}
 	if err := c.validModelsAndSLOs(); err != nil {
+		return err
+	}
+	if err := c.validPrices(); err != nil {
 		return err
 	}
 	if c.MaxDecodedBytes < 0 {
@@ -382,6 +389,11 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		}
 		if _, err := newUpstream(u.URL, r.Timeouts, nil, r.TLS); err != nil {
 			return fieldErr(f("url"), "%q: %v", redactURL(u.URL), err)
+		}
+		if m := u.MetricsURL; m != "" {
+			if pu, err := url.Parse(m); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
+				return fieldErr(f("metrics_url"), "%q is not an http or https URL", redactURL(m))
+			}
 		}
 		names[u.Name] = true
 		total += u.Weight

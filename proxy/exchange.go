@@ -165,23 +165,32 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	rec, snap := &x.rec, x.snap
 	var m *member
+	why := pickBalance
 	if r.late() && r.Sticky == StickyPrefix {
 		if key, ok := promptKey(x.in.body0); ok {
-			m, x.in.stickyKey, x.in.stickyKeyed = r.byPrefix(key, x.p.now()), key, true
+			m, why = r.byPrefix(key, x.p.now())
+			x.in.stickyKey, x.in.stickyKeyed = key, true
 		}
 	}
 	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
 		var t time.Duration
-		if m, t = r.leastTTFT(len(x.in.body0)/4, rand.Float64()); t >= 0 {
+		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64()); t >= 0 {
 			rec.PredictedTTFT = t
 		}
 	}
 	if m == nil {
 		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
+		why = pickBalance
+		if x.in.stickyKeyed {
+			why = pickSticky
+		}
 	}
 	x.att.mem = m
 	m.picked.Add(1)
-	x.att.startK = int(x.att.mem.up.inflight.Add(1) - 1)
+	m.why[why].Add(1)
+	// The level the request starts at: tokentap's requests there, and
+	// what the backend says it holds beyond them (scrape.go).
+	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
 	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
 	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
 }
@@ -236,8 +245,12 @@ func (x *exchange) admit() *refusal {
 	}
 	var total int64
 	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
+	var usd float64 // what it may cost, for the dollar budgets
+	if p := x.snap.cfg.priceOf(x.rec.Model); p != nil {
+		usd = p.cost(int(x.estIn), 0, 0, int(total-x.estIn))
+	}
 	start := x.p.now()
-	ticket, refused := a.Admit(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total)
+	ticket, refused := a.AdmitUSD(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total, usd)
 	x.rec.Queue = x.p.now().Sub(start)
 	if refused == nil {
 		x.ticket = ticket
@@ -516,8 +529,13 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		x.p.stats.Observe(rec, x.tap.m.gaps)
 	}
 	x.observeUpstream()
-	if x.att.mem != nil && rec.Attempts > 0 && rec.CachedTokens >= 0 {
-		x.att.mem.cache.note(rec.CachedTokens, rec.TTFT.Microseconds())
+	if m := x.att.mem; m != nil && rec.Attempts > 0 {
+		if rec.CachedTokens >= 0 {
+			m.cache.note(rec.CachedTokens, rec.TTFT.Microseconds())
+		}
+		if m.scrape != nil && rec.Outcome == metrics.OutcomeOK && rec.E2E > 0 {
+			m.noteSlot(rec.E2E - max(rec.Queue, 0))
+		}
 	}
 	if x.rt != nil && x.rt.guard != nil && !x.shadow {
 		now := x.p.statsNow()
@@ -576,6 +594,7 @@ func (x *exchange) fillRecord(now time.Time) {
 		}
 		x.rec.Class = x.snap.cfg.Classes.of(in, x.rec.OutputTokens, x.rec.CachedTokens)
 	}
+	x.price()
 }
 
 // judge judges the finished record against its route's SLO, under the
@@ -600,6 +619,7 @@ func (x *exchange) releaseTicket() {
 		return
 	}
 	var actual int64
+	var usd float64
 	if x.responded && (x.rec.Status < 400 || x.tap.m.usage.hasIn || x.tap.m.usage.hasOut) {
 		in := x.estIn
 		if x.tap.m.usage.hasIn {
@@ -607,7 +627,11 @@ func (x *exchange) releaseTicket() {
 		}
 		out, _ := x.tap.m.outputTokens(x.tap.streamed)
 		actual = in + int64(out)
+		if p := x.snap.cfg.priceOf(x.rec.Model); p != nil {
+			u := &x.tap.m.usage
+			usd = p.cost(int(in), u.cached, u.write, out)
+		}
 	}
-	x.ticket.Release(actual)
+	x.ticket.ReleaseUSD(actual, usd)
 	x.ticket = nil
 }

@@ -49,8 +49,8 @@ type meter struct {
 
 // usage is the token usage the response reported, merged across events.
 type usage struct {
-	hasIn, hasOut, hasCached bool
-	in, out, cached          int
+	hasIn, hasOut, hasCached, hasWrite bool
+	in, out, cached, write             int
 }
 
 // maxGaps bounds the inter-token gaps kept per request for its ITL
@@ -92,6 +92,9 @@ func (m *meter) observe(o dialect.Obs, t time.Time) {
 	}
 	if o.HasCached {
 		m.usage.hasCached, m.usage.cached = true, o.Cached
+	}
+	if o.HasCacheWrite {
+		m.usage.hasWrite, m.usage.write = true, o.CacheWrite
 	}
 	if o.Items > 0 {
 		m.items = o.Items
@@ -187,8 +190,17 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 	if m.usage.hasCached {
 		rec.CachedTokens = m.usage.cached
 	}
+	rec.CacheWriteTokens = m.usage.write
 	if n, source := m.outputTokens(streamed); source != "" {
 		rec.OutputTokens, rec.TokensSource = n, source
+	}
+	switch {
+	case m.usage.hasIn || m.usage.hasOut:
+		rec.UsageSource = metrics.UsageProvider
+	case rec.TokensSource == "counted":
+		rec.UsageSource = metrics.UsageCounted
+	default:
+		rec.UsageSource = metrics.UsageEstimated
 	}
 	rec.Items = m.items
 	if t := m.timings; t.Set {

@@ -180,20 +180,30 @@ func (x *exchange) observeUpstream() {
 // in /stats' overload table: for overload control, to balance by it, or
 // beside prefix affinity.
 func (r *route) predicts() bool {
-	return r.Overload != nil || r.Balance == BalanceLeastTTFT || r.Sticky == StickyPrefix
+	if r.Overload != nil || r.Balance == BalanceLeastTTFT || r.Sticky == StickyPrefix {
+		return true
+	}
+	for _, m := range r.members {
+		if m.scrape != nil {
+			return true
+		}
+	}
+	return false
 }
 
-// Overload is what overload control sees of each upstream of the routes
-// that have it, now (for /stats and the dashboard), in the routes' order.
+// Overload is what overload control, least_ttft and prefix affinity see
+// of each upstream of the routes that have them (and of routes whose
+// backends report their prompt caches), now (for /stats and the
+// dashboard), in the routes' order.
 func (p *Proxy) Overload() []stats.Overload {
 	out := []stats.Overload{}
 	now := p.now()
 	for _, r := range p.snap.Load().routes {
-		if !r.predicts() {
+		if !r.predicts() && !r.cacheReported() {
 			continue
 		}
 		for _, m := range r.members {
-			k := int(m.up.inflight.Load())
+			k := m.held(now, int(m.up.inflight.Load()))
 			st := m.up.gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
 			o := stats.Overload{Route: r.Name, Upstream: m.name, Enforcing: r.Overload != nil && r.Overload.Shed, Known: st.Known, InFlight: k,
 				Limit: st.Limit, PredictedTTFTMs: -1, PredictedTPOTMs: -1, Bias: st.Bias, AbsError: st.AbsErr, Judged: st.Judged,
@@ -213,6 +223,17 @@ func (p *Proxy) Overload() []stats.Overload {
 	return out
 }
 
+// cacheReported reports whether a backend of route r said what its
+// prompt cache served.
+func (r *route) cacheReported() bool {
+	for _, m := range r.members {
+		if m.cache.reported.Load() > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // fillShares puts in o upstream m's share of route r's requests and what
 // its backend said of its prompt cache, since the configuration.
 func fillShares(o *stats.Overload, r *route, m *member) {
@@ -222,6 +243,21 @@ func fillShares(o *stats.Overload, r *route, m *member) {
 	}
 	if all > 0 {
 		o.Share = float64(m.picked.Load()) / float64(all)
+	}
+	for i := range m.why {
+		if n := m.why[i].Load(); n > 0 {
+			if o.Why == nil {
+				o.Why = map[string]int64{}
+			}
+			o.Why[pickReasonNames[i]] = n
+		}
+	}
+	if m.scrape != nil {
+		o.Backend = &stats.BackendState{Running: -1, Waiting: -1, KVCache: -1, Error: "not scraped yet"}
+		if st := m.scrape.state.Load(); st != nil {
+			o.Backend = &stats.BackendState{Running: st.Running, Waiting: st.Waiting, KVCache: st.KV, Error: st.Err,
+				AgeS: m.scrape.now().Sub(st.At).Seconds()}
+		}
 	}
 	c := &m.cache
 	o.CacheReported, o.TTFTHitMs, o.TTFTMissMs = c.reported.Load(), -1, -1

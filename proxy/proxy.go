@@ -170,6 +170,17 @@ type route struct {
 	aff     *affinity       // sticky: prefix: the hash ring and the loads (affinity.go)
 }
 
+// scrapers calls f with each scraper of the generation's upstreams.
+func (s *snapshot) scrapers(f func(*scraper)) {
+	for _, r := range s.routes {
+		for _, m := range r.members {
+			if m.scrape != nil {
+				f(m.scrape)
+			}
+		}
+	}
+}
+
 // member returns r's upstream named name (validated to exist).
 func (r *route) member(name string) *member {
 	for _, m := range r.members {
@@ -263,7 +274,9 @@ func (p *Proxy) Apply(cfg Config) error {
 	p.pools = s.pools
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
+		old.scrapers(func(sc *scraper) { sc.close() })
 	}
+	s.scrapers(func(sc *scraper) { go sc.run() })
 	for k, pool := range pools {
 		if s.pools[k] != pool {
 			pool.retire()
@@ -295,7 +308,11 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 			up.connPool = pool
 		}
 		s.pools[k] = up.connPool
-		rt.members = append(rt.members, &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)})
+		mem := &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)}
+		if u.MetricsURL != "" {
+			mem.scrape = newScraper(u.MetricsURL, p.now)
+		}
+		rt.members = append(rt.members, mem)
 		rt.weights += u.Weight
 		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
 	}
@@ -407,6 +424,7 @@ func (p *Proxy) Close() {
 			s.admit.Close()
 		}
 		s.metrics.Unregister()
+		s.scrapers(func(sc *scraper) { sc.close() })
 		for _, r := range s.routes {
 			r.closeIdle()
 		}

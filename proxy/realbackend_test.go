@@ -204,3 +204,67 @@ func p99(d []time.Duration) time.Duration {
 	slices.Sort(s)
 	return s[len(s)*99/100]
 }
+
+// TestRealLlamaServersStickyPrefix: two of llama.cpp's servers
+// (LLAMA_SERVER_URL and LLAMA_SERVER_URL2, each of 4 slots that keep
+// their last prompt's cache), 8 system prompts of about 1,300 tokens, 160
+// requests two at a time. Sent by fewest in flight, every server sees
+// every prompt and its slots keep losing them; by prompt prefix, each
+// server sees half and keeps them: the first token comes sooner at the
+// median, and the servers report more cached tokens.
+func TestRealLlamaServersStickyPrefix(t *testing.T) {
+	a, b := os.Getenv("LLAMA_SERVER_URL"), os.Getenv("LLAMA_SERVER_URL2")
+	if a == "" || b == "" {
+		t.Skip("LLAMA_SERVER_URL and LLAMA_SERVER_URL2 are not set: start two of llama.cpp's servers (../shared/realbackend/start.sh, PORT=8078 for the second)")
+	}
+	prompts := make([]string, 8)
+	for i := range prompts {
+		prompts[i] = fmt.Sprintf("System %d. ", i) + strings.Repeat(fmt.Sprintf("rule %d says be brief and kind. ", i), 150)
+	}
+	run := func(sticky string) (ttftP50 time.Duration, cached int) {
+		tp := startProxy(t, "", func(c *Config) {
+			c.Routes = []Route{{Name: "pair", Prefix: "/", Timeouts: DefaultTimeouts, Balance: BalanceLeastInflight, Sticky: sticky,
+				Upstreams: []Upstream{{Name: "a", URL: strings.TrimRight(a, "/"), Weight: 1}, {Name: "b", URL: strings.TrimRight(b, "/"), Weight: 1}}}}
+		})
+		tp.rec.ch = make(chan metrics.Record, 1000)
+		rng := rand.New(rand.NewPCG(3, 3))
+		const n = 160
+		work := make(chan string, n)
+		for i := range n {
+			work <- fmt.Sprintf(`{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"messages":[{"role":"system","content":%q},{"role":"user","content":"question %d"}]}`,
+				prompts[rng.IntN(len(prompts))], i)
+		}
+		close(work)
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Go(func() {
+				for body := range work {
+					resp, err := http.Post(tp.url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+					if err != nil {
+						t.Error(err)
+						continue
+					}
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			})
+		}
+		wg.Wait()
+		var ttfts []time.Duration
+		for range n {
+			r := tp.rec.next(t)
+			if r.TTFT > 0 {
+				ttfts = append(ttfts, r.TTFT)
+			}
+			cached += max(r.CachedTokens, 0)
+		}
+		slices.Sort(ttfts)
+		return ttfts[len(ttfts)/2], cached
+	}
+	without, cachedWithout := run("")
+	with, cachedWith := run(StickyPrefix)
+	t.Logf("TTFT p50: least_inflight %v (%d tokens cached), sticky prefix %v (%d cached)", without, cachedWithout, with, cachedWith)
+	if with >= without || cachedWith <= cachedWithout {
+		t.Errorf("sticky prefix: TTFT p50 %v and %d cached tokens, against %v and %d without it", with, cachedWith, without, cachedWithout)
+	}
+}

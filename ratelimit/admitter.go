@@ -24,11 +24,34 @@ const (
 	ReasonCancelled   Reason = "cancelled"   // the client left while queued
 	ReasonRequestsDay Reason = "requests_per_day"
 	ReasonTokensDay   Reason = "tokens_per_day"
+	ReasonUSDDay      Reason = "usd_per_day"   // dollar budget of the UTC day
+	ReasonUSDMonth    Reason = "usd_per_month" // dollar budget of the UTC month
 )
 
 // Reasons lists every Reason, for building metrics.
 var Reasons = []Reason{ReasonRequests, ReasonTokens, ReasonConcurrency, ReasonQueueFull, ReasonTimeout, ReasonCancelled,
-	ReasonRequestsDay, ReasonTokensDay, ReasonStore}
+	ReasonRequestsDay, ReasonTokensDay, ReasonUSDDay, ReasonUSDMonth, ReasonStore}
+
+// usage is what a request is reserved, or used: tokens (input and output)
+// and micro-dollars.
+type usage struct{ tokens, micro int64 }
+
+// micro is dollars in whole micro-dollars, rounded up (a reservation is
+// never short by the rounding).
+func micro(usd float64) int64 {
+	if usd <= 0 || math.IsNaN(usd) {
+		return 0
+	}
+	return int64(math.Ceil(usd * 1e6))
+}
+
+// monthOf is the UTC calendar month of now (months since year 0) and
+// how long until the next begins.
+func monthOf(now time.Time) (int64, time.Duration) {
+	u := now.UTC()
+	next := time.Date(u.Year(), u.Month()+1, 1, 0, 0, 0, 0, time.UTC)
+	return int64(u.Year())*12 + int64(u.Month()-1), next.Sub(now)
+}
 
 // Refusal is a request that was not admitted.
 type Refusal struct {
@@ -132,15 +155,19 @@ type limiter struct {
 	lim      Limits
 	rps      *rate.Limiter
 	tpm      *budget
-	day      int64 // the UTC day rpd and tpd count
+	day      int64 // the UTC day rpd, tpd and usdDay count
 	rpd, tpd int64
-	inflight int
+	// The dollar budgets' use, in micro-dollars: of the day, and of the
+	// UTC month mon.
+	usdDay, usdMon int64
+	mon            int64
+	inflight       int
 }
 
 type waiter struct {
 	route     *limiter
 	routeName string
-	est       int64
+	est       usage
 	ch        chan struct{}
 	admitted  bool
 	gone      bool // left the queue (timed out or cancelled) unadmitted
@@ -164,7 +191,7 @@ type Ticket struct {
 	st        *tenantState
 	routeName string
 	adm       admission
-	reserved  int64
+	reserved  usage
 	// Queued is the time the request waited for admission.
 	Queued   time.Duration
 	released atomic.Bool
@@ -297,9 +324,9 @@ func newLimiter(l Limits, now time.Time) *limiter {
 	return lm
 }
 
-// check reports whether an estimate of est tokens can be admitted now; if
-// not, how long until it can (-1: unknown, waiting on a release).
-func (l *limiter) check(now time.Time, est int64) (time.Duration, Reason) {
+// check reports whether an estimate est can be admitted now; if not, how
+// long until it can (-1: unknown, waiting on a release).
+func (l *limiter) check(now time.Time, est usage) (time.Duration, Reason) {
 	if l.lim.MaxConcurrent > 0 && l.inflight >= l.lim.MaxConcurrent {
 		return -1, ReasonConcurrency
 	}
@@ -312,18 +339,27 @@ func (l *limiter) check(now time.Time, est int64) (time.Duration, Reason) {
 		}
 	}
 	if l.tpm != nil {
-		if w := l.tpm.wait(now, est); w > wait {
+		if w := l.tpm.wait(now, est.tokens); w > wait {
 			wait, reason = w, ReasonTokens
 		}
 	}
-	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 {
+	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 || l.lim.USDPerDay > 0 {
 		l.rollDay(now)
 		untilDay := time.Unix((l.day+1)*86400, 0).Sub(now)
 		if l.lim.RequestsPerDay > 0 && l.rpd >= l.lim.RequestsPerDay && untilDay > wait {
 			wait, reason = untilDay, ReasonRequestsDay
 		}
-		if l.lim.TokensPerDay > 0 && l.tpd+min(est, l.lim.TokensPerDay) > l.lim.TokensPerDay && untilDay > wait {
+		if l.lim.TokensPerDay > 0 && l.tpd+min(est.tokens, l.lim.TokensPerDay) > l.lim.TokensPerDay && untilDay > wait {
 			wait, reason = untilDay, ReasonTokensDay
+		}
+		if b := micro(l.lim.USDPerDay); b > 0 && l.usdDay+min(est.micro, b) > b && untilDay > wait {
+			wait, reason = untilDay, ReasonUSDDay
+		}
+	}
+	if b := micro(l.lim.USDPerMonth); b > 0 {
+		untilMonth := l.rollMonth(now)
+		if l.usdMon+min(est.micro, b) > b && untilMonth > wait {
+			wait, reason = untilMonth, ReasonUSDMonth
 		}
 	}
 	return wait, reason
@@ -332,33 +368,53 @@ func (l *limiter) check(now time.Time, est int64) (time.Duration, Reason) {
 // rollDay starts the day's counts afresh when a new UTC day began.
 func (l *limiter) rollDay(now time.Time) {
 	if d := now.Unix() / 86400; d != l.day {
-		l.day, l.rpd, l.tpd = d, 0, 0
+		l.day, l.rpd, l.tpd, l.usdDay = d, 0, 0, 0
 	}
 }
 
-func (l *limiter) take(now time.Time, est int64) {
+// rollMonth starts the month's count afresh when a new UTC month began,
+// and returns how long until the next.
+func (l *limiter) rollMonth(now time.Time) time.Duration {
+	m, until := monthOf(now)
+	if m != l.mon {
+		l.mon, l.usdMon = m, 0
+	}
+	return until
+}
+
+func (l *limiter) take(now time.Time, est usage) {
 	l.inflight++
 	if l.rps != nil {
 		l.rps.AllowN(now, 1)
 	}
 	if l.tpm != nil {
-		l.tpm.take(now, est)
+		l.tpm.take(now, est.tokens)
 	}
-	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 {
+	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 || l.lim.USDPerDay > 0 {
 		l.rollDay(now)
 		l.rpd++
-		l.tpd += est
+		l.tpd += est.tokens
+		l.usdDay += est.micro
+	}
+	if l.lim.USDPerMonth > 0 {
+		l.rollMonth(now)
+		l.usdMon += est.micro
 	}
 }
 
-func (l *limiter) release(now time.Time, reserved, actual int64) {
+func (l *limiter) release(now time.Time, reserved, actual usage) {
 	l.inflight--
 	if l.tpm != nil {
-		l.tpm.reconcile(now, reserved, actual)
+		l.tpm.reconcile(now, reserved.tokens, actual.tokens)
 	}
-	if l.lim.TokensPerDay > 0 {
+	if l.lim.TokensPerDay > 0 || l.lim.USDPerDay > 0 {
 		l.rollDay(now)
-		l.tpd = max(0, l.tpd+actual-reserved)
+		l.tpd = max(0, l.tpd+actual.tokens-reserved.tokens)
+		l.usdDay = max(0, l.usdDay+actual.micro-reserved.micro)
+	}
+	if l.lim.USDPerMonth > 0 {
+		l.rollMonth(now)
+		l.usdMon = max(0, l.usdMon+actual.micro-reserved.micro)
 	}
 }
 
@@ -371,8 +427,11 @@ func (l *limiter) fresh(now time.Time) bool {
 	if l.inflight > 0 {
 		return false
 	}
-	if l.rollDay(now); l.rpd > 0 || l.tpd > 0 {
+	if l.rollDay(now); l.rpd > 0 || l.tpd > 0 || l.usdDay > 0 {
 		return false // the day's budgets would start again
+	}
+	if l.rollMonth(now); l.usdMon > 0 {
+		return false
 	}
 	if l.rps != nil && l.rps.TokensAt(now) < float64(l.rps.Burst()) {
 		return false
@@ -398,12 +457,12 @@ func (st *tenantState) routeLimiter(route string, now time.Time) *limiter {
 }
 
 // check combines the tenant's and the route's limits.
-func (st *tenantState) check(now time.Time, rl *limiter, est int64) (bool, time.Duration, Reason) {
+func (st *tenantState) check(now time.Time, rl *limiter, est usage) (bool, time.Duration, Reason) {
 	return checkPair(now, st.all, rl, est)
 }
 
 // checkPair combines a tenant's limiter and its route's (either nil).
-func checkPair(now time.Time, all, rl *limiter, est int64) (bool, time.Duration, Reason) {
+func checkPair(now time.Time, all, rl *limiter, est usage) (bool, time.Duration, Reason) {
 	ok, wait, reason := true, time.Duration(0), Reason("")
 	for _, l := range [2]*limiter{all, rl} {
 		if l == nil {
@@ -421,7 +480,7 @@ func checkPair(now time.Time, all, rl *limiter, est int64) (bool, time.Duration,
 	return ok, wait, reason
 }
 
-func (st *tenantState) take(now time.Time, rl *limiter, est int64) {
+func (st *tenantState) take(now time.Time, rl *limiter, est usage) {
 	if st.all != nil {
 		st.all.take(now, est)
 	}
@@ -438,7 +497,7 @@ func (st *tenantState) take(now time.Time, rl *limiter, est int64) {
 // (-1: until a request ends) and why. st is locked; with a shared store
 // the lock is let go during the store's round trip (the tenant's other
 // requests decide meanwhile) and held again when try returns.
-func (a *Admitter) try(st *tenantState, rl *limiter, route string, est int64, now time.Time) (admission, bool, time.Duration, Reason) {
+func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, now time.Time) (admission, bool, time.Duration, Reason) {
 	if a.shared == nil {
 		ok, wait, reason := st.check(now, rl, est)
 		if ok {
@@ -523,7 +582,8 @@ func scaled(l Limits, share float64) Limits {
 		return max(1, int64(math.Ceil(float64(v)*share)))
 	}
 	out := Limits{RequestsPerSecond: l.RequestsPerSecond * share, TokensPerMinute: f(l.TokensPerMinute),
-		MaxConcurrent: int(f(int64(l.MaxConcurrent))), RequestsPerDay: f(l.RequestsPerDay), TokensPerDay: f(l.TokensPerDay)}
+		MaxConcurrent: int(f(int64(l.MaxConcurrent))), RequestsPerDay: f(l.RequestsPerDay), TokensPerDay: f(l.TokensPerDay),
+		USDPerDay: l.USDPerDay * share, USDPerMonth: l.USDPerMonth * share}
 	if l.RequestsPerSecond > 0 {
 		b := l.Burst
 		if b == 0 {
@@ -538,6 +598,16 @@ func scaled(l Limits, share float64) Limits {
 // route, estimated to use est tokens. In queue mode it may wait, until
 // admitted, MaxWait has passed, or ctx is done (the client left).
 func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (*Ticket, *Refusal) {
+	return a.admit(ctx, tenant, route, usage{tokens: est})
+}
+
+// AdmitUSD is Admit for a request also estimated to cost usd dollars, held
+// against the dollar budgets until ReleaseUSD says what it cost.
+func (a *Admitter) AdmitUSD(ctx context.Context, tenant, route string, est int64, usd float64) (*Ticket, *Refusal) {
+	return a.admit(ctx, tenant, route, usage{tokens: est, micro: micro(usd)})
+}
+
+func (a *Admitter) admit(ctx context.Context, tenant, route string, est usage) (*Ticket, *Refusal) {
 	st := a.lock(tenant)
 	now := a.now()
 	st.lastUse = now
@@ -582,7 +652,7 @@ func (a *Admitter) Admit(ctx context.Context, tenant, route string, est int64) (
 		if reason == ReasonTimeout {
 			return t, nil
 		}
-		t.Release(0)
+		t.release(usage{})
 		return nil, &Refusal{Reason: reason, RetryAfter: time.Second, Queued: t.Queued}
 	}
 	for i, q := range st.queue {
@@ -686,7 +756,7 @@ func (a *Admitter) pumpShared(st *tenantState) {
 			if ok {
 				t := &Ticket{a: a, st: st, routeName: w.routeName, adm: adm, reserved: w.est}
 				st.mu.Unlock()
-				t.Release(0)
+				t.release(usage{})
 				st.mu.Lock()
 			}
 			continue
@@ -712,7 +782,23 @@ func (a *Admitter) pumpShared(st *tenantState) {
 // and output; 0 when nothing reached the model). It may be called more than
 // once and on a nil Ticket; only the first call counts.
 func (t *Ticket) Release(actual int64) {
-	if t == nil || !t.released.CompareAndSwap(false, true) {
+	if t == nil {
+		return
+	}
+	t.release(usage{tokens: actual, micro: t.reserved.micro})
+}
+
+// ReleaseUSD is Release with what the request cost, in dollars, for the
+// dollar budgets.
+func (t *Ticket) ReleaseUSD(actual int64, usd float64) {
+	if t == nil {
+		return
+	}
+	t.release(usage{tokens: actual, micro: micro(usd)})
+}
+
+func (t *Ticket) release(actual usage) {
+	if !t.released.CompareAndSwap(false, true) {
 		return
 	}
 	st := t.st

@@ -19,6 +19,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"math"
 	"time"
 )
 
@@ -38,11 +39,21 @@ type Limits struct {
 	// reserved before forwarding and reconciled after, as per minute); a
 	// refusal says when the day ends.
 	RequestsPerDay, TokensPerDay int64
+	// USDPerDay and USDPerMonth are dollar budgets per UTC day and UTC
+	// calendar month: a request's cost at its model's price is reserved
+	// from its input and output estimate before forwarding and reconciled
+	// with what it cost (AdmitUSD, ReleaseUSD); a refusal says when the
+	// day or month ends.
+	USDPerDay, USDPerMonth float64
 }
 
 func (l Limits) any() bool {
-	return l.RequestsPerSecond > 0 || l.TokensPerMinute > 0 || l.MaxConcurrent > 0 || l.RequestsPerDay > 0 || l.TokensPerDay > 0
+	return l.RequestsPerSecond > 0 || l.TokensPerMinute > 0 || l.MaxConcurrent > 0 || l.RequestsPerDay > 0 || l.TokensPerDay > 0 ||
+		l.USDPerDay > 0 || l.USDPerMonth > 0
 }
+
+// dollars reports whether l has a dollar budget.
+func (l Limits) dollars() bool { return l.USDPerDay > 0 || l.USDPerMonth > 0 }
 
 // Tenant is one configured tenant.
 type Tenant struct {
@@ -215,6 +226,10 @@ func (l Limits) validate(f func(string) string) error {
 		return fieldErr(f("requests_per_day"), "must not be negative")
 	case l.TokensPerDay < 0:
 		return fieldErr(f("tokens_per_day"), "must not be negative")
+	case l.USDPerDay < 0 || math.IsNaN(l.USDPerDay) || math.IsInf(l.USDPerDay, 0):
+		return fieldErr(f("usd_per_day"), "must be a number of dollars, 0 or more")
+	case l.USDPerMonth < 0 || math.IsNaN(l.USDPerMonth) || math.IsInf(l.USDPerMonth, 0):
+		return fieldErr(f("usd_per_month"), "must be a number of dollars, 0 or more")
 	}
 	return nil
 }

@@ -194,7 +194,7 @@ type releaseOp struct {
 	lease            string
 	all, rl          Limits // zero: none
 	hasRoute         bool
-	reserved, actual int64
+	reserved, actual usage
 }
 
 // quiet drops the Redis client's own log lines (its dial failures, with
@@ -264,7 +264,7 @@ func (s *store) adopt(prev *store) {
 	}
 	for _, op := range prev.releases {
 		if !same {
-			op.reserved, op.actual = 0, 0
+			op.reserved, op.actual = usage{}, usage{}
 		}
 		s.releases = append(s.releases, op)
 	}
@@ -456,7 +456,7 @@ func (s *store) releasingAdd(op *releaseOp) {
 	if len(r.leases) < maxReleasing {
 		r.leases = append(r.leases, op.lease)
 	}
-	back := op.reserved - op.actual
+	back := op.reserved.tokens - op.actual.tokens
 	r.credit += back
 	if op.hasRoute && back != 0 {
 		if r.routeCredit == nil {
@@ -480,7 +480,7 @@ func (s *store) confirmed(op *releaseOp) {
 	if i := slices.Index(r.leases, op.lease); i >= 0 {
 		r.leases = slices.Delete(r.leases, i, i+1)
 	}
-	back := op.reserved - op.actual
+	back := op.reserved.tokens - op.actual.tokens
 	r.credit -= back
 	if op.hasRoute && back != 0 {
 		if r.routeCredit[op.route] -= back; r.routeCredit[op.route] == 0 {
@@ -491,7 +491,7 @@ func (s *store) confirmed(op *releaseOp) {
 
 func (s *store) releaseCall(op *releaseOp) ([]string, []any) {
 	keys := s.bases(op.tenant, op.route, op.hasRoute)
-	args := []any{op.lease, op.reserved, op.actual}
+	args := []any{op.lease, op.reserved.tokens, op.actual.tokens, op.reserved.micro, op.actual.micro}
 	args = limitArgs(args, op.all)
 	if op.hasRoute {
 		args = limitArgs(args, op.rl)
@@ -583,20 +583,21 @@ func limitArgs(args []any, l Limits) []any {
 	if l.RequestsPerSecond > 0 && burst == 0 {
 		burst = max(1, math.Ceil(l.RequestsPerSecond))
 	}
-	return append(args, l.RequestsPerSecond, burst, l.TokensPerMinute, l.MaxConcurrent, l.RequestsPerDay, l.TokensPerDay)
+	return append(args, l.RequestsPerSecond, burst, l.TokensPerMinute, l.MaxConcurrent, l.RequestsPerDay, l.TokensPerDay,
+		micro(l.USDPerDay), micro(l.USDPerMonth))
 }
 
 // admit checks and takes a request of est tokens against the tenant's
 // limits (all) and its route's (rl, may be nil): admitted with its lease,
 // or the wait (-1: until a release) and the reason. It is one round trip
 // on the caller's goroutine, or none while the breaker is open (errDown).
-func (s *store) admit(tenant, route string, all, rl *Limits, est int64) (lease string, wait time.Duration, reason Reason, err error) {
+func (s *store) admit(tenant, route string, all, rl *Limits, est usage) (lease string, wait time.Duration, reason Reason, err error) {
 	if !s.up.Load() {
 		return "", 0, "", errDown
 	}
 	keys := s.bases(tenant, route, rl != nil)
 	lease = s.id + ":" + strconv.FormatUint(s.seq.Add(1), 36)
-	args := []any{est, lease, s.cfg.LeaseTTL.Seconds()}
+	args := []any{est.tokens, lease, s.cfg.LeaseTTL.Seconds(), est.micro}
 	// The tenant's releases on their way: the check takes their leases
 	// as freed and their tokens as given back, so that a client's next
 	// request on a kept-alive connection does not find its last one's
@@ -653,12 +654,12 @@ func (s *store) admit(tenant, route string, all, rl *Limits, est int64) (lease s
 // reservations are reconciled with actual. It does not wait: the store's
 // goroutine sends it (to the store that took the leases over, after a
 // reload that changed the store).
-func (s *store) release(tenant, route string, all, rl *Limits, lease string, reserved, actual int64) {
+func (s *store) release(tenant, route string, all, rl *Limits, lease string, reserved, actual usage) {
 	s.mu.Lock()
 	for s.next != nil {
 		n := s.next
 		if !sameTarget(s.cfg, n.cfg) {
-			reserved, actual = 0, 0
+			reserved, actual = usage{}, usage{}
 		}
 		s.mu.Unlock()
 		s = n
@@ -681,32 +682,63 @@ func (s *store) release(tenant, route string, all, rl *Limits, lease string, res
 	}
 }
 
-// The scripts. Each limit set i has six arguments: requests per second,
+// The scripts. Each limit set i has eight arguments: requests per second,
 // burst, tokens per minute, max concurrent, requests per day, tokens per
-// day (0: none). The admission script's come after the estimate, the
-// lease, its time, and the count and names of the tenant's leases whose
-// release is on its way (taken out of the concurrency sets first: their
-// release is idempotent), each set after the tokens those releases give
-// back to it (counted by the check, written by the releases); the release
-// script's after its first three.
-var admitScript = redis.NewScript(`
+// day, micro-dollars per day and per UTC month (0: none). The admission
+// script's come after the token estimate, the lease, its time, the
+// micro-dollar estimate, and the count and names of the tenant's leases
+// whose release is on its way (taken out of the concurrency sets first:
+// their release is idempotent), each set after the tokens those releases
+// give back to it (counted by the check, written by the releases); the
+// release script's after its first five (the lease, the tokens reserved
+// and used, the micro-dollars reserved and used). The month is the UTC
+// calendar month, from the store's clock (months, monthOf in Go).
+const luaMonths = `
+local function months(now)
+  local z = math.floor(now / 86400) + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  if m <= 2 then y = y + 1 end
+  local ny, nm = y, m + 1
+  if nm > 12 then ny, nm = y + 1, 1 end
+  local yy = ny
+  if nm <= 2 then yy = yy - 1 end
+  local e2 = math.floor(yy / 400)
+  local yoe2 = yy - e2 * 400
+  local mp2 = nm > 2 and nm - 3 or nm + 9
+  local doy2 = math.floor((153 * mp2 + 2) / 5)
+  local doe2 = yoe2 * 365 + math.floor(yoe2 / 4) - math.floor(yoe2 / 100) + doy2
+  local nextStart = (e2 * 146097 + doe2 - 719468) * 86400
+  return y * 12 + (m - 1), nextStart - now
+end
+`
+
+var admitScript = redis.NewScript(luaMonths + `
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local day = math.floor(tonumber(t[1]) / 86400)
 local untilDay = (day + 1) * 86400 - now
-local est, lease, ttl, nrel = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local base = 4 + nrel
+local mon, untilMon = months(tonumber(t[1]))
+untilMon = untilMon - tonumber(t[2]) / 1e6
+local est, lease, ttl, estUSD, nrel = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local base = 5 + nrel
 local wait, reason = 0, ''
 local st = {}
 for i = 1, #KEYS do
-  local o = base + (i - 1) * 7 + 1
+  local o = base + (i - 1) * 9 + 1
   local credit = tonumber(ARGV[o])
   local rps, burst, tpm, maxc, rpd, tpd = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+5]), tonumber(ARGV[o+6])
+  local usdd, usdm = tonumber(ARGV[o+7]), tonumber(ARGV[o+8])
   local b = KEYS[i]
   local s = {}
   if maxc > 0 then
     redis.call('ZREMRANGEBYSCORE', b .. ':conc', '-inf', now)
-    for j = 1, nrel do redis.call('ZREM', b .. ':conc', ARGV[4 + j]) end
+    for j = 1, nrel do redis.call('ZREM', b .. ':conc', ARGV[5 + j]) end
     if redis.call('ZCARD', b .. ':conc') >= maxc then
       return {0, '-1', 'concurrency'}
     end
@@ -732,14 +764,21 @@ for i = 1, #KEYS do
   if tpd > 0 and tonumber(redis.call('GET', b .. ':tpd:' .. day) or '0') - credit + math.min(est, tpd) > tpd and untilDay > wait then
     wait, reason = untilDay, 'tokens_per_day'
   end
+  if usdd > 0 and tonumber(redis.call('GET', b .. ':usdd:' .. day) or '0') + math.min(estUSD, usdd) > usdd and untilDay > wait then
+    wait, reason = untilDay, 'usd_per_day'
+  end
+  if usdm > 0 and tonumber(redis.call('GET', b .. ':usdm:' .. mon) or '0') + math.min(estUSD, usdm) > usdm and untilMon > wait then
+    wait, reason = untilMon, 'usd_per_month'
+  end
   st[i] = s
 end
 if wait > 0 then
   return {0, tostring(wait), reason}
 end
 for i = 1, #KEYS do
-  local o = base + (i - 1) * 7 + 1
+  local o = base + (i - 1) * 9 + 1
   local rps, burst, tpm, maxc, rpd, tpd = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+5]), tonumber(ARGV[o+6])
+  local usdd, usdm = tonumber(ARGV[o+7]), tonumber(ARGV[o+8])
   local b, s = KEYS[i], st[i]
   if maxc > 0 then
     redis.call('ZADD', b .. ':conc', now + ttl, lease)
@@ -763,18 +802,29 @@ for i = 1, #KEYS do
     redis.call('INCRBY', b .. ':tpd:' .. day, est)
     redis.call('EXPIRE', b .. ':tpd:' .. day, 2 * 86400)
   end
+  if usdd > 0 then
+    redis.call('INCRBY', b .. ':usdd:' .. day, estUSD)
+    redis.call('EXPIRE', b .. ':usdd:' .. day, 2 * 86400)
+  end
+  if usdm > 0 then
+    redis.call('INCRBY', b .. ':usdm:' .. mon, estUSD)
+    redis.call('EXPIRE', b .. ':usdm:' .. mon, 32 * 86400)
+  end
 end
 return {1}
 `)
 
-var releaseScript = redis.NewScript(`
+var releaseScript = redis.NewScript(luaMonths + `
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local day = math.floor(tonumber(t[1]) / 86400)
+local mon = months(tonumber(t[1]))
 local lease, reserved, actual = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local resUSD, actUSD = tonumber(ARGV[4]), tonumber(ARGV[5])
 for i = 1, #KEYS do
-  local o = 3 + (i - 1) * 6
+  local o = 5 + (i - 1) * 8
   local tpm, maxc, tpd = tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+6])
+  local usdd, usdm = tonumber(ARGV[o+7]), tonumber(ARGV[o+8])
   local b = KEYS[i]
   if maxc > 0 then redis.call('ZREM', b .. ':conc', lease) end
   if tpm > 0 and reserved ~= actual then
@@ -789,6 +839,18 @@ for i = 1, #KEYS do
     local left = redis.call('INCRBY', k, actual - reserved)
     if left < 0 then redis.call('SET', k, 0) end
     redis.call('EXPIRE', k, 2 * 86400)
+  end
+  if usdd > 0 and resUSD ~= actUSD then
+    local k = b .. ':usdd:' .. day
+    local left = redis.call('INCRBY', k, actUSD - resUSD)
+    if left < 0 then redis.call('SET', k, 0) end
+    redis.call('EXPIRE', k, 2 * 86400)
+  end
+  if usdm > 0 and resUSD ~= actUSD then
+    local k = b .. ':usdm:' .. mon
+    local left = redis.call('INCRBY', k, actUSD - resUSD)
+    if left < 0 then redis.call('SET', k, 0) end
+    redis.call('EXPIRE', k, 32 * 86400)
   end
 end
 return 1

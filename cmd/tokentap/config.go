@@ -28,6 +28,7 @@ type fileConfig struct {
 	AccessLog *string       `yaml:"access_log"` // nil: not in the file; "": disabled
 	Upstream  string        `yaml:"upstream"`
 	Routes    []fileRoute   `yaml:"routes"`
+	Prices    []filePrice   `yaml:"prices"`
 	Models    fileModels    `yaml:"models"`
 	Timeouts  fileTimeouts  `yaml:"timeouts"`
 	Limits    fileLimits    `yaml:"limits"`
@@ -83,6 +84,9 @@ type fileOTel struct {
 	// Queue bounds the finished records waiting to be exported (default
 	// 8192); past it they are dropped and counted.
 	Queue int `yaml:"queue"`
+	// Semconv names the GenAI client metrics: default (today's), latest
+	// (semantic-conventions-genai v0.1.0's) or both.
+	Semconv string `yaml:"semconv"`
 }
 
 // fileAdmin is the admin listener: an address, or a mapping with the
@@ -199,7 +203,7 @@ func (r *fileRoute) upstreams() []proxy.Upstream {
 		if u.Weight != nil {
 			w = *u.Weight
 		}
-		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w})
+		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w, MetricsURL: u.MetricsURL})
 	}
 	return out
 }
@@ -275,9 +279,35 @@ type fileGuard struct {
 
 // fileUpstream is one of a route's upstreams; weight defaults to 1.
 type fileUpstream struct {
-	Name   string `yaml:"name"`
-	URL    string `yaml:"url"`
-	Weight *int   `yaml:"weight"`
+	Name       string `yaml:"name"`
+	URL        string `yaml:"url"`
+	Weight     *int   `yaml:"weight"`
+	MetricsURL string `yaml:"metrics_url"`
+}
+
+// filePrice is one model's prices, in dollars per million tokens;
+// cached_input and cache_write cost as input when left out.
+type filePrice struct {
+	Model       string   `yaml:"model"`
+	Input       float64  `yaml:"input"`
+	CachedInput *float64 `yaml:"cached_input"`
+	CacheWrite  *float64 `yaml:"cache_write"`
+	Output      float64  `yaml:"output"`
+}
+
+// prices returns the file's prices (−1: left out).
+func prices(ps []filePrice) []proxy.Price {
+	var out []proxy.Price
+	opt := func(v *float64) float64 {
+		if v == nil {
+			return -1
+		}
+		return *v
+	}
+	for _, p := range ps {
+		out = append(out, proxy.Price{Model: p.Model, Input: p.Input, CachedInput: opt(p.CachedInput), CacheWrite: opt(p.CacheWrite), Output: p.Output})
+	}
+	return out
 }
 
 // fileSLO is a set of objectives; each key is optional.
@@ -371,11 +401,13 @@ type fileLimitSet struct {
 	MaxConcurrent     int     `yaml:"max_concurrent"`
 	RequestsPerDay    int64   `yaml:"requests_per_day"`
 	TokensPerDay      int64   `yaml:"tokens_per_day"`
+	USDPerDay         float64 `yaml:"usd_per_day"`
+	USDPerMonth       float64 `yaml:"usd_per_month"`
 }
 
 func (l fileLimitSet) limits() ratelimit.Limits {
 	return ratelimit.Limits{RequestsPerSecond: l.RequestsPerSecond, Burst: l.Burst, TokensPerMinute: l.TokensPerMinute, MaxConcurrent: l.MaxConcurrent,
-		RequestsPerDay: l.RequestsPerDay, TokensPerDay: l.TokensPerDay}
+		RequestsPerDay: l.RequestsPerDay, TokensPerDay: l.TokensPerDay, USDPerDay: l.USDPerDay, USDPerMonth: l.USDPerMonth}
 }
 
 type fileAdmission struct {

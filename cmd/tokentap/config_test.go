@@ -210,7 +210,8 @@ func TestDemoRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := out.String()
-	for _, want := range []string{"TTFT p50", "TTFA p50", "chat", "completions", "anthropic", "ollama", "20 requests", "(0 client errors)"} {
+	for _, want := range []string{"TTFT p50", "TTFA p50", "chat", "completions", "anthropic", "ollama", "20 requests", "(0 client errors)",
+		"cost and prompt cache:", "slow"} {
 		if !strings.Contains(s, want) {
 			t.Fatalf("demo output lacks %q:\n%s", want, s)
 		}
@@ -244,7 +245,8 @@ func TestTenantsConfigLoads(t *testing.T) {
 	}
 	a := ad.Tenants[0]
 	if a.Limits.RequestsPerSecond != 5 || a.Limits.Burst != 5 || a.Limits.TokensPerMinute != 20000 || a.Limits.MaxConcurrent != 4 ||
-		a.Routes["chat"].MaxConcurrent != 2 || len(a.KeySHA256) != 1 || s.proxy.DefaultMaxOutput != 1024 {
+		a.Routes["chat"].MaxConcurrent != 2 || len(a.KeySHA256) != 1 || s.proxy.DefaultMaxOutput != 1024 ||
+		a.Limits.USDPerDay != 20 || a.Limits.USDPerMonth != 400 {
 		t.Fatalf("tenant alpha: %+v", a)
 	}
 	if b := ad.Tenants[1]; b.Limits.MaxConcurrent != 0 || b.Limits.RequestsPerSecond != 1 {

@@ -253,9 +253,10 @@ func TestDashboardInBrowser(t *testing.T) {
 		t.Errorf("browser console: %v", problems)
 	}
 	mu.Unlock()
-	// 4 routes × 3 charts, each with its route's data.
-	if len(chartPoints) != 12 {
-		t.Errorf("%d charts, want 12", len(chartPoints))
+	// 4 routes × 3 charts, each with its route's data, and 3 more for the
+	// completions route's two upstreams side by side.
+	if len(chartPoints) != 15 {
+		t.Errorf("%d charts, want 15", len(chartPoints))
 	}
 	for i, n := range chartPoints {
 		if n == 0 {
@@ -281,8 +282,17 @@ func TestDashboardInBrowser(t *testing.T) {
 	var byRoute, all stats.Report
 	getJSON(t, "http://"+admin+"/stats?window=5m&group_by=route", &byRoute)
 	getJSON(t, "http://"+admin+"/stats?window=5m", &all)
-	if len(gates) != 1 || len(all.Overload) != 1 || gates[0][0] != all.Overload[0].Route || gates[0][0] != "chat" || gates[0][1] != "predicting" ||
-		all.Overload[0].Known && gates[0][2] == "–" {
+	// The chat route's gate (predicting) and the completions route's two
+	// upstreams (least_ttft), row for row as /stats has them.
+	routesShown := map[string]int{}
+	for i, g := range gates {
+		if i >= len(all.Overload) || g[0] != all.Overload[i].Route || g[1] != "predicting" || all.Overload[i].Known && g[2] == "–" {
+			t.Errorf("overload table row %d %v, /stats %+v", i, g, all.Overload)
+			break
+		}
+		routesShown[g[0]]++
+	}
+	if len(gates) != 3 || len(all.Overload) != 3 || routesShown["chat"] != 1 || routesShown["completions"] != 2 {
 		t.Errorf("overload table %v, /stats %+v", gates, all.Overload)
 	}
 	if len(shown) != len(byRoute.Groups) || len(shown) != 4 {

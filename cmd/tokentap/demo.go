@@ -59,6 +59,7 @@ type demo struct {
 	overloadFor         time.Duration
 	adminLn             net.Listener
 	upstream, canaryURL string
+	slowURL             string // a backend prefilling four times slower (the completions route's second upstream)
 	p                   *proxy.Proxy
 	col                 *counter
 	base                string
@@ -126,6 +127,13 @@ func (d *demo) start() error {
 	}); err != nil {
 		return err
 	}
+	// The completions route's second upstream: an older GPU, its prefill
+	// four times as long; least_ttft sends it what it serves soonest.
+	if d.slowURL, err = d.backend(mockllm.Options{
+		PrefillBase: 120 * time.Millisecond, PrefillPerToken: 200 * time.Microsecond, TokenGap: 8 * time.Millisecond, BatchSlowdown: 0.03,
+	}); err != nil {
+		return err
+	}
 	if d.canary {
 		// Batching harder: prefill waits for a fuller batch, decode runs
 		// more tokens per step.
@@ -180,12 +188,18 @@ func (d *demo) startProxy() error {
 		Routes: []proxy.Route{
 			// Chat users expect the first word fast.
 			chat,
-			{Name: "completions", Prefix: "/v1/completions", Upstream: d.upstream, Timeouts: t},
+			// Two backends, one prefilling four times slower: each request
+			// goes where its first token is predicted soonest.
+			{Name: "completions", Prefix: "/v1/completions", Timeouts: t, Balance: proxy.BalanceLeastTTFT,
+				Upstreams: []proxy.Upstream{{Name: "fast", URL: d.upstream, Weight: 1}, {Name: "slow", URL: d.slowURL, Weight: 1}}},
 			{Name: "anthropic", Prefix: "/v1/messages", Upstream: d.upstream, Timeouts: t},
 			{Name: "ollama", Prefix: "/api/", Upstream: d.upstream, Timeouts: t},
 		},
 		Models: []string{"demo-small", "demo-large"},
 		SLO:    metrics.SLO{TTFT: 300 * time.Millisecond, TPOT: 25 * time.Millisecond, E2E: 5 * time.Second, Target: 0.95},
+		// Dollars per million tokens: each record's cost_usd.
+		Prices: []proxy.Price{{Model: "demo-small", Input: 0.15, CachedInput: -1, CacheWrite: -1, Output: 0.60},
+			{Model: "demo-large", Input: 2.50, CachedInput: 1.25, CacheWrite: -1, Output: 10}},
 	}, proxy.Options{Sinks: sinks})
 	if err != nil {
 		return err
@@ -371,6 +385,7 @@ func printStats(out io.Writer, rep stats.Report) {
 			f(g.Queue, g.Queue.P95), f(g.Overhead, g.Overhead.P95), g.OutputTokensPerS)
 	}
 	_ = tw.Flush()
+	printCost(out, rep.Groups)
 	printOverload(out, rep.Overload)
 	for _, g := range rep.Groups {
 		if line := waitSplit(g); line != "" {
@@ -385,6 +400,34 @@ func printStats(out io.Writer, rep stats.Report) {
 	for _, w := range rep.Warnings {
 		fmt.Fprintf(out, "  [%s] %s\n", w.Kind, w.Message)
 	}
+}
+
+// printCost prints what each group's requests cost (prices) and how
+// often its backend's prompt cache served them, where known.
+func printCost(out io.Writer, groups []stats.Group) {
+	var rows []stats.Group
+	for _, g := range groups {
+		if g.Priced > 0 || g.CacheReported > 0 {
+			rows = append(rows, g)
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(out, "\ncost and prompt cache:")
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "route\tmodel\ttenant\tpriced\tcost $\t$ per good\tcache hits\t")
+	for _, g := range rows {
+		per, hits := "-", "-"
+		if g.CostPerGoodUSD != nil {
+			per = fmt.Sprintf("%.6f", *g.CostPerGoodUSD)
+		}
+		if g.CacheHitShare != nil {
+			hits = fmt.Sprintf("%.1f%% of %d", 100**g.CacheHitShare, g.CacheReported)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.6f\t%s\t%s\t\n", dash(g.Route), dash(g.Model), dash(g.Tenant), g.Priced, g.CostUSD, per, hits)
+	}
+	_ = tw.Flush()
 }
 
 // printOverload prints what overload control sees of each upstream: its

@@ -363,6 +363,64 @@ routes:
 	}
 }
 
+// TestOTelSemconvSwitch: with otel.semconv latest, or the conventions'
+// own switch in OTEL_SEMCONV_STABILITY_OPT_IN, an OTLP receiver sees the
+// names of semantic-conventions-genai v0.1.0 (the inference histograms
+// and the usage counters) and none of today's; with both, both; without
+// either, today's alone.
+func TestOTelSemconvSwitch(t *testing.T) {
+	t.Setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
+	latest := []string{"gen_ai.client.inference.duration", "gen_ai.client.inference.time_to_first_chunk",
+		"gen_ai.client.inference.time_per_output_chunk", "gen_ai.client.inference.usage.input_tokens", "gen_ai.client.inference.usage.output_tokens"}
+	today := []string{"gen_ai.client.operation.duration", "gen_ai.client.operation.time_to_first_chunk", "gen_ai.client.token.usage"}
+	for _, c := range []struct {
+		name, setting, env string
+		want, not          []string
+	}{
+		{"latest", "semconv: latest, ", "", latest, today},
+		{"env", "", "gen_ai_latest_experimental", latest, today},
+		{"both", "semconv: both, ", "", append(slices.Clone(latest), today...), nil},
+		{"default", "", "", today, latest},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv("OTEL_SEMCONV_STABILITY_OPT_IN", c.env)
+			rcv := startReceiver(t, false)
+			up, _ := tracedBackend(t, false)
+			listen, adm := freeAddr(t), freeAddr(t)
+			cfg := writeFile(t, fmt.Sprintf("listen: %s\nadmin: %s\naccess_log: \"\"\nmodels: {allow: [llama-3]}\notel: {%sendpoint: %s}\nupstream: %s\n",
+				listen, adm, c.setting, rcv.url, up))
+			r := startRun(t, []string{"-config", cfg})
+			defer r.stop()
+			waitUp(t, "http://"+adm+"/healthz")
+			postStream(t, "http://"+listen+"/v1/chat/completions", "")
+			var got map[string]*metricspb.Metric
+			for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+				rcv.mu.Lock()
+				got = maps(rcv.metrics)
+				rcv.mu.Unlock()
+				if got[c.want[0]] != nil && got[c.want[len(c.want)-1]] != nil {
+					break
+				}
+			}
+			for _, n := range c.want {
+				if got[n] == nil {
+					t.Errorf("%s not received", n)
+				}
+			}
+			for _, n := range c.not {
+				if got[n] != nil {
+					t.Errorf("%s received, want it not emitted", n)
+				}
+			}
+			if m := got["gen_ai.client.inference.usage.output_tokens"]; m != nil {
+				if sum := m.GetSum(); sum == nil || !sum.IsMonotonic || len(sum.DataPoints) == 0 || sum.DataPoints[0].GetAsInt() <= 0 {
+					t.Errorf("output token usage is not a counter with the stream's tokens: %v", m)
+				}
+			}
+		})
+	}
+}
+
 func maps(m map[string]*metricspb.Metric) map[string]*metricspb.Metric {
 	out := make(map[string]*metricspb.Metric, len(m))
 	for k, v := range m {

@@ -152,6 +152,7 @@ func (b *settingsBuilder) routes() error {
 	if err := b.base.Validate("timeouts"); err != nil {
 		return b.fileErr(err)
 	}
+	s.proxy.Prices = prices(fc.Prices)
 	for i, r := range fc.Routes {
 		t := b.base
 		if r.Timeouts != nil {
@@ -377,6 +378,12 @@ func (b *settingsBuilder) telemetry() error {
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return fmt.Errorf("%s: not an http:// or https:// URL", b.where("otel.endpoint"))
 		}
+	}
+	switch o.Semconv {
+	case "", telemetry.SemconvDefault, telemetry.SemconvLatest, telemetry.SemconvBoth:
+		c.Semconv = o.Semconv
+	default:
+		return fmt.Errorf("%s: must be default, latest or both, got %q", b.where("otel.semconv"), o.Semconv)
 	}
 	if o.HeadersFile != "" {
 		h, err := readHeadersFile(o.HeadersFile)

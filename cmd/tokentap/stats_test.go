@@ -40,6 +40,7 @@ routes:
     guard: {candidate: canary, baseline: stable, max_error_rate_increase: 1%}
 slo: {e2e: 60s, target: 99%}
 models: {allow: [m]}
+prices: [{model: m, input: 1.5, output: 6}]
 metrics:
   buckets:
     queue: [0.001, 0.5, 5]
@@ -188,7 +189,8 @@ func TestStatsEndToEnd(t *testing.T) {
 		if err := runStats(context.Background(), []string{"-admin", a, "-window", "5m", "-route", route}, &out); err != nil {
 			t.Fatal(err)
 		}
-		if s := out.String(); !strings.Contains(s, route) || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") {
+		if s := out.String(); !strings.Contains(s, route) || !strings.Contains(s, "  12 ") || !strings.Contains(s, "0.0%") || !strings.Contains(s, "[goodput]") ||
+			!strings.Contains(s, "cost and prompt cache:") {
 			t.Errorf("tokentap stats -admin %s printed:\n%s", a, s)
 		}
 	}
@@ -202,6 +204,7 @@ func TestStatsEndToEnd(t *testing.T) {
 		`tokentap_slo_judged_requests_total{route="statsroute",model="m"} 12`,
 		`tokentap_goodput_requests_total{route="statsroute",model="m"} 0`,
 		`tokentap_slo_missed_total{route="statsroute",model="m",slo="ttft"} 12`,
+		`tokentap_cost_usd_total{route="statsroute",model="m",tenant="guests"} `,
 	} {
 		if want = strings.ReplaceAll(want, "statsroute", route); !strings.Contains(metricsText, want) {
 			t.Errorf("/metrics lacks %s", want)

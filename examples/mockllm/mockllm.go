@@ -184,6 +184,16 @@ func (c *call) release() {
 	}
 }
 
+// metrics answers /metrics as vLLM names its own: the requests being
+// served (in a slot) and those waiting for one.
+func (s *Server) metrics(w http.ResponseWriter) {
+	running, all := s.batch(), s.active.Load()
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+	fmt.Fprintf(w, "# HELP vllm:num_requests_running Number of requests in model execution batches.\n# TYPE vllm:num_requests_running gauge\n")
+	fmt.Fprintf(w, "vllm:num_requests_running{model_name=%q} %d\n", s.o.Model, running)
+	fmt.Fprintf(w, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=%q} %d\n", s.o.Model, max(0, all-running))
+}
+
 // Active returns the number of requests being served.
 func (s *Server) Active() int64 { return s.active.Load() }
 
@@ -220,6 +230,10 @@ var maxTokensPaths = []string{"max_tokens", "max_completion_tokens", "max_output
 	"generationConfig.maxOutputTokens", "options.num_predict", "parameters.max_new_tokens", "n_predict"}
 
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodGet && r.URL.Path == "/metrics" {
+		s.metrics(w)
+		return
+	}
 	s.active.Add(1)
 	defer s.active.Add(-1)
 	path := r.URL.Path

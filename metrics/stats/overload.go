@@ -47,6 +47,12 @@ type Overload struct {
 	// Share is the upstream's share of its route's requests since the
 	// configuration (0–1).
 	Share float64 `json:"share"`
+	// Why counts the requests sent to the upstream by why: balance (the
+	// route's weights or fewest in flight), sticky, least_ttft (the least
+	// predicted first token), probe (one that looked worse, kept
+	// measured), explore (one without a prediction yet), prefix (its
+	// prompt's upstream), prefix_moved (that one was past its bound).
+	Why map[string]int64 `json:"why,omitempty"`
 	// CacheReported is the requests whose backend said how many input
 	// tokens its prompt cache served; CacheHitShare the share of those
 	// with some; TTFTHitMs and TTFTMissMs their mean first token (−1:
@@ -55,6 +61,20 @@ type Overload struct {
 	CacheHitShare float64 `json:"cache_hit_share"`
 	TTFTHitMs     float64 `json:"ttft_cache_hit_ms"`
 	TTFTMissMs    float64 `json:"ttft_cache_miss_ms"`
+	// Backend is what the upstream's metrics_url said last (nil: none
+	// configured).
+	Backend *BackendState `json:"backend,omitempty"`
+}
+
+// BackendState is the last scrape of an upstream's metrics: the requests
+// it runs and holds waiting, all clients counted, and its KV cache's use
+// (−1: not reported); Error why the last scrape failed, AgeS how old it is.
+type BackendState struct {
+	Running float64 `json:"running"`
+	Waiting float64 `json:"waiting"`
+	KVCache float64 `json:"kv_cache_usage"`
+	AgeS    float64 `json:"age_s"`
+	Error   string  `json:"error,omitempty"`
 }
 
 // OverloadWarning is the warning an upstream that sheds raises.

@@ -48,14 +48,24 @@ type Group struct {
 	RequestsPerS     float64 `json:"requests_per_s"`
 	OutputTokensPerS float64 `json:"output_tokens_per_s"`
 	Goodput          Goodput `json:"goodput"`
-	TTFT             Dist    `json:"ttft_ms"`
-	TTFA             Dist    `json:"ttfa_ms"`
-	ITL              Dist    `json:"itl_ms"`
-	TPOT             Dist    `json:"tpot_ms"`
-	E2E              Dist    `json:"e2e_ms"`
-	Queue            Dist    `json:"queue_ms"`
-	Overhead         Dist    `json:"overhead_ms"`
-	UpstreamTTFB     Dist    `json:"upstream_ttfb_ms"`
+	// CostUSD is what the window's priced requests cost (prices), with
+	// Priced of them priced; CostPerGoodUSD the cost over the requests
+	// that met their objectives (absent without both). CacheHitShare is
+	// the share of requests whose backend reported cached input tokens,
+	// of CacheReported that reported.
+	CostUSD        float64  `json:"cost_usd"`
+	Priced         int64    `json:"priced"`
+	CostPerGoodUSD *float64 `json:"cost_per_good_usd,omitempty"`
+	CacheReported  int64    `json:"cache_reported"`
+	CacheHitShare  *float64 `json:"cache_hit_share,omitempty"`
+	TTFT           Dist     `json:"ttft_ms"`
+	TTFA           Dist     `json:"ttfa_ms"`
+	ITL            Dist     `json:"itl_ms"`
+	TPOT           Dist     `json:"tpot_ms"`
+	E2E            Dist     `json:"e2e_ms"`
+	Queue          Dist     `json:"queue_ms"`
+	Overhead       Dist     `json:"overhead_ms"`
+	UpstreamTTFB   Dist     `json:"upstream_ttfb_ms"`
 	// The client's side, network included (the access log's client_*).
 	ClientTTFT Dist `json:"client_ttft_ms"`
 	ClientTTFA Dist `json:"client_ttfa_ms"`
@@ -98,6 +108,8 @@ type Dist struct {
 
 func round3(v float64) float64 { return math.Round(v*1000) / 1000 }
 
+func round6(v float64) float64 { return math.Round(v*1e6) / 1e6 }
+
 func makeDist(d *dist) Dist {
 	if d.count() == 0 {
 		return Dist{}
@@ -128,6 +140,15 @@ func group_(k Key, a *agg, span time.Duration, target float64) Group {
 		RequestsPerS:     round3(float64(a.count) / span.Seconds()),
 		OutputTokensPerS: round3(float64(a.outTokens) / span.Seconds()),
 		Goodput:          makeGoodput(a, target),
+		CostUSD:          float64(a.costMicro) / 1e6, Priced: a.priced, CacheReported: a.cacheReported,
+	}
+	if a.priced > 0 && a.good > 0 {
+		c := round6(float64(a.costMicro) / 1e6 / float64(a.good))
+		g.CostPerGoodUSD = &c
+	}
+	if a.cacheReported > 0 {
+		h := math.Round(float64(a.cacheHits)/float64(a.cacheReported)*1e4) / 1e4
+		g.CacheHitShare = &h
 	}
 	for i, d := range g.dists() {
 		*d = makeDist(&a.d[i])

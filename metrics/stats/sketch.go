@@ -36,20 +36,26 @@ type SketchReport struct {
 
 // SketchGroup is one group's counts and sketches.
 type SketchGroup struct {
-	Route     string  `json:"route"`
-	Model     string  `json:"model"`
-	Tenant    string  `json:"tenant"`
-	Upstream  string  `json:"upstream"`
-	Class     string  `json:"class,omitempty"`
-	Shadow    bool    `json:"shadow,omitempty"`
-	Count     int64   `json:"count"`
-	Errors    int64   `json:"errors"`
-	Limited   int64   `json:"limited"`
-	OutTokens int64   `json:"output_tokens"`
-	Judged    int64   `json:"slo_judged"`
-	Good      int64   `json:"slo_good"`
-	Missed    []int64 `json:"slo_missed"` // by metrics.SLONames
-	Target    float64 `json:"goodput_target,omitempty"`
+	Route     string `json:"route"`
+	Model     string `json:"model"`
+	Tenant    string `json:"tenant"`
+	Upstream  string `json:"upstream"`
+	Class     string `json:"class,omitempty"`
+	Shadow    bool   `json:"shadow,omitempty"`
+	Count     int64  `json:"count"`
+	Errors    int64  `json:"errors"`
+	Limited   int64  `json:"limited"`
+	OutTokens int64  `json:"output_tokens"`
+	Judged    int64  `json:"slo_judged"`
+	Good      int64  `json:"slo_good"`
+	// CostMicro is the priced requests' cost in micro-dollars; Priced,
+	// CacheReported and CacheHits as the agg's.
+	CostMicro     int64   `json:"cost_micro_usd,omitempty"`
+	Priced        int64   `json:"priced,omitempty"`
+	CacheReported int64   `json:"cache_reported,omitempty"`
+	CacheHits     int64   `json:"cache_hits,omitempty"`
+	Missed        []int64 `json:"slo_missed"` // by metrics.SLONames
+	Target        float64 `json:"goodput_target,omitempty"`
 	// Measures holds every measure's distribution, by MeasureNames.
 	Measures []SketchDist `json:"measures"`
 }
@@ -98,6 +104,7 @@ func (e *Engine) QuerySketches(q Query) SketchReport {
 func sketchGroup(k Key, a *agg, target float64) SketchGroup {
 	g := SketchGroup{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
 		Count: a.count, Errors: a.errors, Limited: a.limited, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
+		CostMicro: a.costMicro, Priced: a.priced, CacheReported: a.cacheReported, CacheHits: a.cacheHits,
 		Missed: slices.Clone(a.missed[:]), Target: target, Measures: make([]SketchDist, numMeasures)}
 	for i := range a.d {
 		d := &a.d[i]
@@ -167,6 +174,8 @@ func checkSketchGroup(g *SketchGroup) error {
 		return bad("a negative count")
 	case g.Errors+g.Limited > g.Count || g.Judged > g.Count || g.Good > g.Judged:
 		return bad("more errors or judged requests than requests, or more good than judged")
+	case g.CostMicro < 0 || g.Priced < 0 || g.Priced > g.Count || g.CacheReported < 0 || g.CacheReported > g.Count || g.CacheHits < 0 || g.CacheHits > g.CacheReported:
+		return bad("a cost or cache count outside its bounds")
 	case !finite(g.Target) || g.Target < 0 || g.Target > 1:
 		return bad("a goodput target outside 0…1")
 	}
@@ -249,6 +258,10 @@ func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float6
 			a.errors += g.Errors
 			a.limited += g.Limited
 			a.outTokens += g.OutTokens
+			a.costMicro += g.CostMicro
+			a.priced += g.Priced
+			a.cacheReported += g.CacheReported
+			a.cacheHits += g.CacheHits
 			a.judged += g.Judged
 			a.good += g.Good
 			for i := range a.missed {

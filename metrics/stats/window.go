@@ -32,8 +32,12 @@ const (
 type agg struct {
 	id                                              int64 // the slot, minute or block it holds; -1: none
 	count, errors, limited, outTokens, judged, good int64
-	missed                                          [metrics.NumSLO]int64
-	d                                               [numMeasures]dist
+	// What the requests cost (micro-dollars, of priced ones) and what the
+	// backends said of their prompt caches (requests that reported, those
+	// with cached tokens).
+	costMicro, priced, cacheReported, cacheHits int64
+	missed                                      [metrics.NumSLO]int64
+	d                                           [numMeasures]dist
 }
 
 func newAgg() agg {
@@ -61,6 +65,16 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 		a.limited++
 	}
 	a.outTokens += int64(r.OutputTokens)
+	if r.CostUSD >= 0 {
+		a.priced++
+		a.costMicro += int64(math.Round(r.CostUSD * 1e6))
+	}
+	if r.CachedTokens >= 0 && r.UsageSource == metrics.UsageProvider {
+		a.cacheReported++
+		if r.CachedTokens > 0 {
+			a.cacheHits++
+		}
+	}
 	if r.SLOJudged {
 		a.judged++
 		if r.SLOMisses == 0 {
@@ -101,6 +115,10 @@ func (a *agg) merge(o *agg) {
 	a.errors += o.errors
 	a.limited += o.limited
 	a.outTokens += o.outTokens
+	a.costMicro += o.costMicro
+	a.priced += o.priced
+	a.cacheReported += o.cacheReported
+	a.cacheHits += o.cacheHits
 	a.judged += o.judged
 	a.good += o.good
 	for i := range a.missed {
@@ -114,6 +132,7 @@ func (a *agg) merge(o *agg) {
 func (a *agg) clear() {
 	a.id = -1
 	a.count, a.errors, a.limited, a.outTokens, a.judged, a.good = 0, 0, 0, 0, 0, 0
+	a.costMicro, a.priced, a.cacheReported, a.cacheHits = 0, 0, 0, 0
 	a.missed = [metrics.NumSLO]int64{}
 	for i := range a.d {
 		a.d[i].clear()

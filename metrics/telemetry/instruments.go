@@ -28,13 +28,30 @@ var (
 //     written upstream (queue, tokentap's own time, failed attempts and
 //     the upload left out); the backend's own time to first token when it
 //     reports one (vLLM).
+//
+// Which client names: today's (gen_ai.client.operation.*, the histogram
+// gen_ai.client.token.usage), the GenAI conventions' first standalone
+// release's (semantic-conventions-genai v0.1.0: gen_ai.client.inference.*
+// and the usage counters with cache reads and writes), or both for a
+// migration (Config.Semconv; OTEL_SEMCONV_STABILITY_OPT_IN).
 type instruments struct {
+	old, latest                            bool
 	duration, ttfc, tpoc, usage            otelmetric.Float64Histogram
 	serverTTFT, serverTPOT, serverDuration otelmetric.Float64Histogram
+	// v0.1.0's.
+	infDuration, infTTFC, infTPOC            otelmetric.Float64Histogram
+	inTokens, outTokens, cacheRead, cacheWrt otelmetric.Int64Counter
 }
 
-func newInstruments(m otelmetric.Meter) (instruments, error) {
-	var in instruments
+// The semantic-conventions modes (Config.Semconv).
+const (
+	SemconvDefault = "default"
+	SemconvLatest  = "latest"
+	SemconvBoth    = "both"
+)
+
+func newInstruments(m otelmetric.Meter, mode string) (instruments, error) {
+	in := instruments{old: mode != SemconvLatest, latest: mode == SemconvLatest || mode == SemconvBoth}
 	var err error
 	h := func(dst *otelmetric.Float64Histogram, name, unit, desc string, buckets []float64) {
 		if err != nil {
@@ -43,10 +60,28 @@ func newInstruments(m otelmetric.Meter) (instruments, error) {
 		*dst, err = m.Float64Histogram(name, otelmetric.WithUnit(unit), otelmetric.WithDescription(desc),
 			otelmetric.WithExplicitBucketBoundaries(buckets...))
 	}
-	h(&in.duration, "gen_ai.client.operation.duration", "s", "GenAI operation duration, as the client lived it.", durationBuckets)
-	h(&in.ttfc, "gen_ai.client.operation.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets)
-	h(&in.tpoc, "gen_ai.client.operation.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets)
-	h(&in.usage, "gen_ai.client.token.usage", "{token}", "Input and output tokens used.", tokenBuckets)
+	c := func(dst *otelmetric.Int64Counter, name, desc string) {
+		if err != nil {
+			return
+		}
+		*dst, err = m.Int64Counter(name, otelmetric.WithUnit("{token}"), otelmetric.WithDescription(desc))
+	}
+	if in.old {
+		h(&in.duration, "gen_ai.client.operation.duration", "s", "GenAI operation duration, as the client lived it.", durationBuckets)
+		h(&in.ttfc, "gen_ai.client.operation.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets)
+		h(&in.tpoc, "gen_ai.client.operation.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets)
+		h(&in.usage, "gen_ai.client.token.usage", "{token}", "Input and output tokens used.", tokenBuckets)
+	}
+	if in.latest {
+		// semantic-conventions-genai v0.1.0.
+		h(&in.infDuration, "gen_ai.client.inference.duration", "s", "GenAI inference duration, as the client lived it.", durationBuckets)
+		h(&in.infTTFC, "gen_ai.client.inference.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets)
+		h(&in.infTPOC, "gen_ai.client.inference.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets)
+		c(&in.inTokens, "gen_ai.client.inference.usage.input_tokens", "Input tokens, cache reads and writes included.")
+		c(&in.outTokens, "gen_ai.client.inference.usage.output_tokens", "Output tokens.")
+		c(&in.cacheRead, "gen_ai.client.inference.usage.cache_read.input_tokens", "Input tokens served from the prompt cache.")
+		c(&in.cacheWrt, "gen_ai.client.inference.usage.cache_write.input_tokens", "Input tokens written to the prompt cache.")
+	}
 	h(&in.serverTTFT, "gen_ai.server.time_to_first_token", "s", "Time to the first token, from the request written to the upstream.", ttftBuckets)
 	h(&in.serverTPOT, "gen_ai.server.time_per_output_token", "s", "Time per output token after the first.", perTokenBuckets)
 	h(&in.serverDuration, "gen_ai.server.request.duration", "s", "Time the upstream took, from the request written to its last byte.", durationBuckets)
@@ -90,7 +125,12 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 		e2e = r.E2E
 	}
 	if e2e >= 0 {
-		in.duration.Record(ctx, e2e.Seconds(), set)
+		if in.old {
+			in.duration.Record(ctx, e2e.Seconds(), set)
+		}
+		if in.latest {
+			in.infDuration.Record(ctx, e2e.Seconds(), set)
+		}
 	}
 	if r.E2E >= 0 && r.Status > 0 {
 		in.serverDuration.Record(ctx, upstreamShare(r, r.E2E).Seconds(), set)
@@ -104,24 +144,50 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 		if ttft < 0 {
 			ttft = r.TTFT
 		}
-		in.ttfc.Record(ctx, ttft.Seconds(), ok)
+		if in.old {
+			in.ttfc.Record(ctx, ttft.Seconds(), ok)
+		}
+		if in.latest {
+			in.infTTFC.Record(ctx, ttft.Seconds(), ok)
+		}
 		s := r.ServerTTFT
 		if s < 0 {
 			s = upstreamShare(r, r.TTFT)
 		}
 		in.serverTTFT.Record(ctx, s.Seconds(), ok)
 		for _, g := range gaps {
-			in.tpoc.Record(ctx, g.Seconds(), ok)
+			if in.old {
+				in.tpoc.Record(ctx, g.Seconds(), ok)
+			}
+			if in.latest {
+				in.infTPOC.Record(ctx, g.Seconds(), ok)
+			}
 		}
 	}
 	if r.TPOT >= 0 {
 		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok)
 	}
-	if r.InputTokens > 0 {
-		in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("input"))))
+	if in.old {
+		if r.InputTokens > 0 {
+			in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("input"))))
+		}
+		if r.TokensSource != "" {
+			in.usage.Record(ctx, float64(r.OutputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("output"))))
+		}
 	}
-	if r.TokensSource != "" {
-		in.usage.Record(ctx, float64(r.OutputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("output"))))
+	if in.latest {
+		if r.InputTokens > 0 {
+			in.inTokens.Add(ctx, int64(r.InputTokens), ok)
+		}
+		if r.TokensSource != "" {
+			in.outTokens.Add(ctx, int64(r.OutputTokens), ok)
+		}
+		if r.CachedTokens > 0 {
+			in.cacheRead.Add(ctx, int64(r.CachedTokens), ok)
+		}
+		if r.CacheWriteTokens > 0 {
+			in.cacheWrt.Add(ctx, int64(r.CacheWriteTokens), ok)
+		}
 	}
 }
 

@@ -21,6 +21,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -67,6 +68,26 @@ type Config struct {
 	// are only counted. Nil: not told.
 	OnError    func(error)
 	ErrorEvery time.Duration
+	// Semconv chooses the GenAI client metrics' names: SemconvDefault
+	// (today's; "" too), SemconvLatest (semantic-conventions-genai
+	// v0.1.0's) or SemconvBoth. Left empty, OTEL_SEMCONV_STABILITY_OPT_IN
+	// holding gen_ai_latest_experimental (the conventions' own switch)
+	// chooses the latest.
+	Semconv string
+}
+
+// semconvMode is the names the exporter emits under cfg and the
+// environment.
+func semconvMode(cfg Config) string {
+	if cfg.Semconv != "" {
+		return cfg.Semconv
+	}
+	for _, v := range strings.Split(os.Getenv("OTEL_SEMCONV_STABILITY_OPT_IN"), ",") {
+		if strings.TrimSpace(v) == "gen_ai_latest_experimental" {
+			return SemconvLatest
+		}
+	}
+	return SemconvDefault
 }
 
 // Exporter is a proxy.Tracer and a metrics.GapSink.
@@ -156,7 +177,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 		}
 		e.mp = sdkmetric.NewMeterProvider(sdkmetric.WithResource(res),
 			sdkmetric.WithReader(sdkmetric.NewPeriodicReader(countingMetrics{exp})))
-		if e.inst, err = newInstruments(e.mp.Meter("github.com/tokentap/tokentap")); err != nil {
+		if e.inst, err = newInstruments(e.mp.Meter("github.com/tokentap/tokentap"), semconvMode(cfg)); err != nil {
 			return nil, err
 		}
 	}

@@ -70,10 +70,13 @@ func anthropicInput(u string, o *Obs) {
 		return
 	}
 	o.HasIn = true
-	read := gjson.Get(u, "cache_read_input_tokens")
-	o.In = int(in.Int() + gjson.Get(u, "cache_creation_input_tokens").Int() + read.Int())
+	read, write := gjson.Get(u, "cache_read_input_tokens"), gjson.Get(u, "cache_creation_input_tokens")
+	o.In = int(in.Int() + write.Int() + read.Int())
 	if read.Exists() {
 		o.HasCached, o.Cached = true, int(read.Int())
+	}
+	if write.Exists() {
+		o.HasCacheWrite, o.CacheWrite = true, int(write.Int())
 	}
 }
 

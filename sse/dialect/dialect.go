@@ -40,6 +40,11 @@ type Obs struct {
 	// served from its prompt cache (a reused prefix), where it says.
 	HasCached bool
 	Cached    int
+	// HasCacheWrite reports CacheWrite: how many of the input tokens the
+	// backend wrote to its prompt cache (Anthropic's
+	// cache_creation_input_tokens), priced apart by some providers.
+	HasCacheWrite bool
+	CacheWrite    int
 	// Items is the number of results of a non-generating call (embeddings).
 	Items int
 	// Error reports an error object inside the stream or body.

@@ -118,6 +118,9 @@ func refAnthropic(doc map[string]any) (Obs, bool) {
 			if !ok1 || !ok2 || !ok3 || !setCached(&o, doc, "message.usage.cache_read_input_tokens") {
 				return o, false
 			}
+			if has(doc, "message.usage.cache_creation_input_tokens") {
+				o.HasCacheWrite, o.CacheWrite = true, b
+			}
 		}
 	case "message_delta":
 		if !setOut(&o, doc, "usage.output_tokens") {

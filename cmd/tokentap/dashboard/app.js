@@ -107,9 +107,25 @@ function renderOverload(os) {
     const cells = [o.route, o.upstream || "–", mode, o.in_flight, known(String(o.limit)),
       known(fmt(o.predicted_ttft_ms) + " ms"), known(o.predicted_tpot_ms >= 0 ? fmt(o.predicted_tpot_ms) + " ms" : "–"),
       o.judged ? (100 * o.abs_error).toFixed(0) + "%" : "–", o.judged ? (o.bias >= 0 ? "+" : "") + (100 * o.bias).toFixed(0) + "%" : "–",
-      fmt(o.arrivals_per_s), fmt(o.completions_per_s), o.shed, fmt(o.shed_per_s)];
+      fmt(o.arrivals_per_s), fmt(o.completions_per_s), o.shed, fmt(o.shed_per_s), pct(o.share) + (o.why ? " (" + Object.entries(o.why).map(([k, n]) => k + " " + n).join(", ") + ")" : ""),
+      o.cache_reported ? pct(o.cache_hit_share) : "–",
+      (o.ttft_cache_hit_ms >= 0 ? fmt(o.ttft_cache_hit_ms) : "–") + " / " + (o.ttft_cache_miss_ms >= 0 ? fmt(o.ttft_cache_miss_ms) : "–"),
+      !o.backend ? "–" : o.backend.error ? o.backend.error : o.backend.running + " running, " + o.backend.waiting + " waiting" +
+        (o.backend.kv_cache_usage >= 0 ? ", KV " + (100 * o.backend.kv_cache_usage).toFixed(0) + "%" : "")];
     return el("tr", { "data-route": o.route, class: o.shedding ? "shedding" : "" }, ...cells.map((v, i) => el("td", i === 2 ? { "data-field": "mode" } : {}, String(v))));
   }));
+}
+
+// renderCost shows what each group's priced requests cost and how often
+// its backend's prompt cache served them (/stats groups).
+function renderCost(groups) {
+  const rows = (groups || []).filter((g) => g.priced > 0 || g.cache_reported > 0);
+  const box = document.getElementById("cost");
+  box.hidden = !rows.length;
+  if (box.hidden) return;
+  box.querySelector("tbody").replaceChildren(...rows.map((g) => el("tr", {},
+    ...[g.route, g.model, g.tenant, g.priced, g.cost_usd.toFixed(6), g.cost_per_good_usd != null ? g.cost_per_good_usd.toFixed(6) : "–",
+      g.cache_hit_share != null ? pct(g.cache_hit_share) + " of " + g.cache_reported : "–"].map((v) => el("td", {}, String(v))))));
 }
 
 const nz = (v, c) => (c > 0 ? v : null); // no requests in a slot: a gap, not a zero
@@ -343,6 +359,7 @@ async function refresh() {
     renderWarnings(all.warnings);
     renderTable(all.groups);
     renderOverload(all.overload);
+    renderCost(all.groups);
     renderCharts(timeline);
     await renderComparisons(timeline);
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
