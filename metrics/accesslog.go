@@ -419,6 +419,9 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	if r.CostUSD >= 0 {
 		f = append(f, zap.Float64("cost_usd", r.CostUSD))
 	}
+	if r.ReasoningTokens >= 0 {
+		f = append(f, zap.Int("reasoning_tokens", r.ReasoningTokens))
+	}
 	if r.Class != "" {
 		f = append(f, zap.String("class", r.Class))
 	}

@@ -161,6 +161,9 @@ type Record struct {
 	// prompt cache (Anthropic's cache_creation_input_tokens; 0 where a
 	// dialect has none). InputTokens holds them, and CachedTokens.
 	CacheWriteTokens int
+	// ReasoningTokens is how many of the output tokens were reasoning,
+	// where the backend's usage says (−1: it does not).
+	ReasoningTokens int
 	// UsageSource says where the tokens came from: UsageProvider (the
 	// backend's usage block), UsageCounted (none: tokentap counted the
 	// stream's tokens, the input estimated from the body's size) or
@@ -235,7 +238,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent, ServerTTFT: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
-		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1, CostUSD: -1,
+		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1, CostUSD: -1, ReasoningTokens: -1,
 		PredictedTTFT: Absent, PredictedTPOT: Absent,
 	}
 }

@@ -110,7 +110,7 @@ func affinityRun(t *testing.T, balance, sticky string, n int) (hits float64, by 
 // prefix (sticky: prefix), at least 85% of requests hit their upstream's
 // cache, with the busiest upstream at most 1.25 times the mean.
 func TestStickyPrefixKeepsCachesWarm(t *testing.T) {
-	const n = 600
+	const n = 1200
 	var base, aff float64
 	var baseBy, affBy map[string]int
 	var wg sync.WaitGroup

@@ -75,17 +75,18 @@ type member struct {
 type pickReason uint8
 
 const (
-	pickBalance   pickReason = iota // the route's balance: weighted or least in flight
-	pickSticky                      // the tenant's or header's sticky key
-	pickLeastTTFT                   // the least predicted first token
-	pickProbe                       // a probe of an upstream that looks worse
-	pickExplore                     // an upstream without a prediction yet
-	pickPrefix                      // its prompt's upstream (sticky: prefix)
-	pickSpill                       // its prompt's upstream was past its bound: the next with room
+	pickBalance       pickReason = iota // the route's balance: weighted or least in flight
+	pickSticky                          // the tenant's or header's sticky key
+	pickLeastTTFT                       // the least predicted first token
+	pickProbe                           // a probe of an upstream that looks worse
+	pickExplore                         // an upstream without a prediction yet
+	pickPrefix                          // its prompt's upstream (sticky: prefix)
+	pickSpill                           // its prompt's upstream was past its bound: the next with room
+	pickOverObjective                   // no upstream would serve it within its objective: one with a free place
 	numPickReasons
 )
 
-var pickReasonNames = [numPickReasons]string{"balance", "sticky", "least_ttft", "probe", "explore", "prefix", "prefix_moved"}
+var pickReasonNames = [numPickReasons]string{"balance", "sticky", "least_ttft", "probe", "explore", "prefix", "prefix_moved", "over_objective"}
 
 // held is the requests upstream m holds as a new one is sent: its k in
 // flight from tokentap, and those the backend reports beyond them.
@@ -184,7 +185,7 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) (m *member, key u
 // none has one: then the fewest in flight); probeShare of requests go to
 // another upstream with a weight, chosen by weight. roll is uniform in
 // [0, 1). It returns the chosen upstream and its prediction (-1: none).
-func (r *route) leastTTFT(now time.Time, in int, roll float64) (*member, time.Duration, pickReason) {
+func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Duration) (*member, time.Duration, pickReason) {
 	var best, fresh *member
 	bestT, total, eligible := time.Duration(-1), 0, 0
 	for _, m := range r.members {
@@ -209,6 +210,29 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64) (*member, time.Du
 		return fresh, -1, pickExplore
 	case fresh != nil && roll < exploreShare:
 		return fresh, -1, pickExplore
+	case objective > 0 && bestT > objective && eligible > 1:
+		// Nowhere would it get its first token in time. Sent to the best,
+		// it would only deepen the queue of the upstream that serves the
+		// others in time: it goes to the upstream predicted soonest among
+		// those with a free place in their batch (below their learned
+		// knee), where it holds up nobody; with none, to the best.
+		var spare *member
+		spareT := time.Duration(-1)
+		for _, m := range r.members {
+			if m == best || r.weight(m) == 0 {
+				continue
+			}
+			k := m.held(now, int(m.up.inflight.Load()))
+			if float64(k) > m.up.gate.Model.Knee() {
+				continue
+			}
+			if t, ok := m.predictTTFT(now, int(m.up.inflight.Load()), in); ok && (spare == nil || t < spareT) {
+				spare, spareT = m, t
+			}
+		}
+		if spare != nil {
+			return spare, spareT, pickOverObjective
+		}
 	case eligible > 1 && roll < probeShare:
 		// Any other upstream, by weight.
 		at := int(roll / probeShare * float64(total-r.weight(best)))

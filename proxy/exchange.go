@@ -174,7 +174,11 @@ func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	}
 	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
 		var t time.Duration
-		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64()); t >= 0 {
+		objective := r.slo.TTFT
+		if ts, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok && ts.TTFT > 0 {
+			objective = ts.TTFT
+		}
+		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), objective); t >= 0 {
 			rec.PredictedTTFT = t
 		}
 	}

@@ -49,8 +49,8 @@ type meter struct {
 
 // usage is the token usage the response reported, merged across events.
 type usage struct {
-	hasIn, hasOut, hasCached, hasWrite bool
-	in, out, cached, write             int
+	hasIn, hasOut, hasCached, hasWrite, hasReasoning bool
+	in, out, cached, write, reasoning                int
 }
 
 // maxGaps bounds the inter-token gaps kept per request for its ITL
@@ -95,6 +95,9 @@ func (m *meter) observe(o dialect.Obs, t time.Time) {
 	}
 	if o.HasCacheWrite {
 		m.usage.hasWrite, m.usage.write = true, o.CacheWrite
+	}
+	if o.HasReasoning {
+		m.usage.hasReasoning, m.usage.reasoning = true, o.Reasoning
 	}
 	if o.Items > 0 {
 		m.items = o.Items
@@ -191,6 +194,9 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 		rec.CachedTokens = m.usage.cached
 	}
 	rec.CacheWriteTokens = m.usage.write
+	if m.usage.hasReasoning {
+		rec.ReasoningTokens = m.usage.reasoning
+	}
 	if n, source := m.outputTokens(streamed); source != "" {
 		rec.OutputTokens, rec.TokensSource = n, source
 	}

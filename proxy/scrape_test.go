@@ -166,10 +166,10 @@ func TestPredictionWeighsBackendQueue(t *testing.T) {
 	if ta < 229*time.Millisecond || ta > 231*time.Millisecond {
 		t.Errorf("prediction with a queue of 4 ahead: %v, want 230ms", ta)
 	}
-	if m, _, why := r.leastTTFT(now, 100, 0.5); m != members[1] || why != pickLeastTTFT {
+	if m, _, why := r.leastTTFT(now, 100, 0.5, 0); m != members[1] || why != pickLeastTTFT {
 		t.Errorf("with a's queue: chose %s (%s), want b", m.name, pickReasonNames[why])
 	}
-	if m, _, why := r.leastTTFT(now, 100, 0.001); m != a || why != pickProbe {
+	if m, _, why := r.leastTTFT(now, 100, 0.001, 0); m != a || why != pickProbe {
 		t.Errorf("a probe's roll: chose %s (%s), want a as a probe", m.name, pickReasonNames[why])
 	}
 	// The scrape grows stale: nothing said, the two alike.
@@ -177,7 +177,7 @@ func TestPredictionWeighsBackendQueue(t *testing.T) {
 	if tb, _ := a.predictTTFT(now, 0, 100); tb > 40*time.Millisecond {
 		t.Errorf("a stale scrape still weighs: %v", tb)
 	}
-	if m, _, _ := r.leastTTFT(now, 100, 0.5); m != a {
+	if m, _, _ := r.leastTTFT(now, 100, 0.5, 0); m != a {
 		t.Errorf("without a fresh scrape: chose %s, want the tie's first, a", m.name)
 	}
 }

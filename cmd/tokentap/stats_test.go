@@ -29,9 +29,9 @@ routes:
     prefix: /
     upstream: %UPSTREAM%
     slo: {ttft: 1ms}
-  # Two upstreams under a guard (no request reaches it): its series and
-  # gauge are on /metrics, as the Grafana dashboard's per-upstream panels
-  # query them.
+  # Two upstreams under a guard (two requests only, for the prompt cache's
+  # counters): its series and gauge are on /metrics, as the Grafana
+  # dashboard's per-upstream panels query them.
   - name: statsroute-canary
     prefix: /canary
     upstreams:
@@ -86,7 +86,9 @@ func get(t *testing.T, url string) (int, string) {
 // configured buckets, goodput counters), `tokentap stats`, and checks the
 // example Grafana dashboard and Prometheus rules against it.
 func TestStatsEndToEnd(t *testing.T) {
-	upstream := startBackend(t, time.Millisecond)
+	// A prompt cache: the canary route's two requests below share a long
+	// system prompt, and the second's cached tokens are counted.
+	upstream := startMockllm(t, mockllm.Options{TokenGap: time.Millisecond, PrefillBase: time.Millisecond, PrefixCache: true})
 	cfg := filepath.Join(t.TempDir(), "tokentap.yaml")
 	// Series live for the process: a route of its own per run (-count).
 	route := fmt.Sprintf("statsroute%d", statsRuns.Add(1))
@@ -103,6 +105,18 @@ func TestStatsEndToEnd(t *testing.T) {
 	postChats(t, listen, 1, n)
 	if t.Failed() {
 		t.FailNow()
+	}
+	// Two requests on the canary route with one long system prompt: the
+	// second is served from the backend's prompt cache.
+	long := strings.Repeat("the same system prompt ", 100)
+	for range 2 {
+		resp, err := http.Post("http://"+listen+"/canary/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","max_tokens":4,"messages":[{"role":"system","content":"`+long+`"},{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
 	}
 	base := "http://" + admin
 	var rep map[string]any
@@ -226,8 +240,11 @@ func TestStatsEndToEnd(t *testing.T) {
 	// The access log's SLO fields.
 	prog.stop()
 	lines := logLines(t, logPath)
-	if len(lines) != n {
-		t.Fatalf("%d log lines", len(lines))
+	if len(lines) != n+2 {
+		t.Fatalf("%d log lines, want %d", len(lines), n+2)
+	}
+	if c, _ := lines[n+1]["cached_tokens"].(float64); c <= 0 {
+		t.Errorf("the second request of one long prompt: cached_tokens %v", lines[n+1]["cached_tokens"])
 	}
 	if l := lines[0]; l["slo_ok"] != false || len(l["slo_missed"].([]any)) != 1 || l["slo_missed"].([]any)[0] != "ttft" {
 		t.Errorf("access log SLO fields: %v %v", l["slo_ok"], l["slo_missed"])

@@ -41,6 +41,7 @@ type instruments struct {
 	// v0.1.0's.
 	infDuration, infTTFC, infTPOC            otelmetric.Float64Histogram
 	inTokens, outTokens, cacheRead, cacheWrt otelmetric.Int64Counter
+	reasoning                                otelmetric.Int64Counter
 }
 
 // The semantic-conventions modes (Config.Semconv).
@@ -81,6 +82,7 @@ func newInstruments(m otelmetric.Meter, mode string) (instruments, error) {
 		c(&in.outTokens, "gen_ai.client.inference.usage.output_tokens", "Output tokens.")
 		c(&in.cacheRead, "gen_ai.client.inference.usage.cache_read.input_tokens", "Input tokens served from the prompt cache.")
 		c(&in.cacheWrt, "gen_ai.client.inference.usage.cache_write.input_tokens", "Input tokens written to the prompt cache.")
+		c(&in.reasoning, "gen_ai.client.inference.usage.reasoning.output_tokens", "Output tokens spent on reasoning, where the backend reports them.")
 	}
 	h(&in.serverTTFT, "gen_ai.server.time_to_first_token", "s", "Time to the first token, from the request written to the upstream.", ttftBuckets)
 	h(&in.serverTPOT, "gen_ai.server.time_per_output_token", "s", "Time per output token after the first.", perTokenBuckets)
@@ -187,6 +189,9 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 		}
 		if r.CacheWriteTokens > 0 {
 			in.cacheWrt.Add(ctx, int64(r.CacheWriteTokens), ok)
+		}
+		if r.ReasoningTokens > 0 {
+			in.reasoning.Add(ctx, int64(r.ReasoningTokens), ok)
 		}
 	}
 }

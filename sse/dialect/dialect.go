@@ -45,6 +45,11 @@ type Obs struct {
 	// cache_creation_input_tokens), priced apart by some providers.
 	HasCacheWrite bool
 	CacheWrite    int
+	// HasReasoning reports Reasoning: how many of the output tokens were
+	// reasoning (OpenAI's completion_tokens_details.reasoning_tokens and
+	// output_tokens_details.reasoning_tokens, Gemini's thoughtsTokenCount).
+	HasReasoning bool
+	Reasoning    int
 	// Items is the number of results of a non-generating call (embeddings).
 	Items int
 	// Error reports an error object inside the stream or body.

@@ -89,6 +89,11 @@ func refResponses(doc map[string]any) (Obs, bool) {
 				!setCached(&o, doc, "response.usage.input_tokens_details.cached_tokens") {
 				return o, false
 			}
+			n, p, ok := num(doc, "response.usage.output_tokens_details.reasoning_tokens")
+			if !ok {
+				return o, false
+			}
+			o.HasReasoning, o.Reasoning = p, n
 		}
 		o.Error = doc["type"] == "response.failed"
 	case "error":
@@ -162,6 +167,9 @@ func refGemini(doc map[string]any) (Obs, bool) {
 		}
 		if pc || pt {
 			o.HasOut, o.Out = true, c+t
+		}
+		if pt {
+			o.HasReasoning, o.Reasoning = true, t
 		}
 	}
 	_, o.Error = doc["error"].(map[string]any)

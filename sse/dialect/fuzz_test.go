@@ -48,6 +48,16 @@ func referenceOpenAI(data []byte) (o Obs, ok bool) {
 		} else if _, has := u["prompt_tokens_details"]; has {
 			return o, false // not an object: gjson's path reading differs; the table tests cover it
 		}
+		if d, isObj := u["completion_tokens_details"].(map[string]any); isObj {
+			r, hasR := d["reasoning_tokens"]
+			var okR bool
+			o.HasReasoning = hasR
+			if o.Reasoning, okR = smallInt(r, hasR); !okR {
+				return o, false
+			}
+		} else if _, has := u["completion_tokens_details"]; has {
+			return o, false
+		}
 	}
 	if _, has := doc["timings"]; has {
 		return o, false // llama.cpp timings: covered by the table tests
@@ -131,6 +141,7 @@ func FuzzOpenAIEvent(f *testing.F) {
 		`{"choices":[{"delta":{"reasoning_content":"x"}}],"usage":{"prompt_tokens":3,"completion_tokens":4}}`,
 		`{"choices":[{"text":"a"}],"usage":null}`,
 		`{"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":16}}}`,
+		`{"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":40,"completion_tokens_details":{"reasoning_tokens":32}}}`,
 		`{"error":{"message":"boom"}}`,
 		`[DONE]`,
 	} {

@@ -55,6 +55,7 @@ func (gemini) Body(body []byte) Obs {
 			if one.HasIn || one.HasOut {
 				o.HasIn, o.In, o.HasOut, o.Out = one.HasIn, one.In, one.HasOut, one.Out
 				o.HasCached, o.Cached = one.HasCached, one.Cached
+				o.HasReasoning, o.Reasoning = one.HasReasoning, one.Reasoning
 			}
 			return true
 		})
@@ -92,6 +93,9 @@ func readGemini(s string, o *Obs) {
 		c, t := gjson.Get(u.Raw, "candidatesTokenCount"), gjson.Get(u.Raw, "thoughtsTokenCount")
 		if c.Exists() || t.Exists() {
 			o.HasOut, o.Out = true, int(c.Int()+t.Int())
+		}
+		if t.Exists() {
+			o.HasReasoning, o.Reasoning = true, int(t.Int())
 		}
 	}
 	if gjson.Get(s, "error").IsObject() {

@@ -122,4 +122,11 @@ func readUsage(u, in, out string, o *Obs) {
 	if v := gjson.Get(u, out); v.Exists() {
 		o.HasOut, o.Out = true, int(v.Int())
 	}
+	reasoning := "completion_tokens_details.reasoning_tokens"
+	if out == "output_tokens" {
+		reasoning = "output_tokens_details.reasoning_tokens"
+	}
+	if v := gjson.Get(u, reasoning); v.Exists() {
+		o.HasReasoning, o.Reasoning = true, int(v.Int())
+	}
 }

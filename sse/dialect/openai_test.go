@@ -27,6 +27,8 @@ func TestOpenAIEvent(t *testing.T) {
 		Obs{HasIn: true, In: 12, HasOut: true, Out: 34})
 	f("usage with cached prefix", `{"choices":[],"usage":{"prompt_tokens":2006,"completion_tokens":300,"prompt_tokens_details":{"cached_tokens":1920}}}`,
 		Obs{HasIn: true, In: 2006, HasOut: true, Out: 300, HasCached: true, Cached: 1920})
+	f("usage with reasoning", `{"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":300,"completion_tokens_details":{"reasoning_tokens":256}}}`,
+		Obs{HasIn: true, In: 20, HasOut: true, Out: 300, HasReasoning: true, Reasoning: 256})
 	f("usage null", `{"choices":[{"delta":{"content":"a"}}],"usage":null}`, tok)
 	f("continuous usage", `{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
 		Obs{Token: true, Answer: true, HasIn: true, In: 3, HasOut: true, Out: 1})
