@@ -24,12 +24,12 @@ func globMatch(pattern, name string) bool {
 	star, mark := -1, 0
 	for n < len(name) {
 		switch {
-		case p < len(pattern) && (pattern[p] == '?' || pattern[p] == name[n]):
-			p++
-			n++
 		case p < len(pattern) && pattern[p] == '*':
 			star, mark = p, n
 			p++
+		case p < len(pattern) && (pattern[p] == '?' || pattern[p] == name[n]):
+			p++
+			n++
 		case star >= 0:
 			p, mark = star+1, mark+1
 			n = mark
