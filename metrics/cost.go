@@ -13,6 +13,8 @@ import (
 //	tokentap_cost_usd_total{route,model,tenant}
 //	tokentap_cached_tokens_total{route,model}
 //	tokentap_cache_write_tokens_total{route,model}
+//	tokentap_cache_reported_requests_total{route,cache}      cache: hit, miss
+//	tokentap_cache_reported_ttft_seconds_total{route,cache}  their first tokens
 //
 // The label values are bounded as the series' are: routes and tenants from
 // the configuration, models from its allowlist (others are "other").
@@ -25,17 +27,25 @@ type accounts struct {
 	cost map[costKey]*vm.FloatCounter
 	read map[costKey]*vm.Counter
 	wrot map[costKey]*vm.Counter
+	// By route and whether the backend served part of the prompt from its
+	// cache (model "hit" or "miss" in the key): streamed requests whose
+	// backend said, and their first tokens' seconds summed, for the mean
+	// TTFT with a cache hit against without.
+	hitN   map[costKey]*vm.Counter
+	hitSec map[costKey]*vm.FloatCounter
 }
 
 // processAccounts is shared by every generation: the counters live for the
 // process, as the series' do.
-var processAccounts = &accounts{cost: map[costKey]*vm.FloatCounter{}, read: map[costKey]*vm.Counter{}, wrot: map[costKey]*vm.Counter{}}
+var processAccounts = &accounts{cost: map[costKey]*vm.FloatCounter{}, read: map[costKey]*vm.Counter{}, wrot: map[costKey]*vm.Counter{},
+	hitN: map[costKey]*vm.Counter{}, hitSec: map[costKey]*vm.FloatCounter{}}
 
 // account counts r's cost and cached tokens under its series' route and
 // model and its tenant.
 func account(r *Record) {
 	x := r.Series
-	if x == nil || (r.CostUSD <= 0 && r.CachedTokens <= 0 && r.CacheWriteTokens <= 0) {
+	reported := r.CachedTokens >= 0 && r.UsageSource == UsageProvider && r.Stream && r.TTFT >= 0
+	if x == nil || (r.CostUSD <= 0 && r.CachedTokens <= 0 && r.CacheWriteTokens <= 0 && !reported) {
 		return
 	}
 	tenant := r.Tenant
@@ -67,5 +77,20 @@ func account(r *Record) {
 			a.wrot[k] = c
 		}
 		c.Add(r.CacheWriteTokens)
+	}
+	if reported {
+		cache := "miss"
+		if r.CachedTokens > 0 {
+			cache = "hit"
+		}
+		hk := costKey{x.route, cache, ""}
+		n, sec := a.hitN[hk], a.hitSec[hk]
+		if n == nil {
+			n = vm.GetOrCreateCounter(`tokentap_cache_reported_requests_total{route="` + hk.route + `",cache="` + cache + `"}`)
+			sec = vm.GetOrCreateFloatCounter(`tokentap_cache_reported_ttft_seconds_total{route="` + hk.route + `",cache="` + cache + `"}`)
+			a.hitN[hk], a.hitSec[hk] = n, sec
+		}
+		n.Inc()
+		sec.Add(r.TTFT.Seconds())
 	}
 }

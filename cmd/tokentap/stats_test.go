@@ -111,7 +111,7 @@ func TestStatsEndToEnd(t *testing.T) {
 	long := strings.Repeat("the same system prompt ", 100)
 	for range 2 {
 		resp, err := http.Post("http://"+listen+"/canary/v1/chat/completions", "application/json",
-			strings.NewReader(`{"model":"m","max_tokens":4,"messages":[{"role":"system","content":"`+long+`"},{"role":"user","content":"hi"}]}`))
+			strings.NewReader(`{"model":"m","max_tokens":4,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"system","content":"`+long+`"},{"role":"user","content":"hi"}]}`))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -210,7 +210,13 @@ func TestStatsEndToEnd(t *testing.T) {
 	}
 
 	// /metrics: HELP and TYPE, the configured queue buckets, goodput.
+	// The canary route's two streams are recorded as their clients' ACKs
+	// come: wait for the second's cache counters.
 	metricsText := getText(t, base+"/metrics")
+	for end := time.Now().Add(30 * time.Second); !strings.Contains(metricsText, `cache="hit"`) && time.Now().Before(end); {
+		time.Sleep(20 * time.Millisecond)
+		metricsText = getText(t, base+"/metrics")
+	}
 	for _, want := range []string{
 		"# HELP tokentap_ttft_seconds", "# TYPE tokentap_ttft_seconds histogram",
 		`tokentap_ttft_seconds_bucket{route="statsroute",model="m",le="0.5"}`,
