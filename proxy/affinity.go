@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"cmp"
-	"math"
 	"slices"
 	"strconv"
 	"sync"
@@ -33,9 +32,11 @@ const maxPrefixBytes = 4096
 // largest weight (fewer, in proportion, for smaller weights).
 const ringPointsPerUpstream = 160
 
-// affinityTau is the memory of an upstream's load: a request sent to it
-// weighs exp(−age/affinityTau).
-const affinityTau = 2 * time.Second
+// affinityWindow is the memory of an upstream's load, in the route's
+// requests: each one sent decays every load by 1 − 1/affinityWindow, so
+// that a load is a share of the route's last few hundred requests,
+// whatever their rate (and whatever the machine's speed).
+const affinityWindow = 256
 
 // ringPoint is one place on the ring and the index of the upstream it
 // belongs to.
@@ -53,7 +54,6 @@ type affinity struct {
 	ring []ringPoint
 	mu   sync.Mutex
 	load []float64
-	at   time.Time
 	keys map[uint64]placed
 }
 
@@ -105,8 +105,7 @@ func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
 	a := r.aff
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	decay := math.Exp(-float64(now.Sub(a.at)) / float64(affinityTau))
-	a.at = now
+	const decay = 1 - 1.0/affinityWindow
 	total, weights := 0.0, 0
 	for i, m := range r.members {
 		a.load[i] *= decay
@@ -171,6 +170,34 @@ func (a *affinity) place(key uint64, i int, now time.Time) {
 // prompt, by its first bytes; at most maxPrefixBytes in all. ok is false
 // for a body without a prompt.
 func promptKey(body []byte) (key uint64, ok bool) {
+	// The fields it reads, found in one pass over the body's top level.
+	var system [3]gjson.Result // system, systemInstruction, instructions
+	var conv, prompt gjson.Result
+	gjson.ParseBytes(body).ForEach(func(k, v gjson.Result) bool {
+		switch k.Str {
+		case "system":
+			system[0] = v
+		case "systemInstruction":
+			system[1] = v
+		case "instructions":
+			system[2] = v
+		case "messages", "contents":
+			if !conv.IsArray() && v.IsArray() {
+				conv = v
+			}
+		case "input":
+			if v.IsArray() && !conv.IsArray() {
+				conv = v
+			} else if v.Type == gjson.String && prompt.Type != gjson.String {
+				prompt = v
+			}
+		case "prompt":
+			if v.Type == gjson.String {
+				prompt = v
+			}
+		}
+		return true
+	})
 	h := xxhash.New()
 	left := maxPrefixBytes
 	add := func(raw string) {
@@ -184,33 +211,20 @@ func promptKey(body []byte) (key uint64, ok bool) {
 		left -= len(raw)
 		ok = true
 	}
-	for _, f := range []string{"system", "systemInstruction", "instructions"} {
-		if v := gjson.GetBytes(body, f); v.Exists() {
+	for _, v := range system {
+		if v.Exists() {
 			add(v.Raw)
 		}
 	}
-	for _, f := range []string{"messages", "contents", "input"} {
-		v := gjson.GetBytes(body, f)
-		if !v.IsArray() {
-			continue
+	switch msgs := conv.Array(); {
+	case conv.IsArray() && len(msgs) == 1 && !ok:
+		add(msgs[0].Raw) // one message: its first bytes
+	case conv.IsArray() && len(msgs) > 1:
+		for _, m := range msgs[:len(msgs)-1] {
+			add(m.Raw) // with a system prompt alone, that is the shared part
 		}
-		msgs := v.Array()
-		switch {
-		case len(msgs) == 0:
-		case len(msgs) == 1 && !ok:
-			add(msgs[0].Raw) // one message: its first bytes
-		default:
-			for _, m := range msgs[:len(msgs)-1] {
-				add(m.Raw) // with a system prompt alone, that is the shared part
-			}
-		}
-		return h.Sum64(), ok
-	}
-	for _, f := range []string{"prompt", "input"} {
-		if v := gjson.GetBytes(body, f); v.Type == gjson.String {
-			add(v.Str)
-			break
-		}
+	case !conv.IsArray() && prompt.Type == gjson.String:
+		add(prompt.Str)
 	}
 	return h.Sum64(), ok
 }

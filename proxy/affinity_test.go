@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/examples/mockllm"
-	"github.com/tokentap/tokentap/metrics"
 )
 
 // cachedBackend is a simulated server whose prefix cache holds 4 prompts,
@@ -44,10 +43,9 @@ func affinityRun(t *testing.T, balance, sticky string, n int) (hits float64, by 
 		t.Cleanup(srv.Close)
 		ups = append(ups, Upstream{Name: fmt.Sprintf("u%d", i), URL: srv.URL, Weight: 1})
 	}
-	tp := startProxyOpts(t, "", func(c *Config) {
+	tp := startProxyRecords(t, "", func(c *Config) {
 		c.Routes = []Route{{Name: "chat", Prefix: "/", Timeouts: DefaultTimeouts, Upstreams: ups, Balance: balance, Sticky: sticky}}
-	}, Options{})
-	tp.rec.ch = make(chan metrics.Record, n+10)
+	}, Options{}, n+10)
 	prompts := systemPrompts()
 	rng := rand.New(rand.NewPCG(5, 5))
 	bodies := make([]string, n)

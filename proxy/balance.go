@@ -62,13 +62,22 @@ type member struct {
 	up     *upstream
 	weight int
 	row    int // its metric series row
-	// picked counts the requests sent to it since the configuration;
-	// cache what its backend said of its prompt cache (affinity.go).
-	picked atomic.Int64
-	slot   atomic.Uint64                // slotTime's average, float64 nanoseconds
-	why    [numPickReasons]atomic.Int64 // picked, by why
+	// why counts the requests sent to it since the configuration, by
+	// why; cache is what its backend said of its prompt cache
+	// (affinity.go).
+	why    [numPickReasons]atomic.Int64
+	slot   atomic.Uint64 // slotTime's average, float64 nanoseconds
 	cache  cacheTally
 	scrape *scraper // nil: no metrics_url
+}
+
+// picked is the requests sent to m since the configuration.
+func (m *member) picked() int64 {
+	var n int64
+	for i := range m.why {
+		n += m.why[i].Load()
+	}
+	return n
 }
 
 // Why a request went to its upstream, for /stats (Overload.Why).
@@ -256,6 +265,32 @@ func (r *route) late() bool {
 		return len(r.Models) > 0
 	}
 	return len(r.Models) > 0 || r.Sticky == StickyPrefix || r.Balance == BalanceLeastTTFT && r.Sticky == ""
+}
+
+// predicts reports whether route r's upstreams keep a prediction and show
+// in /stats' overload table: for overload control, to balance by it, or
+// beside prefix affinity.
+func (r *route) predicts() bool {
+	if r.Overload != nil || r.Balance == BalanceLeastTTFT || r.Sticky == StickyPrefix {
+		return true
+	}
+	for _, m := range r.members {
+		if m.scrape != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// cacheReported reports whether a backend of route r said what its
+// prompt cache served.
+func (r *route) cacheReported() bool {
+	for _, m := range r.members {
+		if m.cache.reported.Load() > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // weight is m's share of new requests now: its configured weight, or 0

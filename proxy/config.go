@@ -236,7 +236,7 @@ func (c *Config) Validate() error {
 	if err := c.validModelsAndSLOs(); err != nil {
 		return err
 	}
-	if err := c.validPrices(); err != nil {
+	if err := validPrices(c.Prices); err != nil {
 		return err
 	}
 	if c.MaxDecodedBytes < 0 {
@@ -284,7 +284,7 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 		case r.Prefix == "" || r.Prefix[0] != '/':
 			return nil, fieldErr(field("prefix"), "must start with /, got %q", r.Prefix)
 		}
-		if err := c.validModels(i, field); err != nil {
+		if err := validModels(c.Routes, i, field); err != nil {
 			return nil, err
 		}
 		// Requests are matched in normal form, so a prefix in any other

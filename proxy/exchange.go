@@ -3,7 +3,6 @@ package proxy
 import (
 	"bytes"
 	"io"
-	"math/rand/v2"
 	"net"
 	"strconv"
 	"time"
@@ -57,9 +56,10 @@ type exchange struct {
 	// Admission control.
 	tenant    string
 	ticket    *ratelimit.Ticket
-	estIn     int64 // estimated input tokens
-	modelIdx  int   // the model's metric index
-	responded bool  // the upstream answered with headers
+	estIn     int64  // estimated input tokens
+	price     *Price // the model's price (prices.go; nil: none)
+	modelIdx  int    // the model's metric index
+	responded bool   // the upstream answered with headers
 	finished  bool
 	shadow    bool // a copy sent to the route's shadow upstream (shadow.go)
 }
@@ -160,45 +160,6 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 	return nil
 }
 
-// pickUpstream chooses the request's upstream on route r and counts it in
-// flight there.
-func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
-	rec, snap := &x.rec, x.snap
-	var m *member
-	why := pickBalance
-	if r.late() && r.Sticky == StickyPrefix {
-		if key, ok := promptKey(x.in.body0); ok {
-			m, why = r.byPrefix(key, x.p.now())
-			x.in.stickyKey, x.in.stickyKeyed = key, true
-		}
-	}
-	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
-		var t time.Duration
-		objective := r.slo.TTFT
-		if ts, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok && ts.TTFT > 0 {
-			objective = ts.TTFT
-		}
-		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), objective); t >= 0 {
-			rec.PredictedTTFT = t
-		}
-	}
-	if m == nil {
-		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
-		why = pickBalance
-		if x.in.stickyKeyed {
-			why = pickSticky
-		}
-	}
-	x.att.mem = m
-	m.picked.Add(1)
-	m.why[why].Add(1)
-	// The level the request starts at: tokentap's requests there, and
-	// what the backend says it holds beyond them (scrape.go).
-	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
-	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
-	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
-}
-
 // readRequest reads the body and what it says: the model (the metric
 // series), whether it streams, how many items it holds.
 func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
@@ -224,6 +185,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 		}
 	}
 	rec.Model = boundedString(model, maxLoggedModel)
+	x.price = snap.cfg.priceOf(rec.Model)
 	rec.Stream = req.Stream
 	x.in.stream = req.Stream
 	x.tap.m.items = req.Items
@@ -250,7 +212,7 @@ func (x *exchange) admit() *refusal {
 	var total int64
 	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
 	var usd float64 // what it may cost, for the dollar budgets
-	if p := x.snap.cfg.priceOf(x.rec.Model); p != nil {
+	if p := x.price; p != nil {
 		usd = p.cost(int(x.estIn), 0, 0, int(total-x.estIn))
 	}
 	start := x.p.now()
@@ -592,13 +554,13 @@ func (x *exchange) fillRecord(now time.Time) {
 		}
 	}
 	if x.rt != nil {
-		in := x.rec.InputTokens
-		if !x.tap.m.usage.hasIn {
-			in = int(x.rec.BytesIn / 4) // the estimate admission control makes
-		}
+		in := x.tap.m.usage.input(x.rec.BytesIn)
 		x.rec.Class = x.snap.cfg.Classes.of(in, x.rec.OutputTokens, x.rec.CachedTokens)
 	}
-	x.price()
+	if x.price == nil && x.rec.Model == "" {
+		x.price = x.snap.cfg.priceOf(x.rec.ResponseModel)
+	}
+	priceRecord(&x.rec, x.price, &x.tap.m.usage)
 }
 
 // judge judges the finished record against its route's SLO, under the
@@ -624,16 +586,11 @@ func (x *exchange) releaseTicket() {
 	}
 	var actual int64
 	var usd float64
-	if x.responded && (x.rec.Status < 400 || x.tap.m.usage.hasIn || x.tap.m.usage.hasOut) {
-		in := x.estIn
-		if x.tap.m.usage.hasIn {
-			in = int64(x.tap.m.usage.in)
-		}
+	if u := &x.tap.m.usage; x.responded && (x.rec.Status < 400 || u.hasIn || u.hasOut) {
 		out, _ := x.tap.m.outputTokens(x.tap.streamed)
-		actual = in + int64(out)
-		if p := x.snap.cfg.priceOf(x.rec.Model); p != nil {
-			u := &x.tap.m.usage
-			usd = p.cost(int(in), u.cached, u.write, out)
+		actual = int64(u.input(x.rec.BytesIn) + out)
+		if p := x.price; p != nil {
+			usd = p.used(u, x.rec.BytesIn, out)
 		}
 	}
 	x.ticket.ReleaseUSD(actual, usd)

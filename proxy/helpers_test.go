@@ -66,19 +66,32 @@ func startProxy(t *testing.T, upstream string, edit func(*Config)) *testProxy {
 
 func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Options) *testProxy {
 	t.Helper()
+	return startProxyRecords(t, upstream, edit, opts, 1000)
+}
+
+// startProxyRecords is startProxyOpts whose recorder holds up to records
+// finished records (a test that reads them all after a run of many): the
+// recorder is made before the proxy serves, never swapped under it.
+func startProxyRecords(t *testing.T, upstream string, edit func(*Config), opts Options, records int) *testProxy {
+	t.Helper()
 	tm := DefaultTimeouts
 	cfg := Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: tm}}}
 	if edit != nil {
 		edit(&cfg)
 	}
-	return serveProxy(t, cfg, opts, nil)
+	return serveProxyRecords(t, cfg, opts, nil, records)
 }
 
 // serveProxy runs a real proxy with cfg on a loopback port, over TLS when
 // tlsCfg is not nil.
 func serveProxy(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Config) *testProxy {
 	t.Helper()
-	rec := newRecorder()
+	return serveProxyRecords(t, cfg, opts, tlsCfg, 1000)
+}
+
+func serveProxyRecords(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Config, records int) *testProxy {
+	t.Helper()
+	rec := &recorder{ch: make(chan metrics.Record, records)}
 	opts.Sinks = append(opts.Sinks, rec)
 	p, err := New(cfg, opts)
 	if err != nil {

@@ -37,12 +37,11 @@ func balancedProxy(t *testing.T, balance string) (*testProxy, *mockllm.Server) {
 		t.Cleanup(srv.Close)
 		urls = append(urls, srv.URL)
 	}
-	tp := startProxyOpts(t, "", func(c *Config) {
+	tp := startProxyRecords(t, "", func(c *Config) {
 		c.SLO = ttftSLO
 		c.Routes = []Route{{Name: "split", Prefix: "/", Timeouts: DefaultTimeouts, Balance: balance,
 			Upstreams: []Upstream{{Name: "fast", URL: urls[0], Weight: 1}, {Name: "slow", URL: urls[1], Weight: 1}}}}
-	}, Options{})
-	tp.rec.ch = make(chan metrics.Record, 10000)
+	}, Options{}, 10000)
 	return tp, fast
 }
 

@@ -53,6 +53,15 @@ type usage struct {
 	in, out, cached, write, reasoning                int
 }
 
+// input is the request's input tokens: the usage's where the backend
+// said, else the estimate from the body's bytesIn (admission control's).
+func (u *usage) input(bytesIn int64) int {
+	if u.hasIn {
+		return u.in
+	}
+	return int(bytesIn / 4)
+}
+
 // maxGaps bounds the inter-token gaps kept per request for its ITL
 // percentiles (every gap still goes to the live histogram).
 const maxGaps = 1 << 16

@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"fmt"
+	"math/rand/v2"
+	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/valyala/fasthttp"
@@ -43,13 +45,13 @@ func globMatch(pattern, name string) bool {
 	return p == len(pattern)
 }
 
-// serves reports whether the route takes requests for model: a route
-// without models takes every model.
-func (r *route) serves(model string) bool {
-	if len(r.Models) == 0 {
+// serves reports whether a route of models (globs) takes requests for
+// model: one without models takes every model.
+func serves(models []string, model string) bool {
+	if len(models) == 0 {
 		return true
 	}
-	for _, g := range r.Models {
+	for _, g := range models {
 		if globMatch(g, model) {
 			return true
 		}
@@ -70,7 +72,7 @@ func (s *snapshot) matchModel(path []byte, model string) *route {
 		if first == nil {
 			first = r
 		}
-		if len(r.Models) == 0 || (model != "" && r.serves(model)) {
+		if len(r.Models) == 0 || (model != "" && serves(r.Models, model)) {
 			return r
 		}
 	}
@@ -91,15 +93,15 @@ func byModelOrder(a, b *route) bool {
 
 // validModels checks route i's models and that routes sharing a prefix
 // are told apart by them: at most one of them takes every model.
-func (c *Config) validModels(i int, field func(string) string) error {
-	r := c.Routes[i]
+func validModels(routes []Route, i int, field func(string) string) error {
+	r := routes[i]
 	for j, g := range r.Models {
 		if g == "" {
 			return fieldErr(field(fmt.Sprintf("models[%d]", j)), "must not be empty")
 		}
 	}
 	for j := 0; j < i; j++ {
-		o := c.Routes[j]
+		o := routes[j]
 		if o.Prefix != r.Prefix {
 			continue
 		}
@@ -143,4 +145,42 @@ func (x *exchange) pickLate(model string, h *fasthttp.RequestHeader) *refusal {
 	}
 	x.pickUpstream(r, h)
 	return nil
+}
+
+// pickUpstream chooses the request's upstream on route r and counts it in
+// flight there.
+func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
+	rec, snap := &x.rec, x.snap
+	var m *member
+	why := pickBalance
+	if r.late() && r.Sticky == StickyPrefix {
+		if key, ok := promptKey(x.in.body0); ok {
+			m, why = r.byPrefix(key, x.p.now())
+			x.in.stickyKey, x.in.stickyKeyed = key, true
+		}
+	}
+	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
+		var t time.Duration
+		objective := r.slo.TTFT
+		if ts, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok && ts.TTFT > 0 {
+			objective = ts.TTFT
+		}
+		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), objective); t >= 0 {
+			rec.PredictedTTFT = t
+		}
+	}
+	if m == nil {
+		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
+		why = pickBalance
+		if x.in.stickyKeyed {
+			why = pickSticky
+		}
+	}
+	x.att.mem = m
+	m.why[why].Add(1)
+	// The level the request starts at: tokentap's requests there, and
+	// what the backend says it holds beyond them (scrape.go).
+	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
+	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
+	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
 }

@@ -169,26 +169,7 @@ func (x *exchange) observeUpstream() {
 	if ttft >= 0 && rec.Queue > 0 {
 		ttft -= rec.Queue
 	}
-	in := int(x.estIn)
-	if x.tap.m.usage.hasIn {
-		in = x.tap.m.usage.in
-	}
-	x.att.up.gate.Model.Observe(x.att.startK, in, ttft, rec.TPOT, rec.PredictedTTFT)
-}
-
-// predicts reports whether route r's upstreams keep a prediction and show
-// in /stats' overload table: for overload control, to balance by it, or
-// beside prefix affinity.
-func (r *route) predicts() bool {
-	if r.Overload != nil || r.Balance == BalanceLeastTTFT || r.Sticky == StickyPrefix {
-		return true
-	}
-	for _, m := range r.members {
-		if m.scrape != nil {
-			return true
-		}
-	}
-	return false
+	x.att.up.gate.Model.Observe(x.att.startK, x.tap.m.usage.input(rec.BytesIn), ttft, rec.TPOT, rec.PredictedTTFT)
 }
 
 // Overload is what overload control, least_ttft and prefix affinity see
@@ -223,26 +204,15 @@ func (p *Proxy) Overload() []stats.Overload {
 	return out
 }
 
-// cacheReported reports whether a backend of route r said what its
-// prompt cache served.
-func (r *route) cacheReported() bool {
-	for _, m := range r.members {
-		if m.cache.reported.Load() > 0 {
-			return true
-		}
-	}
-	return false
-}
-
 // fillShares puts in o upstream m's share of route r's requests and what
 // its backend said of its prompt cache, since the configuration.
 func fillShares(o *stats.Overload, r *route, m *member) {
 	var all int64
 	for _, n := range r.members {
-		all += n.picked.Load()
+		all += n.picked()
 	}
 	if all > 0 {
-		o.Share = float64(m.picked.Load()) / float64(all)
+		o.Share = float64(m.picked()) / float64(all)
 	}
 	for i := range m.why {
 		if n := m.why[i].Load(); n > 0 {

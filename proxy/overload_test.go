@@ -119,13 +119,11 @@ func overloadProxy(t *testing.T, shed bool) *testProxy {
 	srv := httptest.NewServer(mockllm.New(overloadBackend))
 	t.Cleanup(srv.CloseClientConnections)
 	t.Cleanup(srv.Close)
-	tp := startProxyOpts(t, srv.URL, func(c *Config) {
+	// A recorder that holds every record of the runs.
+	return startProxyRecords(t, srv.URL, func(c *Config) {
 		c.SLO = overloadSLO
 		c.Routes[0].Overload = &Overload{Shed: shed, PriorityHeader: "X-Priority"}
-	}, Options{})
-	// A recorder that holds every record of the runs.
-	tp.rec.ch = make(chan metrics.Record, 10000)
-	return tp
+	}, Options{}, 10000)
 }
 
 // run offers rate for warm (not counted) then for d (counted), and returns

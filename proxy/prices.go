@@ -48,8 +48,8 @@ func (p *Price) cost(in, cached, written, out int) float64 {
 
 // validPrices checks the price list: each with a model and no negative
 // price (a price left out is given as −1 and costs as input).
-func (c *Config) validPrices() error {
-	for i, p := range c.Prices {
+func validPrices(prices []Price) error {
+	for i, p := range prices {
 		field := func(f string) string { return fmt.Sprintf("prices[%d].%s", i, f) }
 		if p.Model == "" {
 			return fieldErr(field("model"), "must name a model (a glob: gpt-4o*)")
@@ -67,17 +67,17 @@ func (c *Config) validPrices() error {
 	return nil
 }
 
-// price fills the record's cost: what its tokens cost at its model's
-// price (none: CostUSD stays absent). A request that reached no upstream
-// cost nothing; one without a usage block is priced from what was counted
-// and estimated (its UsageSource says so).
-func (x *exchange) price() {
-	rec := &x.rec
-	model := rec.Model
-	if model == "" {
-		model = rec.ResponseModel
-	}
-	p := x.snap.cfg.priceOf(model)
+// used is what a request that used u (its output out) cost, its input
+// estimated from bytesIn where the usage does not say.
+func (p *Price) used(u *usage, bytesIn int64, out int) float64 {
+	return p.cost(u.input(bytesIn), u.cached, u.write, out)
+}
+
+// priceRecord fills the record's cost at p (nil: no price, CostUSD stays
+// absent). A request that reached no upstream cost nothing; one without a
+// usage block is priced from what was counted and estimated (its
+// UsageSource says so).
+func priceRecord(rec *metrics.Record, p *Price, u *usage) {
 	if rec.Attempts == 0 {
 		rec.UsageSource = ""
 		if p != nil {
@@ -85,12 +85,7 @@ func (x *exchange) price() {
 		}
 		return
 	}
-	if p == nil {
-		return
+	if p != nil {
+		rec.CostUSD = p.used(u, rec.BytesIn, rec.OutputTokens)
 	}
-	in := rec.InputTokens
-	if rec.UsageSource != metrics.UsageProvider || !x.tap.m.usage.hasIn {
-		in = int(rec.BytesIn / 4) // the estimate admission control makes
-	}
-	rec.CostUSD = p.cost(in, max(rec.CachedTokens, 0), rec.CacheWriteTokens, rec.OutputTokens)
 }

@@ -175,11 +175,10 @@ func TestRealLlamaServerOverload(t *testing.T) {
 	if capacity < 1 {
 		t.Fatalf("the server served %d requests in 8 s", done.Load())
 	}
-	tp := startProxyOpts(t, base, func(c *Config) {
+	tp := startProxyRecords(t, base, func(c *Config) {
 		c.SLO = metrics.SLO{TTFT: 500 * time.Millisecond, TPOT: 50 * time.Millisecond}
 		c.Routes[0].Overload = &Overload{Shed: true}
-	}, Options{})
-	tp.rec.ch = make(chan metrics.Record, 10000)
+	}, Options{}, 10000)
 	rng := rand.New(rand.NewPCG(11, 7))
 	w := offer(t, tp, body, 3*capacity, 5*time.Second, 0, rng)
 	for range w.arrivals {
@@ -226,7 +225,6 @@ func TestRealLlamaServersStickyPrefix(t *testing.T) {
 			c.Routes = []Route{{Name: "pair", Prefix: "/", Timeouts: DefaultTimeouts, Balance: BalanceLeastInflight, Sticky: sticky,
 				Upstreams: []Upstream{{Name: "a", URL: strings.TrimRight(a, "/"), Weight: 1}, {Name: "b", URL: strings.TrimRight(b, "/"), Weight: 1}}}}
 		})
-		tp.rec.ch = make(chan metrics.Record, 1000)
 		rng := rand.New(rand.NewPCG(3, 3))
 		const n = 160
 		work := make(chan string, n)

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"math"
 	"strconv"
 	"sync"
@@ -109,7 +110,7 @@ func (s *scraper) scrape() {
 // scrapeErr says what kind of failure err is, in tokentap's words.
 func scrapeErr(err error) string {
 	switch {
-	case err == fasthttp.ErrBodyTooLarge:
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		return "body over 4 MiB"
 	case isTimeout(err):
 		return "timed out"

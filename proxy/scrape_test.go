@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/examples/mockllm"
-	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 )
 
@@ -76,11 +75,10 @@ func TestLeastTTFTWeighsBackendQueue(t *testing.T) {
 		if scrape {
 			metricsURL = a.URL + "/metrics"
 		}
-		tp := startProxyOpts(t, "", func(c *Config) {
+		tp := startProxyRecords(t, "", func(c *Config) {
 			c.Routes = []Route{{Name: "split", Prefix: "/", Timeouts: DefaultTimeouts, Balance: BalanceLeastTTFT,
 				Upstreams: []Upstream{{Name: "a", URL: a.URL, Weight: 1, MetricsURL: metricsURL}, {Name: "b", URL: b.URL, Weight: 1}}}}
-		}, Options{})
-		tp.rec.ch = make(chan metrics.Record, 10000)
+		}, Options{}, 10000)
 		rng := rand.New(rand.NewPCG(9, 9))
 		w := offer(t, tp, chatBody, 12, 4*time.Second, 0, rng)
 		for range w.arrivals {

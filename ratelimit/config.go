@@ -52,9 +52,6 @@ func (l Limits) any() bool {
 		l.USDPerDay > 0 || l.USDPerMonth > 0
 }
 
-// dollars reports whether l has a dollar budget.
-func (l Limits) dollars() bool { return l.USDPerDay > 0 || l.USDPerMonth > 0 }
-
 // Tenant is one configured tenant.
 type Tenant struct {
 	Name string

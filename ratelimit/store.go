@@ -692,8 +692,21 @@ func (s *store) release(tenant, route string, all, rl *Limits, lease string, res
 // give back to it (counted by the check, written by the releases); the
 // release script's after its first five (the lease, the tokens reserved
 // and used, the micro-dollars reserved and used). The month is the UTC
-// calendar month, from the store's clock (months, monthOf in Go).
-const luaMonths = `
+// calendar month, from the store's clock (months, monthOf in Go); charge
+// and reconcile write the day's and month's counters.
+const luaShared = `
+-- charge adds n to counter k, kept ttl seconds.
+local function charge(k, n, ttl)
+  redis.call('INCRBY', k, n)
+  redis.call('EXPIRE', k, ttl)
+end
+-- reconcile moves counter k by delta (a use against its reservation),
+-- never below 0, kept ttl seconds.
+local function reconcile(k, delta, ttl)
+  if redis.call('INCRBY', k, delta) < 0 then redis.call('SET', k, 0) end
+  redis.call('EXPIRE', k, ttl)
+end
+
 local function months(now)
   local z = math.floor(now / 86400) + 719468
   local era = math.floor(z / 146097)
@@ -718,7 +731,7 @@ local function months(now)
 end
 `
 
-var admitScript = redis.NewScript(luaMonths + `
+var admitScript = redis.NewScript(luaShared + `
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local day = math.floor(tonumber(t[1]) / 86400)
@@ -794,27 +807,15 @@ for i = 1, #KEYS do
     redis.call('HSET', b .. ':tpm', 'l', l, 't', now)
     redis.call('EXPIRE', b .. ':tpm', math.ceil((tpm - l) / (tpm / 60)) + 60)
   end
-  if rpd > 0 then
-    redis.call('INCR', b .. ':rpd:' .. day)
-    redis.call('EXPIRE', b .. ':rpd:' .. day, 2 * 86400)
-  end
-  if tpd > 0 then
-    redis.call('INCRBY', b .. ':tpd:' .. day, est)
-    redis.call('EXPIRE', b .. ':tpd:' .. day, 2 * 86400)
-  end
-  if usdd > 0 then
-    redis.call('INCRBY', b .. ':usdd:' .. day, estUSD)
-    redis.call('EXPIRE', b .. ':usdd:' .. day, 2 * 86400)
-  end
-  if usdm > 0 then
-    redis.call('INCRBY', b .. ':usdm:' .. mon, estUSD)
-    redis.call('EXPIRE', b .. ':usdm:' .. mon, 32 * 86400)
-  end
+  if rpd > 0 then charge(b .. ':rpd:' .. day, 1, 2 * 86400) end
+  if tpd > 0 then charge(b .. ':tpd:' .. day, est, 2 * 86400) end
+  if usdd > 0 then charge(b .. ':usdd:' .. day, estUSD, 2 * 86400) end
+  if usdm > 0 then charge(b .. ':usdm:' .. mon, estUSD, 32 * 86400) end
 end
 return {1}
 `)
 
-var releaseScript = redis.NewScript(luaMonths + `
+var releaseScript = redis.NewScript(luaShared + `
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local day = math.floor(tonumber(t[1]) / 86400)
@@ -834,24 +835,9 @@ for i = 1, #KEYS do
     redis.call('HSET', b .. ':tpm', 'l', l, 't', now)
     redis.call('EXPIRE', b .. ':tpm', math.ceil((tpm - l) / (tpm / 60)) + 60)
   end
-  if tpd > 0 and reserved ~= actual then
-    local k = b .. ':tpd:' .. day
-    local left = redis.call('INCRBY', k, actual - reserved)
-    if left < 0 then redis.call('SET', k, 0) end
-    redis.call('EXPIRE', k, 2 * 86400)
-  end
-  if usdd > 0 and resUSD ~= actUSD then
-    local k = b .. ':usdd:' .. day
-    local left = redis.call('INCRBY', k, actUSD - resUSD)
-    if left < 0 then redis.call('SET', k, 0) end
-    redis.call('EXPIRE', k, 2 * 86400)
-  end
-  if usdm > 0 and resUSD ~= actUSD then
-    local k = b .. ':usdm:' .. mon
-    local left = redis.call('INCRBY', k, actUSD - resUSD)
-    if left < 0 then redis.call('SET', k, 0) end
-    redis.call('EXPIRE', k, 32 * 86400)
-  end
+  if tpd > 0 and reserved ~= actual then reconcile(b .. ':tpd:' .. day, actual - reserved, 2 * 86400) end
+  if usdd > 0 and resUSD ~= actUSD then reconcile(b .. ':usdd:' .. day, actUSD - resUSD, 2 * 86400) end
+  if usdm > 0 and resUSD ~= actUSD then reconcile(b .. ':usdm:' .. mon, actUSD - resUSD, 32 * 86400) end
 end
 return 1
 `)

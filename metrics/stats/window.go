@@ -69,7 +69,7 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 		a.priced++
 		a.costMicro += int64(math.Round(r.CostUSD * 1e6))
 	}
-	if r.CachedTokens >= 0 && r.UsageSource == metrics.UsageProvider {
+	if r.CachedTokens >= 0 { // only a usage block says it
 		a.cacheReported++
 		if r.CachedTokens > 0 {
 			a.cacheHits++

@@ -169,6 +169,12 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 	if r.TPOT >= 0 {
 		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok)
 	}
+	in.recordUsage(ctx, r, kv, ok)
+}
+
+// recordUsage records the tokens r used: today's usage histogram, and
+// v0.1.0's counters (cache reads, writes and reasoning apart).
+func (in *instruments) recordUsage(ctx context.Context, r *metrics.Record, kv []attribute.KeyValue, ok otelmetric.MeasurementOption) {
 	if in.old {
 		if r.InputTokens > 0 {
 			in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("input"))))

@@ -1,0 +1,141 @@
+package proxy
+
+import (
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The code's bounds: no file over 600 lines, no function over 80 (90 in
+// cmd/tokentap), no struct over 30 fields, no type's methods in more than
+// 3 files. What passes one today is listed in structureDebt with its size
+// now: it may shrink, never grow, and nothing new may join it. A bound
+// kept by review alone drifts; this check keeps it (issue: the relay plane
+// behind a wall of its own, where the debt is to be paid).
+const (
+	maxFileLines   = 600
+	maxFuncLines   = 80
+	maxCmdFunc     = 90
+	maxStructField = 30
+	maxMethodFiles = 3
+)
+
+var structureDebt = map[string]int{
+	"file cmd/tokentap-bench/frontier.go":          1009,
+	"file cmd/tokentap/config.go":                  638,
+	"file proxy/loop.go":                           717,
+	"file proxy/proxy.go":                          677,
+	"file ratelimit/admitter.go":                   940,
+	"file ratelimit/store.go":                      866,
+	"func cmd/tokentap-bench/client.go read":       134,
+	"func cmd/tokentap-bench/frontier.go run":      83,
+	"func cmd/tokentap-bench/frontier.go sweep":    97,
+	"func cmd/tokentap-bench/load.go run":          117,
+	"func cmd/tokentap-bench/matrix.go runCompare": 142,
+	"func cmd/tokentap-bench/render.go markdown":   94,
+	"func cmd/tokentap/main.go run":                118,
+	"func examples/mockllm/mockllm.go ServeHTTP":   94,
+	"func metrics/accesslog.go appendFields":       116,
+	"func metrics/telemetry/spans.go span":         98,
+	"methods metrics/stats.Engine":                 5,
+	"methods proxy.Proxy":                          5,
+	"methods proxy.exchange":                       6,
+	"struct metrics/record.go Record":              73,
+}
+
+func TestStructureBounds(t *testing.T) {
+	root := ".."
+	fset := token.NewFileSet()
+	found := map[string]int{}
+	methodFiles := map[string]map[string]bool{}
+	err := filepath.Walk(root, func(p string, info os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		if info.IsDir() && (info.Name() == "testdata" || info.Name() == "helm" || strings.HasPrefix(info.Name(), ".")) && p != root {
+			return filepath.SkipDir
+		}
+		if info.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+			return nil
+		}
+		f, err := parser.ParseFile(fset, p, nil, 0)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		rel = filepath.ToSlash(rel)
+		if n := fset.File(f.Pos()).LineCount(); n > maxFileLines {
+			found["file "+rel] = n
+		}
+		pkg := filepath.ToSlash(filepath.Dir(rel))
+		ast.Inspect(f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.FuncDecl:
+				lines, most := fset.Position(n.End()).Line-fset.Position(n.Pos()).Line+1, maxFuncLines
+				if strings.HasPrefix(rel, "cmd/tokentap/") {
+					most = maxCmdFunc
+				}
+				if lines > most {
+					found["func "+rel+" "+n.Name.Name] = lines
+				}
+				if n.Recv != nil && len(n.Recv.List) > 0 {
+					typ := n.Recv.List[0].Type
+					if s, ok := typ.(*ast.StarExpr); ok {
+						typ = s.X
+					}
+					if id, ok := typ.(*ast.Ident); ok {
+						k := "methods " + pkg + "." + id.Name
+						if methodFiles[k] == nil {
+							methodFiles[k] = map[string]bool{}
+						}
+						methodFiles[k][filepath.Base(rel)] = true
+					}
+				}
+			case *ast.TypeSpec:
+				if st, ok := n.Type.(*ast.StructType); ok {
+					fields := 0
+					for _, f := range st.Fields.List {
+						fields += max(len(f.Names), 1)
+					}
+					if fields > maxStructField {
+						found["struct "+rel+" "+n.Name.Name] = fields
+					}
+				}
+			}
+			return true
+		})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, files := range methodFiles {
+		if len(files) > maxMethodFiles {
+			found[k] = len(files)
+		}
+	}
+	for k, n := range found {
+		debt, ok := structureDebt[k]
+		switch {
+		case !ok:
+			t.Errorf("%s: %d, past its bound (%s)", k, n, bounds())
+		case n > debt:
+			t.Errorf("%s: %d, grown past the %d it was allowed (it may only shrink)", k, n, debt)
+		}
+	}
+	for k, debt := range structureDebt {
+		if _, ok := found[k]; !ok {
+			t.Logf("%s is within its bound now: take it out of structureDebt (was %d)", k, debt)
+		}
+	}
+}
+
+func bounds() string {
+	return fmt.Sprintf("files %d lines, functions %d (%d in cmd/tokentap), structs %d fields, methods in %d files",
+		maxFileLines, maxFuncLines, maxCmdFunc, maxStructField, maxMethodFiles)
+}
