@@ -152,9 +152,7 @@ func FuzzChunkScanner(f *testing.F) {
 func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
 	for _, path := range relayPaths {
 		t.Run(path.name, func(t *testing.T) {
-			before := loopStreams.Load()
-			relayExactBytes(t, Options{GoroutineRelay: path.goroutine})
-			switch moved := loopStreams.Load() - before; {
+			switch moved := relayExactBytes(t, Options{GoroutineRelay: path.goroutine}); {
 			case path.goroutine && moved != 0:
 				t.Fatalf("%d streams went to a relay loop with the loops off", moved)
 			case !path.goroutine && moved < 5:
@@ -168,8 +166,9 @@ func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
 
 // relayExactBytes sends 30 chunked responses, cut into random writes with
 // pauses, through the proxy to a client reading in random pieces with
-// stalls, and compares bytes, framing and records.
-func relayExactBytes(t *testing.T, opts Options) {
+// stalls, and compares bytes, framing and records. It returns the streams
+// the proxy's relay loops took.
+func relayExactBytes(t *testing.T, opts Options) (loopStreams uint64) {
 	r := rand.New(rand.NewPCG(7, 8))
 	type answer struct {
 		body    []byte
@@ -260,6 +259,7 @@ func relayExactBytes(t *testing.T, opts Options) {
 	if n := up.conns.Load(); n != 1 {
 		t.Fatalf("the backend saw %d connections: the pooled one was not reused", n)
 	}
+	return tp.p.loops.streams.Load()
 }
 
 // framedFrom returns the first offset k of the backend's body, at a chunk
@@ -318,7 +318,7 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 		return writePieces(c, body, r, 400, 3, 800)
 	})
 	tp := startProxy(t, up.url, nil)
-	before := loopStreams.Load()
+	before := tp.p.loops.streams.Load()
 	errs := make(chan error, streams)
 	for i := range streams {
 		go func() {
@@ -357,7 +357,7 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 			t.Fatalf("record %s: outcome %s, %d tokens", rec.RequestID, rec.Outcome, rec.OutputTokens)
 		}
 	}
-	if moved := loopStreams.Load() - before; moved < streams/2 {
+	if moved := tp.p.loops.streams.Load() - before; moved < streams/2 {
 		t.Fatalf("%d of %d streams went to a relay loop", moved, streams)
 	}
 }
@@ -440,7 +440,7 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 				return err == nil
 			})
 			tp := startProxyOpts(t, up.url, nil, Options{GoroutineRelay: path.goroutine})
-			before := loopStreams.Load()
+			before := tp.p.loops.streams.Load()
 			c, err := net.Dial("tcp", tp.addr)
 			if err != nil {
 				t.Fatal(err)
@@ -472,7 +472,7 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 			if n := up.conns.Load(); n != 1 {
 				t.Fatalf("the backend saw %d connections", n)
 			}
-			if moved := loopStreams.Load() - before; path.goroutine != (moved == 0) {
+			if moved := tp.p.loops.streams.Load() - before; path.goroutine != (moved == 0) {
 				t.Fatalf("%d of %d streams went to a relay loop", moved, len(ends))
 			}
 		})

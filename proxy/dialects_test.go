@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 )
 

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 )
 

@@ -17,7 +17,7 @@ import (
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/valyala/fasthttp"

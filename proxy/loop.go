@@ -180,9 +180,6 @@ func (b *spareBufs) give(v []byte) {
 	spareRelayBuf(v)
 }
 
-// loopStreams counts the streams handed to a relay loop, for tests.
-var loopStreams atomic.Uint64
-
 // errNoLoop says the loop could not take a stream (its epoll set refused
 // the sockets, or the loop is stopping): the stream stays on its goroutine.
 var errNoLoop = errors.New("relay loop: cannot watch the stream's sockets")
@@ -198,6 +195,7 @@ type loopSet struct {
 	mu      sync.Mutex // start and stop
 	running atomic.Pointer[[]*relayLoop]
 	next    atomic.Uint32
+	streams atomic.Uint64 // the streams a loop took and let go
 }
 
 // start starts n loops on the clock now, unless they run already; loops

@@ -378,7 +378,7 @@ func TestShutdownStopsRelayLoops(t *testing.T) {
 	})
 	tp := startProxy(t, up.url, nil)
 	p := tp.p
-	before := loopStreams.Load()
+	before := p.loops.streams.Load()
 	c, err := net.Dial("tcp", tp.addr)
 	if err != nil {
 		t.Fatal(err)
@@ -401,7 +401,7 @@ func TestShutdownStopsRelayLoops(t *testing.T) {
 		t.Fatalf("the client read %q%q (%v)", got, b, err)
 	}
 	tp.rec.next(t)
-	if loopStreams.Load() == before {
+	if p.loops.streams.Load() == before {
 		t.Fatal("the stream did not go through a relay loop")
 	}
 	if n := relayLoopGoroutines(); n < loopRoutines+1 {

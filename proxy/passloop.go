@@ -103,7 +103,7 @@ func (r *bodyRelay) afterLoop(err error) {
 		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
 		err = r.passRest()
 	} else {
-		loopStreams.Add(1)
+		r.x.p.loops.streams.Add(1)
 	}
 	if r.wait != nil {
 		r.wait <- err

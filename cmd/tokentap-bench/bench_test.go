@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 func TestDistPercentiles(t *testing.T) {

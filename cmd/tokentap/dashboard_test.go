@@ -17,7 +17,7 @@ import (
 
 	"github.com/chromedp/cdproto/runtime"
 	"github.com/chromedp/chromedp"
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
 )

@@ -13,7 +13,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"

@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/examples/mockllm"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/proxy/tlstest"
 	"github.com/tokentap/tokentap/ratelimit/redistest"
 )
