@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 // Every dialect end to end: the simulated backend speaks it, tokentap

@@ -11,8 +11,8 @@ import (
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 func failoverCount(route, from, reason string) int {

@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 // The least_ttft tests' simulated servers: 4 slots each, 20 tokens 5 ms

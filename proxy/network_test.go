@@ -22,9 +22,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/internal/netsim"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/ratelimit"
 )
 

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 // overloadBackend is the simulated server of the overload tests: 8 slots,

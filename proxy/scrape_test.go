@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 func TestParseBackendMetrics(t *testing.T) {

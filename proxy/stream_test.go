@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 // readEvent reads one SSE event ("...\n\n") from a response body.

@@ -17,9 +17,9 @@ import (
 
 	"github.com/chromedp/cdproto/runtime"
 	"github.com/chromedp/chromedp"
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 // browser starts Debian's headless chromium with the flags this closed

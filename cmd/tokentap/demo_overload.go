@@ -13,10 +13,10 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
+	"github.com/tokentap/tokentap/proxy/mockllm"
 )
 
 // The overload demo's simulated server: 8 slots, the others waiting in
