@@ -1,11 +1,9 @@
 package proxy
 
 import (
-	"cmp"
 	"hash/maphash"
 	"math"
 	"math/rand/v2"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -399,35 +397,3 @@ func (r *route) byWeight(at int) *member {
 // stickySeed hashes sticky keys; one per process, so a user stays on one
 // upstream across reloads that keep the weights.
 var stickySeed = maphash.MakeSeed()
-
-// CompareSides picks the two upstreams of route name that a comparison weighs,
-// by one rule for every view (the dashboard, tokentap compare, /stats with
-// compare=auto), and says which rule chose them: the guard's baseline (A)
-// and candidate (B); else the main upstream (the largest weight, the first
-// configured on a tie) and the shadow; else the two of largest weight, the
-// larger (or the first configured) as A, the baseline. ok is false for a
-// route without two upstreams.
-func (p *Proxy) CompareSides(name string) (a, b, rule string, ok bool) {
-	var rt *route
-	for _, r := range p.snap.Load().routes {
-		if r.Name == name {
-			rt = r
-		}
-	}
-	if rt == nil || len(rt.members) < 2 {
-		return "", "", "", false
-	}
-	if g := rt.guard; g != nil {
-		return g.Baseline, g.Candidate, "the guard's baseline (A) and candidate (B)", true
-	}
-	byWeight := slices.Clone(rt.members)
-	slices.SortStableFunc(byWeight, func(x, y *member) int { return cmp.Compare(y.weight, x.weight) })
-	if sh := rt.shadow; sh != nil {
-		for _, m := range byWeight {
-			if m != sh.member {
-				return m.name, sh.member.name, "the route's main upstream (A, the largest weight) and its shadow (B)", true
-			}
-		}
-	}
-	return byWeight[0].name, byWeight[1].name, "the two upstreams of largest weight, the larger (the first configured on a tie) as A, the baseline", true
-}

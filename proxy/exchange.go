@@ -511,7 +511,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		if x.in.stickyKeyed {
 			x.rt.guard.noteKey(x.att.mem.name, x.in.stickyKey, now)
 		}
-		x.p.checkGuard(x.rt, now)
+		x.rt.guard.check(x.rt, now, x.p.log)
 	}
 	for _, s := range x.p.opts.Sinks {
 		if g, ok := s.(metrics.GapSink); ok {

@@ -180,12 +180,12 @@ type GuardStatus = stats.TrippedGuard
 // most: a check merges a window of sketches.
 const guardInterval = time.Second
 
-// checkGuard takes the guard's next look, at most once per
+// check takes the guard's next look, at most once per
 // guardInterval, once both sides have MinRequests (and, with a sticky
 // key, MinKeys distinct keys) since it was armed, and trips it when the
-// candidate is worse beyond a limit (stats.WeighGuard).
-func (p *Proxy) checkGuard(r *route, now time.Time) {
-	g := r.guard
+// candidate is worse beyond a limit (stats.WeighGuard), saying so to log.
+// r is the route it guards.
+func (g *guardState) check(r *route, now time.Time, log *zap.Logger) {
 	if g == nil || g.tripped.Load() != nil {
 		return
 	}
@@ -212,23 +212,10 @@ func (p *Proxy) checkGuard(r *route, now time.Time) {
 	}
 	st := &GuardStatus{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, At: now.UTC(), Reason: f.Reason, Values: f.Values}
 	if g.tripped.CompareAndSwap(nil, st) {
-		p.log.Warn("canary guard tripped: the candidate takes no new requests", zap.String("route", r.Name),
+		log.Warn("canary guard tripped: the candidate takes no new requests", zap.String("route", r.Name),
 			zap.String("candidate", g.Candidate), zap.String("baseline", g.Baseline), zap.String("reason", f.Reason),
 			zap.Float64("candidate_requests", f.Values["candidate_requests"]), zap.Float64("baseline_requests", f.Values["baseline_requests"]))
 	}
-}
-
-// Guards returns the tripped guards of the running config.
-func (p *Proxy) Guards() []GuardStatus {
-	out := []GuardStatus{}
-	for _, r := range p.snap.Load().routes {
-		if r.guard != nil {
-			if st := r.guard.tripped.Load(); st != nil {
-				out = append(out, *st)
-			}
-		}
-	}
-	return out
 }
 
 // GuardState is what the admin listener shows of a route's guard: its
@@ -244,31 +231,4 @@ type GuardState struct {
 	Looks             int64        `json:"looks"`
 	ArmedAt           time.Time    `json:"armed_at"`
 	Tripped           *GuardStatus `json:"tripped"`
-}
-
-// GuardStates returns the state of every guard of the running config.
-func (p *Proxy) GuardStates() []GuardState {
-	out := []GuardState{}
-	for _, r := range p.snap.Load().routes {
-		if g := r.guard; g != nil {
-			out = append(out, GuardState{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, Class: g.Class,
-				MinRequests: g.MinRequests, CandidateRequests: g.sides[0].Count(), BaselineRequests: g.sides[1].Count(),
-				Looks: g.looks.Load(), ArmedAt: time.Unix(0, g.armedAt.Load()).UTC(), Tripped: g.tripped.Load()})
-		}
-	}
-	return out
-}
-
-// ResetGuard clears the tripped guard of route (all routes when ""): its
-// candidate takes requests again. It reports whether one was tripped.
-func (p *Proxy) ResetGuard(route string) bool {
-	reset := false
-	for _, r := range p.snap.Load().routes {
-		if r.guard != nil && (route == "" || r.Name == route) && r.guard.tripped.Swap(nil) != nil {
-			r.guard.rearm(p.statsNow())
-			reset = true
-			p.log.Info("canary guard reset", zap.String("route", r.Name))
-		}
-	}
-	return reset
 }

@@ -172,38 +172,6 @@ func (x *exchange) observeUpstream() {
 	x.att.up.gate.Model.Observe(x.att.startK, x.tap.m.usage.input(rec.BytesIn), ttft, rec.TPOT, rec.PredictedTTFT)
 }
 
-// Overload is what overload control, least_ttft and prefix affinity see
-// of each upstream of the routes that have them (and of routes whose
-// backends report their prompt caches), now (for /stats and the
-// dashboard), in the routes' order.
-func (p *Proxy) Overload() []stats.Overload {
-	out := []stats.Overload{}
-	now := p.now()
-	for _, r := range p.snap.Load().routes {
-		if !r.predicts() && !r.cacheReported() {
-			continue
-		}
-		for _, m := range r.members {
-			k := m.held(now, int(m.up.inflight.Load()))
-			st := m.up.gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
-			o := stats.Overload{Route: r.Name, Upstream: m.name, Enforcing: r.Overload != nil && r.Overload.Shed, Known: st.Known, InFlight: k,
-				Limit: st.Limit, PredictedTTFTMs: -1, PredictedTPOTMs: -1, Bias: st.Bias, AbsError: st.AbsErr, Judged: st.Judged,
-				ArrivalsPerS: st.Arrivals, CompletionsPerS: st.Completions, Standing: st.Standing,
-				Shed: st.Sheds, ShedPerS: st.ShedRate, LastShed: st.LastShed,
-				Shedding: !st.LastShed.IsZero() && now.Sub(st.LastShed) < 10*time.Second}
-			if st.Known {
-				o.Knee, o.PredictedTTFTMs = st.Knee, float64(st.TTFT)/1e6
-				if st.TPOT >= 0 {
-					o.PredictedTPOTMs = float64(st.TPOT) / 1e6
-				}
-			}
-			fillShares(&o, r, m)
-			out = append(out, o)
-		}
-	}
-	return out
-}
-
 // fillShares puts in o upstream m's share of route r's requests and what
 // its backend said of its prompt cache, since the configuration.
 func fillShares(o *stats.Overload, r *route, m *member) {
