@@ -42,7 +42,6 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
-	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -146,56 +145,6 @@ type Proxy struct {
 	floors   pathFloors // per client address, the lowest round trip lately (for the marks' looks)
 	stats    *stats.Engine
 	statsNow func() time.Time
-}
-
-// snapshot is one immutable configuration generation with everything
-// built from it: routes with their upstream pools, and metric handles.
-type snapshot struct {
-	cfg     Config
-	routes  []*route // by descending prefix length, then those naming models (byModelOrder)
-	metrics *metrics.Set
-	admit   *ratelimit.Admitter  // nil: admission control off
-	pools   map[string]*connPool // its upstreams' connections, by poolKey
-}
-
-type route struct {
-	Route
-	slo     metrics.SLO // Config.SLO under the route's own
-	index   int
-	members []*member       // its upstreams: one, or Route.Upstreams
-	weights int             // the members' weights summed
-	guard   *guardState     // nil: none
-	shadow  *shadowState    // nil: none
-	dialect dialect.Dialect // nil: chosen per request from the path
-	aff     *affinity       // sticky: prefix: the hash ring and the loads (affinity.go)
-}
-
-// scrapers calls f with each scraper of the generation's upstreams.
-func (s *snapshot) scrapers(f func(*scraper)) {
-	for _, r := range s.routes {
-		for _, m := range r.members {
-			if m.scrape != nil {
-				f(m.scrape)
-			}
-		}
-	}
-}
-
-// member returns r's upstream named name (validated to exist).
-func (r *route) member(name string) *member {
-	for _, m := range r.members {
-		if m.name == name {
-			return m
-		}
-	}
-	return nil
-}
-
-// closeIdle closes the idle connections of every upstream of r.
-func (r *route) closeIdle() {
-	for _, m := range r.members {
-		m.up.closeIdle()
-	}
 }
 
 // New builds a Proxy for cfg.
@@ -330,48 +279,6 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 		rt.guard = g
 	}
 	return rt, nil
-}
-
-// admitterFor makes the admitter of a new generation, taking over the
-// tenants' state of the old one (nil: none), and publishes its series in
-// set; without admission it closes the old one and returns nil.
-func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.Set) *ratelimit.Admitter {
-	var prev *ratelimit.Admitter
-	if old != nil {
-		prev = old.admit
-	}
-	if cfg.Admission == nil {
-		if prev != nil {
-			prev.Close()
-		}
-		return nil
-	}
-	a := ratelimit.New(*cfg.Admission, now, prev)
-	tenants := make([]string, len(cfg.Admission.Tenants))
-	for i, t := range cfg.Admission.Tenants {
-		tenants[i] = t.Name
-	}
-	reasons := make([]string, len(ratelimit.Reasons))
-	for i, r := range ratelimit.Reasons {
-		reasons[i] = string(r)
-	}
-	set.AddTenants(tenants, reasons, a.Stats)
-	if a.StoreStats().Present {
-		b2f := func(b bool) float64 {
-			if b {
-				return 1
-			}
-			return 0
-		}
-		set.AddGauge("tokentap_admission_store_up", func() float64 { return b2f(a.StoreStats().Up) })
-		set.AddGauge("tokentap_admission_store_calls", func() float64 { return float64(a.StoreStats().Calls) })
-		set.AddGauge("tokentap_admission_store_call_failures", func() float64 { return float64(a.StoreStats().Failures) })
-		set.AddGauge("tokentap_admission_store_call_seconds", func() float64 { return a.StoreStats().Seconds })
-		set.AddGauge("tokentap_admission_store_replicas", func() float64 { return float64(a.StoreStats().Replicas) })
-		set.AddGauge("tokentap_admission_store_releases_pending", func() float64 { return float64(a.StoreStats().ReleasesPending) })
-		set.AddGauge("tokentap_admission_store_releases_dropped", func() float64 { return float64(a.StoreStats().ReleasesDropped) })
-	}
-	return a
 }
 
 // Stats returns the live percentile table of every request the proxy
@@ -663,15 +570,4 @@ func (p *Proxy) newRequestID(dst []byte) []byte {
 		b[15-i] = byte(n >> (8 * i))
 	}
 	return hex.AppendEncode(dst, b[:])
-}
-
-// match returns the route for a normalised path, longest prefix first,
-// prefixes matched on segment boundaries.
-func (s *snapshot) match(path []byte) *route {
-	for _, r := range s.routes {
-		if prefixMatch(path, r.Prefix) {
-			return r
-		}
-	}
-	return nil
 }

@@ -2,13 +2,10 @@ package ratelimit
 
 import (
 	"context"
-	"math"
 	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/time/rate"
 )
 
 // Reason says why a request was refused.
@@ -31,27 +28,6 @@ const (
 // Reasons lists every Reason, for building metrics.
 var Reasons = []Reason{ReasonRequests, ReasonTokens, ReasonConcurrency, ReasonQueueFull, ReasonTimeout, ReasonCancelled,
 	ReasonRequestsDay, ReasonTokensDay, ReasonUSDDay, ReasonUSDMonth, ReasonStore}
-
-// usage is what a request is reserved, or used: tokens (input and output)
-// and micro-dollars.
-type usage struct{ tokens, micro int64 }
-
-// micro is dollars in whole micro-dollars, rounded up (a reservation is
-// never short by the rounding).
-func micro(usd float64) int64 {
-	if usd <= 0 || math.IsNaN(usd) {
-		return 0
-	}
-	return int64(math.Ceil(usd * 1e6))
-}
-
-// monthOf is the UTC calendar month of now (months since year 0) and
-// how long until the next begins.
-func monthOf(now time.Time) (int64, time.Duration) {
-	u := now.UTC()
-	next := time.Date(u.Year(), u.Month()+1, 1, 0, 0, 0, 0, time.UTC)
-	return int64(u.Year())*12 + int64(u.Month()-1), next.Sub(now)
-}
 
 // Refusal is a request that was not admitted.
 type Refusal struct {
@@ -128,40 +104,6 @@ func (st *tenantState) reconfigure(t *Tenant, now time.Time) {
 		}
 		rl.reconfigure(l, now)
 	}
-}
-
-// reconfigure changes a limiter's limits in place: requests in flight stay
-// counted, the request bucket keeps its tokens (capped at the new burst)
-// and the token budget keeps what was used of it.
-func (l *limiter) reconfigure(lim Limits, now time.Time) {
-	fresh := newLimiter(lim, now)
-	if l.rps != nil && fresh.rps != nil {
-		tokens := min(l.rps.TokensAt(now), float64(fresh.rps.Burst()))
-		// Bring the new bucket to the old level.
-		if spend := int(float64(fresh.rps.Burst()) - tokens); spend > 0 {
-			fresh.rps.AllowN(now, spend)
-		}
-	}
-	if l.tpm != nil && fresh.tpm != nil {
-		l.tpm.refill(now)
-		used := l.tpm.capacity - l.tpm.level
-		fresh.tpm.level = fresh.tpm.capacity - used
-	}
-	l.lim, l.rps, l.tpm = lim, fresh.rps, fresh.tpm
-}
-
-// limiter is one set of limits with its state.
-type limiter struct {
-	lim      Limits
-	rps      *rate.Limiter
-	tpm      *budget
-	day      int64 // the UTC day rpd, tpd and usdDay count
-	rpd, tpd int64
-	// The dollar budgets' use, in micro-dollars: of the day, and of the
-	// UTC month mon.
-	usdDay, usdMon int64
-	mon            int64
-	inflight       int
 }
 
 type waiter struct {
@@ -309,136 +251,6 @@ func (a *Admitter) lock(name string) *tenantState {
 	}
 }
 
-func newLimiter(l Limits, now time.Time) *limiter {
-	lm := &limiter{lim: l}
-	if l.RequestsPerSecond > 0 {
-		burst := l.Burst
-		if burst == 0 {
-			burst = max(1, int(math.Ceil(l.RequestsPerSecond)))
-		}
-		lm.rps = rate.NewLimiter(rate.Limit(l.RequestsPerSecond), burst)
-	}
-	if l.TokensPerMinute > 0 {
-		lm.tpm = newBudget(l.TokensPerMinute, now)
-	}
-	return lm
-}
-
-// check reports whether an estimate est can be admitted now; if not, how
-// long until it can (-1: unknown, waiting on a release).
-func (l *limiter) check(now time.Time, est usage) (time.Duration, Reason) {
-	if l.lim.MaxConcurrent > 0 && l.inflight >= l.lim.MaxConcurrent {
-		return -1, ReasonConcurrency
-	}
-	var wait time.Duration
-	var reason Reason
-	if l.rps != nil {
-		if tok := l.rps.TokensAt(now); tok < 1 {
-			wait = time.Duration((1 - tok) / float64(l.rps.Limit()) * float64(time.Second))
-			wait, reason = max(wait, time.Nanosecond), ReasonRequests
-		}
-	}
-	if l.tpm != nil {
-		if w := l.tpm.wait(now, est.tokens); w > wait {
-			wait, reason = w, ReasonTokens
-		}
-	}
-	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 || l.lim.USDPerDay > 0 {
-		l.rollDay(now)
-		untilDay := time.Unix((l.day+1)*86400, 0).Sub(now)
-		if l.lim.RequestsPerDay > 0 && l.rpd >= l.lim.RequestsPerDay && untilDay > wait {
-			wait, reason = untilDay, ReasonRequestsDay
-		}
-		if l.lim.TokensPerDay > 0 && l.tpd+min(est.tokens, l.lim.TokensPerDay) > l.lim.TokensPerDay && untilDay > wait {
-			wait, reason = untilDay, ReasonTokensDay
-		}
-		if b := micro(l.lim.USDPerDay); b > 0 && l.usdDay+min(est.micro, b) > b && untilDay > wait {
-			wait, reason = untilDay, ReasonUSDDay
-		}
-	}
-	if b := micro(l.lim.USDPerMonth); b > 0 {
-		untilMonth := l.rollMonth(now)
-		if l.usdMon+min(est.micro, b) > b && untilMonth > wait {
-			wait, reason = untilMonth, ReasonUSDMonth
-		}
-	}
-	return wait, reason
-}
-
-// rollDay starts the day's counts afresh when a new UTC day began.
-func (l *limiter) rollDay(now time.Time) {
-	if d := now.Unix() / 86400; d != l.day {
-		l.day, l.rpd, l.tpd, l.usdDay = d, 0, 0, 0
-	}
-}
-
-// rollMonth starts the month's count afresh when a new UTC month began,
-// and returns how long until the next.
-func (l *limiter) rollMonth(now time.Time) time.Duration {
-	m, until := monthOf(now)
-	if m != l.mon {
-		l.mon, l.usdMon = m, 0
-	}
-	return until
-}
-
-func (l *limiter) take(now time.Time, est usage) {
-	l.inflight++
-	if l.rps != nil {
-		l.rps.AllowN(now, 1)
-	}
-	if l.tpm != nil {
-		l.tpm.take(now, est.tokens)
-	}
-	if l.lim.RequestsPerDay > 0 || l.lim.TokensPerDay > 0 || l.lim.USDPerDay > 0 {
-		l.rollDay(now)
-		l.rpd++
-		l.tpd += est.tokens
-		l.usdDay += est.micro
-	}
-	if l.lim.USDPerMonth > 0 {
-		l.rollMonth(now)
-		l.usdMon += est.micro
-	}
-}
-
-func (l *limiter) release(now time.Time, reserved, actual usage) {
-	l.inflight--
-	if l.tpm != nil {
-		l.tpm.reconcile(now, reserved.tokens, actual.tokens)
-	}
-	if l.lim.TokensPerDay > 0 || l.lim.USDPerDay > 0 {
-		l.rollDay(now)
-		l.tpd = max(0, l.tpd+actual.tokens-reserved.tokens)
-		l.usdDay = max(0, l.usdDay+actual.micro-reserved.micro)
-	}
-	if l.lim.USDPerMonth > 0 {
-		l.rollMonth(now)
-		l.usdMon = max(0, l.usdMon+actual.micro-reserved.micro)
-	}
-}
-
-// fresh reports that the limiter is as a new one would be: nothing in
-// flight and every bucket full.
-func (l *limiter) fresh(now time.Time) bool {
-	if l == nil {
-		return true
-	}
-	if l.inflight > 0 {
-		return false
-	}
-	if l.rollDay(now); l.rpd > 0 || l.tpd > 0 || l.usdDay > 0 {
-		return false // the day's budgets would start again
-	}
-	if l.rollMonth(now); l.usdMon > 0 {
-		return false
-	}
-	if l.rps != nil && l.rps.TokensAt(now) < float64(l.rps.Burst()) {
-		return false
-	}
-	return l.tpm == nil || l.tpm.untilFull(now) <= 0
-}
-
 // routeLimiter returns the tenant's limiter for route, or nil.
 func (st *tenantState) routeLimiter(route string, now time.Time) *limiter {
 	l, ok := st.t.Routes[route]
@@ -573,27 +385,6 @@ func (st *tenantState) fallbackLimiters(route string, withRoute bool, share floa
 	return fa, fr
 }
 
-// scaled is l at share of each limit (a burst or a concurrency at least 1).
-func scaled(l Limits, share float64) Limits {
-	f := func(v int64) int64 {
-		if v == 0 {
-			return 0
-		}
-		return max(1, int64(math.Ceil(float64(v)*share)))
-	}
-	out := Limits{RequestsPerSecond: l.RequestsPerSecond * share, TokensPerMinute: f(l.TokensPerMinute),
-		MaxConcurrent: int(f(int64(l.MaxConcurrent))), RequestsPerDay: f(l.RequestsPerDay), TokensPerDay: f(l.TokensPerDay),
-		USDPerDay: l.USDPerDay * share, USDPerMonth: l.USDPerMonth * share}
-	if l.RequestsPerSecond > 0 {
-		b := l.Burst
-		if b == 0 {
-			b = max(1, int(math.Ceil(l.RequestsPerSecond)))
-		}
-		out.Burst = int(f(int64(b)))
-	}
-	return out
-}
-
 // Admit decides on one request of tenant (which must be configured) on
 // route, estimated to use est tokens. In queue mode it may wait, until
 // admitted, MaxWait has passed, or ctx is done (the client left).
@@ -674,109 +465,6 @@ func (a *Admitter) admit(ctx context.Context, tenant, route string, est usage) (
 	return nil, &Refusal{Reason: reason, RetryAfter: wait, Queued: a.now().Sub(now)}
 }
 
-func retryAfter(wait time.Duration) time.Duration {
-	if wait <= 0 {
-		return time.Second
-	}
-	return wait
-}
-
-// sharedPoll is how often a queue waiting on a shared store's concurrency
-// looks again: the releases of other replicas do not reach this one.
-const sharedPoll = 25 * time.Millisecond
-
-// pumpLocked admits queued requests in order while the limits allow, and
-// otherwise arranges to try again when the head could pass. st is locked.
-// Against a shared store the queue is admitted by one goroutine of its own
-// (pumpShared), so that no caller waits on the store's round trips.
-func (a *Admitter) pumpLocked(st *tenantState, now time.Time) {
-	if a.shared != nil {
-		switch {
-		case len(st.queue) == 0:
-		case st.pumping:
-			st.repump = true
-		default:
-			st.pumping = true
-			go a.pumpShared(st)
-		}
-		return
-	}
-	for len(st.queue) > 0 {
-		w := st.queue[0]
-		adm, ok, wait, _ := a.try(st, w.route, w.routeName, w.est, now)
-		if !ok {
-			if wait <= 0 && a.shared != nil {
-				wait = sharedPoll
-			}
-			if wait > 0 {
-				if st.timer != nil {
-					st.timer.Stop()
-				}
-				a.pumpAfter(st, wait)
-			}
-			return // waiting on a release otherwise
-		}
-		st.admitHead(w, adm)
-	}
-}
-
-// pumpAfter has the queue pumped again after wait. st is locked.
-func (a *Admitter) pumpAfter(st *tenantState, wait time.Duration) {
-	if st.timer != nil {
-		st.timer.Stop()
-	}
-	st.timer = time.AfterFunc(wait, func() {
-		st.mu.Lock()
-		a.pumpLocked(st, a.now())
-		st.mu.Unlock()
-	})
-}
-
-// admitHead takes the queue's head, w, out of it as admitted. st is locked.
-func (st *tenantState) admitHead(w *waiter, adm admission) {
-	st.queue[0] = nil
-	st.queue = st.queue[1:]
-	st.queued.Add(-1)
-	w.admitted, w.adm = true, adm
-	close(w.ch)
-}
-
-// pumpShared admits the queue's head against the shared store, one
-// decision at a time, until the queue is empty or its head must wait; it
-// is the only goroutine pumping st's queue while st.pumping is set.
-func (a *Admitter) pumpShared(st *tenantState) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	for len(st.queue) > 0 {
-		w := st.queue[0]
-		st.repump = false
-		adm, ok, wait, _ := a.try(st, w.route, w.routeName, w.est, a.now())
-		if w.gone {
-			// It left while the store decided: what it was given goes back.
-			if ok {
-				t := &Ticket{a: a, st: st, routeName: w.routeName, adm: adm, reserved: w.est}
-				st.mu.Unlock()
-				t.release(usage{})
-				st.mu.Lock()
-			}
-			continue
-		}
-		if ok {
-			st.admitHead(w, adm)
-			continue
-		}
-		if st.repump {
-			continue // a release came while the store decided: at once again
-		}
-		if wait <= 0 {
-			wait = sharedPoll
-		}
-		a.pumpAfter(st, wait)
-		break
-	}
-	st.pumping = false
-}
-
 // Release ends an admitted request: its concurrency slot is freed and its
 // token reservation replaced by actual, the tokens it really used (input
 // and output; 0 when nothing reached the model). It may be called more than
@@ -835,106 +523,4 @@ func (t *Ticket) release(actual usage) {
 	st.lastUse = now
 	t.a.pumpLocked(st, now)
 	st.mu.Unlock()
-}
-
-// Quota is one limit as the x-ratelimit-* headers describe it.
-type Quota struct {
-	Set       bool
-	Limit     int64
-	Remaining int64
-	Reset     time.Duration // until the limit is back to full
-}
-
-// Quotas returns the tenant's request and token quotas, from its own
-// limits or, when it has none, from route's. With a shared store it
-// returns none: the levels live in the store, and this replica's would
-// mislead.
-func (a *Admitter) Quotas(tenant, route string) (requests, tokens Quota) {
-	if a.shared != nil {
-		return
-	}
-	st := a.lock(tenant)
-	defer st.mu.Unlock()
-	now := a.now()
-	l := st.all
-	if l == nil {
-		l = st.routeLimiter(route, now)
-	}
-	if l == nil {
-		return
-	}
-	if l.rps != nil {
-		b := float64(l.rps.Burst())
-		tok := max(0, l.rps.TokensAt(now))
-		requests = Quota{Set: true, Limit: int64(b), Remaining: int64(tok),
-			Reset: time.Duration((b - min(b, tok)) / float64(l.rps.Limit()) * float64(time.Second))}
-	}
-	if l.tpm != nil {
-		tokens = Quota{Set: true, Limit: int64(l.tpm.capacity), Remaining: max(0, int64(l.tpm.level)), Reset: l.tpm.untilFull(now)}
-	}
-	return
-}
-
-// Stats returns the requests in flight and queued of a tenant (0 when its
-// state is not held).
-func (a *Admitter) Stats(tenant string) (inflight, queued int64) {
-	a.mu.Lock()
-	st := a.states[tenant]
-	a.mu.Unlock()
-	if st == nil {
-		return 0, 0
-	}
-	return st.inflight.Load(), st.queued.Load()
-}
-
-// Tracked returns the number of tenants whose state is held.
-func (a *Admitter) Tracked() int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return len(a.states)
-}
-
-func (a *Admitter) evictLoop() {
-	defer close(a.done)
-	tick := time.NewTicker(max(a.cfg.IdleTTL/2, 100*time.Millisecond))
-	defer tick.Stop()
-	for {
-		select {
-		case <-a.stop:
-			return
-		case <-tick.C:
-			a.Evict()
-		}
-	}
-}
-
-// Evict drops the state of tenants idle for IdleTTL whose limiters have
-// refilled: a fresh state then gives exactly what the old one would have,
-// so eviction never hands an over-limit tenant an early burst. It runs
-// periodically; tests call it directly.
-func (a *Admitter) Evict() int {
-	now := a.now()
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	n := 0
-	for name, st := range a.states {
-		st.mu.Lock()
-		if len(st.queue) == 0 && st.inflight.Load() == 0 && st.deciding == 0 && !st.pumping &&
-			now.Sub(st.lastUse) >= a.cfg.IdleTTL && st.all.fresh(now) && routesFresh(st, now) {
-			st.dead = true
-			delete(a.states, name)
-			n++
-		}
-		st.mu.Unlock()
-	}
-	return n
-}
-
-func routesFresh(st *tenantState, now time.Time) bool {
-	for _, l := range st.routes {
-		if !l.fresh(now) {
-			return false
-		}
-	}
-	return true
 }
