@@ -259,7 +259,7 @@ func relayExactBytes(t *testing.T, opts Options) (loopStreams uint64) {
 	if n := up.conns.Load(); n != 1 {
 		t.Fatalf("the backend saw %d connections: the pooled one was not reused", n)
 	}
-	return tp.p.loops.streams.Load()
+	return tp.p.loops.Streams()
 }
 
 // framedFrom returns the first offset k of the backend's body, at a chunk
@@ -318,7 +318,7 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 		return writePieces(c, body, r, 400, 3, 800)
 	})
 	tp := startProxy(t, up.url, nil)
-	before := tp.p.loops.streams.Load()
+	before := tp.p.loops.Streams()
 	errs := make(chan error, streams)
 	for i := range streams {
 		go func() {
@@ -357,7 +357,7 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 			t.Fatalf("record %s: outcome %s, %d tokens", rec.RequestID, rec.Outcome, rec.OutputTokens)
 		}
 	}
-	if moved := tp.p.loops.streams.Load() - before; moved < streams/2 {
+	if moved := tp.p.loops.Streams() - before; moved < streams/2 {
 		t.Fatalf("%d of %d streams went to a relay loop", moved, streams)
 	}
 }
@@ -440,7 +440,7 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 				return err == nil
 			})
 			tp := startProxyOpts(t, up.url, nil, Options{GoroutineRelay: path.goroutine})
-			before := tp.p.loops.streams.Load()
+			before := tp.p.loops.Streams()
 			c, err := net.Dial("tcp", tp.addr)
 			if err != nil {
 				t.Fatal(err)
@@ -472,7 +472,7 @@ func TestBodyEndGoesWithLastData(t *testing.T) {
 			if n := up.conns.Load(); n != 1 {
 				t.Fatalf("the backend saw %d connections", n)
 			}
-			if moved := tp.p.loops.streams.Load() - before; path.goroutine != (moved == 0) {
+			if moved := tp.p.loops.Streams() - before; path.goroutine != (moved == 0) {
 				t.Fatalf("%d of %d streams went to a relay loop", moved, len(ends))
 			}
 		})

@@ -1,18 +1,17 @@
 package proxy
 
 import (
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"io"
 	"net"
 	"os"
-	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// The body relay's side of a relay loop (loop.go): what moves a passChunks
-// stream into a loop, and the relayed methods through which the loop
-// reads, writes and ends it.
+// The body relay's side of a relay loop (relayplane): what moves a
+// passChunks stream into a loop, and the three methods through which the
+// loop reads, writes and tells it the rest (looped).
 
 // passTurn is the read a relay loop is relaying: the end of the bytes
 // read in the relay's buffer, the data bytes found, whether anything is
@@ -38,16 +37,16 @@ func (r *bodyRelay) loopable() bool {
 // reports false when it cannot (the stream then stays on its goroutine).
 // Once it moved, the caller lets go of the exchange: the loop owns it, and
 // as it lets go of the stream it starts the goroutine that carries it on
-// (relayEnded). What the server had read ahead of the connection moves out
-// of hj first (takeBuffered), so that the hijack's goroutine can return
-// and the server's read buffer go with it: an open stream holds neither.
+// (Ended). What the server had read ahead of the connection moves out of
+// hj first (takeBuffered), so that the hijack's goroutine can return and
+// the server's read buffer go with it: an open stream holds neither.
 func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	cc, c := r.x.client.(*clientConn), r.x.att.conn
-	l := r.x.p.loops.pick()
+	l := r.x.p.loops.Pick()
 	if l == nil {
 		return false
 	}
-	upFd, clFd := c.loopFd(), sockFd(cc.raw)
+	upFd, clFd := c.loopFd(), relayplane.Fd(cc.raw)
 	if upFd < 0 || clFd < 0 || !r.x.cancel.enterLoop() {
 		return false
 	}
@@ -59,8 +58,8 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 		cc.takeBuffered(hj, r.buf[r.keep:])
 	}
 	s := &r.loop
-	s.r, s.upFd, s.clFd = r, upFd, clFd
-	s.idle, s.wtime = c.idle(), cc.d
+	s.S, s.UpFd, s.ClFd = (*looped)(r), upFd, clFd
+	s.Idle, s.WriteTimeout = c.idle(), cc.d
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it).
@@ -69,7 +68,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	// then) and unused while the loop reads the socket: it is put aside
 	// (parkReader) until the stream leaves the loop.
 	c.parkReader()
-	if !l.post(s) {
+	if !l.Post(s) {
 		r.leftLoop()
 		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
 		return false
@@ -79,31 +78,24 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 
 // leftLoop undoes what passLoop did to move the stream.
 func (r *bodyRelay) leftLoop() {
-	r.loop.r, r.turn = nil, passTurn{}
+	r.loop.S, r.turn = nil, passTurn{}
 	r.x.att.conn.unparkReader()
 	r.x.client.(*clientConn).leaveLoop()
 	r.x.cancel.leaveLoop()
 }
 
-// relayEntered gives the read buffer to the loop until the next event:
-// an open stream waiting for its backend holds none.
-func (r *bodyRelay) relayEntered() { r.spareBuf() }
-
-// relayEnded carries the stream on, on a goroutine of its own, once the
-// loop let go of it: there when the loop could not take it (errNoLoop),
-// then to its end (endPass). A relay that left without a read buffer takes
-// one when it needs one again (newRelayBuf).
-func (r *bodyRelay) relayEnded(err error) { go r.afterLoop(err) }
-
+// afterLoop carries the stream on, on a goroutine of its own, once the
+// loop let go of it: there when the loop could not take it
+// (relayplane.ErrNoLoop), then to its end (endPass). A relay that left
+// without a read buffer takes one when it needs one again
+// (relayplane.NewBuf).
 func (r *bodyRelay) afterLoop(err error) {
 	growStack()
 	r.leftLoop()
-	if err == errNoLoop {
+	if err == relayplane.ErrNoLoop {
 		// The loop never took it: its read buffer is still its own.
 		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
 		err = r.passRest()
-	} else {
-		r.x.p.loops.streams.Add(1)
 	}
 	if r.wait != nil {
 		r.wait <- err
@@ -112,11 +104,24 @@ func (r *bodyRelay) afterLoop(err error) {
 	r.endPass(nil, err)
 }
 
-// relayRead reads the upstream socket once for the loop and scans what
-// came (passScan).
-func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, again bool) {
+// spareBuf gives the read buffer back to the loop between events, unless
+// it holds a size line cut by the last read's end.
+func (r *bodyRelay) spareBuf() {
+	if r.keep == 0 && r.buf != nil {
+		r.loop.GiveBuf(r.buf)
+		r.buf = nil
+	}
+}
+
+// looped is a body relay as its relay loop sees it (relayplane.Stream).
+type looped bodyRelay
+
+// Read reads the upstream socket once for the loop and scans what came
+// (passScan).
+func (l *looped) Read(fd int, events uint32) (out []byte, wait, got, again bool) {
+	r := (*bodyRelay)(l)
 	if r.buf == nil {
-		r.buf = r.loop.bufs.take()
+		r.buf = r.loop.TakeBuf()
 	}
 	room := r.buf[r.keep:]
 	n, errno := r.x.att.conn.recvFd(fd, room)
@@ -142,8 +147,9 @@ func (r *bodyRelay) relayRead(fd int, events uint32) (out []byte, wait, got, aga
 	return r.buf[:end], false, got, again
 }
 
-// relayWritten ends the read relayed once its bytes are written (passDone).
-func (r *bodyRelay) relayWritten() (bool, error) {
+// Written ends the read relayed once its bytes are written (passDone).
+func (l *looped) Written() (bool, error) {
+	r := (*bodyRelay)(l)
 	end, err := r.passDone(r.turn.data, r.turn.wrote, r.turn.err, r.turn.last)
 	if !end {
 		r.spareBuf()
@@ -151,40 +157,32 @@ func (r *bodyRelay) relayWritten() (bool, error) {
 	return end, err
 }
 
-// spareBuf gives the read buffer back to the loop between events, unless
-// it holds a size line cut by the last read's end.
-func (r *bodyRelay) spareBuf() {
-	if r.keep == 0 && r.buf != nil {
-		r.loop.bufs.give(r.buf)
-		r.buf = nil
+// Note: the loop took the stream (the read buffer goes back to the loop
+// until the next event: an open stream waiting for its backend holds
+// none); bytes sent and stalls are counted on the client connection (a
+// loop takes only streams to a clientConn: loopable); a client that left
+// cancels the exchange; a failure keeps the upstream's error for the
+// record; the end carries the stream on (afterLoop).
+func (l *looped) Note(e relayplane.Event) {
+	r := (*bodyRelay)(l)
+	switch e.Kind {
+	case relayplane.Entered:
+		r.spareBuf()
+	case relayplane.Sent:
+		r.x.client.(*clientConn).sent += int64(e.N)
+	case relayplane.Stalled:
+		r.x.client.(*clientConn).stall += e.D
+	case relayplane.ClientLeft:
+		r.x.fire()
+	case relayplane.Failed:
+		err := e.Err
+		if e.KeepRead {
+			err = r.turn.err
+		}
+		r.readErr = err
+	case relayplane.Ended:
+		go r.afterLoop(e.Err)
 	}
-}
-
-// relayFailed keeps the upstream's error for the record.
-func (r *bodyRelay) relayFailed(err error, keepRead bool) {
-	if keepRead {
-		err = r.turn.err
-	}
-	r.readErr = err
-}
-
-// relaySent and relayStalled count on the client connection (a loop
-// takes only streams to a clientConn: loopable).
-func (r *bodyRelay) relaySent(n int) { r.x.client.(*clientConn).sent += int64(n) }
-
-func (r *bodyRelay) relayStalled(d time.Duration) { r.x.client.(*clientConn).stall += d }
-
-func (r *bodyRelay) relayCancel() { r.x.fire() }
-
-// sockFd returns the descriptor behind raw, or -1. Only a stream's own
-// goroutine calls it, and the descriptor stays open while the stream is in
-// a loop (see relayLoop).
-func sockFd(raw syscall.RawConn) int {
-	fd := -1
-	if raw.Control(func(f uintptr) { fd = int(f) }) != nil {
-		return -1
-	}
-	return fd
 }
 
 // shutdownConn shuts conn's socket down in both directions, which ends

@@ -1,43 +1,12 @@
 package proxy
 
 import (
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 )
-
-// peerState is what one non-consuming look at a socket found.
-type peerState int
-
-const (
-	peerIdle    peerState = iota // open, nothing to read
-	peerData                     // bytes are waiting (a pipelined request, or a stale response)
-	peerClosed                   // the peer closed or reset the connection
-	peerUnknown                  // not a socket we can look at
-)
-
-// peek looks at fd without consuming anything: recv(MSG_PEEK|MSG_DONTWAIT)
-// of one byte, again when a signal interrupted it. It does not allocate.
-func peek(fd uintptr) peerState {
-	var b [1]byte
-	for {
-		n, _, errno := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&b[0])), 1,
-			unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
-		switch {
-		case errno == unix.EINTR:
-		case errno == unix.EAGAIN:
-			return peerIdle
-		case errno != 0 || n == 0:
-			return peerClosed
-		default:
-			return peerData
-		}
-	}
-}
 
 // rawConn returns conn's file descriptor access, or nil when conn is not
 // backed by a socket.
@@ -69,15 +38,15 @@ func rawConn(conn net.Conn) syscall.RawConn {
 // without calling gone, since closure can no longer be seen without reading.
 //
 // While the proxy's relay loops run, a loop watches the socket instead
-// (relayLoop.watchPeer): from the start, for its peer's close alone
+// (relayplane.Loop.Watch; the watch is its Watched): from the start, for its peer's close alone
 // (EPOLLRDHUP), with no goroutine, timer or deadline per request. The
 // goroutine watch is for a proxy without loops (relay: goroutine).
 //
 // A peerWatch lives in a pooled exchange and serves one request after
 // another: its timer and channel are made once.
 type peerWatch struct {
-	loop    *relayLoop // the loop watching the socket, while one does
-	slot    int32      // its slot there
+	loop    *relayplane.Loop // the loop watching the socket, while one does
+	slot    int32            // its slot there
 	conn    net.Conn
 	raw     syscall.RawConn
 	gone    func()
@@ -85,7 +54,7 @@ type peerWatch struct {
 	timer   *time.Timer
 	active  bool // started and not yet stopped (owner goroutine only)
 	stopped atomic.Bool
-	state   peerState
+	state   relayplane.PeerState
 	peekFn  func(fd uintptr) bool
 	// tls: a TLS connection, whose waiting bytes may be the close_notify
 	// alert a leaving client sends before its FIN: they do not end the
@@ -103,7 +72,7 @@ const watchDelay = 10 * time.Millisecond
 // from watchDelay on, on a goroutine; nothing happens when conn is not a
 // socket. gone is called at most once, from the loop or the watch
 // goroutine. Every start must be followed by a stop before the next.
-func (w *peerWatch) start(conn net.Conn, gone func(), loops *loopSet) {
+func (w *peerWatch) start(conn net.Conn, gone func(), loops *relayplane.Set) {
 	raw := rawConn(conn)
 	if raw == nil {
 		return
@@ -112,9 +81,11 @@ func (w *peerWatch) start(conn net.Conn, gone func(), loops *loopSet) {
 	_, w.tls = conn.(*tlsClient)
 	w.stopped.Store(false)
 	w.active = true
-	if l := loops.pick(); l != nil && l.watchPeer(w) {
-		w.loop = l
-		return
+	if l := loops.Pick(); l != nil {
+		if slot, ok := l.Watch(w); ok {
+			w.loop, w.slot = l, slot
+			return
+		}
 	}
 	if w.timer == nil {
 		w.done = make(chan struct{}, 1)
@@ -135,56 +106,48 @@ func (w *peerWatch) run() {
 	if w.conn.SetReadDeadline(time.Time{}) != nil || w.stopped.Load() {
 		return
 	}
-	w.state = peerIdle
+	w.state = relayplane.PeerIdle
 	// Read calls the function again each time the socket becomes readable
 	// for as long as it returns false; a read deadline in the past ends it.
 	err := w.raw.Read(w.peekFn)
-	if err == nil && w.state == peerClosed {
+	if err == nil && w.state == relayplane.PeerClosed {
 		w.gone()
 	}
 }
 
 func (w *peerWatch) peekOnce(fd uintptr) bool {
-	w.state = peek(fd)
-	if w.state == peerData && w.tls {
-		if !hungUp(fd) {
-			w.state = peerIdle
+	w.state = relayplane.Peek(fd)
+	if w.state == relayplane.PeerData && w.tls {
+		if !relayplane.HungUp(fd) {
+			w.state = relayplane.PeerIdle
 			return false // wait for the next bytes or the FIN
 		}
-		w.state = peerClosed
+		w.state = relayplane.PeerClosed
 	}
-	return w.state != peerIdle
+	return w.state != relayplane.PeerIdle
 }
 
-// lookClosed is the loop watch's look at a socket that reported its
+// Look is the loop watch's look at a socket that reported its
 // peer's close or a hang-up: whether the watch ends, and whether the
 // client is gone. Bytes waiting on a plain connection end it without a
 // verdict (a pipelined request: closure cannot be told without reading);
 // on TLS they may be the close_notify alert a leaving client sends before
 // its FIN, so the close decides. Nothing waiting and no close (a stale
 // report) leaves the socket watched.
-func (w *peerWatch) lookClosed() (end, gone bool) {
-	state := peerUnknown
-	if w.raw.Control(func(fd uintptr) { state = peek(fd) }) != nil {
+func (w *peerWatch) Look() (end, gone bool) {
+	state := relayplane.PeerUnknown
+	if w.raw.Control(func(fd uintptr) { state = relayplane.Peek(fd) }) != nil {
 		return true, false // closed under the watch: its owner knows
 	}
 	switch state {
-	case peerIdle:
+	case relayplane.PeerIdle:
 		return false, false
-	case peerClosed:
+	case relayplane.PeerClosed:
 		return true, true
-	case peerData:
+	case relayplane.PeerData:
 		return true, w.tls
 	}
 	return true, false
-}
-
-// hungUp reports a peer that shut its side of the connection down (or
-// reset it), whatever bytes it sent before.
-func hungUp(fd uintptr) bool {
-	fds := [1]unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
-	n, err := unix.Poll(fds[:], 0)
-	return err == nil && n > 0 && fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
 }
 
 // stop ends the watch and waits for its goroutine, leaving conn with no
@@ -197,7 +160,7 @@ func (w *peerWatch) stop() {
 	w.active = false
 	w.stopped.Store(true)
 	if w.loop != nil {
-		w.loop.unwatchPeer(w)
+		w.loop.Unwatch(w.slot, w)
 		w.loop = nil
 		w.release()
 		return
@@ -215,6 +178,13 @@ func (w *peerWatch) stop() {
 	_ = w.conn.SetReadDeadline(time.Time{})
 	w.release()
 }
+
+// Control runs f with the watched socket's descriptor (the loop's look at
+// it); Gone tells that the client left.
+func (w *peerWatch) Control(f func(fd uintptr)) error { return w.raw.Control(f) }
+
+// Gone: see Control.
+func (w *peerWatch) Gone() { w.gone() }
 
 // release drops the request's references; the timer and channel stay.
 func (w *peerWatch) release() { w.conn, w.raw, w.gone = nil, nil, nil }

@@ -31,6 +31,7 @@ import (
 	"crypto/tls"
 	"encoding/hex"
 	"fmt"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"net/netip"
 	"runtime"
@@ -79,7 +80,7 @@ type Options struct {
 	RequestReadTimeout, IdleTimeout time.Duration
 	// GoroutineRelay keeps every streamed body on its request's goroutine
 	// instead of handing established chunked streams to the relay loops
-	// (loop.go). The loops cost less per event; this is the path to compare
+	// (relayplane). The loops cost less per event; this is the path to compare
 	// them against.
 	GoroutineRelay bool
 	// NoStats, NoSeries and NoClientSide turn measuring features off
@@ -138,11 +139,11 @@ type Proxy struct {
 	cutting  atomic.Bool  // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
-	pool     sync.Pool  // *exchange
-	acks     ackWatch   // records waiting for the client's acknowledgement
-	marks    lookWatch  // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
-	loops    loopSet    // the relay loops: started by Serve, stopped by Shutdown and Close
-	floors   pathFloors // per client address, the lowest round trip lately (for the marks' looks)
+	pool     sync.Pool      // *exchange
+	acks     ackWatch       // records waiting for the client's acknowledgement
+	marks    lookWatch      // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
+	loops    relayplane.Set // the relay loops: started by Serve, stopped by Shutdown and Close
+	floors   pathFloors     // per client address, the lowest round trip lately (for the marks' looks)
 	stats    *stats.Engine
 	statsNow func() time.Time
 }
@@ -325,7 +326,7 @@ func (p *Proxy) awaitRecorded(ctx context.Context) error {
 // Close stops the relay loops (a stream still in one ends as a failed
 // write), releases idle upstream connections and unregisters metrics.
 func (p *Proxy) Close() {
-	p.loops.stop()
+	p.loops.Stop()
 	if s := p.snap.Load(); s != nil {
 		if s.admit != nil {
 			s.admit.Close()
@@ -354,7 +355,7 @@ func (p *Proxy) Serve(ln net.Listener) error {
 	p.stopping.Store(false)
 	p.srvMu.Unlock()
 	if !p.opts.GoroutineRelay {
-		p.loops.start(runtime.GOMAXPROCS(0), p.now)
+		p.loops.Start(runtime.GOMAXPROCS(0), p.now)
 	}
 	return srv.Serve(ln)
 }
@@ -379,7 +380,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		return err
 	}
 	p.closeResumed(false)
-	p.loops.stop()
+	p.loops.Stop()
 	return nil
 }
 

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"io"
 	"net"
 	"time"
@@ -23,7 +24,7 @@ import (
 // Owner: the serving goroutine from relay on (the hijack's goroutine for
 // the responses tokentap writes); a relay loop while the stream is in one
 // (passLoop hands it over and the hijack's goroutine returns); then the
-// goroutine the loop starts as it lets go of the stream (relayEnded).
+// goroutine started as the loop lets go of the stream (afterLoop).
 type bodyRelay struct {
 	x             *exchange // the exchange it relays the body of
 	body          io.Reader
@@ -43,8 +44,8 @@ type bodyRelay struct {
 	keepConn bool // passChunks: the client connection serves more requests after the response
 	keep     int  // passChunks: bytes of a held size line at the front of buf
 	chunks   chunkScanner
-	loop     loopStream // the stream while a relay loop relays it (loop.go)
-	turn     passTurn   // the read the relay loop relays (passloop.go)
+	loop     relayplane.Handle // the stream while a relay loop relays it
+	turn     passTurn          // the read the relay loop relays (passloop.go)
 	// wait, when set, takes the end of a stream that left a relay loop in
 	// place of endPass: for a caller that drives passChunks itself and
 	// waits for the stream's end (the relay's tests and benchmarks).
@@ -97,7 +98,7 @@ func (r *bodyRelay) readTime() time.Time {
 // fasthttp uses WriteTo for chunked responses (see SupportsBodyWriteTo).
 func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 	if r.buf == nil {
-		r.buf = newRelayBuf()
+		r.buf = relayplane.NewBuf()
 	}
 	var written int64
 	for {
@@ -153,7 +154,7 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 // told apart.
 func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 	if r.buf == nil {
-		r.buf = newRelayBuf()
+		r.buf = relayplane.NewBuf()
 	}
 	up := r.x.att.conn
 	up.setDirect(true)
@@ -426,7 +427,7 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
 // handed over (hj, which reads through the server's read buffer). It runs
 // on the hijack's goroutine, which owns the exchange from here: it ends the
 // response (endPass) unless a relay loop took the stream, which carries the
-// exchange on from there (relayEnded); either way this goroutine then
+// exchange on from there (afterLoop); either way this goroutine then
 // returns, and the server lets go of its read buffer and the request's
 // context.
 func (r *bodyRelay) relayPass(hj net.Conn) {

@@ -190,8 +190,8 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	p.opts.GoroutineRelay = goroutine
 	if !goroutine {
 		// The loops Serve would start.
-		p.loops.start(runtime.GOMAXPROCS(0), p.now)
-		tb.Cleanup(p.loops.stop)
+		p.loops.Start(runtime.GOMAXPROCS(0), p.now)
+		tb.Cleanup(p.loops.Stop)
 	}
 	upWrite, upRead := tcpPair(tb)
 	peer, cl := tcpPair(tb)
@@ -232,7 +232,7 @@ func relayOne(tb testing.TB, up, peer net.Conn, got []byte) {
 // process), and the end of the body ends the stream cleanly.
 func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	x, up, peer := relayPair(t, false)
-	before := x.p.loops.streams.Load()
+	before := x.p.loops.Streams()
 	done := make(chan error, 1)
 	go func() { done <- passWhole(x) }()
 	got := make([]byte, len(benchFrame))
@@ -249,7 +249,7 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("the stream ended with %v", err)
 	}
-	if x.p.loops.streams.Load() == before {
+	if x.p.loops.Streams() == before {
 		t.Fatal("the stream was not relayed by a relay loop")
 	}
 	if x.tap.m.events != 502 || x.relay.bytesOut != 502*int64(len(benchEvent)) || !x.relay.upDone {

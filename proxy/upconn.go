@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"strconv"
 	"sync"
@@ -52,7 +53,7 @@ type upConn struct {
 	// Made once per connection, so that the checks before each reuse do
 	// not allocate.
 	peekFn  func(fd uintptr)
-	peeked  peerState
+	peeked  relayplane.PeerState
 	ti      tcpInfo
 	sent    int64 // bytes written to the socket (plain connections only)
 	ackBase int64 // the kernel's acknowledged count when the connection opened
@@ -106,7 +107,7 @@ func (c *upConn) loopFd() int {
 	if !c.loopable() {
 		return -1
 	}
-	return sockFd(c.rx.raw)
+	return relayplane.Fd(c.rx.raw)
 }
 
 // recvFd reads the socket for a relay loop that holds its descriptor fd
@@ -141,7 +142,7 @@ func (c *upConn) parkReader() {
 		return
 	}
 	c.br.Reset(nil)
-	spareReaders.put(c.br)
+	spareReaders.Put(c.br)
 	c.br = nil
 }
 
@@ -329,15 +330,15 @@ func (c *upConn) bytesAcked() int64 {
 
 // peek checks once, without consuming a byte or allocating, whether the
 // connection is still open and quiet.
-func (c *upConn) peek() peerState {
+func (c *upConn) peek() relayplane.PeerState {
 	raw := rawConn(c.socket())
 	if raw == nil {
-		return peerUnknown
+		return relayplane.PeerUnknown
 	}
 	if c.peekFn == nil {
-		c.peekFn = func(fd uintptr) { c.peeked = peek(fd) }
+		c.peekFn = func(fd uintptr) { c.peeked = relayplane.Peek(fd) }
 	}
-	c.peeked = peerUnknown
+	c.peeked = relayplane.PeerUnknown
 	_ = raw.Control(c.peekFn)
 	return c.peeked
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"net/url"
 	"slices"
@@ -205,14 +206,14 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		// The connection is this request's from here: the peek, a system
 		// call, is made outside the lock the other requests wait on.
 		up.mu.Unlock()
-		state := peerUnknown
+		state := relayplane.PeerUnknown
 		if c.usable(now) {
 			state = c.peek()
 			if c.streamEnded {
 				state = up.settle(c, state)
 			}
 		}
-		if state == peerIdle {
+		if state == relayplane.PeerIdle {
 			c.up = up // pooled by an earlier configuration's upstream, maybe: its timeouts are now up's
 			c.reused = true
 			if c.usesLeft > 0 {
@@ -224,9 +225,9 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		up.open--
 		up.mu.Unlock()
 		switch state {
-		case peerData:
+		case relayplane.PeerData:
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
-		case peerClosed:
+		case relayplane.PeerClosed:
 			metrics.UpstreamConnDiscarded(metrics.DiscardClosedByPeer)
 		default:
 			metrics.UpstreamConnDiscarded(metrics.DiscardExpired)
@@ -253,17 +254,17 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 // settle looks at a connection whose last response was a stream while
 // the backend's habit is unknown: it waits until streamSettle after that
 // end for the backend's close, and learns from what it finds.
-func (up *upstream) settle(c *upConn, state peerState) peerState {
-	if state == peerIdle {
+func (up *upstream) settle(c *upConn, state relayplane.PeerState) relayplane.PeerState {
+	if state == relayplane.PeerIdle {
 		if wait := streamSettle - up.now().Sub(c.lastUsed); wait > 0 {
 			time.Sleep(wait)
 			state = c.peek()
 		}
 	}
 	switch state {
-	case peerClosed:
+	case relayplane.PeerClosed:
 		up.afterStream.CompareAndSwap(streamUnknown, streamCloses)
-	case peerIdle:
+	case relayplane.PeerIdle:
 		if up.streamsKept.Add(1) >= streamKeptToTrust {
 			up.afterStream.CompareAndSwap(streamUnknown, streamKeeps)
 		}

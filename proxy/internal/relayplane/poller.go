@@ -1,4 +1,4 @@
-package proxy
+package relayplane
 
 import (
 	"syscall"
@@ -20,7 +20,7 @@ type poller struct {
 const (
 	sideUp     int32 = 0
 	sideClient int32 = 1
-	sideWatch  int32 = 2 // a client socket watched for its peer's close (relayLoop.watchPeer)
+	sideWatch  int32 = 2 // a client socket watched for its peer's close (Loop.Watch)
 )
 
 func newPoller() (*poller, error) {

@@ -1,4 +1,12 @@
-package proxy
+// Package relayplane relays established streams for many requests on a
+// few goroutines: the relay loops (Loop, one per processor in a Set), each
+// driven by an epoll set of its own (poller), level-triggered; the watch of
+// a waiting request's client socket for its peer's close (Watch); and the
+// socket helpers and spare buffers they share with the goroutine path
+// (Peek, HungUp, Fd, NewBuf). It knows descriptors, slots and the three
+// methods of a Stream, never a request: what a stream is, how it is
+// measured and recorded, is its owner's.
+package relayplane
 
 import (
 	"errors"
@@ -6,6 +14,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -14,12 +23,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// relayLoop relays established chunked streams (passChunks once the
-// response header is out) for many exchanges on one goroutine, driven by
-// an epoll set of its own (poller), level-triggered.
+// Loop relays established streams (tokentap's chunked streams once the
+// response header is out) for many requests on one goroutine, driven by an
+// epoll set of its own (poller), level-triggered.
 //
 // On the goroutine path every relayed event costs a wake-up of the
-// exchange's goroutine and two reads of the upstream socket: the runtime's
+// request's goroutine and two reads of the upstream socket: the runtime's
 // poller is edge-triggered and forgets a socket's readiness before each
 // read, so only a read that fails with EAGAIN can tell a goroutine to park.
 // Here a short read ends a stream's turn (the level-triggered set reports
@@ -29,30 +38,27 @@ import (
 // The loop's goroutine parks in the runtime's poller on the epoll
 // descriptor itself (an epoll set is readable while it has events), so an
 // idle loop holds no thread and the loops do not compete with the
-// runtime's scheduler. The exchange's own goroutine waits on a channel
-// until its stream ends, then hands the connection back to the server as
-// before.
+// runtime's scheduler. As it lets go of a stream (Ended) its owner carries
+// it on, on a goroutine of its own.
 //
-// The loop sees a stream only through relayed (what to read, what to
-// write, how it ended) and its two descriptors. It uses the connections'
-// own descriptors, so nothing may close them while it holds them: the two
-// paths that close a connection from another goroutine (a client that
-// left: cancelState.fire; a drain cut short: clientConn.Close) only shut
-// the socket down then, which the loop sees at once (the upstream reads
+// The loop sees a stream only through Stream (what to read, what was
+// written, what else befell it) and its two descriptors. It uses the
+// connections' own descriptors, so nothing may close them while it holds
+// them: an owner that closes a connection from another goroutine (a client
+// that left, a drain cut short) only shuts the socket down then, which the loop sees at once (the upstream reads
 // its end, the client's socket reports a hang-up), and the close waits for
 // the stream to leave the loop. (Duplicating the descriptors instead would
 // double what each stream holds: 9,000 idle streams ran out of the
 // process's 20,000.)
 //
 // Timeouts are the goroutine path's: the upstream's idle gap between reads
-// and the client's write timeout, on the proxy's clock. The loop wakes for
+// and the client's write timeout, on the owner's clock. The loop wakes for
 // them only when the earliest can have passed (an epoll set has no timers:
 // a read deadline on its file does it), never per event.
 //
-// The loops belong to a Proxy (loopSet): Serve starts them, Shutdown and
-// Close stop them, which ends the streams still in them and closes their
-// descriptors.
-type relayLoop struct {
+// The loops belong to a Set, whose owner starts and stops them; stopping
+// ends the streams still in them and closes their descriptors.
+type Loop struct {
 	poll   *poller
 	efd    int // eventfd: streams posted to the loop, and the stop
 	file   *os.File
@@ -62,10 +68,10 @@ type relayLoop struct {
 	events []unix.EpollEvent
 	efdBuf [8]byte
 	mu     sync.Mutex
-	posted []*loopStream
+	posted []*Handle
 	stop   bool // under mu: no more posts; the loop ends its streams and exits
-	taken  []*loopStream
-	slots  []*loopStream // by slot; nil: free
+	taken  []*Handle
+	slots  []*Handle // by slot; nil: free
 	free   []int32
 	// freed are slots ended during the batch being served: they are
 	// reused only from the next batch, so that an event of the batch for
@@ -80,47 +86,66 @@ type relayLoop struct {
 	spare spareBufs // read buffers lent to its streams (spareBufs)
 
 	// Client sockets watched for their peer's close while their request
-	// waits (watchPeer), by slot: registered and ended by the requests'
+	// waits (Watch), by slot: registered and ended by the requests'
 	// goroutines, reported to the loop's; under wmu, which a verdict is
 	// given under, so that a watch that stopped is never called.
 	wmu     sync.Mutex
-	watched []*peerWatch
+	watched []watchSlot
 	wfree   []int32
-	wclosed bool          // the epoll set is closed: no more watches
-	again   bool          // a read filled the buffer: look again before parking
-	more    bool          // events are left after a batch: yield, then serve them
-	exiting bool          // the loop's own: stop was seen
-	exited  chan struct{} // closed when the goroutine has closed the descriptors and returned
+	wclosed bool           // the epoll set is closed: no more watches
+	again   bool           // a read filled the buffer: look again before parking
+	more    bool           // events are left after a batch: yield, then serve them
+	exiting bool           // the loop's own: stop was seen
+	exited  chan struct{}  // closed when the goroutine has closed the descriptors and returned
+	streams *atomic.Uint64 // its set's count of the streams let go of (end)
 }
 
-// relayed is a stream as a relay loop sees it. The loop calls its methods
-// on its own goroutine only, while the stream is in it.
-type relayed interface {
-	// relayRead reads the upstream socket fd once. wait: nothing was
-	// waiting (EAGAIN). Otherwise out is what to write to the client
-	// (possibly nothing), got says bytes came, again that the socket may
-	// still be readable (the buffer filled, or its end waits).
-	relayRead(fd int, events uint32) (out []byte, wait, got, again bool)
-	// relayWritten: out was written whole; end says whether the stream is
+// Stream is a stream as a loop sees it. The loop calls its methods on
+// its own goroutine only, while the stream is in it.
+type Stream interface {
+	// Read reads the upstream socket fd once. wait: nothing was waiting
+	// (EAGAIN). Otherwise out is what to write to the client (possibly
+	// nothing), got says bytes came, again that the socket may still be
+	// readable (the buffer filled, or its end waits).
+	Read(fd int, events uint32) (out []byte, wait, got, again bool)
+	// Written: out was written whole; end says whether the stream is
 	// over, err why (nil: the body's end).
-	relayWritten() (end bool, err error)
-	// relayFailed: the stream ends with err, a failed write, a stop or a
-	// timeout; keepRead says whether the read being relayed keeps its own
-	// error (false: err is the read's, an idle upstream).
-	relayFailed(err error, keepRead bool)
-	// relaySent counts n bytes written to the client; relayStalled the time
-	// a write waited for the client's socket.
-	relaySent(n int)
-	relayStalled(d time.Duration)
-	// relayCancel: the client left (its socket reported its close with
-	// nothing waiting).
-	relayCancel()
-	// relayEntered: the loop took the stream (its sockets are watched).
-	relayEntered()
-	// relayEnded: the loop let go of the stream, for good (err: how it
-	// ended; errNoLoop: the loop could not take it). The loop touches
-	// neither the stream nor its loopStream after the call.
-	relayEnded(err error)
+	Written() (end bool, err error)
+	// Note tells the stream what else befell it (Event).
+	Note(e Event)
+}
+
+// EventKind is what befell a stream in a loop.
+type EventKind uint8
+
+const (
+	// Entered: the loop took the stream (its sockets are watched).
+	Entered EventKind = iota
+	// Sent: N bytes were written to the client.
+	Sent
+	// Stalled: a write waited D for the client's socket.
+	Stalled
+	// ClientLeft: the client's socket reported its close with nothing
+	// waiting.
+	ClientLeft
+	// Failed: the stream ends with Err, a failed write, a stop or a
+	// timeout; KeepRead says whether the read being relayed keeps its own
+	// error (false: Err is the read's, an idle upstream). Ended follows.
+	Failed
+	// Ended: the loop let go of the stream, for good (Err: how it ended;
+	// ErrNoLoop: the loop could not take it). The loop touches neither
+	// the stream nor its Handle after it.
+	Ended
+)
+
+// Event is one thing that befell a stream in a loop, with what its kind
+// says (N, D, Err, KeepRead).
+type Event struct {
+	Kind     EventKind
+	KeepRead bool
+	N        int
+	D        time.Duration
+	Err      error
 }
 
 // loopBatch is how many ready events a loop serves before it lets other
@@ -130,16 +155,18 @@ const loopBatch = 64
 // efdSlot marks the eventfd's events; a stream's slot is an index.
 const efdSlot = -1
 
-// loopStream is one stream while the loop relays it. It lives in its
-// body relay and is reused by the relay's next stream.
-type loopStream struct {
-	r      relayed
+// Handle is one stream while a loop relays it: what its owner sets before
+// Post (the stream, the two descriptors, held open for the loop while it
+// relays, and the timeouts), and the loop's own state of it. It lives in
+// its owner and is reused by the owner's next stream.
+type Handle struct {
+	S            Stream
+	UpFd, ClFd   int
+	Idle         time.Duration // the upstream's idle timeout (0: none)
+	WriteTimeout time.Duration // the client's write timeout (0: none)
+
 	bufs   *spareBufs // the loop's, for the stream's reads
 	slot   int32
-	upFd   int // the connections' descriptors, held open for the loop
-	clFd   int
-	idle   time.Duration
-	wtime  time.Duration
 	readAt time.Time // when reading began or last returned bytes, for the idle timeout
 	// pending is what of the read being relayed is still to be written.
 	pending []byte
@@ -148,7 +175,15 @@ type loopStream struct {
 	rdhup   bool      // the client's close is watched (see clientClosed)
 }
 
-func newRelayLoop(now func() time.Time) (*relayLoop, error) {
+// TakeBuf returns a read buffer of the loop's spares, for the stream's
+// Read; GiveBuf gives it back between events. Only from the Stream's
+// methods, on the loop's goroutine.
+func (s *Handle) TakeBuf() []byte { return s.bufs.take() }
+
+// GiveBuf: see TakeBuf.
+func (s *Handle) GiveBuf(b []byte) { s.bufs.give(b) }
+
+func newLoop(now func() time.Time) (*Loop, error) {
 	poll, err := newPoller()
 	if err != nil {
 		return nil, err
@@ -181,7 +216,7 @@ func newRelayLoop(now func() time.Time) (*relayLoop, error) {
 		metrics.RelayLoopError("create")
 		return nil, errors.New("epoll descriptor is not pollable")
 	}
-	l := &relayLoop{poll: poll, efd: efd, file: f, raw: raw, now: now, events: make([]unix.EpollEvent, loopBatch),
+	l := &Loop{poll: poll, efd: efd, file: f, raw: raw, now: now, events: make([]unix.EpollEvent, loopBatch),
 		exited: make(chan struct{})}
 	l.turnFn = l.turn
 	return l, nil
@@ -190,7 +225,7 @@ func newRelayLoop(now func() time.Time) (*relayLoop, error) {
 // run serves the loop until it is stopped. Between turns it checks the
 // open streams' timeouts when the earliest is due, and moves the epoll
 // file's read deadline, which wakes the loop, to the next one.
-func (l *relayLoop) run() {
+func (l *Loop) run() {
 	defer close(l.exited)
 	for {
 		_ = l.raw.Read(l.turnFn) // a deadline: a timeout may be due
@@ -211,7 +246,7 @@ func (l *relayLoop) run() {
 		}
 		if !l.armed.Equal(l.due) {
 			// The file's deadline is on the runtime's clock: the time left
-			// on the proxy's.
+			// on the owner's.
 			at := l.due
 			if !at.IsZero() {
 				at = time.Now().Add(l.due.Sub(l.now()))
@@ -223,7 +258,7 @@ func (l *relayLoop) run() {
 }
 
 // expect makes sure the loop wakes by t to check the timeouts.
-func (l *relayLoop) expect(t time.Time) {
+func (l *Loop) expect(t time.Time) {
 	if l.due.IsZero() || t.Before(l.due) {
 		l.due = t
 	}
@@ -233,7 +268,7 @@ func (l *relayLoop) expect(t time.Time) {
 // until the epoll set is readable); it returns true when more are ready
 // after a batch (more), when the streams' timeouts are due, when the
 // deadline that checks them must change, or when the loop stops.
-func (l *relayLoop) turn(uintptr) bool {
+func (l *Loop) turn(uintptr) bool {
 	for {
 		n, e := l.poll.wait(l.events)
 		if e != 0 {
@@ -287,7 +322,7 @@ func (l *relayLoop) turn(uintptr) bool {
 
 // post hands s to the loop; false when the loop is stopping (the stream
 // stays on its goroutine).
-func (l *relayLoop) post(s *loopStream) bool {
+func (l *Loop) Post(s *Handle) bool {
 	l.mu.Lock()
 	if l.stop {
 		l.mu.Unlock()
@@ -299,16 +334,16 @@ func (l *relayLoop) post(s *loopStream) bool {
 	return true
 }
 
-// halt makes the loop end its streams (errLoopStopped), close its
+// halt makes the loop end its streams (ErrLoopStopped), close its
 // descriptors and return; posts fail from now on.
-func (l *relayLoop) halt() {
+func (l *Loop) halt() {
 	l.mu.Lock()
 	l.stop = true
 	l.mu.Unlock()
 	l.wake()
 }
 
-func (l *relayLoop) wake() {
+func (l *Loop) wake() {
 	one := [8]byte{1}
 	for {
 		_, err := unix.Write(l.efd, one[:])
@@ -320,7 +355,7 @@ func (l *relayLoop) wake() {
 
 // takePosted registers the streams posted since the last turn, or ends
 // every stream when the loop stops.
-func (l *relayLoop) takePosted() {
+func (l *Loop) takePosted() {
 	_, _, _ = unix.RawSyscall(unix.SYS_READ, uintptr(l.efd), uintptr(unsafe.Pointer(&l.efdBuf[0])), 8)
 	l.mu.Lock()
 	l.taken, l.posted = l.posted, l.taken[:0]
@@ -333,30 +368,30 @@ func (l *relayLoop) takePosted() {
 		s.slot, s.readAt, s.rdhup, s.bufs = slot, now, true, &l.spare
 		// The client's socket: its peer's close (the peer watch's job on
 		// the goroutine path), hang-ups and errors, until it is written to.
-		if l.poll.add(s.upFd, upEvents, slot, sideUp) != nil {
+		if l.poll.add(s.UpFd, upEvents, slot, sideUp) != nil {
 			l.free = append(l.free, slot)
-			s.r.relayEnded(errNoLoop)
+			s.S.Note(Event{Kind: Ended, Err: ErrNoLoop})
 			continue
 		}
-		if l.poll.add(s.clFd, s.clientEvents(), slot, sideClient) != nil {
-			if l.poll.remove(s.upFd) == nil {
+		if l.poll.add(s.ClFd, s.clientEvents(), slot, sideClient) != nil {
+			if l.poll.remove(s.UpFd) == nil {
 				l.free = append(l.free, slot)
 			}
-			s.r.relayEnded(errNoLoop)
+			s.S.Note(Event{Kind: Ended, Err: ErrNoLoop})
 			continue
 		}
 		l.slots[slot] = s
-		s.r.relayEntered()
-		if s.idle > 0 {
-			l.expect(now.Add(s.idle))
+		s.S.Note(Event{Kind: Entered})
+		if s.Idle > 0 {
+			l.expect(now.Add(s.Idle))
 		}
 	}
 	l.taken = l.taken[:0]
 	if stop {
 		for _, s := range l.slots {
 			if s != nil {
-				s.r.relayFailed(errLoopStopped, true)
-				l.end(s, errLoopStopped)
+				s.S.Note(Event{Kind: Failed, Err: ErrLoopStopped, KeepRead: true})
+				l.end(s, ErrLoopStopped)
 			}
 		}
 		l.exiting = true
@@ -378,8 +413,8 @@ const upEvents = unix.EPOLLIN | unix.EPOLLRDHUP
 // wakes a parked loop: the end of a stream that came with its last bytes
 // (an upstream that wrote and reset at once) was left unread until the
 // idle timeout, its record with it.
-func (l *relayLoop) read(s *loopStream, events uint32) {
-	out, wait, got, again := s.r.relayRead(s.upFd, events)
+func (l *Loop) read(s *Handle, events uint32) {
+	out, wait, got, again := s.S.Read(s.UpFd, events)
 	if wait {
 		return
 	}
@@ -394,12 +429,12 @@ func (l *relayLoop) read(s *loopStream, events uint32) {
 // write writes what is pending of the read being relayed; at a full
 // socket buffer it stops reading the upstream and waits for the client's
 // socket to be writable.
-func (l *relayLoop) write(s *loopStream) {
+func (l *Loop) write(s *Handle) {
 	for len(s.pending) > 0 {
-		n, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(s.clFd), uintptr(unsafe.Pointer(&s.pending[0])), uintptr(len(s.pending)))
+		n, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(s.ClFd), uintptr(unsafe.Pointer(&s.pending[0])), uintptr(len(s.pending)))
 		switch e {
 		case 0:
-			s.r.relaySent(int(n))
+			s.S.Note(Event{Kind: Sent, N: int(n)})
 			s.pending = s.pending[n:]
 			continue
 		case unix.EINTR:
@@ -407,8 +442,8 @@ func (l *relayLoop) write(s *loopStream) {
 		case unix.EAGAIN:
 			if !s.blocked {
 				s.blocked, s.since = true, l.now()
-				if s.wtime > 0 {
-					l.expect(s.since.Add(s.wtime))
+				if s.WriteTimeout > 0 {
+					l.expect(s.since.Add(s.WriteTimeout))
 				}
 				// The upstream is not read until the client takes pending:
 				// only its hang-up, once (level-triggered, it would be
@@ -418,21 +453,21 @@ func (l *relayLoop) write(s *loopStream) {
 			return
 		}
 		err := &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", e)}
-		s.r.relayFailed(err, true)
+		s.S.Note(Event{Kind: Failed, Err: err, KeepRead: true})
 		l.end(s, err)
 		return
 	}
 	if s.blocked {
 		s.blocked, s.readAt = false, l.now()
-		s.r.relayStalled(s.readAt.Sub(s.since))
+		s.S.Note(Event{Kind: Stalled, D: s.readAt.Sub(s.since)})
 		if !l.interest(s, upEvents) {
 			return
 		}
-		if s.idle > 0 {
-			l.expect(s.readAt.Add(s.idle))
+		if s.Idle > 0 {
+			l.expect(s.readAt.Add(s.Idle))
 		}
 	}
-	if end, err := s.r.relayWritten(); end {
+	if end, err := s.S.Written(); end {
 		l.end(s, err)
 	}
 }
@@ -441,8 +476,8 @@ func (l *relayLoop) write(s *loopStream) {
 // on its client socket what s's state says (clientEvents). A set that
 // refuses the change ends the stream with its error: its sockets would
 // no longer be watched as the stream needs (false).
-func (l *relayLoop) interest(s *loopStream, up uint32) bool {
-	if err := l.poll.modify(s.upFd, up, s.slot, sideUp); err != nil {
+func (l *Loop) interest(s *Handle, up uint32) bool {
+	if err := l.poll.modify(s.UpFd, up, s.slot, sideUp); err != nil {
 		l.fail(s, err)
 		return false
 	}
@@ -450,8 +485,8 @@ func (l *relayLoop) interest(s *loopStream, up uint32) bool {
 }
 
 // watchClient sets what the loop waits for on s's client socket.
-func (l *relayLoop) watchClient(s *loopStream) bool {
-	if err := l.poll.modify(s.clFd, s.clientEvents(), s.slot, sideClient); err != nil {
+func (l *Loop) watchClient(s *Handle) bool {
+	if err := l.poll.modify(s.ClFd, s.clientEvents(), s.slot, sideClient); err != nil {
 		l.fail(s, err)
 		return false
 	}
@@ -459,9 +494,9 @@ func (l *relayLoop) watchClient(s *loopStream) bool {
 }
 
 // fail ends s because its sockets cannot be watched.
-func (l *relayLoop) fail(s *loopStream, err error) {
+func (l *Loop) fail(s *Handle, err error) {
 	e := &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("epoll_ctl", err)}
-	s.r.relayFailed(e, true)
+	s.S.Note(Event{Kind: Failed, Err: e, KeepRead: true})
 	l.end(s, e)
 }
 
@@ -470,25 +505,25 @@ func (l *relayLoop) fail(s *loopStream, err error) {
 // goroutine path: one look without consuming tells a client that left
 // (nothing waiting) from one that sent more and then closed its side (bytes
 // waiting, a pipelined request: closure cannot be told without reading, and
-// the stream goes on). A client that left cancels the exchange as the watch
-// would (cancelState.fire): the upstream socket is shut down, which ends
-// the stream on this loop's next turn, recorded as a client cancel.
+// the stream goes on). A client that left is told to the stream
+// (ClientLeft), whose owner cancels it as its peer watch would: shutting
+// the upstream socket down ends the stream on this loop's next turn.
 // Either way the close is not reported again.
-func (l *relayLoop) clientClosed(s *loopStream) {
-	state := peek(uintptr(s.clFd))
+func (l *Loop) clientClosed(s *Handle) {
+	state := Peek(uintptr(s.ClFd))
 	s.rdhup = false
 	if !l.watchClient(s) {
 		return
 	}
-	if state != peerData {
-		s.r.relayCancel()
+	if state != PeerData {
+		s.S.Note(Event{Kind: ClientLeft})
 	}
 }
 
 // clientEvents is what the loop waits for on s's client socket besides
 // hang-ups and errors: writability while blocked, the peer's close while
 // watched.
-func (s *loopStream) clientEvents() uint32 {
+func (s *Handle) clientEvents() uint32 {
 	var ev uint32
 	if s.blocked {
 		ev |= unix.EPOLLOUT
@@ -502,36 +537,39 @@ func (s *loopStream) clientEvents() uint32 {
 // end takes s out of the loop and hands it back with err. A slot
 // whose sockets the set may still report (a removal it refused) is never
 // used again.
-func (l *relayLoop) end(s *loopStream, err error) {
-	e1, e2 := l.poll.remove(s.upFd), l.poll.remove(s.clFd)
+func (l *Loop) end(s *Handle, err error) {
+	e1, e2 := l.poll.remove(s.UpFd), l.poll.remove(s.ClFd)
 	l.slots[s.slot] = nil
 	if e1 == nil && e2 == nil {
 		l.freed = append(l.freed, s.slot)
 	}
 	s.pending = nil
-	s.r.relayEnded(err)
+	if l.streams != nil {
+		l.streams.Add(1)
+	}
+	s.S.Note(Event{Kind: Ended, Err: err})
 }
 
 // scan ends the streams whose upstream was silent for their idle timeout
 // or whose client did not take a write for the write timeout, and finds
 // when the next timeout can fire.
-func (l *relayLoop) scan(now time.Time) {
+func (l *Loop) scan(now time.Time) {
 	l.due = time.Time{}
 	for _, s := range l.slots {
 		switch {
 		case s == nil:
-		case s.blocked && s.wtime > 0:
-			if at := s.since.Add(s.wtime); now.After(at) {
+		case s.blocked && s.WriteTimeout > 0:
+			if at := s.since.Add(s.WriteTimeout); now.After(at) {
 				err := &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded}
-				s.r.relayFailed(err, true)
+				s.S.Note(Event{Kind: Failed, Err: err, KeepRead: true})
 				l.end(s, err)
 			} else {
 				l.expect(at)
 			}
-		case !s.blocked && s.idle > 0:
-			if at := s.readAt.Add(s.idle); now.After(at) {
+		case !s.blocked && s.Idle > 0:
+			if at := s.readAt.Add(s.Idle); now.After(at) {
 				err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
-				s.r.relayFailed(err, false)
+				s.S.Note(Event{Kind: Failed, Err: err, KeepRead: false})
 				l.end(s, err)
 			} else {
 				l.expect(at)

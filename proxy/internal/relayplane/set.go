@@ -1,0 +1,155 @@
+package relayplane
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// spareBufs are a relay loop's spare read buffers. A stream in the loop
+// holds one only while a read of it is relayed (until its bytes are
+// written, or while a size line cut by the read's end is held) and gives it
+// back between events: an idle stream holds none. The loop keeps at most
+// maxSpareBufs; it shares more, and takes what it lacks, with every
+// stream (NewBuf, PutBuf). Only the loop's goroutine uses them.
+type spareBufs struct{ bufs [][]byte }
+
+const maxSpareBufs = 8
+
+// take returns a spare buffer.
+func (b *spareBufs) take() []byte {
+	n := len(b.bufs)
+	if n == 0 {
+		return NewBuf()
+	}
+	v := b.bufs[n-1]
+	b.bufs[n-1] = nil
+	b.bufs = b.bufs[:n-1]
+	return v
+}
+
+// give keeps v, a buffer of take's, for a later take.
+func (b *spareBufs) give(v []byte) {
+	if len(b.bufs) < maxSpareBufs {
+		b.bufs = append(b.bufs, v)
+		return
+	}
+	PutBuf(v)
+}
+
+// ErrNoLoop says the loop could not take a stream (its epoll set refused
+// the sockets, or the loop is stopping): the stream stays on its goroutine.
+var ErrNoLoop = errors.New("relay loop: cannot watch the stream's sockets")
+
+// ErrLoopStopped ends a stream still in a loop when the proxy closes.
+var ErrLoopStopped = &net.OpError{Op: "write", Net: "tcp", Err: errors.New("the relay loop stopped")}
+
+var clientHungUp = &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", unix.EPIPE)}
+
+// Set is a proxy's relay loops (one per processor: its owner starts and
+// stops them) and the count of the streams they relayed.
+type Set struct {
+	mu      sync.Mutex // start and stop
+	running atomic.Pointer[[]*Loop]
+	next    atomic.Uint32
+	streams atomic.Uint64 // the streams a loop took and let go
+}
+
+// Streams is how many streams the set's loops took and let go of.
+func (ls *Set) Streams() uint64 { return ls.streams.Load() }
+
+// Running is how many loops run.
+func (ls *Set) Running() int {
+	if loops := ls.running.Load(); loops != nil {
+		return len(*loops)
+	}
+	return 0
+}
+
+// Idle reports what each running loop still holds that an idle one must
+// not: descriptors in its epoll set beside its eventfd, watches
+// registered, watch slots not free (nil: nothing).
+func (ls *Set) Idle() error {
+	loops := ls.running.Load()
+	if loops == nil {
+		return nil
+	}
+	var errs []error
+	for i, l := range *loops {
+		info, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(l.poll.fd))
+		if err != nil {
+			return err
+		}
+		if n := strings.Count(string(info), "tfd:"); n != 1 {
+			errs = append(errs, fmt.Errorf("loop %d: %d descriptors in its epoll set, want 1 (its eventfd):\n%s", i, n, info))
+		}
+		l.wmu.Lock()
+		watched, free := len(l.watched), len(l.wfree)
+		for _, w := range l.watched {
+			if w.w != nil {
+				errs = append(errs, fmt.Errorf("loop %d: a watch is still registered", i))
+			}
+		}
+		l.wmu.Unlock()
+		if watched != free {
+			errs = append(errs, fmt.Errorf("loop %d: %d watch slots, %d free", i, watched, free))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// start starts n loops on the clock now, unless they run already; loops
+// the system cannot give are done without (their streams stay on their
+// goroutines).
+func (ls *Set) Start(n int, now func() time.Time) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.running.Load() != nil {
+		return
+	}
+	loops := make([]*Loop, 0, n)
+	for range n {
+		l, err := newLoop(now)
+		if err != nil {
+			break
+		}
+		l.streams = &ls.streams
+		loops = append(loops, l)
+		go l.run()
+	}
+	ls.running.Store(&loops)
+}
+
+// pick returns a running loop, or nil.
+func (ls *Set) Pick() *Loop {
+	loops := ls.running.Load()
+	if loops == nil || len(*loops) == 0 {
+		return nil
+	}
+	return (*loops)[int(ls.next.Add(1))%len(*loops)]
+}
+
+// stop stops every loop and waits until each has ended its streams,
+// closed its descriptors and returned. A later start starts new ones.
+func (ls *Set) Stop() {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	loops := ls.running.Swap(nil)
+	if loops == nil {
+		return
+	}
+	for _, l := range *loops {
+		l.halt()
+	}
+	for _, l := range *loops {
+		<-l.exited
+	}
+}
