@@ -42,7 +42,7 @@ func (a *upstreamAttempt) kept() upstreamAttempt {
 // connection only by mayResend's rule. The last attempt's result is the
 // request's.
 func (a *upstreamAttempt) forward(ctx *fasthttp.RequestCtx) *refusal {
-	a.x.startShadow(ctx)
+	a.x.rt.shadow.start(a.x, ctx)
 	a.attemptAt = a.x.p.now()
 	a.x.rec.Attempts = 1
 	if fo := a.x.rt.Failover; fo != nil && fo.FirstTokenTimeout > 0 && fo.on(FailoverFirstToken) {

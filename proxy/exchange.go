@@ -99,7 +99,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 		return r
 	}
 	if upgrade {
-		return x.upgrade(ctx) // a tunnel (upgrade.go)
+		return x.att.upgrade(ctx) // a tunnel (upgrade.go)
 	}
 	if r := x.att.forward(ctx); r != nil {
 		return r

@@ -2,11 +2,6 @@ package proxy
 
 import (
 	"fmt"
-	"math/rand/v2"
-	"time"
-
-	"github.com/tokentap/tokentap/metrics"
-	"github.com/valyala/fasthttp"
 )
 
 // Routing by model. Several routes may share a path prefix when they name
@@ -110,77 +105,4 @@ func validModels(routes []Route, i int, field func(string) string) error {
 		}
 	}
 	return nil
-}
-
-// modelNotFound is the refusal of a request whose model no route serves,
-// in the dialect's words: a 404 as the provider gives for a model it does
-// not have (the model's name is not echoed: it is the client's input).
-func (x *exchange) modelNotFound() *refusal {
-	r := &refusal{status: fasthttp.StatusNotFound, outcome: metrics.OutcomeBadRequest, code: "model_not_found",
-		errType: "invalid_request_error", msg: "the model this request names is not served here"}
-	if x.dialect != nil && x.dialect.Name() == "anthropic" {
-		r.errType, r.anthropic = "not_found_error", true
-	}
-	return r
-}
-
-// pickLate settles the route of a request that waited for its body
-// (route.late): by the model it names where routes name models; then
-// chooses its upstream.
-func (x *exchange) pickLate(model string, h *fasthttp.RequestHeader) *refusal {
-	snap, rec := x.snap, &x.rec
-	r := x.rt
-	if len(r.Models) > 0 {
-		r = snap.matchModel(x.in.path, model)
-	}
-	if r == nil {
-		x.rt = nil
-		rec.Route, rec.Series = metrics.UnmatchedRoute, snap.metrics.Unmatched()
-		return x.modelNotFound()
-	}
-	x.rt, rec.Route = r, r.Name
-	if r.dialect != nil {
-		x.dialect = r.dialect
-		rec.Dialect = x.dialect.Name()
-	}
-	x.pickUpstream(r, h)
-	return nil
-}
-
-// pickUpstream chooses the request's upstream on route r and counts it in
-// flight there.
-func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
-	rec, snap := &x.rec, x.snap
-	var m *member
-	why := pickBalance
-	if r.late() && r.Sticky == StickyPrefix {
-		if key, ok := promptKey(x.in.body0); ok {
-			m, why = r.byPrefix(key, x.p.now())
-			x.in.stickyKey, x.in.stickyKeyed = key, true
-		}
-	}
-	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
-		var t time.Duration
-		objective := r.slo.TTFT
-		if ts, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok && ts.TTFT > 0 {
-			objective = ts.TTFT
-		}
-		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), objective); t >= 0 {
-			rec.PredictedTTFT = t
-		}
-	}
-	if m == nil {
-		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
-		why = pickBalance
-		if x.in.stickyKeyed {
-			why = pickSticky
-		}
-	}
-	x.att.mem = m
-	m.why[why].Add(1)
-	// The level the request starts at: tokentap's requests there, and
-	// what the backend says it holds beyond them (scrape.go).
-	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
-	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
-	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
 }

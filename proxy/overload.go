@@ -5,10 +5,8 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/shed"
-	"github.com/valyala/fasthttp"
 )
 
 // Overload is a route's overload control (proxy/shed). With Shed, a
@@ -73,70 +71,6 @@ func (c *Config) validOverload(r Route, field func(string) string) error {
 	return nil
 }
 
-// priority is the request's priority: its header's (when the route has
-// one), no higher than its tenant's (standard for a tenant that sets
-// none); without admission control the header alone says it.
-func (x *exchange) priority(h *fasthttp.RequestHeader, o *Overload) Priority {
-	most := PriorityCritical
-	if x.snap.admit != nil {
-		most = PriorityStandard
-		if p, ok := x.snap.cfg.TenantPriorities[x.tenant]; ok {
-			most = p
-		}
-	}
-	p := PriorityStandard
-	if o.PriorityHeader != "" {
-		if v := h.Peek(o.PriorityHeader); len(v) > 0 {
-			p, _ = ParsePriority(string(bytes.ToLower(bytes.TrimSpace(v))))
-		}
-	}
-	return max(p, most) // higher numbers are lower priorities
-}
-
-// overload is the request's overload step, before its body is read: the
-// prediction for its upstream now and, with Shed, the refusal of a request
-// that would miss its objectives.
-func (x *exchange) overload(ctx *fasthttp.RequestCtx) *refusal {
-	o := x.rt.Overload
-	if o == nil {
-		return nil
-	}
-	h := &ctx.Request.Header
-	prio := x.priority(h, o)
-	x.rec.Priority = prio.String()
-	in := -1
-	if cl := h.ContentLength(); cl > 0 {
-		in = cl / 4 // what admission control estimates too, before the body
-	}
-	slo := x.rt.slo
-	if t, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok {
-		slo = slo.Over(t)
-	}
-	if o.SLOHeaders {
-		slo = slo.Over(metrics.SLO{TTFT: headerMS(h.PeekBytes(headerSLOTTFT)), TPOT: headerMS(h.PeekBytes(headerSLOTPOT))})
-	}
-	v := x.att.up.gate.Judge(x.p.now(), x.att.startK, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
-	if !v.Known {
-		return nil // nothing measured lately: nothing to decide on
-	}
-	x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
-	if !o.Shed || !v.Shed {
-		return nil
-	}
-	metrics.Shed(x.rt.Name, x.att.mem.name, prio.String())
-	x.att.up.gate.Refused(x.p.now())
-	r := &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeShed, code: "overloaded", errType: "overloaded",
-		msg:  "the upstream is overloaded: this request would miss its objectives, retry later",
-		note: "shed: predicted TTFT " + strconv.FormatFloat(float64(v.TTFT)/1e6, 'f', 1, 64) + " ms at " + strconv.Itoa(x.att.startK) + " in flight",
-		// The body is not read: the connection closes after the answer.
-		close: true, retryAfter: v.RetryAfter}
-	if x.dialect != nil && x.dialect.Name() == "anthropic" {
-		// Anthropic's own answer to an overloaded API.
-		r.status, r.errType, r.anthropic = 529, "overloaded_error", true
-	}
-	return r
-}
-
 // isToken reports a header name made of token characters.
 func isToken(s string) bool {
 	for i := 0; i < len(s); i++ {
@@ -154,22 +88,6 @@ func headerMS(v []byte) time.Duration {
 		return 0
 	}
 	return time.Duration(n) * time.Millisecond
-}
-
-// observeUpstream tells the upstream's model what the request lived there:
-// its time to first token from when it was sent on (the admission queue
-// is tokentap's, not the backend's) and its time per output token, with
-// the prediction made for it.
-func (x *exchange) observeUpstream() {
-	if x.rt == nil || !x.rt.predicts() || x.att.up == nil || x.rec.Attempts == 0 || !x.rec.Stream {
-		return // a whole response's first byte is its end: no first token to learn from
-	}
-	rec := &x.rec
-	ttft := rec.TTFT
-	if ttft >= 0 && rec.Queue > 0 {
-		ttft -= rec.Queue
-	}
-	x.att.up.gate.Model.Observe(x.att.startK, x.tap.m.usage.input(rec.BytesIn), ttft, rec.TPOT, rec.PredictedTTFT)
 }
 
 // fillShares puts in o upstream m's share of route r's requests and what

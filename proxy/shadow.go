@@ -37,11 +37,10 @@ type shadowState struct {
 	inflight atomic.Int64
 }
 
-// startShadow copies the request to the route's shadow upstream, when it
-// is sampled and a place is free. Everything the copy needs is taken from
-// ctx now; the rest runs on its own goroutine.
-func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
-	sh := x.rt.shadow
+// start copies x's request to the route's shadow upstream sh (nil: none),
+// when it is sampled and a place is free. Everything the copy needs is
+// taken from ctx now; the rest runs on its own goroutine.
+func (sh *shadowState) start(x *exchange, ctx *fasthttp.RequestCtx) {
 	if sh == nil || rand.Float64() >= sh.Sample {
 		return
 	}
@@ -76,12 +75,12 @@ func (x *exchange) startShadow(ctx *fasthttp.RequestCtx) {
 	if x.tenant != "" {
 		s.att.req.Header.Set(tenantHeader, x.tenant)
 	}
-	go s.runShadow(sh)
+	go sh.run(s)
 }
 
-// runShadow sends the copy and reads its response to the end, measuring it
-// as if a client read each chunk the moment it came, then records it.
-func (x *exchange) runShadow(sh *shadowState) {
+// run sends the copy x and reads its response to the end, measuring it as
+// if a client read each chunk the moment it came, then records it.
+func (sh *shadowState) run(x *exchange) {
 	defer sh.inflight.Add(-1)
 	x.att.attemptAt = x.p.now()
 	x.rec.Attempts = 1

@@ -41,7 +41,6 @@ var structureDebt = map[string]int{
 	"func metrics/accesslog.go appendFields":          116,
 	"func metrics/telemetry/spans.go span":            98,
 	"methods metrics/stats.Engine":                    5,
-	"methods proxy.exchange":                          6,
 	"struct metrics/record.go Record":                 73,
 }
 

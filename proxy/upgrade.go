@@ -46,8 +46,8 @@ const maxUpgradeHeader = 64 << 10
 // turns the client's connection and that one into a tunnel (tunnel); any
 // other answer is relayed as it came, read whole (bounded), and the
 // exchange ends.
-func (x *exchange) upgrade(ctx *fasthttp.RequestCtx) *refusal {
-	a := &x.att
+func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
+	x := a.x
 	x.rec.Attempts = 1
 	c, err := a.up.get(goneCtx{x.cancel.doneChan()}, true) // a new connection, counted in max_conns
 	if err != nil {
@@ -60,7 +60,7 @@ func (x *exchange) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	if x.tenant != "" {
 		a.req.Header.Set(tenantHeader, x.tenant)
 	}
-	head, err := x.sendUpgrade(c)
+	head, err := a.sendUpgrade(c)
 	if err != nil {
 		a.up.discard(c)
 		return a.forwardResult(err)
@@ -85,13 +85,14 @@ func (x *exchange) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	x.watch.stop() // the tunnel watches both sides itself
 	ctx.HijackSetNoResponse(true)
 	client := x.client
-	ctx.Hijack(func(hj net.Conn) { x.tunnel(hj, client, c, head) })
+	ctx.Hijack(func(hj net.Conn) { a.tunnel(hj, client, c, head) })
 	return nil
 }
 
 // sendUpgrade writes the upgrade request on c and reads the answer's
 // header, as it came, up to its blank line.
-func (x *exchange) sendUpgrade(c *upConn) ([]byte, error) {
+func (a *upstreamAttempt) sendUpgrade(c *upConn) ([]byte, error) {
+	x := a.x
 	t := x.rt.Timeouts
 	_ = c.SetWriteDeadline(x.p.now().Add(t.Write))
 	x.tap.m.written = x.p.now()
@@ -140,7 +141,8 @@ func statusOf(head []byte) int {
 // timeout is closed. The record says the bytes each way
 // (bytes_in: client to upstream; bytes_out: upstream to client, the 101
 // left out) and the session's length.
-func (x *exchange) tunnel(hj, client net.Conn, c *upConn, head []byte) {
+func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upConn, head []byte) {
+	x := a.x
 	t := &tunnelState{idle: x.rt.Timeouts.Idle}
 	t.last.Store(time.Now().UnixNano())
 	var up, down tunnelWay

@@ -1,0 +1,171 @@
+package proxy
+
+// The exchange's steps that decide where a request goes and whether it
+// goes: the route settled by the model it names, the upstream picked
+// (pickUpstream, by the route's balance, stickiness or prediction), its
+// priority and overload's verdict, and what the upstream's model learns
+// from it once it ends.
+
+import (
+	"bytes"
+	"math/rand/v2"
+	"strconv"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/shed"
+	"github.com/valyala/fasthttp"
+)
+
+// modelNotFound is the refusal of a request whose model no route serves,
+// in the dialect's words: a 404 as the provider gives for a model it does
+// not have (the model's name is not echoed: it is the client's input).
+func (x *exchange) modelNotFound() *refusal {
+	r := &refusal{status: fasthttp.StatusNotFound, outcome: metrics.OutcomeBadRequest, code: "model_not_found",
+		errType: "invalid_request_error", msg: "the model this request names is not served here"}
+	if x.dialect != nil && x.dialect.Name() == "anthropic" {
+		r.errType, r.anthropic = "not_found_error", true
+	}
+	return r
+}
+
+// pickLate settles the route of a request that waited for its body
+// (route.late): by the model it names where routes name models; then
+// chooses its upstream.
+func (x *exchange) pickLate(model string, h *fasthttp.RequestHeader) *refusal {
+	snap, rec := x.snap, &x.rec
+	r := x.rt
+	if len(r.Models) > 0 {
+		r = snap.matchModel(x.in.path, model)
+	}
+	if r == nil {
+		x.rt = nil
+		rec.Route, rec.Series = metrics.UnmatchedRoute, snap.metrics.Unmatched()
+		return x.modelNotFound()
+	}
+	x.rt, rec.Route = r, r.Name
+	if r.dialect != nil {
+		x.dialect = r.dialect
+		rec.Dialect = x.dialect.Name()
+	}
+	x.pickUpstream(r, h)
+	return nil
+}
+
+// pickUpstream chooses the request's upstream on route r and counts it in
+// flight there.
+func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
+	rec, snap := &x.rec, x.snap
+	var m *member
+	why := pickBalance
+	if r.late() && r.Sticky == StickyPrefix {
+		if key, ok := promptKey(x.in.body0); ok {
+			m, why = r.byPrefix(key, x.p.now())
+			x.in.stickyKey, x.in.stickyKeyed = key, true
+		}
+	}
+	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
+		var t time.Duration
+		objective := r.slo.TTFT
+		if ts, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok && ts.TTFT > 0 {
+			objective = ts.TTFT
+		}
+		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), objective); t >= 0 {
+			rec.PredictedTTFT = t
+		}
+	}
+	if m == nil {
+		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
+		why = pickBalance
+		if x.in.stickyKeyed {
+			why = pickSticky
+		}
+	}
+	x.att.mem = m
+	m.why[why].Add(1)
+	// The level the request starts at: tokentap's requests there, and
+	// what the backend says it holds beyond them (scrape.go).
+	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
+	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
+	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
+}
+
+// priority is the request's priority: its header's (when the route has
+// one), no higher than its tenant's (standard for a tenant that sets
+// none); without admission control the header alone says it.
+func (x *exchange) priority(h *fasthttp.RequestHeader, o *Overload) Priority {
+	most := PriorityCritical
+	if x.snap.admit != nil {
+		most = PriorityStandard
+		if p, ok := x.snap.cfg.TenantPriorities[x.tenant]; ok {
+			most = p
+		}
+	}
+	p := PriorityStandard
+	if o.PriorityHeader != "" {
+		if v := h.Peek(o.PriorityHeader); len(v) > 0 {
+			p, _ = ParsePriority(string(bytes.ToLower(bytes.TrimSpace(v))))
+		}
+	}
+	return max(p, most) // higher numbers are lower priorities
+}
+
+// overload is the request's overload step, before its body is read: the
+// prediction for its upstream now and, with Shed, the refusal of a request
+// that would miss its objectives.
+func (x *exchange) overload(ctx *fasthttp.RequestCtx) *refusal {
+	o := x.rt.Overload
+	if o == nil {
+		return nil
+	}
+	h := &ctx.Request.Header
+	prio := x.priority(h, o)
+	x.rec.Priority = prio.String()
+	in := -1
+	if cl := h.ContentLength(); cl > 0 {
+		in = cl / 4 // what admission control estimates too, before the body
+	}
+	slo := x.rt.slo
+	if t, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok {
+		slo = slo.Over(t)
+	}
+	if o.SLOHeaders {
+		slo = slo.Over(metrics.SLO{TTFT: headerMS(h.PeekBytes(headerSLOTTFT)), TPOT: headerMS(h.PeekBytes(headerSLOTPOT))})
+	}
+	v := x.att.up.gate.Judge(x.p.now(), x.att.startK, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
+	if !v.Known {
+		return nil // nothing measured lately: nothing to decide on
+	}
+	x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
+	if !o.Shed || !v.Shed {
+		return nil
+	}
+	metrics.Shed(x.rt.Name, x.att.mem.name, prio.String())
+	x.att.up.gate.Refused(x.p.now())
+	r := &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeShed, code: "overloaded", errType: "overloaded",
+		msg:  "the upstream is overloaded: this request would miss its objectives, retry later",
+		note: "shed: predicted TTFT " + strconv.FormatFloat(float64(v.TTFT)/1e6, 'f', 1, 64) + " ms at " + strconv.Itoa(x.att.startK) + " in flight",
+		// The body is not read: the connection closes after the answer.
+		close: true, retryAfter: v.RetryAfter}
+	if x.dialect != nil && x.dialect.Name() == "anthropic" {
+		// Anthropic's own answer to an overloaded API.
+		r.status, r.errType, r.anthropic = 529, "overloaded_error", true
+	}
+	return r
+}
+
+// observeUpstream tells the upstream's model what the request lived there:
+// its time to first token from when it was sent on (the admission queue
+// is tokentap's, not the backend's) and its time per output token, with
+// the prediction made for it.
+func (x *exchange) observeUpstream() {
+	if x.rt == nil || !x.rt.predicts() || x.att.up == nil || x.rec.Attempts == 0 || !x.rec.Stream {
+		return // a whole response's first byte is its end: no first token to learn from
+	}
+	rec := &x.rec
+	ttft := rec.TTFT
+	if ttft >= 0 && rec.Queue > 0 {
+		ttft -= rec.Queue
+	}
+	x.att.up.gate.Model.Observe(x.att.startK, x.tap.m.usage.input(rec.BytesIn), ttft, rec.TPOT, rec.PredictedTTFT)
+}
