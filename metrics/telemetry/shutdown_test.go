@@ -14,7 +14,7 @@ import (
 
 // collector serves OTLP/HTTP at ln, counting the exports; hang: it takes
 // them and never answers.
-func collector(t *testing.T, ln net.Listener, hang bool) (*atomic.Int64, func()) {
+func collector(t testing.TB, ln net.Listener, hang bool) (*atomic.Int64, func()) {
 	var calls atomic.Int64
 	release := make(chan struct{})
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
