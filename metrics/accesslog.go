@@ -346,11 +346,6 @@ func (o *logOutput) final() {
 // appendFields renders r with the access log's field names. Timings that
 // did not happen are left out, not written as zero.
 func appendFields(f []zap.Field, r *Record) []zap.Field {
-	ms := func(name string, d time.Duration) {
-		if d >= 0 {
-			f = append(f, zap.Float64(name, float64(d.Microseconds())/1000))
-		}
-	}
 	f = append(f,
 		zap.String("request_id", r.RequestID),
 		zap.String("route", r.Route),
@@ -370,6 +365,18 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 		zap.String("outcome", string(r.Outcome)),
 		zap.Bool("stream", r.Stream),
 	)
+	f = appendTimings(f, r)
+	return appendCounts(f, r)
+}
+
+// appendTimings adds r's times (those measured: each at or above 0) and
+// its priority, in the log's order.
+func appendTimings(f []zap.Field, r *Record) []zap.Field {
+	ms := func(name string, d time.Duration) {
+		if d >= 0 {
+			f = append(f, zap.Float64(name, float64(d.Microseconds())/1000))
+		}
+	}
 	ms("queue_ms", r.Queue)
 	ms("upstream_ttfb_ms", r.UpstreamTTFB)
 	ms("ttft_ms", r.TTFT)
@@ -402,6 +409,12 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	}
 	ms("predicted_ttft_ms", r.PredictedTTFT)
 	ms("predicted_tpot_ms", r.PredictedTPOT)
+	return f
+}
+
+// appendCounts adds r's tokens, bytes, cost and what else it says, in the
+// log's order.
+func appendCounts(f []zap.Field, r *Record) []zap.Field {
 	f = append(f,
 		zap.Int("output_tokens", r.OutputTokens),
 		zap.Int("input_tokens", r.InputTokens),
@@ -437,7 +450,9 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	if r.Attempts > 1 {
 		f = append(f, zap.Int("attempts", r.Attempts))
 	}
-	ms("failover_ms", r.FailoverWait)
+	if r.FailoverWait >= 0 {
+		f = append(f, zap.Float64("failover_ms", float64(r.FailoverWait.Microseconds())/1000))
+	}
 	if r.ClientRetrans > 0 {
 		f = append(f, zap.Int("client_retrans", r.ClientRetrans))
 	}

@@ -36,10 +36,6 @@ var structureDebt = map[string]int{
 	"func cmd/tokentap-bench/load.go run":             117,
 	"func cmd/tokentap-bench/matrix.go runCompare":    142,
 	"func cmd/tokentap-bench/render.go markdown":      94,
-	"func cmd/tokentap/main.go run":                   118,
-	"func proxy/mockllm/mockllm.go ServeHTTP":         94,
-	"func metrics/accesslog.go appendFields":          116,
-	"func metrics/telemetry/spans.go span":            98,
 	"methods metrics/stats.Engine":                    5,
 	"struct metrics/record.go Record":                 73,
 }

@@ -168,28 +168,10 @@ func run(ctx context.Context, args []string) error {
 	ver, rev := buildVersion()
 	metrics.SetBuildInfo(ver, rev)
 
-	var alog *metrics.AccessLog
-	if s.accessLog != "" {
-		if alog, err = metrics.OpenAccessLog(s.accessLog, 0); err != nil {
-			return fmt.Errorf("access-log: %w", err)
-		}
-		s.opts.Sinks = append(s.opts.Sinks, alog)
-	}
 	s.opts.Logger = logger
-	var otel *telemetry.Exporter
-	if s.otel != nil {
-		c := *s.otel
-		c.ServiceVersion = ver
-		c.OnError = func(err error) {
-			logger.Warn("otel: export failing (counted in tokentap_otel_export_errors_total; logged at most once a minute)", zap.Error(err))
-		}
-		if otel, err = telemetry.New(ctx, c); err != nil {
-			return fmt.Errorf("otel: %w", err)
-		}
-		if c.Traces {
-			s.opts.Tracer = otel
-		}
-		s.opts.Sinks = append(s.opts.Sinks, otel)
+	alog, otel, err := startSinks(ctx, s, ver, logger)
+	if err != nil {
+		return err
 	}
 	p, err := proxy.New(s.proxy, s.opts)
 	if err != nil {
@@ -222,19 +204,10 @@ func run(ctx context.Context, args []string) error {
 			logger.Error("proxy server stopped", zap.Error(err))
 		}
 	}()
-	var adminSrv *fasthttp.Server
-	if s.admin != "" {
-		aln, err := net.Listen("tcp", s.admin)
-		if err != nil {
-			_ = p.Shutdown(context.Background())
-			return fmt.Errorf("admin: %w", err)
-		}
-		adminSrv = a.server()
-		var l net.Listener = newAdminListener(aln)
-		if a.adminCerts != nil {
-			l = tls.NewListener(l, a.adminCerts.Config())
-		}
-		go func() { _ = adminSrv.Serve(l) }()
+	adminSrv, err := a.serveAdmin(s.admin)
+	if err != nil {
+		_ = p.Shutdown(context.Background())
+		return fmt.Errorf("admin: %w", err)
 	}
 	started := time.Now()
 	logger.Info("tokentap started", zap.String("listen", ln.Addr().String()), zap.String("admin", s.admin),
@@ -243,6 +216,85 @@ func run(ctx context.Context, args []string) error {
 	if s.watchConfig && s.configFile != "" {
 		go watchConfig(ctx, s.configFile, a)
 	}
+	a.answerSignals(ctx)
+	a.drain()
+	if adminSrv != nil {
+		_ = adminSrv.Shutdown()
+	}
+	stopSinks(alog, otel, logger)
+	logger.Info("tokentap stopped", zap.Stringer("uptime", time.Since(started).Round(time.Millisecond)))
+	return nil
+}
+
+// startSinks opens the access log and the OTel exporter that s asks for
+// and adds them to its options' sinks (the exporter as the tracer too).
+func startSinks(ctx context.Context, s *settings, ver string, logger *zap.Logger) (*metrics.AccessLog, *telemetry.Exporter, error) {
+	var alog *metrics.AccessLog
+	var err error
+	if s.accessLog != "" {
+		if alog, err = metrics.OpenAccessLog(s.accessLog, 0); err != nil {
+			return nil, nil, fmt.Errorf("access-log: %w", err)
+		}
+		s.opts.Sinks = append(s.opts.Sinks, alog)
+	}
+	if s.otel == nil {
+		return alog, nil, nil
+	}
+	c := *s.otel
+	c.ServiceVersion = ver
+	c.OnError = func(err error) {
+		logger.Warn("otel: export failing (counted in tokentap_otel_export_errors_total; logged at most once a minute)", zap.Error(err))
+	}
+	otel, err := telemetry.New(ctx, c)
+	if err != nil {
+		if alog != nil {
+			alog.Close()
+		}
+		return nil, nil, fmt.Errorf("otel: %w", err)
+	}
+	if c.Traces {
+		s.opts.Tracer = otel
+	}
+	s.opts.Sinks = append(s.opts.Sinks, otel)
+	return alog, otel, nil
+}
+
+// stopSinks closes the access log and sends what the exporter holds,
+// within a bound: a collector that is down must not hold the exit.
+func stopSinks(alog *metrics.AccessLog, otel *telemetry.Exporter, logger *zap.Logger) {
+	if alog != nil {
+		alog.Close()
+	}
+	if otel != nil {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := otel.Shutdown(sctx); err != nil {
+			logger.Warn("otel: export at shutdown incomplete", zap.Error(err))
+		}
+		cancel()
+	}
+}
+
+// serveAdmin starts the admin listener at addr (none when empty).
+func (a *admin) serveAdmin(addr string) (*fasthttp.Server, error) {
+	if addr == "" {
+		return nil, nil
+	}
+	aln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	srv := a.server()
+	var l net.Listener = newAdminListener(aln)
+	if a.adminCerts != nil {
+		l = tls.NewListener(l, a.adminCerts.Config())
+	}
+	go func() { _ = srv.Serve(l) }()
+	return srv, nil
+}
+
+// answerSignals reloads the configuration on SIGHUP and reopens the
+// access log on SIGUSR1, until ctx is done.
+func (a *admin) answerSignals(ctx context.Context) {
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGHUP, syscall.SIGUSR1)
 	defer signal.Stop(sig)
@@ -257,24 +309,6 @@ func run(ctx context.Context, args []string) error {
 		case <-ctx.Done():
 		}
 	}
-	a.drain()
-	if adminSrv != nil {
-		_ = adminSrv.Shutdown()
-	}
-	if alog != nil {
-		alog.Close()
-	}
-	if otel != nil {
-		// What is queued goes out, within a bound: a collector that is
-		// down must not hold the exit.
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		if err := otel.Shutdown(sctx); err != nil {
-			logger.Warn("otel: export at shutdown incomplete", zap.Error(err))
-		}
-		cancel()
-	}
-	logger.Info("tokentap stopped", zap.Stringer("uptime", time.Since(started).Round(time.Millisecond)))
-	return nil
 }
 
 // watchConfig reloads when the config file changes (its size, time or

@@ -128,6 +128,40 @@ func (e *Exporter) span(r *metrics.Record) {
 	if r.Model != "" {
 		name += " " + r.Model
 	}
+	attrs := spanAttrs(r, op)
+	ctx, sp := e.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(r.Start),
+		trace.WithAttributes(attrs...))
+	if r.TTFT >= 0 {
+		sp.AddEvent("tokentap.first_token", trace.WithTimestamp(r.Start.Add(r.TTFT)))
+	}
+	if r.TTFA >= 0 {
+		sp.AddEvent("tokentap.first_answer_token", trace.WithTimestamp(r.Start.Add(r.TTFA)))
+	}
+	if r.Outcome.Failure() {
+		// The service failed it. A request refused for its client's own
+		// doing (a 4xx) or whose client left leaves the server span's
+		// status unset, as OTel's HTTP conventions ask of 4xx: error.type
+		// still says its outcome.
+		sp.SetStatus(codes.Error, r.Error)
+	}
+	if len(r.Tries) > 0 {
+		// The attempts are children of the request's span; they get IDs
+		// of their own.
+		actx := trace.ContextWithSpan(context.Background(), sp)
+		var last time.Time
+		for _, t := range r.Tries {
+			e.attempt(actx, op, t.Upstream, t.Addr, t.Start, t.Start.Add(t.Duration), t.Reason)
+			last = t.Start.Add(t.Duration)
+		}
+		e.attempt(actx, op, r.Upstream, r.UpstreamAddr, last, end(r), errorType(r))
+	}
+	_ = ctx
+	sp.End(trace.WithTimestamp(end(r)))
+}
+
+// spanAttrs is the request span's attributes: the GenAI conventions'
+// and tokentap's own.
+func spanAttrs(r *metrics.Record, op string) []attribute.KeyValue {
 	attrs := make([]attribute.KeyValue, 0, 28)
 	attrs = append(attrs, attrOperation.String(op), attrProvider.String(provider(r.Dialect)), attrStream.Bool(r.Stream),
 		attrRoute.String(r.Route), attrOutcome.String(string(r.Outcome)), attrRequestID.String(r.RequestID))
@@ -183,34 +217,7 @@ func (e *Exporter) span(r *metrics.Record) {
 	if r.SLOJudged {
 		attrs = append(attrs, attrSLOOK.Bool(r.SLOMisses == 0))
 	}
-	ctx, sp := e.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(r.Start),
-		trace.WithAttributes(attrs...))
-	if r.TTFT >= 0 {
-		sp.AddEvent("tokentap.first_token", trace.WithTimestamp(r.Start.Add(r.TTFT)))
-	}
-	if r.TTFA >= 0 {
-		sp.AddEvent("tokentap.first_answer_token", trace.WithTimestamp(r.Start.Add(r.TTFA)))
-	}
-	if r.Outcome.Failure() {
-		// The service failed it. A request refused for its client's own
-		// doing (a 4xx) or whose client left leaves the server span's
-		// status unset, as OTel's HTTP conventions ask of 4xx: error.type
-		// still says its outcome.
-		sp.SetStatus(codes.Error, r.Error)
-	}
-	if len(r.Tries) > 0 {
-		// The attempts are children of the request's span; they get IDs
-		// of their own.
-		actx := trace.ContextWithSpan(context.Background(), sp)
-		var last time.Time
-		for _, t := range r.Tries {
-			e.attempt(actx, op, t.Upstream, t.Addr, t.Start, t.Start.Add(t.Duration), t.Reason)
-			last = t.Start.Add(t.Duration)
-		}
-		e.attempt(actx, op, r.Upstream, r.UpstreamAddr, last, end(r), errorType(r))
-	}
-	_ = ctx
-	sp.End(trace.WithTimestamp(end(r)))
+	return attrs
 }
 
 // attempt exports one attempt against an upstream as a client span.

@@ -285,6 +285,12 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	c.cached = s.cachedPrefix(raw) / 4
 	c.stream = gjson.Get(body, "stream").Bool()
 
+	c.route(path)
+}
+
+// route serves the call by the API its path names (404 for none).
+func (c *call) route(path string) {
+	s, w, r, body := c.s, c.w, c.r, c.body
 	var d dialect
 	switch {
 	case strings.HasSuffix(path, "/chat/completions"):
