@@ -95,45 +95,6 @@ const CompareMethod = "two-sample quantile test (Mood's, exact: hypergeometric c
 // in the window.
 var ErrNoSuchUpstream = errors.New("no request of that upstream in the window")
 
-// Compare compares upstreams a and b of route over window (every model
-// and tenant together), class by class where the requests fall in
-// several (strata.go).
-func (e *Engine) Compare(route, a, b, window string) (Comparison, error) {
-	return e.CompareClass(route, a, b, window, "")
-}
-
-// CompareClass is Compare on the requests of one class ("": all, within
-// classes).
-func (e *Engine) CompareClass(route, a, b, window, class string) (Comparison, error) {
-	if window == "" {
-		window = "5m"
-	}
-	now := e.now()
-	s := e.sync(now)
-	byClass := map[string]*[2]agg{}
-	e.mu.RLock()
-	list := slices.Clone(e.list)
-	e.mu.RUnlock()
-	for _, g := range list {
-		if g.key.Route != route || (g.key.Upstream != a && g.key.Upstream != b) || (class != "" && g.key.Class != class) {
-			continue
-		}
-		pair := byClass[g.key.Class]
-		if pair == nil {
-			pair = &[2]agg{newAgg(), newAgg()}
-			byClass[g.key.Class] = pair
-		}
-		side := 0
-		if g.key.Upstream == b {
-			side = 1
-		}
-		g.mu.Lock()
-		g.w.collect(&pair[side], window, s)
-		g.mu.Unlock()
-	}
-	return compareAggs(route, a, b, window, class, byClass)
-}
-
 // compareAggs is the verdict on the two sides' aggs, by class.
 func compareAggs(route, a, b, window, class string, byClass map[string]*[2]agg) (Comparison, error) {
 	var classes []string

@@ -84,23 +84,6 @@ func MeasureNames() []string {
 	return names
 }
 
-// QuerySketches is Query's groups as counts and sketches, to merge with
-// other replicas' (MergeSketches).
-func (e *Engine) QuerySketches(q Query) SketchReport {
-	if q.Window == "" {
-		q.Window = "5m"
-	}
-	now := e.now()
-	sums, order, targets, span := e.collect(q, now)
-	rep := SketchReport{Format: SketchFormat, Window: q.Window, WindowS: span.Seconds(), GeneratedAt: now.UTC(), Groups: []SketchGroup{}}
-	for _, k := range order {
-		if a := sums[k]; a.count > 0 {
-			rep.Groups = append(rep.Groups, sketchGroup(k, a, targets[k]))
-		}
-	}
-	return rep
-}
-
 func sketchGroup(k Key, a *agg, target float64) SketchGroup {
 	g := SketchGroup{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
 		Count: a.count, Errors: a.errors, Limited: a.limited, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
