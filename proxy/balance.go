@@ -243,7 +243,7 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 		// nobody in time even idle (its queue's requests miss anyway);
 		// with neither, to the best. (Where the best serves nobody in time
 		// either, there is nobody to spare: the soonest it is.)
-		if m, t, ok := r.harmless(now, in, objective, best, bestT); ok {
+		if m, t, ok := r.harmless(now, in, objective, best); ok {
 			return m, t, pickOverObjective
 		}
 	case calm != nil && calm != best && !bestFree:
@@ -266,17 +266,19 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 	return best, bestT, pickLeastTTFT
 }
 
-// lateSpread bounds what a late request is made to wait to spare the
+// lateBound bounds what a late request is made to wait to spare the
 // others: sent to an upstream that serves nobody in time, its first token
-// is predicted at most this many times as late as at the best. Unbounded,
-// such an upstream's queue grows with every late request it takes, and
-// their tail with it; on the simulated pair of TestLeastTTFTGoodputSimulated
-// (at 60%, 80% and 90% of the joint capacity) a bound of 1.5 or 2 gave
-// back the goodput sparing wins (1.03x and 0.83x, 1.09x and 0.95x at 80%
-// and 90%), none kept a TTFT p99 1.6-1.9 times as long as fewest in
-// flight's (822 against 500 ms, 1.56 against 0.84 s), and 3 keeps 1.15x
-// and 1.12x the goodput with a p99 1.16-1.19 times it.
-const lateSpread = 3
+// is predicted within this many times its objective. Unbounded, such an
+// upstream's queue grows with every late request it takes, and their
+// tail with it. On the simulated pair of TestLeastTTFTGoodputSimulated
+// (150 ms objective, at 60%, 80% and 90% of the joint capacity), 3 keeps
+// the goodput sparing wins (1.29x, 1.13x, 1.04x fewest in flight's) with
+// a TTFT p99 no longer than fewest in flight's (286 against 288 ms, 476
+// against 500, 712 against 841); 2.5 gave 0.96x at 90%, 3.5 and no bound
+// a longer p99 (299 and 516 ms at 60% and 80%; 822 ms at 80% unbounded),
+// and a bound relative to the soonest upstream's prediction (3 times)
+// 582 ms at 80%.
+const lateBound = 3
 
 // servesInTime reports whether m, idle, gives a request of in input
 // tokens its first token within objective.
@@ -309,9 +311,9 @@ func (m *member) inTime(objective time.Duration) time.Duration {
 // tokens, which nowhere gets its first token within objective, delays
 // nobody who would: predicted soonest among those with a free place in
 // their batch, else among those that give no request its first token in
-// time even idle, where it would wait at most lateSpread times as long as
-// at the best (bestT).
-func (r *route) harmless(now time.Time, in int, objective time.Duration, best *member, bestT time.Duration) (*member, time.Duration, bool) {
+// time even idle, where its first token is predicted within lateBound
+// times the objective.
+func (r *route) harmless(now time.Time, in int, objective time.Duration, best *member) (*member, time.Duration, bool) {
 	var free, hopeless *member
 	freeT, hopelessT := time.Duration(-1), time.Duration(-1)
 	for _, m := range r.members {
@@ -327,7 +329,7 @@ func (r *route) harmless(now time.Time, in int, objective time.Duration, best *m
 			if free == nil || t < freeT {
 				free, freeT = m, t
 			}
-		} else if !m.servesInTime(in, objective) && t <= lateSpread*bestT && (hopeless == nil || t < hopelessT) {
+		} else if !m.servesInTime(in, objective) && t <= lateBound*objective && (hopeless == nil || t < hopelessT) {
 			hopeless, hopelessT = m, t
 		}
 	}

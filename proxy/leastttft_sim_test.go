@@ -167,8 +167,8 @@ func slowSim(seed uint64) *predictsim.Backend {
 // TestLeastTTFTGoodputSimulated: the route of TestLeastTTFTGoodput on the
 // simulation's clock, five seeds of two minutes at each load from 20% to
 // 100% of the two servers' joint capacity: least predicted TTFT gives at
-// least 1.2 times the goodput of fewest in flight at 60%, with a lower
-// TTFT p99; and, with that pair, a pair the slow one could
+// least 1.2 times the goodput of fewest in flight at 60%, and a lower
+// TTFT p99 from 60% on; and, with that pair, a pair the slow one could
 // serve in time (a 300 ms objective) and two alike, it is never worse
 // than fewest in flight by more than the runs' noise (1% of what is
 // sent): acting on the prediction must not cost.
@@ -199,9 +199,12 @@ func TestLeastTTFTGoodputSimulated(t *testing.T) {
 				}
 			}
 			t.Logf("%s, %.1fx of %.1f/s: least_inflight %v; least_ttft %v (%.2fx)", c.name, load, joint, inflight, ttft, ttft.share()/inflight.share())
-			if c.gain > 1 && load == 0.6 && (ttft.share() < c.gain*inflight.share() || ttft.p99() >= inflight.p99()) {
-				t.Errorf("%s, %.1fx: least_ttft %.1f%% good (TTFT p99 %v), least_inflight %.1f%% (%v): want at least %.1fx, and a lower p99",
-					c.name, load, 100*ttft.share(), ttft.p99(), 100*inflight.share(), inflight.p99(), c.gain)
+			if c.gain > 1 && load == 0.6 && ttft.share() < c.gain*inflight.share() {
+				t.Errorf("%s, %.1fx: least_ttft %.1f%% good, least_inflight %.1f%%: want at least %.1fx",
+					c.name, load, 100*ttft.share(), 100*inflight.share(), c.gain)
+			}
+			if c.gain > 1 && load >= 0.6 && ttft.p99() >= inflight.p99() {
+				t.Errorf("%s, %.1fx: least_ttft's TTFT p99 %v, least_inflight's %v: want lower", c.name, load, ttft.p99(), inflight.p99())
 			}
 			if ttft.share() < inflight.share()-0.01 {
 				t.Errorf("%s, %.1fx: least_ttft %.1f%% good, worse than least_inflight's %.1f%%", c.name, load, 100*ttft.share(), 100*inflight.share())
