@@ -208,24 +208,59 @@ func (cl *client) try(id string, body []byte, stamped, fresh bool) (res result, 
 }
 
 func (cl *client) read(c *conn, res *result, stamped bool) error {
-	line, err := c.br.ReadSlice('\n')
+	length, chunked, closeAfter, err := readHead(c, res)
 	if err != nil {
 		return err
 	}
+	c.p.Reset()
+	b := &bodyReader{c: c, res: res, stamped: stamped, whole: !chunked && length >= 0}
+	buf := make([]byte, 32<<10)
+	switch {
+	case chunked:
+		err = b.chunked(buf)
+	case length >= 0:
+		if err = b.counted(buf, length); err == nil {
+			o := dialect.OpenAI.Body(b.body)
+			res.Output, res.Input = o.Out, o.In
+		}
+	default:
+		err, closeAfter = b.toEOF(buf), true
+	}
+	if err != nil {
+		return err
+	}
+	end := time.Now()
+	res.E2E, res.E2EKernel = end.Sub(res.Start), receivedAt(c.c, end).Sub(res.Start)
+	if res.Output == 0 {
+		res.Output = len(res.Tokens)
+	}
+	if closeAfter {
+		return errClosed
+	}
+	return nil
+}
+
+// readHead reads the response's status line and header: the status into
+// res, and the body's framing.
+func readHead(c *conn, res *result) (length int, chunked, closeAfter bool, err error) {
+	line, err := c.br.ReadSlice('\n')
+	if err != nil {
+		return 0, false, false, err
+	}
 	res.TTFB = time.Since(res.Start)
 	if len(line) < 12 {
-		return errStatus
+		return 0, false, false, errStatus
 	}
 	res.Status, _ = strconv.Atoi(string(line[9:12]))
-	length, chunked, closeAfter := -1, false, false
+	length = -1
 	for {
 		h, err := c.br.ReadSlice('\n')
 		if err != nil {
-			return err
+			return 0, false, false, err
 		}
 		h = bytes.TrimRight(h, "\r\n")
 		if len(h) == 0 {
-			break
+			return length, chunked, closeAfter, nil
 		}
 		k, v, _ := bytes.Cut(h, []byte(":"))
 		v = bytes.TrimSpace(v)
@@ -238,108 +273,105 @@ func (cl *client) read(c *conn, res *result, stamped bool) error {
 			closeAfter = bytes.EqualFold(v, []byte("close"))
 		}
 	}
-	c.p.Reset()
-	var whole []byte
-	feed := func(b []byte) {
-		now := time.Now()
-		res.Bytes += len(b)
-		if !chunked && length >= 0 {
-			whole = append(whole, b...)
-			return
+}
+
+// bodyReader reads a response body, stamping each token event as it
+// arrives (a body of known length is kept whole, for its usage).
+type bodyReader struct {
+	c       *conn
+	res     *result
+	stamped bool
+	whole   bool
+	body    []byte
+}
+
+// feed takes bytes of the body read now.
+func (b *bodyReader) feed(p []byte) {
+	now, res := time.Now(), b.res
+	res.Bytes += len(p)
+	if b.whole {
+		b.body = append(b.body, p...)
+		return
+	}
+	b.c.p.Feed(p)
+	for b.c.p.Next() {
+		ev := b.c.p.Event()
+		o := dialect.OpenAI.Event(ev.Type, ev.Data)
+		if o.Token {
+			if res.TTFT < 0 {
+				res.TTFT = now.Sub(res.Start)
+				res.TTFTKernel = receivedAt(b.c.c, now).Sub(res.Start)
+			}
+			res.Tokens = append(res.Tokens, now.Sub(res.Start))
+			if b.stamped {
+				if sent := gjson.GetBytes(ev.Data, "mock_sent").Int(); sent > 0 {
+					res.Delays = append(res.Delays, time.Duration(now.UnixNano()-sent))
+				}
+			}
 		}
-		c.p.Feed(b)
-		for c.p.Next() {
-			ev := c.p.Event()
-			o := dialect.OpenAI.Event(ev.Type, ev.Data)
-			if o.Token {
-				if res.TTFT < 0 {
-					res.TTFT = now.Sub(res.Start)
-					res.TTFTKernel = receivedAt(c.c, now).Sub(res.Start)
-				}
-				res.Tokens = append(res.Tokens, now.Sub(res.Start))
-				if stamped {
-					if sent := gjson.GetBytes(ev.Data, "mock_sent").Int(); sent > 0 {
-						res.Delays = append(res.Delays, time.Duration(now.UnixNano()-sent))
-					}
-				}
-			}
-			if o.HasOut {
-				res.Output = o.Out
-			}
-			if o.HasIn {
-				res.Input = o.In
-			}
+		if o.HasOut {
+			res.Output = o.Out
+		}
+		if o.HasIn {
+			res.Input = o.In
 		}
 	}
-	buf := make([]byte, 32<<10)
-	switch {
-	case chunked:
-		for {
-			sz, err := c.br.ReadSlice('\n')
-			if err != nil {
-				return err
-			}
-			n, err := strconv.ParseInt(string(bytes.TrimSpace(bytes.SplitN(sz, []byte(";"), 2)[0])), 16, 64)
-			if err != nil {
-				return fmt.Errorf("bad chunk size %q", sz)
-			}
-			if n == 0 {
-				if _, err := c.br.ReadSlice('\n'); err != nil { // the trailer's end
-					return err
-				}
-				break
-			}
-			for n > 0 {
-				m, err := c.br.Read(buf[:min(int64(len(buf)), n)])
-				if m > 0 {
-					feed(buf[:m])
-				}
-				if err != nil {
-					return err
-				}
-				n -= int64(m)
-			}
-			if _, err := c.br.Discard(2); err != nil {
-				return err
-			}
+}
+
+// chunked reads a chunked body to its last chunk and trailer.
+func (b *bodyReader) chunked(buf []byte) error {
+	br := b.c.br
+	for {
+		sz, err := br.ReadSlice('\n')
+		if err != nil {
+			return err
 		}
-	case length >= 0:
-		for length > 0 {
-			m, err := c.br.Read(buf[:min(len(buf), length)])
-			if m > 0 {
-				feed(buf[:m])
-			}
-			if err != nil {
-				return err
-			}
-			length -= m
+		n, err := strconv.ParseInt(string(bytes.TrimSpace(bytes.SplitN(sz, []byte(";"), 2)[0])), 16, 64)
+		if err != nil {
+			return fmt.Errorf("bad chunk size %q", sz)
 		}
-		o := dialect.OpenAI.Body(whole)
-		res.Output, res.Input = o.Out, o.In
-	default:
-		for {
-			m, err := c.br.Read(buf)
-			if m > 0 {
-				feed(buf[:m])
-			}
-			if err == io.EOF {
-				break
-			}
-			if err != nil {
-				return err
-			}
+		if n == 0 {
+			_, err := br.ReadSlice('\n') // the trailer's end
+			return err
 		}
-		closeAfter = true
+		if err := b.counted(buf, int(n)); err != nil {
+			return err
+		}
+		if _, err := br.Discard(2); err != nil {
+			return err
+		}
 	}
-	end := time.Now()
-	res.E2E, res.E2EKernel = end.Sub(res.Start), receivedAt(c.c, end).Sub(res.Start)
-	if res.Output == 0 {
-		res.Output = len(res.Tokens)
-	}
-	if closeAfter {
-		return errClosed
+}
+
+// counted reads n bytes of the body.
+func (b *bodyReader) counted(buf []byte, n int) error {
+	for n > 0 {
+		m, err := b.c.br.Read(buf[:min(len(buf), n)])
+		if m > 0 {
+			b.feed(buf[:m])
+		}
+		if err != nil {
+			return err
+		}
+		n -= m
 	}
 	return nil
+}
+
+// toEOF reads a body that ends with the connection.
+func (b *bodyReader) toEOF(buf []byte) error {
+	for {
+		m, err := b.c.br.Read(buf)
+		if m > 0 {
+			b.feed(buf[:m])
+		}
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
 }
 
 // errClosed: the response is complete but the connection cannot be reused.
