@@ -76,32 +76,11 @@ func runCompare(args []string, out io.Writer) error {
 	if len(args) != 2 {
 		return fmt.Errorf("compare takes two JSON files: before.json after.json")
 	}
-	load := func(path string) (map[string]summary, error) {
-		b, err := os.ReadFile(path)
-		if err != nil {
-			return nil, err
-		}
-		var f struct {
-			Summary    *summary  `json:"summary"`
-			Conditions []summary `json:"conditions"`
-		}
-		if err := json.Unmarshal(b, &f); err != nil {
-			return nil, fmt.Errorf("%s: %w", path, err)
-		}
-		m := map[string]summary{}
-		if f.Summary != nil {
-			m[f.Summary.Name] = *f.Summary
-		}
-		for _, s := range f.Conditions {
-			m[s.Name] = s
-		}
-		return m, nil
-	}
-	a, err := load(args[0])
+	a, err := loadSummaries(args[0])
 	if err != nil {
 		return err
 	}
-	b, err := load(args[1])
+	b, err := loadSummaries(args[1])
 	if err != nil {
 		return err
 	}
@@ -115,87 +94,13 @@ func runCompare(args []string, out io.Writer) error {
 		return fmt.Errorf("no condition in common")
 	}
 	sort.Strings(names)
-	rel := func(x, y float64) string {
-		if x == 0 {
-			return "   n/a"
-		}
-		return fmt.Sprintf("%+6.1f%%", 100*(y-x)/x)
-	}
 	// Every row first, then significance over all of them at once (Holm),
 	// as the live verdict does: a table of many rows would otherwise show
 	// a false alarm by chance.
-	type row struct {
-		cond, name, change, interval, verdict string
-		x, y                                  float64
-		p                                     float64
-		tested                                bool
-	}
-	var rows []row
+	var rows []compareRow
 	rng := rand.New(rand.NewPCG(sampleSeed, 1))
 	for _, n := range names {
-		x, y := a[n], b[n]
-		var sx, sy samples
-		if x.Samples != nil && y.Samples != nil {
-			sx, sy = *x.Samples, *y.Samples
-		}
-		// The gaps by request where both files keep them; a file written
-		// before kept them flat, and they are then taken as independent.
-		gapsA, gapsB, flat := sx.ITLByRequest, sy.ITLByRequest, false
-		if len(gapsA) == 0 || len(gapsB) == 0 {
-			gapsA, gapsB, flat = nil, nil, len(sx.ITL) > 0 && len(sy.ITL) > 0
-		}
-		for _, m := range []struct {
-			name   string
-			x, y   float64
-			q      float64     // the quantile of the samples below, for the interval
-			xs, ys []float64   // nil: no interval
-			cx, cy [][]float64 // the gaps by request: resampled by request
-		}{
-			{name: "TTFT p50 ms", x: x.TTFT.P50, y: y.TTFT.P50, q: 0.5, xs: sx.TTFT, ys: sy.TTFT},
-			{name: "TTFT p99 ms", x: x.TTFT.P99, y: y.TTFT.P99, q: 0.99, xs: sx.TTFT, ys: sy.TTFT},
-			{name: "ITL p50 ms", x: x.ITL.P50, y: y.ITL.P50, q: 0.5, xs: flatIf(flat, sx.ITL), ys: flatIf(flat, sy.ITL), cx: gapsA, cy: gapsB},
-			{name: "ITL p99 ms", x: x.ITL.P99, y: y.ITL.P99, q: 0.99, xs: flatIf(flat, sx.ITL), ys: flatIf(flat, sy.ITL), cx: gapsA, cy: gapsB},
-			{name: "E2E p50 ms", x: x.E2E.P50, y: y.E2E.P50, q: 0.5, xs: sx.E2E, ys: sy.E2E},
-			{name: "E2E p99 ms", x: x.E2E.P99, y: y.E2E.P99, q: 0.99, xs: sx.E2E, ys: sy.E2E},
-			{name: "tokens/s per request p50", x: median(sx.TokensPerS), y: median(sy.TokensPerS), q: 0.5, xs: sx.TokensPerS, ys: sy.TokensPerS},
-			{name: "req/s", x: x.RequestsPerS, y: y.RequestsPerS}, {name: "tokens/s", x: x.OutputTokPerS, y: y.OutputTokPerS},
-			{name: "goodput/s", x: x.GoodputPerS, y: y.GoodputPerS}, {name: "errors", x: float64(x.Errors), y: float64(y.Errors)},
-		} {
-			if math.IsNaN(m.x) || m.name == "tokens/s per request p50" && (len(m.xs) == 0 || len(m.ys) == 0) {
-				continue
-			}
-			r := row{cond: n, name: m.name, x: m.x, y: m.y, change: rel(m.x, m.y)}
-			var lo, hi, p float64
-			var tooFew, tested bool
-			switch {
-			case len(m.cx) > 0:
-				// Before, after and the change from the same gaps the
-				// interval is drawn from, resampled by request.
-				var d float64
-				d, lo, hi, p, tooFew = clusterQuantileDiff(m.cx, m.cy, m.q, rng)
-				r.x, r.y = quantileOf(slices.Concat(m.cx...), m.q), quantileOf(slices.Concat(m.cy...), m.q)
-				r.change, tested = fmt.Sprintf("%+6.1f%%", 100*d), true
-			case len(m.xs) > 0 && len(m.ys) > 0:
-				// The same method as the live verdict (/stats?compare), on
-				// the samples: before, after and the change from them too,
-				// so that the change is the one the interval is about.
-				var d float64
-				d, lo, hi, p, tooFew = stats.QuantileDiff(m.xs, m.ys, m.q)
-				r.x, r.y = quantileOf(m.xs, m.q), quantileOf(m.ys, m.q)
-				r.change, tested = fmt.Sprintf("%+6.1f%%", 100*d), true
-			}
-			switch {
-			case tested && tooFew:
-				r.verdict = fmt.Sprintf("too few requests (%d a side)", stats.Needed(m.q))
-			case tested:
-				r.interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
-				if flat && m.cx == nil && strings.HasPrefix(m.name, "ITL") {
-					r.interval += " (gaps as independent: an older file)"
-				}
-				r.p, r.tested = p, true
-			}
-			rows = append(rows, r)
-		}
+		rows = append(rows, compareCondition(n, a[n], b[n], rng)...)
 	}
 	var ps []float64
 	var at []int
@@ -213,6 +118,116 @@ func runCompare(args []string, out io.Writer) error {
 		fmt.Fprintf(tw, "%s\t%s\t%.2f\t%.2f\t%s\t%s\t%s\t\n", r.cond, r.name, r.x, r.y, r.change, r.interval, r.verdict)
 	}
 	return tw.Flush()
+}
+
+// loadSummaries reads a result file's runs by name: its summary, or its
+// conditions.
+func loadSummaries(path string) (map[string]summary, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var f struct {
+		Summary    *summary  `json:"summary"`
+		Conditions []summary `json:"conditions"`
+	}
+	if err := json.Unmarshal(b, &f); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	m := map[string]summary{}
+	if f.Summary != nil {
+		m[f.Summary.Name] = *f.Summary
+	}
+	for _, s := range f.Conditions {
+		m[s.Name] = s
+	}
+	return m, nil
+}
+
+// compareRow is one measure of one condition, before and after, with its
+// change, its interval and (once every row is in) its verdict.
+type compareRow struct {
+	cond, name, change, interval, verdict string
+	x, y                                  float64
+	p                                     float64
+	tested                                bool
+}
+
+// relChange is y's change from x, in percent.
+func relChange(x, y float64) string {
+	if x == 0 {
+		return "   n/a"
+	}
+	return fmt.Sprintf("%+6.1f%%", 100*(y-x)/x)
+}
+
+// compareCondition is condition n's rows: its measures before (x) and
+// after (y), each with the interval of its change where the samples allow.
+func compareCondition(n string, x, y summary, rng *rand.Rand) []compareRow {
+	var rows []compareRow
+	var sx, sy samples
+	if x.Samples != nil && y.Samples != nil {
+		sx, sy = *x.Samples, *y.Samples
+	}
+	// The gaps by request where both files keep them; a file written
+	// before kept them flat, and they are then taken as independent.
+	gapsA, gapsB, flat := sx.ITLByRequest, sy.ITLByRequest, false
+	if len(gapsA) == 0 || len(gapsB) == 0 {
+		gapsA, gapsB, flat = nil, nil, len(sx.ITL) > 0 && len(sy.ITL) > 0
+	}
+	for _, m := range []struct {
+		name   string
+		x, y   float64
+		q      float64     // the quantile of the samples below, for the interval
+		xs, ys []float64   // nil: no interval
+		cx, cy [][]float64 // the gaps by request: resampled by request
+	}{
+		{name: "TTFT p50 ms", x: x.TTFT.P50, y: y.TTFT.P50, q: 0.5, xs: sx.TTFT, ys: sy.TTFT},
+		{name: "TTFT p99 ms", x: x.TTFT.P99, y: y.TTFT.P99, q: 0.99, xs: sx.TTFT, ys: sy.TTFT},
+		{name: "ITL p50 ms", x: x.ITL.P50, y: y.ITL.P50, q: 0.5, xs: flatIf(flat, sx.ITL), ys: flatIf(flat, sy.ITL), cx: gapsA, cy: gapsB},
+		{name: "ITL p99 ms", x: x.ITL.P99, y: y.ITL.P99, q: 0.99, xs: flatIf(flat, sx.ITL), ys: flatIf(flat, sy.ITL), cx: gapsA, cy: gapsB},
+		{name: "E2E p50 ms", x: x.E2E.P50, y: y.E2E.P50, q: 0.5, xs: sx.E2E, ys: sy.E2E},
+		{name: "E2E p99 ms", x: x.E2E.P99, y: y.E2E.P99, q: 0.99, xs: sx.E2E, ys: sy.E2E},
+		{name: "tokens/s per request p50", x: median(sx.TokensPerS), y: median(sy.TokensPerS), q: 0.5, xs: sx.TokensPerS, ys: sy.TokensPerS},
+		{name: "req/s", x: x.RequestsPerS, y: y.RequestsPerS}, {name: "tokens/s", x: x.OutputTokPerS, y: y.OutputTokPerS},
+		{name: "goodput/s", x: x.GoodputPerS, y: y.GoodputPerS}, {name: "errors", x: float64(x.Errors), y: float64(y.Errors)},
+	} {
+		if math.IsNaN(m.x) || m.name == "tokens/s per request p50" && (len(m.xs) == 0 || len(m.ys) == 0) {
+			continue
+		}
+		r := compareRow{cond: n, name: m.name, x: m.x, y: m.y, change: relChange(m.x, m.y)}
+		var lo, hi, p float64
+		var tooFew, tested bool
+		switch {
+		case len(m.cx) > 0:
+			// Before, after and the change from the same gaps the
+			// interval is drawn from, resampled by request.
+			var d float64
+			d, lo, hi, p, tooFew = clusterQuantileDiff(m.cx, m.cy, m.q, rng)
+			r.x, r.y = quantileOf(slices.Concat(m.cx...), m.q), quantileOf(slices.Concat(m.cy...), m.q)
+			r.change, tested = fmt.Sprintf("%+6.1f%%", 100*d), true
+		case len(m.xs) > 0 && len(m.ys) > 0:
+			// The same method as the live verdict (/stats?compare), on
+			// the samples: before, after and the change from them too,
+			// so that the change is the one the interval is about.
+			var d float64
+			d, lo, hi, p, tooFew = stats.QuantileDiff(m.xs, m.ys, m.q)
+			r.x, r.y = quantileOf(m.xs, m.q), quantileOf(m.ys, m.q)
+			r.change, tested = fmt.Sprintf("%+6.1f%%", 100*d), true
+		}
+		switch {
+		case tested && tooFew:
+			r.verdict = fmt.Sprintf("too few requests (%d a side)", stats.Needed(m.q))
+		case tested:
+			r.interval = fmt.Sprintf("%+.1f%% … %+.1f%%", 100*lo, 100*hi)
+			if flat && m.cx == nil && strings.HasPrefix(m.name, "ITL") {
+				r.interval += " (gaps as independent: an older file)"
+			}
+			r.p, r.tested = p, true
+		}
+		rows = append(rows, r)
+	}
+	return rows
 }
 
 // flatIf is xs when flat, else nil.
