@@ -76,113 +76,140 @@ func run(p plan) ([]result, time.Duration, error) {
 		}
 		defer cl.closeIdle()
 	}
-	seed := rand.Uint64()
-	var seq atomic.Int64
-	var mu sync.Mutex
-	var results []result
-	var errs atomic.Int64
-	counting := atomic.Bool{}
-	send := func(r *rand.Rand) {
-		n := seq.Add(1)
-		w := p.Workloads[int(n)%len(p.Workloads)]
-		id := fmt.Sprintf("%sb%x-%d", p.IDPrefix, seed&0xffffff, n)
-		res := cl.do(id, body(w, p.Model, p.Stream, p.SharedPrefix, r), p.Stamped)
-		res.Workload = w.Name
-		if !counting.Load() {
-			return
-		}
-		if res.Err != "" || res.Status >= 400 {
-			errs.Add(1)
-		}
-		mu.Lock()
-		results = append(results, res)
-		done := len(results)
-		mu.Unlock()
-		if p.Progress != nil {
-			p.Progress(done, int(errs.Load()))
-		}
-	}
-	// Warm-up: a few requests at the plan's concurrency, not counted.
-	if p.Warmup > 0 {
-		var wg sync.WaitGroup
-		left := atomic.Int64{}
-		left.Store(int64(p.Warmup))
-		for range max(1, min(p.Concurrency, p.Warmup)) {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				r := rand.New(rand.NewPCG(rand.Uint64(), 1))
-				for left.Add(-1) >= 0 {
-					send(r)
-				}
-			}()
-		}
-		wg.Wait()
-	}
-	counting.Store(true)
+	ru := &runner{p: p, cl: cl, seed: rand.Uint64()}
+	ru.warmup()
+	ru.counting.Store(true)
 	start := time.Now()
-	enough := func() bool {
-		if p.Duration > 0 && time.Since(start) >= p.Duration {
-			return true
-		}
-		if p.Requests > 0 && seq.Load() >= int64(p.Warmup+p.Requests) {
-			return true
-		}
-		return false
+	if p.Rate == 0 && len(p.Steps) == 0 {
+		ru.closedLoop(start)
+	} else {
+		ru.openLoop()
+	}
+	ru.wg.Wait()
+	return ru.results, time.Since(start), nil
+}
+
+// runner is one run of a plan: its requests sent, and the results of
+// those counted (after the warm-up).
+type runner struct {
+	p        plan
+	cl       *client
+	seed     uint64
+	seq      atomic.Int64
+	errs     atomic.Int64
+	counting atomic.Bool
+	wg       sync.WaitGroup
+	mu       sync.Mutex
+	results  []result
+}
+
+// send sends the plan's next request and keeps its result once counting.
+func (ru *runner) send(r *rand.Rand) {
+	p := ru.p
+	n := ru.seq.Add(1)
+	w := p.Workloads[int(n)%len(p.Workloads)]
+	id := fmt.Sprintf("%sb%x-%d", p.IDPrefix, ru.seed&0xffffff, n)
+	res := ru.cl.do(id, body(w, p.Model, p.Stream, p.SharedPrefix, r), p.Stamped)
+	res.Workload = w.Name
+	if !ru.counting.Load() {
+		return
+	}
+	if res.Err != "" || res.Status >= 400 {
+		ru.errs.Add(1)
+	}
+	ru.mu.Lock()
+	ru.results = append(ru.results, res)
+	done := len(ru.results)
+	ru.mu.Unlock()
+	if p.Progress != nil {
+		p.Progress(done, int(ru.errs.Load()))
+	}
+}
+
+// warmup sends the plan's warm-up requests at its concurrency, not
+// counted.
+func (ru *runner) warmup() {
+	p := ru.p
+	if p.Warmup <= 0 {
+		return
 	}
 	var wg sync.WaitGroup
-	if p.Rate == 0 && len(p.Steps) == 0 {
-		for range max(1, p.Concurrency) {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				r := rand.New(rand.NewPCG(rand.Uint64(), 2))
-				for !enough() {
-					send(r)
-				}
-			}()
-		}
-	} else {
-		steps := p.Steps
-		if len(steps) == 0 {
-			steps = []step{{p.Rate, p.Duration}}
-		}
-		shape := p.Burstiness
-		if shape <= 0 {
-			shape = 1
-		}
-		r := rand.New(rand.NewPCG(rand.Uint64(), 3))
-		next := time.Now()
-		maxOpen := p.MaxInflight
-		if maxOpen <= 0 {
-			maxOpen = 20000
-		}
-		inflight := make(chan struct{}, maxOpen) // a bound on open requests: past it arrivals wait
-	stepsLoop:
-		for _, st := range steps {
-			end := time.Now().Add(st.For)
-			if st.For == 0 {
-				end = time.Now().Add(24 * time.Hour)
+	left := atomic.Int64{}
+	left.Store(int64(p.Warmup))
+	for range max(1, min(p.Concurrency, p.Warmup)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(rand.Uint64(), 1))
+			for left.Add(-1) >= 0 {
+				ru.send(r)
 			}
-			for time.Now().Before(end) {
-				if p.Requests > 0 && seq.Load() >= int64(p.Warmup+p.Requests) {
-					break stepsLoop
-				}
-				// Gamma gaps with mean 1/rate: shape 1 is Poisson, smaller is burstier.
-				next = next.Add(time.Duration(gamma(r, shape) / (shape * st.Rate) * float64(time.Second)))
-				time.Sleep(time.Until(next))
-				inflight <- struct{}{}
-				wg.Add(1)
-				go func(seed uint64) {
-					defer wg.Done()
-					send(rand.New(rand.NewPCG(seed, 4)))
-					<-inflight
-				}(r.Uint64())
-			}
-		}
+		}()
 	}
 	wg.Wait()
-	return results, time.Since(start), nil
+}
+
+// enough reports whether the run, started at start, has sent what its
+// plan asks.
+func (ru *runner) enough(start time.Time) bool {
+	p := ru.p
+	return p.Duration > 0 && time.Since(start) >= p.Duration || p.Requests > 0 && ru.seq.Load() >= int64(p.Warmup+p.Requests)
+}
+
+// closedLoop keeps the plan's concurrency of requests open until enough.
+func (ru *runner) closedLoop(start time.Time) {
+	for range max(1, ru.p.Concurrency) {
+		ru.wg.Add(1)
+		go func() {
+			defer ru.wg.Done()
+			r := rand.New(rand.NewPCG(rand.Uint64(), 2))
+			for !ru.enough(start) {
+				ru.send(r)
+			}
+		}()
+	}
+}
+
+// openLoop sends arrivals at the plan's rate (or its steps' rates), gaps
+// gamma-distributed, whatever the answers, with at most MaxInflight open.
+func (ru *runner) openLoop() {
+	p := ru.p
+	steps := p.Steps
+	if len(steps) == 0 {
+		steps = []step{{p.Rate, p.Duration}}
+	}
+	shape := p.Burstiness
+	if shape <= 0 {
+		shape = 1
+	}
+	r := rand.New(rand.NewPCG(rand.Uint64(), 3))
+	next := time.Now()
+	maxOpen := p.MaxInflight
+	if maxOpen <= 0 {
+		maxOpen = 20000
+	}
+	inflight := make(chan struct{}, maxOpen) // a bound on open requests: past it arrivals wait
+	for _, st := range steps {
+		end := time.Now().Add(st.For)
+		if st.For == 0 {
+			end = time.Now().Add(24 * time.Hour)
+		}
+		for time.Now().Before(end) {
+			if p.Requests > 0 && ru.seq.Load() >= int64(p.Warmup+p.Requests) {
+				return
+			}
+			// Gamma gaps with mean 1/rate: shape 1 is Poisson, smaller is burstier.
+			next = next.Add(time.Duration(gamma(r, shape) / (shape * st.Rate) * float64(time.Second)))
+			time.Sleep(time.Until(next))
+			inflight <- struct{}{}
+			ru.wg.Add(1)
+			go func(seed uint64) {
+				defer ru.wg.Done()
+				ru.send(rand.New(rand.NewPCG(seed, 4)))
+				<-inflight
+			}(r.Uint64())
+		}
+	}
 }
 
 // gamma draws from Gamma(shape, 1) (stats.Gamma: Marsaglia and Tsang).
