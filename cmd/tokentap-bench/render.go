@@ -172,7 +172,6 @@ func addedRatio(x, y float64) string {
 
 func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	var b strings.Builder
-	d := rep.Derived
 	// nginx's workers and HAProxy's threads follow -gomaxprocs (arms.go).
 	n := rep.Settings["tokentap_gomaxprocs"]
 	fmt.Fprintf(&b, "Machine: %s, %s cores, %s. tokentap, go-relay (a bare Go TCP relay, the floor for a Go proxy) and fasthttp-relay (a bare HTTP proxy on fasthttp, where run) GOMAXPROCS=%v; nginx %v worker(s); HAProxy nbthread %v.\n",
@@ -180,46 +179,60 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 	fmt.Fprintf(&b, "%v measured rounds per condition after a warm-up round, arms interleaved in rotating order, %vs per arm per round; "+
 		"each figure is the median of the per-round values, [min–max] across rounds.\n\n", rep.Settings["rounds"], rep.Settings["round_time_s"])
 	for _, l := range levels {
-		key := strconv.Itoa(l)
-		fmt.Fprintf(&b, "### %d concurrent streams (%v tokens each, %vms apart)\n\n", l, rep.Settings["tokens_per_stream"], rep.Settings["token_gap_ms"])
-		b.WriteString("| path | TTFT p50 | TTFT p99 | token delay p50 | token delay p99 | added TTFT p50 | added TTFT p99 | added delay p50 | added delay p99 | vs direct (TTFT p50 / p99 · delay p50 / p99) | added vs nginx's (TTFT p50 / p99 · delay p50 / p99) | CPU s per 1000 tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-		med := func(name string, f func(roundStat) float64) float64 {
+		streamingTable(&b, rep, arms, l)
+	}
+	requestTables(&b, rep, arms)
+	memoryTables(&b, rep, arms)
+	return b.String()
+}
+
+// streamingTable writes the table of l concurrent streams.
+func streamingTable(b *strings.Builder, rep *proxiesReport, arms []*arm, l int) {
+	d := rep.Derived
+	key := strconv.Itoa(l)
+	fmt.Fprintf(b, "### %d concurrent streams (%v tokens each, %vms apart)\n\n", l, rep.Settings["tokens_per_stream"], rep.Settings["token_gap_ms"])
+	b.WriteString("| path | TTFT p50 | TTFT p99 | token delay p50 | token delay p99 | added TTFT p50 | added TTFT p99 | added delay p50 | added delay p99 | vs direct (TTFT p50 / p99 · delay p50 / p99) | added vs nginx's (TTFT p50 / p99 · delay p50 / p99) | CPU s per 1000 tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	med := func(name string, f func(roundStat) float64) float64 {
+		var x []float64
+		for _, s := range rep.Streaming[key][name] {
+			x = append(x, f(s))
+		}
+		return spreadOf(x).Median
+	}
+	fTTFT50, fTTFT99 := func(s roundStat) float64 { return s.TTFTp50 }, func(s roundStat) float64 { return s.TTFTp99 }
+	fDelay50, fDelay99 := func(s roundStat) float64 { return s.DelayP50 }, func(s roundStat) float64 { return s.DelayP99 }
+	for _, a := range arms {
+		rs := rep.Streaming[key][a.Name]
+		col := func(f func(roundStat) float64) string {
 			var x []float64
-			for _, s := range rep.Streaming[key][name] {
+			for _, s := range rs {
 				x = append(x, f(s))
 			}
-			return spreadOf(x).Median
+			sp := spreadOf(x)
+			return fmt.Sprintf("%.3f [%.3f–%.3f]", sp.Median, sp.Min, sp.Max)
 		}
-		fTTFT50, fTTFT99 := func(s roundStat) float64 { return s.TTFTp50 }, func(s roundStat) float64 { return s.TTFTp99 }
-		fDelay50, fDelay99 := func(s roundStat) float64 { return s.DelayP50 }, func(s roundStat) float64 { return s.DelayP99 }
-		for _, a := range arms {
-			rs := rep.Streaming[key][a.Name]
-			col := func(f func(roundStat) float64) string {
-				var x []float64
-				for _, s := range rs {
-					x = append(x, f(s))
-				}
-				sp := spreadOf(x)
-				return fmt.Sprintf("%.3f [%.3f–%.3f]", sp.Median, sp.Min, sp.Max)
-			}
-			row := fmt.Sprintf("| %s | %s | %s | %s | %s", a.Name, col(func(s roundStat) float64 { return s.TTFTp50 }), col(func(s roundStat) float64 { return s.TTFTp99 }),
-				col(func(s roundStat) float64 { return s.DelayP50 }), col(func(s roundStat) float64 { return s.DelayP99 }))
-			if a.Name == "direct" {
-				b.WriteString(row + " | – | – | – | – | – | – | – |\n")
-				continue
-			}
-			g := func(s string) float64 { return get(d, fmt.Sprintf("added_%s_ms/%s/%s", s, key, a.Name)).Median }
-			ng := func(s string) float64 { return get(d, fmt.Sprintf("added_%s_ms/%s/nginx", s, key)).Median }
-			vsDirect := func(f func(roundStat) float64) string { return ratio(med(a.Name, f), med("direct", f)) }
-			cpu := get(d, fmt.Sprintf("cpu_s_per_1000_tokens/%s/%s", key, a.Name))
-			fmt.Fprintf(&b, "%s | %+.3f | %+.3f | %+.3f | %+.3f | %s / %s · %s / %s | %s / %s · %s / %s | %.4f |\n", row,
-				g("ttft_p50"), g("ttft_p99"), g("delay_p50"), g("delay_p99"),
-				vsDirect(fTTFT50), vsDirect(fTTFT99), vsDirect(fDelay50), vsDirect(fDelay99),
-				addedRatio(g("ttft_p50"), ng("ttft_p50")), addedRatio(g("ttft_p99"), ng("ttft_p99")), addedRatio(g("delay_p50"), ng("delay_p50")), addedRatio(g("delay_p99"), ng("delay_p99")),
-				cpu.Median)
+		row := fmt.Sprintf("| %s | %s | %s | %s | %s", a.Name, col(func(s roundStat) float64 { return s.TTFTp50 }), col(func(s roundStat) float64 { return s.TTFTp99 }),
+			col(func(s roundStat) float64 { return s.DelayP50 }), col(func(s roundStat) float64 { return s.DelayP99 }))
+		if a.Name == "direct" {
+			b.WriteString(row + " | – | – | – | – | – | – | – |\n")
+			continue
 		}
-		b.WriteString("\n(ms; added = path − direct, round by round)\n\n")
+		g := func(s string) float64 { return get(d, fmt.Sprintf("added_%s_ms/%s/%s", s, key, a.Name)).Median }
+		ng := func(s string) float64 { return get(d, fmt.Sprintf("added_%s_ms/%s/nginx", s, key)).Median }
+		vsDirect := func(f func(roundStat) float64) string { return ratio(med(a.Name, f), med("direct", f)) }
+		cpu := get(d, fmt.Sprintf("cpu_s_per_1000_tokens/%s/%s", key, a.Name))
+		fmt.Fprintf(b, "%s | %+.3f | %+.3f | %+.3f | %+.3f | %s / %s · %s / %s | %s / %s · %s / %s | %.4f |\n", row,
+			g("ttft_p50"), g("ttft_p99"), g("delay_p50"), g("delay_p99"),
+			vsDirect(fTTFT50), vsDirect(fTTFT99), vsDirect(fDelay50), vsDirect(fDelay99),
+			addedRatio(g("ttft_p50"), ng("ttft_p50")), addedRatio(g("ttft_p99"), ng("ttft_p99")), addedRatio(g("delay_p50"), ng("delay_p50")), addedRatio(g("delay_p99"), ng("delay_p99")),
+			cpu.Median)
 	}
+	b.WriteString("\n(ms; added = path − direct, round by round)\n\n")
+}
+
+// requestTables writes the small requests' table and the bursts'.
+func requestTables(b *strings.Builder, rep *proxiesReport, arms []*arm) {
+	d := rep.Derived
 	b.WriteString("### Small non-streamed requests, 64 in flight\n\n| path | requests/s | vs direct | vs nginx | CPU µs per request |\n|---|---|---|---|---|\n")
 	nginxRPS := get(d, "small_requests_per_s/nginx").Median
 	directRPS := get(d, "small_requests_per_s/direct").Median
@@ -229,10 +242,10 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 		if a.pids != nil {
 			cpu = fmt.Sprintf("%.1f", get(d, "cpu_us_per_small_request/"+a.Name).Median)
 		}
-		fmt.Fprintf(&b, "| %s | %.0f [%.0f–%.0f] | %s | %s | %s |\n", a.Name, r.Median, r.Min, r.Max, ratio(r.Median, directRPS), ratio(r.Median, nginxRPS), cpu)
+		fmt.Fprintf(b, "| %s | %.0f [%.0f–%.0f] | %s | %s | %s |\n", a.Name, r.Median, r.Min, r.Max, ratio(r.Median, directRPS), ratio(r.Median, nginxRPS), cpu)
 	}
 	if len(rep.Bursts) > 0 {
-		fmt.Fprintf(&b, "\n### Bursts: %v small requests at once after %vs quiet\n\n| path | E2E p50 | E2E p99 | p50 / p99 vs nginx | CPU µs per request |\n|---|---|---|---|---|\n",
+		fmt.Fprintf(b, "\n### Bursts: %v small requests at once after %vs quiet\n\n| path | E2E p50 | E2E p99 | p50 / p99 vs nginx | CPU µs per request |\n|---|---|---|---|---|\n",
 			rep.Settings["burst_requests"], rep.Settings["burst_gap_s"])
 		n50, n99 := get(d, "burst_e2e_p50_ms/nginx").Median, get(d, "burst_e2e_p99_ms/nginx").Median
 		for _, a := range arms {
@@ -241,28 +254,31 @@ func markdown(rep *proxiesReport, arms []*arm, levels []int) string {
 			if a.pids != nil {
 				cpu = fmt.Sprintf("%.1f", get(d, "cpu_us_per_burst_request/"+a.Name).Median)
 			}
-			fmt.Fprintf(&b, "| %s | %.3f [%.3f–%.3f] | %.3f [%.3f–%.3f] | %s / %s | %s |\n", a.Name, p50.Median, p50.Min, p50.Max,
+			fmt.Fprintf(b, "| %s | %.3f [%.3f–%.3f] | %.3f [%.3f–%.3f] | %s / %s | %s |\n", a.Name, p50.Median, p50.Min, p50.Max,
 				p99.Median, p99.Min, p99.Max, ratio(p50.Median, n50), ratio(p99.Median, n99), cpu)
 		}
 		b.WriteString("\n(ms, whole requests as the client saw them; the last of a burst waits for all the others)\n")
 	}
-	fmt.Fprintf(&b, "\n### Memory: %d idle streams open at once\n\n| path | RSS per 1000 idle streams |\n|---|---|\n", rep.IdleCount)
+}
+
+// memoryTables writes idle memory and the measurement's accuracy.
+func memoryTables(b *strings.Builder, rep *proxiesReport, arms []*arm) {
+	fmt.Fprintf(b, "\n### Memory: %d idle streams open at once\n\n| path | RSS per 1000 idle streams |\n|---|---|\n", rep.IdleCount)
 	for _, a := range arms {
 		if mb, ok := rep.IdleRSS[a.Name]; ok {
-			fmt.Fprintf(&b, "| %s | %.1f MB |\n", a.Name, mb)
+			fmt.Fprintf(b, "| %s | %.1f MB |\n", a.Name, mb)
 		}
 	}
 	if acc := rep.Accuracy; acc != nil {
-		fmt.Fprintf(&b, "\n### Measurement accuracy at 100 streams (%d requests matched by id)\n\n| | p50 | p99 | client saw the longer time |\n|---|---|---|---|\n", acc.Matched)
-		fmt.Fprintf(&b, "| abs(tokentap ttft_ms − client TTFT) | %.3f ms | %.3f ms | %.0f%% |\n", acc.TTFT.P50, acc.TTFT.P99, 100*acc.TTFTClientLonger)
-		fmt.Fprintf(&b, "| abs(tokentap e2e_ms − client E2E) | %.3f ms | %.3f ms | %.0f%% |\n", acc.E2E.P50, acc.E2E.P99, 100*acc.E2EClientLonger)
+		fmt.Fprintf(b, "\n### Measurement accuracy at 100 streams (%d requests matched by id)\n\n| | p50 | p99 | client saw the longer time |\n|---|---|---|---|\n", acc.Matched)
+		fmt.Fprintf(b, "| abs(tokentap ttft_ms − client TTFT) | %.3f ms | %.3f ms | %.0f%% |\n", acc.TTFT.P50, acc.TTFT.P99, 100*acc.TTFTClientLonger)
+		fmt.Fprintf(b, "| abs(tokentap e2e_ms − client E2E) | %.3f ms | %.3f ms | %.0f%% |\n", acc.E2E.P50, acc.E2E.P99, 100*acc.E2EClientLonger)
 		if acc.TTFTKernel.N > 0 {
-			fmt.Fprintf(&b, "| the same, client's kernel receive time: TTFT | %.3f ms | %.3f ms | %.0f%% |\n", acc.TTFTKernel.P50, acc.TTFTKernel.P99, 100*acc.TTFTKernelClientLonger)
-			fmt.Fprintf(&b, "| the same, client's kernel receive time: E2E | %.3f ms | %.3f ms | %.0f%% |\n", acc.E2EKernel.P50, acc.E2EKernel.P99, 100*acc.E2EKernelClientLonger)
+			fmt.Fprintf(b, "| the same, client's kernel receive time: TTFT | %.3f ms | %.3f ms | %.0f%% |\n", acc.TTFTKernel.P50, acc.TTFTKernel.P99, 100*acc.TTFTKernelClientLonger)
+			fmt.Fprintf(b, "| the same, client's kernel receive time: E2E | %.3f ms | %.3f ms | %.0f%% |\n", acc.E2EKernel.P50, acc.E2EKernel.P99, 100*acc.E2EKernelClientLonger)
 		}
-		fmt.Fprintf(&b, "| abs(tokentap itl_mean_ms − client mean ITL) | %.3f ms | %.3f ms | |\n", acc.ITL.P50, acc.ITL.P99)
+		fmt.Fprintf(b, "| abs(tokentap itl_mean_ms − client mean ITL) | %.3f ms | %.3f ms | |\n", acc.ITL.P50, acc.ITL.P99)
 	}
-	return b.String()
 }
 
 // plotSVG draws added TTFT p50 and p99 against concurrency, one line per proxy.

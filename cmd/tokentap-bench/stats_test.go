@@ -2,6 +2,7 @@ package main
 
 import (
 	"math"
+	"strings"
 	"testing"
 	"time"
 )
@@ -95,5 +96,49 @@ func TestParseSLO(t *testing.T) {
 	slow := result{Status: 200, TTFT: 600 * time.Millisecond, E2E: time.Second, Output: 2}
 	if o.met(&slow) {
 		t.Error("a 600 ms first token met a 500 ms objective")
+	}
+}
+
+// TestProxiesMarkdown: the side-by-side report's tables carry each arm's
+// figures where they belong: the streams' medians and spreads, the added
+// time against direct and its ratio to nginx's, requests per second
+// against direct and nginx, bursts, idle memory and the accuracy rows.
+func TestProxiesMarkdown(t *testing.T) {
+	one := func(v float64) []roundStat {
+		return []roundStat{{TTFTp50: v, TTFTp99: 2 * v, DelayP50: v / 10, DelayP99: v / 5}, {TTFTp50: v + 1, TTFTp99: 2*v + 1, DelayP50: v / 10, DelayP99: v / 5}}
+	}
+	arms := []*arm{{Name: "direct"}, {Name: "nginx", pids: func() []int { return nil }}, {Name: "tokentap", pids: func() []int { return nil }}}
+	rep := &proxiesReport{
+		Machine:   map[string]string{"cpu": "test cpu", "cores": "2", "kernel": "6.1"},
+		Settings:  map[string]any{"tokentap_gomaxprocs": 1, "rounds": 2, "round_time_s": 1, "tokens_per_stream": 64, "token_gap_ms": 10, "burst_requests": 500, "burst_gap_s": 1},
+		Streaming: map[string]map[string][]roundStat{"100": {"direct": one(10), "nginx": one(11), "tokentap": one(12)}},
+		Bursts:    map[string][]roundStat{"nginx": {{}}},
+		IdleRSS:   map[string]float64{"nginx": 3.5, "tokentap": 7.25},
+		IdleCount: 5000,
+		Accuracy:  &accuracy{Matched: 99},
+		Derived: map[string]any{
+			"added_ttft_p50_ms/100/tokentap": spread{Median: 2}, "added_ttft_p50_ms/100/nginx": spread{Median: 1},
+			"small_requests_per_s/direct": spread{Median: 1000}, "small_requests_per_s/nginx": spread{Median: 800, Min: 790, Max: 810},
+			"small_requests_per_s/tokentap": spread{Median: 400, Min: 390, Max: 410}, "cpu_us_per_small_request/tokentap": spread{Median: 118.4},
+			"burst_e2e_p50_ms/tokentap": spread{Median: 5}, "burst_e2e_p50_ms/nginx": spread{Median: 4},
+		},
+	}
+	md := markdown(rep, arms, []int{100})
+	for _, want := range []string{
+		"Machine: test cpu, 2 cores, 6.1.",
+		"### 100 concurrent streams (64 tokens each, 10ms apart)",
+		"| direct | 10.500 [10.000–11.000] | 20.500 [20.000–21.000] |",
+		"| tokentap | 12.500 [12.000–13.000] |",
+		"| +2.000 |",
+		"| 400 [390–410] | 0.40× | 0.50× | 118.4 |",
+		"| nginx | 800 [790–810] | 0.80× | 1.00× |",
+		"### Bursts: 500 small requests at once after 1s quiet",
+		"### Memory: 5000 idle streams open at once",
+		"| tokentap | 7.2 MB |",
+		"(99 requests matched by id)",
+	} {
+		if !strings.Contains(md, want) {
+			t.Errorf("the report lacks %q:\n%s", want, md)
+		}
 	}
 }
