@@ -206,26 +206,7 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 	// Memory first, on processes that have served nothing yet: after the
 	// load phases a heap keeps what it grew to, and idle streams would
 	// fit in it unseen.
-	if f.idle > 0 {
-		fmt.Fprintf(os.Stderr, "memory: %d idle streams per arm\n", f.idle)
-		for _, a := range arms {
-			if a.pids == nil || a.Name == "fasthttp-relay" {
-				// fasthttp's client hands a streamed body on in reads
-				// of its buffer's size: the bare relay holds a stream's
-				// first event until more bytes come, and an idle stream
-				// never opens through it.
-				continue
-			}
-			// Two tokens a minute apart: the streams end by themselves
-			// after the figure is read, in every arm alike.
-			mb, err := idleRSS(f.at(a, idlePath), f.idle, idleBody)
-			if err != nil {
-				fmt.Fprintf(os.Stderr, "%s: idle streams: %v\n", a.Name, err)
-				continue
-			}
-			rep.IdleRSS[a.Name] = mb
-		}
-	}
+	f.idleMemory(arms, rep)
 	if f.pin {
 		if err := f.pinArms(arms, mock.Process.Pid); err != nil {
 			return nil, fmt.Errorf("-pin: %w", err)
@@ -251,6 +232,30 @@ func (f *frontierSettings) run() (*frontierReport, error) {
 		}
 	}
 	return rep, nil
+}
+
+// idleMemory reads each arm's memory per 1,000 idle streams into rep.
+func (f *frontierSettings) idleMemory(arms []*arm, rep *frontierReport) {
+	if f.idle > 0 {
+		fmt.Fprintf(os.Stderr, "memory: %d idle streams per arm\n", f.idle)
+		for _, a := range arms {
+			if a.pids == nil || a.Name == "fasthttp-relay" {
+				// fasthttp's client hands a streamed body on in reads
+				// of its buffer's size: the bare relay holds a stream's
+				// first event until more bytes come, and an idle stream
+				// never opens through it.
+				continue
+			}
+			// Two tokens a minute apart: the streams end by themselves
+			// after the figure is read, in every arm alike.
+			mb, err := idleRSS(f.at(a, idlePath), f.idle, idleBody)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "%s: idle streams: %v\n", a.Name, err)
+				continue
+			}
+			rep.IdleRSS[a.Name] = mb
+		}
+	}
 }
 
 // startArms starts every arm that can run here, each pointed at the
