@@ -48,43 +48,7 @@ func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, fl
 		// A p99 needs requests beyond it: at low rates the probe lasts
 		// long enough for minProbeRequests.
 		probe := max(f.probe, time.Duration(minProbeRequests/rate*float64(time.Second)))
-		probes := map[string][]ratePoint{}
-		directHeld := true
-		for n := 0; n < f.probes && directHeld; n++ {
-			retried := false
-			order := rotate(all, k+r+n)
-			direct := ratePoint{}
-			got := map[string]ratePoint{}
-			for i := 0; i < len(order); i++ {
-				a := order[i]
-				if !going[a.Name] {
-					continue
-				}
-				p := f.probeAt(a, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-%d-", strings.ReplaceAll(a.Name, " ", ""), r, rate, n))
-				if a.Name == "direct" {
-					// Past this the load generator or the backend is the
-					// bottleneck: added figures would measure them. A
-					// stall of either in one probe is not its ceiling:
-					// direct is measured once more before the search ends.
-					p.Held = p.Held && p.P99 <= ms(f.backend)+lim
-					if !p.Held && !retried {
-						retried = true
-						fmt.Fprintf(os.Stderr, " direct p99 %.1fms, again", p.P99)
-						i--
-						continue
-					}
-					direct = p
-				}
-				got[a.Name] = p
-			}
-			for name, p := range got {
-				if name != "direct" {
-					p.Added = p.P99 - direct.P99
-				}
-				probes[name] = append(probes[name], p)
-			}
-			directHeld = direct.Held
-		}
+		probes := f.probeRate(all, going, rate, probe, k, r, lim)
 		band := math.Abs(median(addedOf(probes[aaControl])))
 		pts := map[string]ratePoint{}
 		for _, a := range all {
@@ -127,6 +91,52 @@ func (f *frontierSettings) sweep(arms []*arm, r int) (map[string][]ratePoint, fl
 		}
 	}
 	return out, capRate
+}
+
+// probeRate probes every arm still going at rate, f.probes times (fewer
+// once direct no longer holds), each probe lasting probe, the arms in an
+// order rotated by rate (k), round (r) and probe: each arm's figures, its
+// added p99 against direct's in the same probe. A direct probe past the
+// backend's time by more than lim is taken again once before it counts.
+func (f *frontierSettings) probeRate(all []*arm, going map[string]bool, rate float64, probe time.Duration, k, r int, lim float64) map[string][]ratePoint {
+	probes := map[string][]ratePoint{}
+	directHeld := true
+	for n := 0; n < f.probes && directHeld; n++ {
+		retried := false
+		order := rotate(all, k+r+n)
+		direct := ratePoint{}
+		got := map[string]ratePoint{}
+		for i := 0; i < len(order); i++ {
+			a := order[i]
+			if !going[a.Name] {
+				continue
+			}
+			p := f.probeAt(a, rate, probe, fmt.Sprintf("f-%s-%d-%.0f-%d-", strings.ReplaceAll(a.Name, " ", ""), r, rate, n))
+			if a.Name == "direct" {
+				// Past this the load generator or the backend is the
+				// bottleneck: added figures would measure them. A
+				// stall of either in one probe is not its ceiling:
+				// direct is measured once more before the search ends.
+				p.Held = p.Held && p.P99 <= ms(f.backend)+lim
+				if !p.Held && !retried {
+					retried = true
+					fmt.Fprintf(os.Stderr, " direct p99 %.1fms, again", p.P99)
+					i--
+					continue
+				}
+				direct = p
+			}
+			got[a.Name] = p
+		}
+		for name, p := range got {
+			if name != "direct" {
+				p.Added = p.P99 - direct.P99
+			}
+			probes[name] = append(probes[name], p)
+		}
+		directHeld = direct.Held
+	}
+	return probes
 }
 
 // pinArms puts every arm's processes on the last CPU and this program and
