@@ -42,6 +42,65 @@ type instruments struct {
 	infDuration, infTTFC, infTPOC            otelmetric.Float64Histogram
 	inTokens, outTokens, cacheRead, cacheWrt otelmetric.Int64Counter
 	reasoning                                otelmetric.Int64Counter
+	// sets are the attribute sets of the label values seen, built once
+	// (sets): used by the exporter's goroutine alone.
+	sets map[setKey]*labelSets
+}
+
+// setKey is the label values a record's metrics carry.
+type setKey struct {
+	op, provider, route, model, addr, errorType string
+}
+
+// labelSets are one setKey's attribute sets as measurement options: base
+// (the successful response's), all (with error.type where there is one)
+// and the usage histogram's by token type.
+// Each is a slice of one, passed on as it is (a variadic argument built
+// at each call would be a new slice a measurement).
+type labelSets struct {
+	base, all, input, output []otelmetric.RecordOption
+	added                    []otelmetric.AddOption // base, for the counters
+}
+
+// maxLabelSets bounds the sets kept; past it they are built again from
+// nothing (the labels are the configuration's routes, models and
+// upstreams: a bound is only passed after many reloads).
+const maxLabelSets = 4096
+
+// labels returns the attribute sets of r's label values (model: its
+// metric label), built the first time they are seen.
+func (in *instruments) labels(r *metrics.Record, model string) *labelSets {
+	k := setKey{op: operation(r), provider: provider(r.Dialect), route: r.Route, model: model, addr: r.UpstreamAddr, errorType: errorType(r)}
+	if ls, ok := in.sets[k]; ok {
+		return ls
+	}
+	if in.sets == nil || len(in.sets) >= maxLabelSets {
+		in.sets = map[setKey]*labelSets{}
+	}
+	kv := make([]attribute.KeyValue, 0, 8)
+	kv = append(kv, attrOperation.String(k.op), attrProvider.String(k.provider), attrRoute.String(k.route))
+	if model != "" {
+		kv = append(kv, attrRequestModel.String(model))
+	}
+	if k.addr != "" {
+		host, port := splitAddr(k.addr)
+		kv = append(kv, attrServerAddress.String(host))
+		if port > 0 {
+			kv = append(kv, attrServerPort.Int(port))
+		}
+	}
+	opt := func(set attribute.Set) []otelmetric.RecordOption {
+		return []otelmetric.RecordOption{otelmetric.WithAttributeSet(set)}
+	}
+	baseSet := attribute.NewSet(kv...)
+	base := opt(baseSet)
+	ls := &labelSets{base: base, all: base, input: opt(with(kv, attrTokenType.String("input"))), output: opt(with(kv, attrTokenType.String("output"))),
+		added: []otelmetric.AddOption{otelmetric.WithAttributeSet(baseSet)}}
+	if k.errorType != "" {
+		ls.all = opt(with(kv, attrErrorType.String(k.errorType)))
+	}
+	in.sets[k] = ls
+	return ls
 }
 
 // The semantic-conventions modes (Config.Semconv).
@@ -103,24 +162,8 @@ func upstreamShare(r *metrics.Record, d time.Duration) time.Duration {
 
 func (in *instruments) record(r *metrics.Record, model string, gaps []time.Duration) {
 	ctx := context.Background()
-	kv := make([]attribute.KeyValue, 0, 8)
-	kv = append(kv, attrOperation.String(operation(r)), attrProvider.String(provider(r.Dialect)), attrRoute.String(r.Route))
-	if model != "" {
-		kv = append(kv, attrRequestModel.String(model))
-	}
-	if r.UpstreamAddr != "" {
-		host, port := splitAddr(r.UpstreamAddr)
-		kv = append(kv, attrServerAddress.String(host))
-		if port > 0 {
-			kv = append(kv, attrServerPort.Int(port))
-		}
-	}
-	base := attribute.NewSet(kv...)
-	all := base
-	if et := errorType(r); et != "" {
-		all = with(kv, attrErrorType.String(et))
-	}
-	set := otelmetric.WithAttributeSet(all)
+	ls := in.labels(r, model)
+	set := ls.all
 
 	e2e := r.ClientE2E
 	if e2e < 0 {
@@ -128,76 +171,76 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 	}
 	if e2e >= 0 {
 		if in.old {
-			in.duration.Record(ctx, e2e.Seconds(), set)
+			in.duration.Record(ctx, e2e.Seconds(), set...)
 		}
 		if in.latest {
-			in.infDuration.Record(ctx, e2e.Seconds(), set)
+			in.infDuration.Record(ctx, e2e.Seconds(), set...)
 		}
 	}
 	if r.E2E >= 0 && r.Status > 0 {
-		in.serverDuration.Record(ctx, upstreamShare(r, r.E2E).Seconds(), set)
+		in.serverDuration.Record(ctx, upstreamShare(r, r.E2E).Seconds(), set...)
 	}
 	if r.Outcome != metrics.OutcomeOK {
 		return // the rest is about successful responses
 	}
-	ok := otelmetric.WithAttributeSet(base)
+	ok := ls.base
 	if r.Stream && r.TTFT >= 0 {
 		ttft := r.ClientTTFT
 		if ttft < 0 {
 			ttft = r.TTFT
 		}
 		if in.old {
-			in.ttfc.Record(ctx, ttft.Seconds(), ok)
+			in.ttfc.Record(ctx, ttft.Seconds(), ok...)
 		}
 		if in.latest {
-			in.infTTFC.Record(ctx, ttft.Seconds(), ok)
+			in.infTTFC.Record(ctx, ttft.Seconds(), ok...)
 		}
 		s := r.ServerTTFT
 		if s < 0 {
 			s = upstreamShare(r, r.TTFT)
 		}
-		in.serverTTFT.Record(ctx, s.Seconds(), ok)
+		in.serverTTFT.Record(ctx, s.Seconds(), ok...)
 		for _, g := range gaps {
 			if in.old {
-				in.tpoc.Record(ctx, g.Seconds(), ok)
+				in.tpoc.Record(ctx, g.Seconds(), ok...)
 			}
 			if in.latest {
-				in.infTPOC.Record(ctx, g.Seconds(), ok)
+				in.infTPOC.Record(ctx, g.Seconds(), ok...)
 			}
 		}
 	}
 	if r.TPOT >= 0 {
-		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok)
+		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok...)
 	}
-	in.recordUsage(ctx, r, kv, ok)
+	in.recordUsage(ctx, r, ls)
 }
 
 // recordUsage records the tokens r used: today's usage histogram, and
 // v0.1.0's counters (cache reads, writes and reasoning apart).
-func (in *instruments) recordUsage(ctx context.Context, r *metrics.Record, kv []attribute.KeyValue, ok otelmetric.MeasurementOption) {
+func (in *instruments) recordUsage(ctx context.Context, r *metrics.Record, ls *labelSets) {
 	if in.old {
 		if r.InputTokens > 0 {
-			in.usage.Record(ctx, float64(r.InputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("input"))))
+			in.usage.Record(ctx, float64(r.InputTokens), ls.input...)
 		}
 		if r.TokensSource != "" {
-			in.usage.Record(ctx, float64(r.OutputTokens), otelmetric.WithAttributeSet(with(kv, attrTokenType.String("output"))))
+			in.usage.Record(ctx, float64(r.OutputTokens), ls.output...)
 		}
 	}
 	if in.latest {
 		if r.InputTokens > 0 {
-			in.inTokens.Add(ctx, int64(r.InputTokens), ok)
+			in.inTokens.Add(ctx, int64(r.InputTokens), ls.added...)
 		}
 		if r.TokensSource != "" {
-			in.outTokens.Add(ctx, int64(r.OutputTokens), ok)
+			in.outTokens.Add(ctx, int64(r.OutputTokens), ls.added...)
 		}
 		if r.CachedTokens > 0 {
-			in.cacheRead.Add(ctx, int64(r.CachedTokens), ok)
+			in.cacheRead.Add(ctx, int64(r.CachedTokens), ls.added...)
 		}
 		if r.CacheWriteTokens > 0 {
-			in.cacheWrt.Add(ctx, int64(r.CacheWriteTokens), ok)
+			in.cacheWrt.Add(ctx, int64(r.CacheWriteTokens), ls.added...)
 		}
 		if r.ReasoningTokens > 0 {
-			in.reasoning.Add(ctx, int64(r.ReasoningTokens), ok)
+			in.reasoning.Add(ctx, int64(r.ReasoningTokens), ls.added...)
 		}
 	}
 }
