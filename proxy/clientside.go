@@ -132,6 +132,24 @@ func (cs *clientSide) sent() int64 {
 	return cs.cc.sent
 }
 
+// delivered stamps the delivery at t of the chunk last handed to the
+// client (the body relay's sink): its tokens, the bytes the client side
+// counts after it, and the marks that watch for its acknowledgement.
+func (x *exchange) delivered(t time.Time) {
+	sent := x.cs.sent()
+	tok, ans := x.tap.wrote(t, x.cs.stalled(), sent)
+	x.cs.laterBytes(t)
+	x.markAcks(tok, ans, t, sent)
+}
+
+// clientLeft cancels the exchange: its client left while a relay loop
+// relayed its stream.
+func (x *exchange) clientLeft() { x.fire() }
+
+// rewatch watches the client again, once a stream a relay loop could not
+// take (or let go of) stays on its goroutine.
+func (x *exchange) rewatch() { x.watch.start(x.client, x.fire, &x.p.loops) }
+
 // markAcks watches for the client's acknowledgement of the bytes that
 // carried the stream's first token (tok) and first answer token (ans),
 // delivered at t with the connection's count at sent; one mark serves

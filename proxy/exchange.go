@@ -263,6 +263,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	x.relay.body = body
+	x.relay.bind(x.att.conn, x.client)
 	x.startParsing(resp)
 	cl := resp.Header.ContentLength()
 	if x.tap.streamed || cl < 0 {
@@ -283,7 +284,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		// the response itself, the framing as it came (servePass,
 		// passChunks). Over TLS the server writes it (the body stream).
 		x.relay.pass = true
-		x.relay.servePass(ctx)
+		x.relay.servePass(ctx, resp)
 		return
 	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {

@@ -333,7 +333,8 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	if x == nil {
 		x = &exchange{p: p, att: upstreamAttempt{req: new(fasthttp.Request), resp: new(fasthttp.Response)}}
 		x.fire = x.cancel.fire
-		x.relay.x, x.att.x = x, x
+		x.att.x = x
+		x.relay.relayParts = relayParts{sink: x, tap: &x.tap, cancel: &x.cancel, watch: &x.watch, server: p}
 	}
 	x.snap = s
 	x.tap.m.reset(arrival)

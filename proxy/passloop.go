@@ -29,8 +29,8 @@ type passTurn struct {
 // stamps, or for a compressed body (its side decoder could hold the loop
 // up).
 func (r *bodyRelay) loopable() bool {
-	cc, _ := r.x.client.(*clientConn)
-	return !r.x.p.opts.GoroutineRelay && cc != nil && cc.raw != nil && r.x.att.conn.loopable() && r.x.tap.dec == nil
+	cc, _ := r.client.(*clientConn)
+	return !r.server.opts.GoroutineRelay && cc != nil && cc.raw != nil && r.up.loopable() && r.tap.dec == nil
 }
 
 // passLoop moves the rest of a passChunks stream onto a relay loop, and
@@ -41,17 +41,17 @@ func (r *bodyRelay) loopable() bool {
 // hj first (takeBuffered), so that the hijack's goroutine can return and
 // the server's read buffer go with it: an open stream holds neither.
 func (r *bodyRelay) passLoop(hj net.Conn) bool {
-	cc, c := r.x.client.(*clientConn), r.x.att.conn
-	l := r.x.p.loops.Pick()
+	cc, c := r.client.(*clientConn), r.up
+	l := r.server.loops.Pick()
 	if l == nil {
 		return false
 	}
 	upFd, clFd := c.loopFd(), relayplane.Fd(cc.raw)
-	if upFd < 0 || clFd < 0 || !r.x.cancel.enterLoop() {
+	if upFd < 0 || clFd < 0 || !r.cancel.enterLoop() {
 		return false
 	}
 	if !cc.enterLoop() {
-		r.x.cancel.leaveLoop()
+		r.cancel.leaveLoop()
 		return false
 	}
 	if hj != nil {
@@ -63,14 +63,14 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it).
-	r.x.watch.stop()
+	r.watch.stop()
 	// The upstream connection's reader is empty (passChunks moves only
 	// then) and unused while the loop reads the socket: it is put aside
 	// (parkReader) until the stream leaves the loop.
 	c.parkReader()
 	if !l.Post(s) {
 		r.leftLoop()
-		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
+		r.sink.rewatch()
 		return false
 	}
 	return true
@@ -79,9 +79,9 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 // leftLoop undoes what passLoop did to move the stream.
 func (r *bodyRelay) leftLoop() {
 	r.loop.S, r.turn = nil, passTurn{}
-	r.x.att.conn.unparkReader()
-	r.x.client.(*clientConn).leaveLoop()
-	r.x.cancel.leaveLoop()
+	r.up.unparkReader()
+	r.client.(*clientConn).leaveLoop()
+	r.cancel.leaveLoop()
 }
 
 // afterLoop carries the stream on, on a goroutine of its own, once the
@@ -94,7 +94,7 @@ func (r *bodyRelay) afterLoop(err error) {
 	r.leftLoop()
 	if err == relayplane.ErrNoLoop {
 		// The loop never took it: its read buffer is still its own.
-		r.x.watch.start(r.x.client, r.x.fire, &r.x.p.loops)
+		r.sink.rewatch()
 		err = r.passRest()
 	}
 	if r.wait != nil {
@@ -124,7 +124,7 @@ func (l *looped) Read(fd int, events uint32) (out []byte, wait, got, again bool)
 		r.buf = r.loop.TakeBuf()
 	}
 	room := r.buf[r.keep:]
-	n, errno := r.x.att.conn.recvFd(fd, room)
+	n, errno := r.up.recvFd(fd, room)
 	if errno == unix.EAGAIN {
 		r.spareBuf()
 		return nil, true, false, false
@@ -169,11 +169,11 @@ func (l *looped) Note(e relayplane.Event) {
 	case relayplane.Entered:
 		r.spareBuf()
 	case relayplane.Sent:
-		r.x.client.(*clientConn).sent += int64(e.N)
+		r.client.(*clientConn).sent += int64(e.N)
 	case relayplane.Stalled:
-		r.x.client.(*clientConn).stall += e.D
+		r.client.(*clientConn).stall += e.D
 	case relayplane.ClientLeft:
-		r.x.fire()
+		r.sink.clientLeft()
 	case relayplane.Failed:
 		err := e.Err
 		if e.KeepRead {

@@ -26,7 +26,11 @@ import (
 // (passLoop hands it over and the hijack's goroutine returns); then the
 // goroutine started as the loop lets go of the stream (afterLoop).
 type bodyRelay struct {
-	x             *exchange // the exchange it relays the body of
+	relayParts
+	// The response's connections: the upstream's it comes on, the
+	// client's it goes to (bind).
+	up            *upConn
+	client        net.Conn
 	body          io.Reader
 	buf           []byte // WriteTo's read buffer
 	contentLength int
@@ -52,10 +56,38 @@ type bodyRelay struct {
 	wait chan error
 }
 
+// relaySink is the exchange a body relay relays the body of, as the relay
+// sees it: told the body's bytes as they are read (observe), each chunk's
+// delivery (delivered), a client that left (clientLeft) and the end
+// (finish); asked to watch its client again when a stream stays on its
+// goroutine (rewatch).
+type relaySink interface {
+	observe(b []byte, t time.Time)
+	delivered(t time.Time)
+	clientLeft()
+	rewatch()
+	finish(err error)
+}
+
+// relayParts are a relay's collaborators, fixed for its pooled exchange's
+// life: the exchange as a sink, the parts of it the relay works with, and
+// the server whose connection the response goes out on (its clock, its
+// relay loops, and the connection back after a response tokentap wrote).
+type relayParts struct {
+	sink   relaySink
+	tap    *tap         // the parser: usage stripping, the side decoder
+	cancel *cancelState // the response's settling, a relay loop's entry and exit
+	watch  *peerWatch   // the client's peer watch, stopped when a loop takes the stream
+	server *Proxy
+}
+
+// bind gives the relay the response's connections.
+func (r *bodyRelay) bind(up *upConn, client net.Conn) { r.up, r.client = up, client }
+
 // kept is the relay's next life in a pooled exchange: its buffers, nothing
 // relayed.
 func (r *bodyRelay) kept() bodyRelay {
-	return bodyRelay{x: r.x, buf: r.buf, head: r.head[:0]}
+	return bodyRelay{relayParts: r.relayParts, buf: r.buf, head: r.head[:0]}
 }
 
 // pull reads the upstream once into b and feeds what it read to the
@@ -67,12 +99,12 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 	}
 	n, err := r.body.Read(b)
 	if n > 0 {
-		r.x.observe(b[:n], r.readTime())
+		r.sink.observe(b[:n], r.readTime())
 	}
 	if err != nil {
 		if err == io.EOF {
 			r.upDone = true
-			r.x.cancel.settle()
+			r.cancel.settle()
 		}
 		r.readErr = err
 		if n > 0 {
@@ -86,10 +118,10 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 // kernel's receive time where there is one (time they waited in the socket
 // is time tokentap added), else now.
 func (r *bodyRelay) readTime() time.Time {
-	if c := r.x.att.conn; c != nil && !c.lastRead().IsZero() {
+	if c := r.up; c != nil && !c.lastRead().IsZero() {
 		return c.lastRead()
 	}
-	return r.x.p.now()
+	return r.server.now()
 }
 
 // WriteTo relays the body to the client, one write per upstream read. The
@@ -102,18 +134,18 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 	}
 	var written int64
 	for {
-		stripping := r.x.tap.strip // parseStrip may give up during this read
+		stripping := r.tap.strip // parseStrip may give up during this read
 		n, err := r.pull(r.buf)
 		out := r.buf[:n]
 		if stripping {
 			if n == 0 {
-				r.x.tap.stripped = r.x.tap.stripped[:0]
+				r.tap.stripped = r.tap.stripped[:0]
 			}
-			out = r.x.tap.stripped
+			out = r.tap.stripped
 			if err != nil {
 				// The stream ends: what is held goes out as it is.
-				out = append(out, r.x.tap.held...)
-				r.x.tap.held = r.x.tap.held[:0]
+				out = append(out, r.tap.held...)
+				r.tap.held = r.tap.held[:0]
 			}
 		}
 		if len(out) > 0 {
@@ -123,7 +155,7 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 			if werr != nil {
 				return written, werr
 			}
-			r.wrote(r.x.p.now())
+			r.wrote(r.server.now())
 		}
 		if err == io.EOF {
 			return written, nil
@@ -156,9 +188,9 @@ func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 	if r.buf == nil {
 		r.buf = relayplane.NewBuf()
 	}
-	up := r.x.att.conn
+	up := r.up
 	up.setDirect(true)
-	setDirect(clientRx(r.x.client), true)
+	setDirect(clientRx(r.client), true)
 	if r.headOwed && up.buffered() == 0 {
 		if err := r.writeOut(nil); err != nil {
 			return false, err
@@ -195,13 +227,13 @@ func (r *bodyRelay) writeOut(b []byte) error {
 		if len(b) > 0 {
 			r.head = append(r.head, b...)
 		}
-		_, err := r.x.client.Write(r.head)
+		_, err := r.client.Write(r.head)
 		if cap(r.head) > maxPooledOut {
 			r.head = nil
 		}
 		return err
 	}
-	_, err := r.x.client.Write(b)
+	_, err := r.client.Write(b)
 	return err
 }
 
@@ -209,10 +241,10 @@ func (r *bodyRelay) writeOut(b []byte) error {
 // or failed (err says which).
 func (r *bodyRelay) passRead() (end bool, err error) {
 	var n int
-	if r.x.att.conn.buffered() > 0 {
-		n, err = r.x.att.conn.readBuffered(r.buf[r.keep:]) // what came with the header
+	if r.up.buffered() > 0 {
+		n, err = r.up.readBuffered(r.buf[r.keep:]) // what came with the header
 	} else {
-		n, err = r.x.att.conn.Read(r.buf[r.keep:])
+		n, err = r.up.Read(r.buf[r.keep:])
 	}
 	out, last, data, serr := r.passScan(n)
 	if serr != nil {
@@ -253,7 +285,7 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 			off += k
 			if len(d) > 0 {
 				data += len(d)
-				r.x.observe(d, at)
+				r.sink.observe(d, at)
 			}
 			if serr != nil {
 				err, out = serr, min(out, off)
@@ -264,7 +296,7 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 			}
 			if r.chunks.done() {
 				r.upDone, r.stray = true, off < last
-				r.x.cancel.settle()
+				r.cancel.settle()
 				if out == start && bytes.Equal(r.buf[start:off], bareLastChunk) {
 					out = off
 				} else {
@@ -291,7 +323,7 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 func (r *bodyRelay) passDone(data int, wrote bool, err error, last int) (end bool, _ error) {
 	if data > 0 || wrote {
 		r.bytesOut += int64(data)
-		r.wrote(r.x.p.now())
+		r.wrote(r.server.now())
 	}
 	if r.upDone {
 		r.readErr = io.EOF
@@ -316,7 +348,7 @@ func (r *bodyRelay) SupportsBodyWriteTo() bool { return true }
 // Read is when the previous chunk was handed to the server.
 func (r *bodyRelay) Read(b []byte) (int, error) {
 	if r.unstamped {
-		r.wrote(r.x.p.now())
+		r.wrote(r.server.now())
 	}
 	n, err := r.pull(b)
 	if n > 0 {
@@ -329,10 +361,7 @@ func (r *bodyRelay) Read(b []byte) (int, error) {
 // wrote stamps the delivery of the last chunk handed to the server.
 func (r *bodyRelay) wrote(t time.Time) {
 	r.unstamped = false
-	sent := r.x.cs.sent()
-	tok, ans := r.x.tap.wrote(t, r.x.cs.stalled(), sent)
-	r.x.cs.laterBytes(t)
-	r.x.markAcks(tok, ans, t, sent)
+	r.sink.delivered(t)
 }
 
 // relayRaw writes the prepared header and then every chunk straight to the
@@ -342,24 +371,24 @@ func (r *bodyRelay) wrote(t time.Time) {
 func (r *bodyRelay) relayRaw(c net.Conn) {
 	defer c.Close() // after finish: the server keeps hijacked connections open
 	if _, err := c.Write(r.head); err != nil {
-		r.x.finish(err)
+		r.sink.finish(err)
 		return
 	}
 	_, err := r.WriteTo(c)
 	if err != nil && r.readErr != nil && r.readErr != io.EOF {
 		// The upstream broke: reset rather than close cleanly.
-		if tc, ok := r.x.client.(interface{ SetLinger(int) error }); ok {
+		if tc, ok := r.client.(interface{ SetLinger(int) error }); ok {
 			_ = tc.SetLinger(0)
 		}
 	}
-	r.x.finish(err)
+	r.sink.finish(err)
 }
 
 // CloseWithError is called by the server once the response has been
 // written (err == nil) or has failed (err is the write error, or the read
 // error Read returned). It finishes the exchange.
 func (r *bodyRelay) CloseWithError(err error) error {
-	r.x.finish(err)
+	r.sink.finish(err)
 	return nil
 }
 
@@ -405,20 +434,21 @@ func (r *bodyRelay) serveHTTP10(ctx *fasthttp.RequestCtx) {
 // its last chunk (Proxy.resume). A response that asks to close the
 // connection, or ends in an error, or comes during a shutdown closes it,
 // as the server does.
-func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx) {
+func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
 	h := &ctx.Response.Header
 	h.SetContentLength(-1) // Transfer-Encoding: chunked
-	r.keepConn = !ctx.Request.Header.ConnectionClose() && !h.ConnectionClose() && !r.x.p.stopping.Load()
+	r.keepConn = !ctx.Request.Header.ConnectionClose() && !h.ConnectionClose() && !r.server.stopping.Load()
 	if !r.keepConn {
 		h.SetConnectionClose()
 	}
 	r.head, r.headOwed = h.AppendBytes(r.head[:0]), true
 	// passChunks reads the connection itself: the body stream, which
 	// holds the connection's reader (see upConn.parkReader), goes now.
-	_ = r.x.att.resp.CloseBodyStream()
+	_ = resp.CloseBodyStream()
 	r.body = nil
-	r.x.cs.cc.handing.Store(true)
-	r.x.cs.cc.handover.Add(1)
+	cc := r.client.(*clientConn) // a pass is only for a plain client connection
+	cc.handing.Store(true)
+	cc.handover.Add(1)
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(r.relayPass)
 }
@@ -445,17 +475,17 @@ func (r *bodyRelay) relayPass(hj net.Conn) {
 // goroutine a relay loop started (hj nil: passLoop took those bytes), the
 // server takes it on this one.
 func (r *bodyRelay) endPass(hj net.Conn, err error) {
-	x, cc := r.x, r.x.cs.cc
-	x.att.conn.setDirect(false)
-	setDirect(clientRx(x.client), false)
+	cc := r.client.(*clientConn)
+	r.up.setDirect(false)
+	setDirect(cc.rxConn, false)
 	keep := err == nil && r.upDone && r.keepConn
 	if keep && hj != nil {
 		// A pipelined request the server had read ahead goes back with
 		// the connection.
 		cc.takeBuffered(hj, r.buf)
 	}
-	p := x.p
-	x.finish(err) // the exchange may be released from here on
+	p := r.server
+	r.sink.finish(err) // the exchange, and this relay with it, may be released from here on
 	if !keep {
 		_ = cc.Close()
 		return

@@ -139,6 +139,7 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	x.att.conn = &upConn{Conn: upRead, up: x.att.up}
 	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
 	x.client, x.relay.pass = cl, true
+	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)
 	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite
@@ -201,6 +202,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
 	x.client = &clientConn{rxConn: cl, d: time.Minute, ackBase: -1}
 	x.relay.pass = true
+	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)
 	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
 	return x, upWrite, peer

@@ -99,6 +99,7 @@ func (sh *shadowState) run(x *exchange) {
 		return
 	}
 	x.relay.body = body
+	x.relay.bind(x.att.conn, nil)
 	x.startParsing(x.att.resp)
 	if cap(x.relay.buf) < 16<<10 {
 		x.relay.buf = make([]byte, 16<<10)
