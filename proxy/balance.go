@@ -243,7 +243,7 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 		// nobody in time even idle (its queue's requests miss anyway);
 		// with neither, to the best. (Where the best serves nobody in time
 		// either, there is nobody to spare: the soonest it is.)
-		if m, t, ok := r.harmless(now, in, objective, best); ok {
+		if m, t, ok := r.harmless(now, in, objective, best, bestT); ok {
 			return m, t, pickOverObjective
 		}
 	case calm != nil && calm != best && !bestFree:
@@ -266,19 +266,23 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 	return best, bestT, pickLeastTTFT
 }
 
-// lateBound bounds what a late request is made to wait to spare the
-// others: sent to an upstream that serves nobody in time, its first token
-// is predicted within this many times its objective. Unbounded, such an
-// upstream's queue grows with every late request it takes, and their
-// tail with it. On the simulated pair of TestLeastTTFTGoodputSimulated
-// (150 ms objective, at 60%, 80% and 90% of the joint capacity), 3 keeps
-// the goodput sparing wins (1.29x, 1.13x, 1.04x fewest in flight's) with
-// a TTFT p99 no longer than fewest in flight's (286 against 288 ms, 476
-// against 500, 712 against 841); 2.5 gave 0.96x at 90%, 3.5 and no bound
-// a longer p99 (299 and 516 ms at 60% and 80%; 822 ms at 80% unbounded),
-// and a bound relative to the soonest upstream's prediction (3 times)
-// 582 ms at 80%.
-const lateBound = 3
+// lateBound and lateSpread bound what a late request is made to wait to
+// spare the others: sent to an upstream that serves nobody in time, its
+// first token is predicted within lateBound times its objective and
+// within lateSpread times its prediction at the soonest upstream (bestT).
+// Unbounded, such an upstream's queue grows with every late request it
+// takes, and their tail with it. On the simulated pair of
+// TestLeastTTFTGoodputSimulated (150 ms objective; at 60%, 80% and 90% of
+// the joint capacity) these keep 1.29x, 1.12x and 1.02x fewest in
+// flight's goodput with a TTFT p99 of 237, 465 and 702 ms against its 288,
+// 500 and 841. Looser, the tail is the slow upstream's queue (3 times the
+// objective alone: 286 ms at 60%); tighter, the soonest upstream's queue
+// takes the late requests and its own miss (a spread of 2.25: 0.97x at
+// 90%; 2 times the objective alone: 0.85x).
+const (
+	lateBound  = 3
+	lateSpread = 2.5
+)
 
 // servesInTime reports whether m, idle, gives a request of in input
 // tokens its first token within objective.
@@ -312,8 +316,8 @@ func (m *member) inTime(objective time.Duration) time.Duration {
 // nobody who would: predicted soonest among those with a free place in
 // their batch, else among those that give no request its first token in
 // time even idle, where its first token is predicted within lateBound
-// times the objective.
-func (r *route) harmless(now time.Time, in int, objective time.Duration, best *member) (*member, time.Duration, bool) {
+// times the objective and lateSpread times bestT, the soonest's.
+func (r *route) harmless(now time.Time, in int, objective time.Duration, best *member, bestT time.Duration) (*member, time.Duration, bool) {
 	var free, hopeless *member
 	freeT, hopelessT := time.Duration(-1), time.Duration(-1)
 	for _, m := range r.members {
@@ -329,7 +333,7 @@ func (r *route) harmless(now time.Time, in int, objective time.Duration, best *m
 			if free == nil || t < freeT {
 				free, freeT = m, t
 			}
-		} else if !m.servesInTime(in, objective) && t <= lateBound*objective && (hopeless == nil || t < hopelessT) {
+		} else if !m.servesInTime(in, objective) && t <= lateBound*objective && float64(t) <= lateSpread*float64(bestT) && (hopeless == nil || t < hopelessT) {
 			hopeless, hopelessT = m, t
 		}
 	}
