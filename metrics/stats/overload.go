@@ -50,8 +50,11 @@ type Overload struct {
 	// Why counts the requests sent to the upstream by why: balance (the
 	// route's weights or fewest in flight), sticky, least_ttft (the least
 	// predicted first token), probe (one that looked worse, kept
-	// measured), explore (one without a prediction yet), prefix (its
-	// prompt's upstream), prefix_moved (that one was past its bound).
+	// measured), explore (one without a prediction yet, or when the
+	// known best would miss), prefix (its prompt's upstream),
+	// prefix_moved (that one was past its bound), over_objective (nowhere
+	// in time: where it holds up nobody who would be), free_in_time (the
+	// soonest would queue it: one in time with a free place).
 	Why map[string]int64 `json:"why,omitempty"`
 	// CacheReported is the requests whose backend said how many input
 	// tokens its prompt cache served; CacheHitShare the share of those
