@@ -203,6 +203,8 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 	var best, fresh, calm *member
 	bestT, calmT, total, eligible := time.Duration(-1), time.Duration(-1), 0, 0
 	bestFree := false
+	var buf [8]upstreamView
+	views := buf[:0] // the upstreams with a prediction, for harmless
 	for _, m := range r.members {
 		w := r.weight(m)
 		if w == 0 {
@@ -213,12 +215,13 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 		k := int(m.up.inflight.Load())
 		t, ok := m.predictTTFT(now, k, in)
 		if !ok {
-			if fresh == nil || m.up.inflight.Load() < fresh.up.inflight.Load() {
+			if fresh == nil || k < int(fresh.up.inflight.Load()) {
 				fresh = m
 			}
 			continue
 		}
 		free := objective > 0 && m.free(now, k)
+		views = append(views, upstreamView{m: m, t: t, free: free})
 		if free && t <= m.inTime(objective) && (calm == nil || t < calmT) {
 			calm, calmT = m, t
 		}
@@ -226,15 +229,16 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 			best, bestT, bestFree = m, t, free
 		}
 	}
+	late := best != nil && objective > 0 && bestT > best.inTime(objective)
 	switch {
 	case best == nil:
 		return fresh, -1, pickExplore
 	case fresh != nil && roll < exploreShare:
 		return fresh, -1, pickExplore
-	case fresh != nil && objective > 0 && bestT > best.inTime(objective):
+	case fresh != nil && late:
 		// The known best would not serve it in time: the unknown may.
 		return fresh, -1, pickExplore
-	case objective > 0 && bestT > best.inTime(objective) && eligible > 1 && best.servesInTime(in, objective):
+	case late && eligible > 1 && best.servesInTime(in, objective):
 		// Nowhere would it get its first token in time. Sent to the best,
 		// it would only deepen the queue of an upstream that serves the
 		// others in time: it goes where it holds up nobody who would be
@@ -243,7 +247,7 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 		// nobody in time even idle (its queue's requests miss anyway);
 		// with neither, to the best. (Where the best serves nobody in time
 		// either, there is nobody to spare: the soonest it is.)
-		if m, t, ok := r.harmless(now, in, objective, best, bestT); ok {
+		if m, t, ok := harmless(views, in, objective, best, bestT); ok {
 			return m, t, pickOverObjective
 		}
 	case calm != nil && calm != best && !bestFree:
@@ -311,29 +315,33 @@ func (m *member) inTime(objective time.Duration) time.Duration {
 	return time.Duration(float64(objective) / (1 + min(absErr, 0.5)))
 }
 
-// harmless is the upstream other than best where a request of in input
-// tokens, which nowhere gets its first token within objective, delays
-// nobody who would: predicted soonest among those with a free place in
-// their batch, else among those that give no request its first token in
-// time even idle, where its first token is predicted within lateBound
-// times the objective and lateSpread times bestT, the soonest's.
-func (r *route) harmless(now time.Time, in int, objective time.Duration, best *member, bestT time.Duration) (*member, time.Duration, bool) {
+// upstreamView is what leastTTFT read of an upstream with a prediction
+// for the request: the prediction, and whether a place is free in its
+// batch (with an objective).
+type upstreamView struct {
+	m    *member
+	t    time.Duration
+	free bool
+}
+
+// harmless is the upstream of views other than best where a request of in
+// input tokens, which nowhere gets its first token within objective,
+// delays nobody who would: predicted soonest among those with a free
+// place in their batch, else among those that give no request its first
+// token in time even idle, where its first token is predicted within
+// lateBound times the objective and lateSpread times bestT, the soonest's.
+func harmless(views []upstreamView, in int, objective time.Duration, best *member, bestT time.Duration) (*member, time.Duration, bool) {
 	var free, hopeless *member
 	freeT, hopelessT := time.Duration(-1), time.Duration(-1)
-	for _, m := range r.members {
-		if m == best || r.weight(m) == 0 {
-			continue
-		}
-		k := int(m.up.inflight.Load())
-		t, ok := m.predictTTFT(now, k, in)
-		if !ok {
-			continue
-		}
-		if m.free(now, k) {
+	for _, v := range views {
+		m, t := v.m, v.t
+		switch {
+		case m == best:
+		case v.free:
 			if free == nil || t < freeT {
 				free, freeT = m, t
 			}
-		} else if !m.servesInTime(in, objective) && t <= lateBound*objective && float64(t) <= lateSpread*float64(bestT) && (hopeless == nil || t < hopelessT) {
+		case t <= lateBound*objective && float64(t) <= lateSpread*float64(bestT) && (hopeless == nil || t < hopelessT) && !m.servesInTime(in, objective):
 			hopeless, hopelessT = m, t
 		}
 	}

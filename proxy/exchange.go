@@ -570,10 +570,7 @@ func (x *exchange) judge() {
 	if x.rt == nil {
 		return
 	}
-	slo := x.rt.slo
-	if t, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok {
-		slo = slo.Over(t)
-	}
+	slo := x.slo()
 	slo.Judge(&x.rec)
 }
 

@@ -66,11 +66,7 @@ func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	}
 	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
 		var t time.Duration
-		objective := r.slo.TTFT
-		if ts, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok && ts.TTFT > 0 {
-			objective = ts.TTFT
-		}
-		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), objective); t >= 0 {
+		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), x.slo().TTFT); t >= 0 {
 			rec.PredictedTTFT = t
 		}
 	}
@@ -88,6 +84,15 @@ func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
 	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
 	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
+}
+
+// slo is the request's objectives: its route's, under its tenant's.
+func (x *exchange) slo() metrics.SLO {
+	slo := x.rt.slo
+	if t, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok {
+		slo = slo.Over(t)
+	}
+	return slo
 }
 
 // priority is the request's priority: its header's (when the route has
@@ -125,10 +130,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx) *refusal {
 	if cl := h.ContentLength(); cl > 0 {
 		in = cl / 4 // what admission control estimates too, before the body
 	}
-	slo := x.rt.slo
-	if t, ok := x.snap.cfg.TenantSLOs[x.tenant]; ok {
-		slo = slo.Over(t)
-	}
+	slo := x.slo()
 	if o.SLOHeaders {
 		slo = slo.Over(metrics.SLO{TTFT: headerMS(h.PeekBytes(headerSLOTTFT)), TPOT: headerMS(h.PeekBytes(headerSLOTPOT))})
 	}

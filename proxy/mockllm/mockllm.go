@@ -31,6 +31,7 @@ package mockllm
 import (
 	"container/list"
 	"fmt"
+	"hash"
 	"hash/fnv"
 	"io"
 	"math"
@@ -436,16 +437,22 @@ func (s *Server) cachedPrefix(body []byte) int {
 	if s.cache == nil || len(s.cache) > 1<<20 {
 		s.cache = map[uint64]struct{}{}
 	}
-	h := fnv.New64a()
+	return matchBlocks(fnv.New64a(), body, block, s.cache)
+}
+
+// matchBlocks hashes body's whole blocks, each hash covering the body up
+// to its block's end, into seen, and returns how many bytes of body were
+// there before: the blocks seen in a row from the start.
+func matchBlocks(h hash.Hash64, body []byte, block int, seen map[uint64]struct{}) int {
 	cached, hit := 0, true
 	for off := 0; off+block <= len(body); off += block {
 		h.Write(body[off : off+block])
 		sum := h.Sum64()
-		if _, ok := s.cache[sum]; ok && hit {
+		if _, ok := seen[sum]; ok && hit {
 			cached = off + block
 		} else {
 			hit = false
-			s.cache[sum] = struct{}{}
+			seen[sum] = struct{}{}
 		}
 	}
 	return cached
@@ -474,20 +481,8 @@ func (s *Server) cachedPrompt(body []byte, block int) int {
 			delete(s.byFirst, old.first)
 		}
 	}
-	p := e.Value.(*cachedPrompt)
 	h.Reset()
-	cached, hit := 0, true
-	for off := 0; off+block <= len(body); off += block {
-		h.Write(body[off : off+block])
-		sum := h.Sum64()
-		if _, ok := p.blocks[sum]; ok && hit {
-			cached = off + block
-		} else {
-			hit = false
-			p.blocks[sum] = struct{}{}
-		}
-	}
-	return cached
+	return matchBlocks(h, body, block, e.Value.(*cachedPrompt).blocks)
 }
 
 // sleep waits d unless the client goes away first.
