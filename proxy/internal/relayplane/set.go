@@ -14,37 +14,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// spareBufs are a relay loop's spare read buffers. A stream in the loop
-// holds one only while a read of it is relayed (until its bytes are
-// written, or while a size line cut by the read's end is held) and gives it
-// back between events: an idle stream holds none. The loop keeps at most
-// maxSpareBufs; it shares more, and takes what it lacks, with every
-// stream (NewBuf, PutBuf). Only the loop's goroutine uses them.
-type spareBufs struct{ bufs [][]byte }
-
-const maxSpareBufs = 8
-
-// take returns a spare buffer.
-func (b *spareBufs) take() []byte {
-	n := len(b.bufs)
-	if n == 0 {
-		return NewBuf()
-	}
-	v := b.bufs[n-1]
-	b.bufs[n-1] = nil
-	b.bufs = b.bufs[:n-1]
-	return v
-}
-
-// give keeps v, a buffer of take's, for a later take.
-func (b *spareBufs) give(v []byte) {
-	if len(b.bufs) < maxSpareBufs {
-		b.bufs = append(b.bufs, v)
-		return
-	}
-	PutBuf(v)
-}
-
 // ErrNoLoop says the loop could not take a stream (its epoll set refused
 // the sockets, or the loop is stopping): the stream stays on its goroutine.
 var ErrNoLoop = errors.New("relay loop: cannot watch the stream's sockets")
