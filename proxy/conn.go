@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"go.uber.org/zap"
 )
 
@@ -241,6 +242,10 @@ type clientConn struct {
 	loopMu     sync.Mutex
 	looped     bool
 	closeLater bool
+
+	// seat is the socket's place in a relay loop's watch set, from its
+	// first request's peer watch until it closes (peerWatch).
+	seat relayplane.Seat
 }
 
 // enterLoop marks the connection as held by a relay loop; false if it was
@@ -276,6 +281,7 @@ func (c *clientConn) Close() error {
 	if c.closed.Swap(true) {
 		return nil
 	}
+	c.seat.Leave() // before the descriptor's number can name another socket
 	var ti tcpInfo
 	if ti.read(c.sys) {
 		c.closedAcked.Store(int64(ti.info.Bytes_acked))

@@ -169,9 +169,11 @@ func TestIdleStreamsHoldLittle(t *testing.T) {
 }
 
 // The relay loops watch each waiting request's client for its close and
-// let go of the socket when the request ends: after requests of every
-// kind (answered, streamed, and one whose client left), each loop's epoll
-// set holds only its own eventfd and every watch slot is free.
+// let go of the socket when its connection ends: after requests of every
+// kind (answered, streamed, and one whose client left), no watch is under
+// way, the one kept-alive connection still open holds at most its seat,
+// and once it closed each loop's epoll set holds only its own eventfd and
+// every watch slot is free.
 func TestLoopPeerWatchLeavesNothingBehind(t *testing.T) {
 	slowStarted := make(chan struct{})
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
@@ -207,16 +209,90 @@ func TestLoopPeerWatchLeavesNothingBehind(t *testing.T) {
 			t.Fatalf("record: %s", rec.Outcome)
 		}
 	}
+	if tp.p.loops.Running() == 0 {
+		t.Skip("no relay loop on this system")
+	}
+	// Each stream moved into a loop, its socket's seat given up for it (a
+	// socket is in an epoll set once: the loop could not have taken it).
+	if n := tp.p.loops.Streams(); n != 10 {
+		t.Fatalf("%d streams relayed by the loops, want 10", n)
+	}
 	c, _ := rawRequest(t, tp.addr, postJSON("/slow", `{"stream":true}`))
 	<-slowStarted // the request waits at the backend, its client watched
 	c.Close()
 	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeClientCancel {
 		t.Fatalf("the request whose client left: %s", rec.Outcome)
 	}
+	// The connection that left may still be closing on the server's side.
+	waitSeats(t, tp, 1)
+	keep.Close()
+	waitSeats(t, tp, 0)
+}
+
+// waitSeats waits until the loops hold at most max seats and nothing else
+// a quiet loop must not hold.
+func waitSeats(t *testing.T, tp *testProxy, max int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		seats, err := tp.p.loops.Idle()
+		if err == nil && seats <= max {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d seats (want at most %d), %v", seats, max, err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A kept-alive connection's socket is registered in a loop's epoll set by
+// its first request's peer watch and stays there: its later requests
+// make no epoll_ctl, and the loop still cancels one whose client leaves.
+func TestKeptAliveConnectionSeatedOnce(t *testing.T) {
+	slowStarted := make(chan struct{}, 1)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		if r.URL.Path == "/slow" {
+			slowStarted <- struct{}{}
+			<-r.Context().Done()
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"usage":{"prompt_tokens":1,"completion_tokens":1}}`)
+	})
+	tp := startProxy(t, up.URL, nil)
+	before := tp.p.loops.Registered()
+	keep, br := rawRequest(t, tp.addr, "")
+	for range 20 {
+		io.WriteString(keep, postJSON("/v1/chat/completions", `{}`))
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeOK {
+			t.Fatalf("record: %s", rec.Outcome)
+		}
+	}
 	if tp.p.loops.Running() == 0 {
 		t.Skip("no relay loop on this system")
 	}
-	if err := tp.p.loops.Idle(); err != nil {
-		t.Error(err)
+	if n := tp.p.loops.Registered() - before; n != 1 {
+		t.Fatalf("20 requests on one connection registered its socket %d times, want 1", n)
 	}
+	if seats, err := tp.p.loops.Idle(); seats != 1 || err != nil {
+		t.Fatalf("between requests: %d seats (want 1), %v", seats, err)
+	}
+	// Its next request's client leaves while it waits: seen from the seat.
+	io.WriteString(keep, postJSON("/slow", `{}`))
+	<-slowStarted
+	keep.Close()
+	if rec := tp.rec.next(t); rec.Outcome != metrics.OutcomeClientCancel {
+		t.Fatalf("the request whose client left: %s", rec.Outcome)
+	}
+	if n := tp.p.loops.Registered() - before; n != 1 {
+		t.Fatalf("21 requests on one connection registered its socket %d times, want 1", n)
+	}
+	waitSeats(t, tp, 0)
 }

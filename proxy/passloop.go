@@ -62,8 +62,11 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	s.Idle, s.WriteTimeout = c.idle(), cc.d
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
-	// first byte came within watchDelay never start it).
+	// first byte came within watchDelay never start it); the socket's seat
+	// in this loop's watch set is given up, as a socket is in an epoll set
+	// once (the next request on the connection takes it again).
 	r.watch.stop()
+	cc.seat.LeaveFor(l)
 	// The upstream connection's reader is empty (passChunks moves only
 	// then) and unused while the loop reads the socket: it is put aside
 	// (parkReader) until the stream leaves the loop.

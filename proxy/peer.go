@@ -27,6 +27,18 @@ func rawConn(conn net.Conn) syscall.RawConn {
 	return raw
 }
 
+// seatOf returns the seat of conn's socket in the relay loops' watch sets:
+// nil when conn is not a client connection of the proxy's listener.
+func seatOf(conn net.Conn) *relayplane.Seat {
+	switch c := conn.(type) {
+	case *clientConn:
+		return &c.seat
+	case *tlsClient:
+		return &c.cc.seat
+	}
+	return nil
+}
+
 // peerWatch detects a client that closed its connection while tokentap
 // still waits on the upstream, without consuming any byte of the client's.
 // fasthttp reports a gone client only on the second write after the close,
@@ -38,15 +50,20 @@ func rawConn(conn net.Conn) syscall.RawConn {
 // without calling gone, since closure can no longer be seen without reading.
 //
 // While the proxy's relay loops run, a loop watches the socket instead
-// (relayplane.Loop.Watch; the watch is its Watched): from the start, for its peer's close alone
-// (EPOLLRDHUP), with no goroutine, timer or deadline per request. The
-// goroutine watch is for a proxy without loops (relay: goroutine).
+// (the watch is its Watched): from the start, for its peer's close alone
+// (EPOLLRDHUP), with no goroutine, timer or deadline per request. A client
+// connection's socket sits in a loop's epoll set from its first request
+// until it closes (its relayplane.Seat), so that a kept-alive
+// connection's later watches make no system call; another socket is
+// registered for its request alone (relayplane.Loop.Watch). The goroutine
+// watch is for a proxy without loops (relay: goroutine).
 //
 // A peerWatch lives in a pooled exchange and serves one request after
 // another: its timer and channel are made once.
 type peerWatch struct {
 	loop    *relayplane.Loop // the loop watching the socket, while one does
 	slot    int32            // its slot there
+	seat    *relayplane.Seat // or the seat it watches from, while it does
 	conn    net.Conn
 	raw     syscall.RawConn
 	gone    func()
@@ -81,7 +98,12 @@ func (w *peerWatch) start(conn net.Conn, gone func(), loops *relayplane.Set) {
 	_, w.tls = conn.(*tlsClient)
 	w.stopped.Store(false)
 	w.active = true
-	if l := loops.Pick(); l != nil {
+	if seat := seatOf(conn); seat != nil {
+		if seat.Watch(loops, w) {
+			w.seat = seat
+			return
+		}
+	} else if l := loops.Pick(); l != nil {
 		if slot, ok := l.Watch(w); ok {
 			w.loop, w.slot = l, slot
 			return
@@ -159,6 +181,12 @@ func (w *peerWatch) stop() {
 	}
 	w.active = false
 	w.stopped.Store(true)
+	if w.seat != nil {
+		w.seat.Unwatch(w)
+		w.seat = nil
+		w.release()
+		return
+	}
 	if w.loop != nil {
 		w.loop.Unwatch(w.slot, w)
 		w.loop = nil

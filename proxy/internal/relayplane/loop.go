@@ -98,6 +98,9 @@ type Loop struct {
 	exiting bool           // the loop's own: stop was seen
 	exited  chan struct{}  // closed when the goroutine has closed the descriptors and returned
 	streams *atomic.Uint64 // its set's count of the streams let go of (end)
+	// registered is its set's count of the sockets registered for a
+	// watch (Watch, and a Seat's first).
+	registered *atomic.Uint64
 }
 
 // Stream is a stream as a loop sees it. The loop calls its methods on

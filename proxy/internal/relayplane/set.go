@@ -30,7 +30,12 @@ type Set struct {
 	running atomic.Pointer[[]*Loop]
 	next    atomic.Uint32
 	streams atomic.Uint64 // the streams a loop took and let go
+	watches atomic.Uint64 // the sockets a loop registered for a watch
 }
+
+// Registered is how many sockets the set's loops registered in their
+// epoll sets for a watch: a seat's socket once for as long as it sits.
+func (ls *Set) Registered() uint64 { return ls.watches.Load() }
 
 // Streams is how many streams the set's loops took and let go of.
 func (ls *Set) Streams() uint64 { return ls.streams.Load() }
@@ -44,35 +49,41 @@ func (ls *Set) Running() int {
 }
 
 // Idle reports what each running loop still holds that an idle one must
-// not: descriptors in its epoll set beside its eventfd, watches
-// registered, watch slots not free (nil: nothing).
-func (ls *Set) Idle() error {
+// not: a watch under way, a watch slot neither free nor a seat's, a
+// descriptor in its epoll set beside its eventfd and its seats' sockets
+// (nil: nothing). seats is how many seats hold a place in all.
+func (ls *Set) Idle() (seats int, err error) {
 	loops := ls.running.Load()
 	if loops == nil {
-		return nil
+		return 0, nil
 	}
 	var errs []error
 	for i, l := range *loops {
 		info, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(l.poll.fd))
 		if err != nil {
-			return err
-		}
-		if n := strings.Count(string(info), "tfd:"); n != 1 {
-			errs = append(errs, fmt.Errorf("loop %d: %d descriptors in its epoll set, want 1 (its eventfd):\n%s", i, n, info))
+			return 0, err
 		}
 		l.wmu.Lock()
-		watched, free := len(l.watched), len(l.wfree)
+		held := 0
 		for _, w := range l.watched {
 			if w.w != nil {
-				errs = append(errs, fmt.Errorf("loop %d: a watch is still registered", i))
+				errs = append(errs, fmt.Errorf("loop %d: a watch is still under way", i))
+			}
+			if w.seat != nil {
+				held++
 			}
 		}
+		watched, free := len(l.watched), len(l.wfree)
 		l.wmu.Unlock()
-		if watched != free {
-			errs = append(errs, fmt.Errorf("loop %d: %d watch slots, %d free", i, watched, free))
+		seats += held
+		if watched != free+held {
+			errs = append(errs, fmt.Errorf("loop %d: %d watch slots, %d free, %d seats", i, watched, free, held))
+		}
+		if n := strings.Count(string(info), "tfd:"); n != 1+held {
+			errs = append(errs, fmt.Errorf("loop %d: %d descriptors in its epoll set, want %d (its eventfd and %d seats):\n%s", i, n, 1+held, held, info))
 		}
 	}
-	return errors.Join(errs...)
+	return seats, errors.Join(errs...)
 }
 
 // start starts n loops on the clock now, unless they run already; loops
@@ -90,7 +101,7 @@ func (ls *Set) Start(n int, now func() time.Time) {
 		if err != nil {
 			break
 		}
-		l.streams = &ls.streams
+		l.streams, l.registered = &ls.streams, &ls.watches
 		loops = append(loops, l)
 		go l.run()
 	}

@@ -1,6 +1,8 @@
 package relayplane
 
 import (
+	"sync"
+
 	"golang.org/x/sys/unix"
 )
 
@@ -21,68 +23,97 @@ type Watched interface {
 // Watch watches w's socket for its peer's close: the loop looks at it when
 // the socket reports the close (peerEvent) and calls w.Gone if the client
 // left. It returns the watch's slot, for Unwatch; false when the socket
-// cannot be watched.
+// cannot be watched. The socket leaves the set when the watch ends: for a
+// connection that serves requests one after another, a Seat keeps it in.
 func (l *Loop) Watch(w Watched) (int32, bool) {
-	fd := -1
+	slot, _, ok := l.watch(w, nil)
+	return slot, ok
+}
+
+// watch registers w's socket in a free slot, for seat when it is not nil.
+func (l *Loop) watch(w Watched, seat *Seat) (slot int32, fd int, ok bool) {
+	fd = -1
 	if w.Control(func(f uintptr) { fd = int(f) }) != nil || fd < 0 {
-		return 0, false
+		return 0, 0, false
 	}
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	if l.wclosed {
-		return 0, false
+		return 0, 0, false
 	}
-	slot := takeSlot(&l.watched, &l.wfree)
+	slot = takeSlot(&l.watched, &l.wfree)
 	if l.poll.add(fd, unix.EPOLLRDHUP, slot, sideWatch) != nil {
 		l.wfree = append(l.wfree, slot)
-		return 0, false
+		return 0, 0, false
 	}
-	l.watched[slot] = watchSlot{w}
-	return slot, true
+	l.watched[slot] = watchSlot{w: w, seat: seat, fd: fd}
+	if l.registered != nil {
+		l.registered.Add(1)
+	}
+	return slot, fd, true
 }
 
-// watchSlot is a watch in its slot (a pointer, for takeSlot).
-type watchSlot struct{ w Watched }
+// watchSlot is a watch in its slot: the watch (nil: a seat's socket
+// between watches), the seat it sits in (nil: the watch's own
+// registration) and, for a seat, its socket's descriptor.
+type watchSlot struct {
+	w    Watched
+	seat *Seat
+	fd   int
+}
 
 // Unwatch ends the watch of w in slot, unless the loop ended it already.
 // Once it returns, w.Gone is not called.
 func (l *Loop) Unwatch(slot int32, w Watched) {
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
-	if int(slot) < len(l.watched) && l.watched[slot].w == w {
+	if int(slot) < len(l.watched) && l.watched[slot].w == w && l.watched[slot].seat == nil {
 		l.endWatch(slot)
 	}
 }
 
 // peerEvent looks at the watched socket of slot, which reported its
-// peer's close or a hang-up.
+// peer's close or a hang-up. A seat's socket between watches leaves the
+// set: its connection's next request would find it gone anyway, and the
+// set is level-triggered (the report would come back on every turn).
 func (l *Loop) peerEvent(slot int32) {
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
-	if slot < 0 || int(slot) >= len(l.watched) || l.watched[slot].w == nil {
+	if slot < 0 || int(slot) >= len(l.watched) {
+		return
+	}
+	ws := l.watched[slot]
+	if ws.w == nil {
+		if ws.seat != nil {
+			l.endWatch(slot)
+		}
 		return // its watch stopped since the report
 	}
-	w := l.watched[slot].w
-	end, gone := w.Look()
+	end, gone := ws.w.Look()
 	if !end {
 		return
 	}
 	l.endWatch(slot)
 	if gone {
-		w.Gone()
+		ws.w.Gone()
 	}
 }
 
-// endWatch takes the socket watched in slot out of the set (under wmu);
-// a socket closed meanwhile has left it by itself. As with a stream's
-// (end), a slot whose socket the set refused to remove is never used
-// again: no later watch is reported its events.
+// endWatch takes the socket watched in slot out of the set (under wmu).
+// A watch's own socket closed meanwhile has left it by itself; a seat's is
+// open until its owner left the seat. As with a stream's (end), a slot
+// whose socket the set refused to remove is never used again: no later
+// watch is reported its events.
 func (l *Loop) endWatch(slot int32) {
-	w := l.watched[slot].w
+	ws := l.watched[slot]
 	l.watched[slot] = watchSlot{}
 	removed := true
-	if !l.wclosed {
-		_ = w.Control(func(fd uintptr) { removed = l.poll.remove(int(fd)) == nil })
+	switch {
+	case l.wclosed:
+	case ws.seat != nil:
+		removed = l.poll.remove(ws.fd) == nil
+	default:
+		_ = ws.w.Control(func(fd uintptr) { removed = l.poll.remove(int(fd)) == nil })
 	}
 	if removed {
 		l.wfree = append(l.wfree, slot)
@@ -99,4 +130,108 @@ func takeSlot[T any](slots *[]T, free *[]int32) int32 {
 	var zero T
 	*slots = append(*slots, zero)
 	return int32(len(*slots) - 1)
+}
+
+// A Seat is a socket's standing place in a loop's watch set, for a
+// connection that serves one request after another: its first watch
+// registers the socket (one epoll_ctl ADD), and it stays registered
+// between requests, so that each later watch and its end make no system
+// call. Its owner gives the place up before the socket closes (Leave), and
+// before a stream of the same loop takes the socket over; the loop gives
+// it up itself when the socket reports its peer's close between watches.
+//
+// Its methods may be called from any goroutine (the connection's close
+// comes from whoever closes it); its place is the loop's to confirm, under
+// the loop's watch lock.
+type Seat struct {
+	mu   sync.Mutex
+	loop *Loop
+	slot int32
+	fd   int
+}
+
+// Watch watches w's socket from the seat: in the loop it sits in, with no
+// system call, or else in a loop of set, where it registers the socket and
+// sits from then on. False when no loop can watch it.
+func (s *Seat) Watch(set *Set, w Watched) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.loop != nil {
+		if s.loop.reseat(s, w) {
+			return true
+		}
+		s.loop = nil // the loop gave the place up, or stopped
+	}
+	l := set.Pick()
+	if l == nil {
+		return false
+	}
+	slot, fd, ok := l.watch(w, s)
+	if !ok {
+		return false
+	}
+	s.loop, s.slot, s.fd = l, slot, fd
+	return true
+}
+
+// Unwatch ends the watch of w; the socket keeps its place. Once it
+// returns, w.Gone is not called.
+func (s *Seat) Unwatch(w Watched) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.loop == nil {
+		return
+	}
+	l := s.loop
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if l.holds(s) && l.watched[s.slot].w == w {
+		l.watched[s.slot].w = nil
+	}
+}
+
+// LeaveFor gives the seat's place up if it is in l: a stream of l is
+// about to register the socket itself (a socket is in an epoll set once).
+func (s *Seat) LeaveFor(l *Loop) {
+	s.mu.Lock()
+	in := s.loop == l && l != nil
+	s.mu.Unlock()
+	if in {
+		s.Leave()
+	}
+}
+
+// Leave gives the seat's place up: the socket leaves the loop's epoll set
+// (unless the loop gave the place up already). Its owner calls it before
+// the socket closes: a descriptor number the loop still held could name
+// another socket by then.
+func (s *Seat) Leave() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.loop == nil {
+		return
+	}
+	l := s.loop
+	s.loop = nil
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if l.holds(s) {
+		l.endWatch(s.slot)
+	}
+}
+
+// holds reports whether s still sits in its slot of l (under wmu).
+func (l *Loop) holds(s *Seat) bool {
+	return !l.wclosed && int(s.slot) < len(l.watched) && l.watched[s.slot].seat == s
+}
+
+// reseat watches w from s's place in l; false when s sits there no more.
+func (l *Loop) reseat(s *Seat, w Watched) bool {
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if !l.holds(s) {
+		return false
+	}
+	l.watched[s.slot].w = w
+	return true
 }
