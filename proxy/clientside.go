@@ -110,12 +110,11 @@ type clientSide struct {
 	// The acknowledgement of the bytes that carried the first token and
 	// the first answer token (the same mark when one write carried both).
 	tokMark, ansMark *ackMark
-	ti               tcpInfo
 	deliv            delivery
 }
 
 // kept is the part's next life in a pooled exchange.
-func (cs *clientSide) kept() clientSide { return clientSide{ti: cs.ti} }
+func (cs *clientSide) kept() clientSide { return clientSide{} }
 
 // start notes where the response begins on the client connection c.
 func (cs *clientSide) start(c net.Conn) {
@@ -216,19 +215,19 @@ func (cs *clientSide) stalled() time.Duration {
 	return cs.cc.stall - cs.stallFrom
 }
 
-// read reads TCP_INFO at the end of the response, on the
+// read reads TCP_INFO at the end of the response into ti, on the
 // handler's goroutine. It reports whether the record should wait for the
 // client's acknowledgement of the last bytes (watch: the connection is
 // healthy, so the wait can tell). With on false (Options.NoClientSide) it
 // reads nothing: only the client's stalls are kept.
-func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on bool) (wait bool) {
+func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on bool, ti *tcpInfo) (wait bool) {
 	cc := cs.cc
 	d := &cs.deliv
 	*d = delivery{stall: cs.stalled()}
-	if !on || cc == nil || cc.ackBase < 0 || !cs.ti.read(cc.sys) {
+	if !on || cc == nil || cc.ackBase < 0 || !ti.read(cc.sys) {
 		return false
 	}
-	in := &cs.ti.info
+	in := &ti.info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
 	if d.minRTT != cc.floorNoted {
@@ -259,9 +258,10 @@ func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on boo
 // for a record that waits on its own goroutine anyway (a compressed body's
 // side decoder); the others wait on the proxy's ackWatch.
 func (cs *clientSide) await(now func() time.Time) {
+	var ti tcpInfo
 	for !cs.schedule(now()) {
 		time.Sleep(cs.deliv.next.Sub(now()))
-		if cs.look(now()) {
+		if cs.look(now(), &ti) {
 			return
 		}
 	}
@@ -298,11 +298,12 @@ func (cs *clientSide) schedule(now time.Time) (over bool) {
 	return false
 }
 
-// look reads TCP_INFO once; true when the client acknowledged all or the
-// connection closed meanwhile (it left its last count in closedAcked).
-func (cs *clientSide) look(now time.Time) (over bool) {
+// look reads TCP_INFO once, into ti; true when the client acknowledged
+// all or the connection closed meanwhile (it left its last count in
+// closedAcked).
+func (cs *clientSide) look(now time.Time, ti *tcpInfo) (over bool) {
 	d := &cs.deliv
-	if !cs.ti.read(cs.cc.sys) {
+	if !ti.read(cs.cc.sys) {
 		if acked := cs.cc.closedAcked.Load(); acked > 0 {
 			d.ackedAt, d.watched = acked-cs.cc.ackBase, true
 			if d.departed.IsZero() && d.ackedAt >= d.total {
@@ -313,7 +314,7 @@ func (cs *clientSide) look(now time.Time) (over bool) {
 		}
 		return true
 	}
-	d.note(&cs.ti.info, cs.cc.ackBase, now)
+	d.note(&ti.info, cs.cc.ackBase, now)
 	if d.ackedAt >= d.total {
 		d.watched = true
 		return true
@@ -338,8 +339,8 @@ func (w *ackWatch) add(x *exchange) {
 // nextLook and lookNow make a waiting record a looker of ackWatch.
 func (x *exchange) nextLook() time.Time { return x.cs.deliv.next }
 
-func (x *exchange) lookNow(now time.Time) bool {
-	if x.cs.look(now) || x.cs.schedule(now) {
+func (x *exchange) lookNow(now time.Time, ti *tcpInfo) bool {
+	if x.cs.look(now, ti) || x.cs.schedule(now) {
 		x.recordEnd()
 		return true
 	}

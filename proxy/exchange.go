@@ -401,7 +401,9 @@ func (x *exchange) finish(writeErr error) {
 	}
 	wait := false
 	if x.client != nil {
-		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors, !x.p.opts.NoClientSide)
+		ti := x.p.takeInfo()
+		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors, !x.p.opts.NoClientSide, ti)
+		x.p.infos.Put(ti)
 		if cc := clientOf(x.client); cc != nil {
 			cc.expectHead() // the next bytes begin the next request
 		}

@@ -344,6 +344,16 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	return x
 }
 
+// takeInfo takes a TCP_INFO buffer for one reading, given back to
+// p.infos after it: a response's end reads one on its goroutine, and an
+// exchange that waits (an open stream) holds none.
+func (p *Proxy) takeInfo() *tcpInfo {
+	if ti, _ := p.infos.Get().(*tcpInfo); ti != nil {
+		return ti
+	}
+	return new(tcpInfo)
+}
+
 func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
 		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.kept(), relay: x.relay.kept(), cs: x.cs.kept(),

@@ -11,8 +11,9 @@ type looker interface {
 	// nextLook is when the next look is due.
 	nextLook() time.Time
 	// lookNow looks once at now and reports whether the watch of it is
-	// over (it then does what its end asks).
-	lookNow(now time.Time) bool
+	// over (it then does what its end asks). ti is the watch's own buffer
+	// for the reading, the looker's to use during the call.
+	lookNow(now time.Time, ti *tcpInfo) bool
 }
 
 // lookWatch looks at every looker due, from one goroutine that runs while
@@ -29,7 +30,8 @@ type lookWatch struct {
 	wakeAt  time.Time     // when the goroutine looks next
 	wake    chan struct{} // an earlier look is due than wakeAt
 	due     []looker      // the goroutine's own: looks due, and those to
-	again   []looker      // look at again
+	again   []looker      // look at again,
+	ti      tcpInfo       // and the buffer its looks read TCP_INFO into
 }
 
 // add watches l; now is the clock the looks are timed by.
@@ -89,7 +91,7 @@ func (w *lookWatch) run(now func() time.Time) {
 		if len(w.due) > 0 {
 			for i, l := range w.due {
 				w.due[i] = nil
-				if !l.lookNow(now()) {
+				if !l.lookNow(now(), &w.ti) {
 					w.again = append(w.again, l)
 				}
 			}

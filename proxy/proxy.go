@@ -140,6 +140,7 @@ type Proxy struct {
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool      // *exchange
+	infos    sync.Pool      // *tcpInfo: the readings at a response's end (takeInfo)
 	acks     ackWatch       // records waiting for the client's acknowledgement
 	marks    lookWatch      // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
 	loops    relayplane.Set // the relay loops: started by Serve, stopped by Shutdown and Close

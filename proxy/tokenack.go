@@ -45,7 +45,6 @@ type ackMark struct {
 	next  time.Time // the next look
 	prev  time.Time // the last look that found them unacknowledged
 	until time.Time // no look after it
-	ti    tcpInfo
 
 	over bool // the watch is done: seen, given up, or the record took it
 	// ackedAt is when the bytes were acknowledged, the middle of the last
@@ -80,17 +79,19 @@ func newAckMark(sys syscall.RawConn, target int64, flush time.Time, rtt time.Dur
 	return m
 }
 
-// look reads TCP_INFO once at now; it reports whether the watch is over.
-// The watch's goroutine calls it with m.mu held.
-func (m *ackMark) look(now time.Time) bool {
+// look reads TCP_INFO once at now, into ti (the watch's buffer, shared by
+// every mark it looks at: a mark holds none of its own while it waits); it
+// reports whether the watch is over. The watch's goroutine calls it with
+// m.mu held.
+func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 	if m.over {
 		return true
 	}
-	if !m.ti.read(m.sys) {
+	if !ti.read(m.sys) {
 		m.over = true
 		return true
 	}
-	acked := int64(m.ti.info.Bytes_acked)
+	acked := int64(ti.info.Bytes_acked)
 	switch {
 	case acked >= m.target:
 		// Later bytes acknowledged too: usable only if this came before
@@ -135,8 +136,8 @@ func (m *ackMark) take() time.Time {
 // (lookWatch).
 func (m *ackMark) nextLook() time.Time { return m.next }
 
-func (m *ackMark) lookNow(now time.Time) bool {
+func (m *ackMark) lookNow(now time.Time, ti *tcpInfo) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.look(now)
+	return m.look(now, ti)
 }

@@ -53,9 +53,10 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 	}
 	flush := time.Now()
 	m := newAckMark(sys, base+300, flush, 50*time.Microsecond)
+	var ti tcpInfo
 	// The looks' own clock, 0.1 ms a look, whatever the machine's load.
 	at := flush
-	for !m.look(at) {
+	for !m.look(at, &ti) {
 		at = at.Add(100 * time.Microsecond)
 		time.Sleep(200 * time.Microsecond)
 	}
@@ -98,7 +99,8 @@ func TestAckMarkUnusableWhenLookedAtLate(t *testing.T) {
 	}
 	flush := time.Now()
 	m := newAckMark(sys, base+100, flush, 100*time.Millisecond)
-	if !m.look(flush.Add(75 * time.Millisecond)) {
+	var ti tcpInfo
+	if !m.look(flush.Add(75*time.Millisecond), &ti) {
 		t.Fatal("the first look did not end the watch")
 	}
 	if !m.take().IsZero() {
@@ -106,10 +108,10 @@ func TestAckMarkUnusableWhenLookedAtLate(t *testing.T) {
 	}
 
 	never := newAckMark(sys, base+1000, flush, time.Millisecond)
-	if never.look(flush.Add(time.Millisecond)) {
+	if never.look(flush.Add(time.Millisecond), &ti) {
 		t.Fatal("a watch ended before its bytes were acknowledged or its limit")
 	}
-	if !never.look(flush.Add(time.Millisecond + ackGiveUp)) {
+	if !never.look(flush.Add(time.Millisecond+ackGiveUp), &ti) {
 		t.Fatal("the watch did not end at its limit")
 	}
 	if !never.take().IsZero() {
