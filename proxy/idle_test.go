@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/tokentap/tokentap/metrics"
 )
@@ -295,4 +296,22 @@ func TestKeptAliveConnectionSeatedOnce(t *testing.T) {
 		t.Fatalf("21 requests on one connection registered its socket %d times, want 1", n)
 	}
 	waitSeats(t, tp, 0)
+}
+
+// What an open stream holds in memory is mostly its exchange (pooled, one
+// per request in flight) and the marks waiting for its first tokens'
+// acknowledgement: their sizes are bounds, kept here (an allocation's
+// size class is what a stream pays: 2,816 and 192 bytes).
+func TestOpenStreamStructSizes(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		size, max uintptr
+	}{
+		{"exchange", unsafe.Sizeof(exchange{}), 2816},
+		{"ackMark", unsafe.Sizeof(ackMark{}), 192},
+	} {
+		if c.size > c.max {
+			t.Errorf("%s is %d bytes, bound %d", c.name, c.size, c.max)
+		}
+	}
 }
