@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net/http"
@@ -100,20 +101,17 @@ func TestLeastTTFTWeighsBackendQueue(t *testing.T) {
 				}
 			})
 		}
-		time.Sleep(1500 * time.Millisecond) // a scrape or two
-		var shown *stats.BackendState
-		for _, o := range tp.p.Overload() {
-			if o.Upstream == "a" {
-				shown = o.Backend
+		// A scrape or two: once one came after the load began, the table
+		// shows it (the scrapes' period is the machine's, not the test's).
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			complaint := scrapeShown(tp, "a", scrape)
+			if complaint == "" {
+				break
 			}
-		}
-		switch {
-		case shown == nil:
-			t.Errorf("scrape %v: the overload table shows no backend state for a", scrape)
-		case scrape && (shown.Error != "" || shown.Running != 2 || shown.Waiting < 3 || shown.Waiting > 4 || shown.AgeS > 1.5):
-			t.Errorf("the loaded server's metrics shown as %+v, want 2 running and 3 or 4 waiting, fresh", shown)
-		case !scrape && !strings.Contains(shown.Error, "scrape answered 400"):
-			t.Errorf("a failing scrape shows %+v, want its status", shown)
+			if time.Now().After(deadline) {
+				t.Error(complaint)
+				break
+			}
 		}
 		tl := offer(t, tp, chatBody, 12, 2*time.Second, 0, rng)
 		toA := 0
@@ -178,4 +176,25 @@ func TestPredictionWeighsBackendQueue(t *testing.T) {
 	if m, _, _ := r.leastTTFT(now, 100, 0.5, 0); m != a {
 		t.Errorf("without a fresh scrape: chose %s, want the tie's first, a", m.name)
 	}
+}
+
+// scrapeShown says what is wrong with the backend state the overload table
+// shows for upstream (scrape: its metrics were scraped, else the scrape
+// fails with 400), or "" when it is as it should be.
+func scrapeShown(tp *testProxy, upstream string, scrape bool) string {
+	var shown *stats.BackendState
+	for _, o := range tp.p.Overload() {
+		if o.Upstream == upstream {
+			shown = o.Backend
+		}
+	}
+	switch {
+	case shown == nil:
+		return fmt.Sprintf("scrape %v: the overload table shows no backend state for %s", scrape, upstream)
+	case scrape && (shown.Error != "" || shown.Running != 2 || shown.Waiting < 3 || shown.Waiting > 4 || shown.AgeS > 1.5):
+		return fmt.Sprintf("the loaded server's metrics shown as %+v, want 2 running and 3 or 4 waiting, fresh", shown)
+	case !scrape && !strings.Contains(shown.Error, "scrape answered 400"):
+		return fmt.Sprintf("a failing scrape shows %+v, want its status", shown)
+	}
+	return ""
 }

@@ -175,9 +175,10 @@ func TestTLSClientCertificates(t *testing.T) {
 // A TLS client that leaves during a long prefill (its close_notify, then
 // its FIN) cancels the request as a plain one does.
 func TestTLSClientLeavesDuringPrefill(t *testing.T) {
-	upstreamGone := make(chan struct{})
+	upstreamGone, prefilling := make(chan struct{}), make(chan struct{})
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
+		close(prefilling)
 		select {
 		case <-r.Context().Done():
 			close(upstreamGone)
@@ -193,7 +194,11 @@ func TestTLSClientLeavesDuringPrefill(t *testing.T) {
 	if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"model":"m","stream":true}`)); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(100 * time.Millisecond)
+	select { // the request is at the upstream
+	case <-prefilling:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request never reached the upstream")
+	}
 	c.Close()
 	select {
 	case <-upstreamGone:

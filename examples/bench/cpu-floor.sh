@@ -14,6 +14,8 @@
 # /tmp/tokentap-cpu-floor).
 #
 #   examples/bench/cpu-floor.sh [OUT]        # ROUNDS=N in the environment: rounds (3)
+#   BASE=REV examples/bench/cpu-floor.sh     # also tokentap built at git revision REV
+#                                            # (tokentap-base), in the same rounds: an A/B
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-/tmp/tokentap-cpu-floor}
@@ -24,6 +26,12 @@ command -v perf >/dev/null || { echo "perf not installed (apt-get install linux-
 go build -o "$out/tokentap" ./cmd/tokentap
 go build -o "$out/tokentap-bench" ./cmd/tokentap-bench
 go build -o "$out/mockllm" ./cmd/mockllm
+if [ -n "${BASE:-}" ]; then
+  rm -rf "$out/base-src"
+  git worktree add -f --detach "$out/base-src" "$BASE" >/dev/null
+  (cd "$out/base-src" && go build -o "$out/tokentap-base" ./cmd/tokentap)
+  git worktree remove -f "$out/base-src"
+fi
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 mock=127.0.0.1:$(free_port)
@@ -115,13 +123,14 @@ run_arm() { # ARM ROUND CMD...
 # run to the next, so each figure is the median over the rounds.
 for round in $(seq 1 "$rounds"); do
   tokentap_arm() { run_arm tokentap "$round" "$out/tokentap" -config "$out/tokentap.yaml"; }
+  base_arm() { [ -z "${BASE:-}" ] || run_arm tokentap-base "$round" "$out/tokentap-base" -config "$out/tokentap.yaml"; }
   relay_arm() { run_arm fasthttp-relay "$round" "$out/tokentap-bench" fasthttp-relay -listen "$listen" -upstream "$mock"; }
-  if [ $((round % 2)) = 1 ]; then tokentap_arm; relay_arm; else relay_arm; tokentap_arm; fi
+  if [ $((round % 2)) = 1 ]; then tokentap_arm; base_arm; relay_arm; else relay_arm; base_arm; tokentap_arm; fi
 done
 
-python3 - "$out" "$rounds" <<'PY' | tee "$out/report.md"
+python3 - "$out" "$rounds" "${BASE:-}" <<'PY' | tee "$out/report.md"
 import statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, base = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 titles = {"busy": "Non-streamed requests, 256 in flight (busy)",
           "1000": "Non-streamed requests, 1,000/s, Poisson",
           "streams": "Short streams (one token), 1,000/s, Poisson: what a stream's start and end cost"}
@@ -141,11 +150,17 @@ for kind, title in titles.items():
     print(f"\n## {title}\n")
     print(f"CPU per {unit} (median of {rounds} rounds): tokentap {t:.1f} µs [{min(tr):.1f}–{max(tr):.1f}], "
           f"fasthttp-relay {f:.1f} µs [{min(fr):.1f}–{max(fr):.1f}] ({t / f:.2f}×)\n")
-    print("| where | tokentap µs | fasthttp-relay µs |\n|---|---:|---:|")
+    brows = {}
+    if base:
+        bt, br, brows, _ = load("tokentap-base", kind)
+        print(f"tokentap at {base} (tokentap-base): {bt:.1f} µs [{min(br):.1f}–{max(br):.1f}]; "
+              f"tokentap ÷ tokentap-base {t / bt:.2f}×, tokentap-base ÷ fasthttp-relay {bt / f:.2f}×\n")
+    print("| where | tokentap µs |" + (" tokentap-base µs |" if base else "") + " fasthttp-relay µs |\n|---|---:|" + ("---:|" if base else "") + "---:|")
     own = shared = apart = 0.0
     for n in names:
         a, b = trows[n], frows.get(n, 0.0)
-        print(f"| {n} | {a:.1f} | {b:.1f} |")
+        mid = f" {brows.get(n, 0.0):.1f} |" if base else ""
+        print(f"| {n} | {a:.1f} |{mid} {b:.1f} |")
         if n.startswith(("stream hand-offs", "Go runtime: garbage")):
             apart += a - b
         elif b == 0 and a > 0:
