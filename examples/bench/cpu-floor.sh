@@ -53,7 +53,7 @@ EOF
 # Duties, first match wins: NAME|functions (;-separated). A function ending
 # in "." names every method of a type; any other must end a frame's name.
 duties=(
-  "peer watch (epoll_ctl add and remove)|proxy.(*peerWatch).start;proxy.(*peerWatch).stop"
+  "peer watch (its seat in a loop; epoll_ctl on a connection's first request)|proxy.(*peerWatch).start;proxy.(*peerWatch).stop"
   "record: stats sketches, series, SLO, access-log queue|proxy.(*exchange).record"
   "access log writer (zap JSON, write)|metrics.(*AccessLog).run"
   "usage parse of a whole response (gjson)|proxy.(*exchange).accountBody"
