@@ -113,9 +113,6 @@ type clientSide struct {
 	deliv            delivery
 }
 
-// kept is the part's next life in a pooled exchange.
-func (cs *clientSide) kept() clientSide { return clientSide{} }
-
 // start notes where the response begins on the client connection c.
 func (cs *clientSide) start(c net.Conn) {
 	if cc := clientOf(c); cc != nil {

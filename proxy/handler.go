@@ -356,7 +356,7 @@ func (p *Proxy) takeInfo() *tcpInfo {
 
 func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
-		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.kept(), relay: x.relay.kept(), cs: x.cs.kept(),
+		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.kept(), relay: x.relay.kept(),
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)

@@ -1,11 +1,11 @@
 package proxy
 
 import (
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"io"
 	"net"
 	"os"
 
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"golang.org/x/sys/unix"
 )
 

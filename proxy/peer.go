@@ -1,11 +1,12 @@
 package proxy
 
 import (
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 )
 
 // rawConn returns conn's file descriptor access, or nil when conn is not
@@ -25,18 +26,6 @@ func rawConn(conn net.Conn) syscall.RawConn {
 		return nil
 	}
 	return raw
-}
-
-// seatOf returns the seat of conn's socket in the relay loops' watch sets:
-// nil when conn is not a client connection of the proxy's listener.
-func seatOf(conn net.Conn) *relayplane.Seat {
-	switch c := conn.(type) {
-	case *clientConn:
-		return &c.seat
-	case *tlsClient:
-		return &c.cc.seat
-	}
-	return nil
 }
 
 // peerWatch detects a client that closed its connection while tokentap
@@ -98,9 +87,9 @@ func (w *peerWatch) start(conn net.Conn, gone func(), loops *relayplane.Set) {
 	_, w.tls = conn.(*tlsClient)
 	w.stopped.Store(false)
 	w.active = true
-	if seat := seatOf(conn); seat != nil {
-		if seat.Watch(loops, w) {
-			w.seat = seat
+	if cc := clientOf(conn); cc != nil {
+		if cc.seat.Watch(loops, w) {
+			w.seat = &cc.seat
 			return
 		}
 	} else if l := loops.Pick(); l != nil {

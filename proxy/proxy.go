@@ -31,7 +31,6 @@ import (
 	"crypto/tls"
 	"encoding/hex"
 	"fmt"
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"net/netip"
 	"runtime"
@@ -43,6 +42,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"

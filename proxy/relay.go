@@ -2,11 +2,11 @@ package proxy
 
 import (
 	"bytes"
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"io"
 	"net"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/valyala/fasthttp"
 )
 

@@ -4,13 +4,13 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"strconv"
 	"sync"
 	"syscall"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/valyala/fasthttp"
 )
 

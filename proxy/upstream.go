@@ -6,7 +6,6 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"net"
 	"net/url"
 	"slices"
@@ -16,6 +15,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/shed"
 )
 

@@ -81,26 +81,26 @@ type Loop struct {
 	// none); armed is the epoll file's read deadline, which wakes the loop.
 	// A stream's activity only moves its timeouts later, so due is a
 	// bound, renewed by each check (scan).
-	due   time.Time
-	armed time.Time
-	spare spareBufs // read buffers lent to its streams (spareBufs)
+	due     time.Time
+	armed   time.Time
+	spare   spareBufs     // read buffers lent to its streams (spareBufs)
+	again   bool          // a read filled the buffer: look again before parking
+	more    bool          // events are left after a batch: yield, then serve them
+	exiting bool          // the loop's own: stop was seen
+	exited  chan struct{} // closed when the goroutine has closed the descriptors and returned
 
 	// Client sockets watched for their peer's close while their request
-	// waits (Watch), by slot: registered and ended by the requests'
+	// waits (Watch, Seat), by slot: registered and ended by the requests'
 	// goroutines, reported to the loop's; under wmu, which a verdict is
 	// given under, so that a watch that stopped is never called.
 	wmu     sync.Mutex
 	watched []watchSlot
 	wfree   []int32
-	wclosed bool           // the epoll set is closed: no more watches
-	again   bool           // a read filled the buffer: look again before parking
-	more    bool           // events are left after a batch: yield, then serve them
-	exiting bool           // the loop's own: stop was seen
-	exited  chan struct{}  // closed when the goroutine has closed the descriptors and returned
-	streams *atomic.Uint64 // its set's count of the streams let go of (end)
-	// registered is its set's count of the sockets registered for a
-	// watch (Watch, and a Seat's first).
-	registered *atomic.Uint64
+	wclosed bool // the epoll set is closed: no more watches
+
+	// Its set's counts: the streams let go of (end), and the sockets
+	// registered for a watch (Watch, and a Seat's first).
+	streams, registered *atomic.Uint64
 }
 
 // Stream is a stream as a loop sees it. The loop calls its methods on
@@ -562,21 +562,21 @@ func (l *Loop) scan(now time.Time) {
 		switch {
 		case s == nil:
 		case s.blocked && s.WriteTimeout > 0:
-			if at := s.since.Add(s.WriteTimeout); now.After(at) {
-				err := &net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded}
-				s.S.Note(Event{Kind: Failed, Err: err, KeepRead: true})
-				l.end(s, err)
-			} else {
-				l.expect(at)
-			}
+			l.timeOut(s, now, s.since.Add(s.WriteTimeout), "write", true)
 		case !s.blocked && s.Idle > 0:
-			if at := s.readAt.Add(s.Idle); now.After(at) {
-				err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
-				s.S.Note(Event{Kind: Failed, Err: err, KeepRead: false})
-				l.end(s, err)
-			} else {
-				l.expect(at)
-			}
+			l.timeOut(s, now, s.readAt.Add(s.Idle), "read", false)
 		}
 	}
+}
+
+// timeOut ends s with a timeout of op (keepRead: see Failed) once now is
+// past at, and else makes sure the loop wakes for it.
+func (l *Loop) timeOut(s *Handle, now, at time.Time, op string, keepRead bool) {
+	if !now.After(at) {
+		l.expect(at)
+		return
+	}
+	err := &net.OpError{Op: op, Net: "tcp", Err: os.ErrDeadlineExceeded}
+	s.S.Note(Event{Kind: Failed, Err: err, KeepRead: keepRead})
+	l.end(s, err)
 }

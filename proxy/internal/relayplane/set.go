@@ -26,16 +26,16 @@ var clientHungUp = &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError
 // Set is a proxy's relay loops (one per processor: its owner starts and
 // stops them) and the count of the streams they relayed.
 type Set struct {
-	mu      sync.Mutex // start and stop
-	running atomic.Pointer[[]*Loop]
-	next    atomic.Uint32
-	streams atomic.Uint64 // the streams a loop took and let go
-	watches atomic.Uint64 // the sockets a loop registered for a watch
+	mu         sync.Mutex // start and stop
+	running    atomic.Pointer[[]*Loop]
+	next       atomic.Uint32
+	streams    atomic.Uint64 // the streams a loop took and let go
+	registered atomic.Uint64 // the sockets a loop registered for a watch
 }
 
 // Registered is how many sockets the set's loops registered in their
 // epoll sets for a watch: a seat's socket once for as long as it sits.
-func (ls *Set) Registered() uint64 { return ls.watches.Load() }
+func (ls *Set) Registered() uint64 { return ls.registered.Load() }
 
 // Streams is how many streams the set's loops took and let go of.
 func (ls *Set) Streams() uint64 { return ls.streams.Load() }
@@ -101,7 +101,7 @@ func (ls *Set) Start(n int, now func() time.Time) {
 		if err != nil {
 			break
 		}
-		l.streams, l.registered = &ls.streams, &ls.watches
+		l.streams, l.registered = &ls.streams, &ls.registered
 		loops = append(loops, l)
 		go l.run()
 	}

@@ -1,7 +1,6 @@
 package relayplane
 
 import (
-	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -44,12 +43,18 @@ func HungUp(fd uintptr) bool {
 	return err == nil && n > 0 && fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
 }
 
-// Fd returns the descriptor behind raw, or -1. Only a stream's own
+// Controller runs a function with a socket's descriptor (as
+// syscall.RawConn does); an error when the socket is closed.
+type Controller interface {
+	Control(f func(fd uintptr)) error
+}
+
+// Fd returns the descriptor behind c, or -1. For a stream, only its own
 // goroutine calls it, and the descriptor stays open while the stream is in
 // a loop (see Loop).
-func Fd(raw syscall.RawConn) int {
+func Fd(c Controller) int {
 	fd := -1
-	if raw.Control(func(f uintptr) { fd = int(f) }) != nil {
+	if c.Control(func(f uintptr) { fd = int(f) }) != nil {
 		return -1
 	}
 	return fd

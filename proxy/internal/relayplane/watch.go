@@ -11,7 +11,7 @@ import (
 type Watched interface {
 	// Control runs f with the socket's descriptor; an error when it is
 	// closed.
-	Control(f func(fd uintptr)) error
+	Controller
 	// Look looks at the socket once it reported its peer's close or a
 	// hang-up: whether the watch ends, and whether the client is gone.
 	Look() (end, gone bool)
@@ -25,32 +25,29 @@ type Watched interface {
 // left. It returns the watch's slot, for Unwatch; false when the socket
 // cannot be watched. The socket leaves the set when the watch ends: for a
 // connection that serves requests one after another, a Seat keeps it in.
-func (l *Loop) Watch(w Watched) (int32, bool) {
-	slot, _, ok := l.watch(w, nil)
-	return slot, ok
-}
+func (l *Loop) Watch(w Watched) (int32, bool) { return l.watch(w, nil) }
 
 // watch registers w's socket in a free slot, for seat when it is not nil.
-func (l *Loop) watch(w Watched, seat *Seat) (slot int32, fd int, ok bool) {
-	fd = -1
-	if w.Control(func(f uintptr) { fd = int(f) }) != nil || fd < 0 {
-		return 0, 0, false
+func (l *Loop) watch(w Watched, seat *Seat) (int32, bool) {
+	fd := Fd(w)
+	if fd < 0 {
+		return 0, false
 	}
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	if l.wclosed {
-		return 0, 0, false
+		return 0, false
 	}
-	slot = takeSlot(&l.watched, &l.wfree)
+	slot := takeSlot(&l.watched, &l.wfree)
 	if l.poll.add(fd, unix.EPOLLRDHUP, slot, sideWatch) != nil {
 		l.wfree = append(l.wfree, slot)
-		return 0, 0, false
+		return 0, false
 	}
 	l.watched[slot] = watchSlot{w: w, seat: seat, fd: fd}
 	if l.registered != nil {
 		l.registered.Add(1)
 	}
-	return slot, fd, true
+	return slot, true
 }
 
 // watchSlot is a watch in its slot: the watch (nil: a seat's socket
@@ -147,7 +144,6 @@ type Seat struct {
 	mu   sync.Mutex
 	loop *Loop
 	slot int32
-	fd   int
 }
 
 // Watch watches w's socket from the seat: in the loop it sits in, with no
@@ -166,11 +162,11 @@ func (s *Seat) Watch(set *Set, w Watched) bool {
 	if l == nil {
 		return false
 	}
-	slot, fd, ok := l.watch(w, s)
+	slot, ok := l.watch(w, s)
 	if !ok {
 		return false
 	}
-	s.loop, s.slot, s.fd = l, slot, fd
+	s.loop, s.slot = l, slot
 	return true
 }
 
@@ -179,14 +175,8 @@ func (s *Seat) Watch(set *Set, w Watched) bool {
 func (s *Seat) Unwatch(w Watched) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.loop == nil {
-		return
-	}
-	l := s.loop
-	l.wmu.Lock()
-	defer l.wmu.Unlock()
-	if l.holds(s) && l.watched[s.slot].w == w {
-		l.watched[s.slot].w = nil
+	if s.loop != nil {
+		s.loop.unseat(s, w)
 	}
 }
 
@@ -194,10 +184,9 @@ func (s *Seat) Unwatch(w Watched) {
 // about to register the socket itself (a socket is in an epoll set once).
 func (s *Seat) LeaveFor(l *Loop) {
 	s.mu.Lock()
-	in := s.loop == l && l != nil
-	s.mu.Unlock()
-	if in {
-		s.Leave()
+	defer s.mu.Unlock()
+	if s.loop == l {
+		s.leave()
 	}
 }
 
@@ -208,15 +197,18 @@ func (s *Seat) LeaveFor(l *Loop) {
 func (s *Seat) Leave() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.loop == nil {
-		return
-	}
-	l := s.loop
-	s.loop = nil
-	l.wmu.Lock()
-	defer l.wmu.Unlock()
-	if l.holds(s) {
-		l.endWatch(s.slot)
+	s.leave()
+}
+
+// leave is Leave under s.mu.
+func (s *Seat) leave() {
+	if l := s.loop; l != nil {
+		s.loop = nil
+		l.wmu.Lock()
+		defer l.wmu.Unlock()
+		if l.holds(s) {
+			l.endWatch(s.slot)
+		}
 	}
 }
 
@@ -234,4 +226,13 @@ func (l *Loop) reseat(s *Seat, w Watched) bool {
 	}
 	l.watched[s.slot].w = w
 	return true
+}
+
+// unseat ends the watch of w from s's place in l; the socket stays.
+func (l *Loop) unseat(s *Seat, w Watched) {
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if l.holds(s) && l.watched[s.slot].w == w {
+		l.watched[s.slot].w = nil
+	}
 }

@@ -45,18 +45,24 @@ func waitIdle(t *testing.T, ls *Set, want int) {
 	}
 }
 
+// watchOnce watches w from seat and ends the watch: the socket keeps its
+// place.
+func watchOnce(t *testing.T, ls *Set, seat *Seat, w *fdWatch) {
+	t.Helper()
+	if !seat.Watch(ls, w) {
+		t.Fatal("the watch was not taken")
+	}
+	seat.Unwatch(w)
+}
+
 // A seat registers its socket once, for watch after watch, and gives its
 // place up when it leaves: the epoll set then holds the eventfd alone.
 func TestSeatRegistersOnceAndLeaves(t *testing.T) {
 	ls, _ := startLoop(t)
 	fd, _ := sockPair(t)
 	var seat Seat
-	for i := range 50 {
-		w := newFdWatch(fd)
-		if !seat.Watch(ls, w) {
-			t.Fatalf("watch %d: not taken", i)
-		}
-		seat.Unwatch(w)
+	for range 50 {
+		watchOnce(t, ls, &seat, newFdWatch(fd))
 	}
 	if n := ls.Registered(); n != 1 {
 		t.Fatalf("50 watches from one seat registered its socket %d times, want 1", n)
@@ -76,10 +82,7 @@ func TestSeatPeerCloses(t *testing.T) {
 	fd, peer := sockPair(t)
 	var seat Seat
 	w := newFdWatch(fd)
-	if !seat.Watch(ls, w) {
-		t.Fatal("not taken")
-	}
-	seat.Unwatch(w)
+	watchOnce(t, ls, &seat, w)
 	peer.Close()
 	waitIdle(t, ls, 0) // given up by the loop, not by the seat
 	w2 := newFdWatch(fd)
@@ -118,20 +121,14 @@ func TestSeatAfterItsLoopStopped(t *testing.T) {
 	fd, _ := sockPair(t)
 	var seat Seat
 	w := newFdWatch(fd)
-	if !seat.Watch(ls, w) {
-		t.Fatal("not taken")
-	}
-	seat.Unwatch(w)
+	watchOnce(t, ls, &seat, w)
 	ls.Stop()
 	if seat.Watch(ls, w) {
 		t.Fatal("watched with no loop running")
 	}
 	ls.Start(1, time.Now)
 	defer ls.Stop()
-	if !seat.Watch(ls, w) {
-		t.Fatal("not taken by the new loop")
-	}
-	seat.Unwatch(w)
+	watchOnce(t, ls, &seat, w) // by the new loop
 	seat.Leave()
 	waitIdle(t, ls, 0)
 }
