@@ -369,14 +369,18 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 	return appendCounts(f, r)
 }
 
+// appendMS adds d in milliseconds as name, when it was measured (d >= 0).
+func appendMS(f []zap.Field, name string, d time.Duration) []zap.Field {
+	if d >= 0 {
+		f = append(f, zap.Float64(name, float64(d.Microseconds())/1000))
+	}
+	return f
+}
+
 // appendTimings adds r's times (those measured: each at or above 0) and
 // its priority, in the log's order.
 func appendTimings(f []zap.Field, r *Record) []zap.Field {
-	ms := func(name string, d time.Duration) {
-		if d >= 0 {
-			f = append(f, zap.Float64(name, float64(d.Microseconds())/1000))
-		}
-	}
+	ms := func(name string, d time.Duration) { f = appendMS(f, name, d) }
 	ms("queue_ms", r.Queue)
 	ms("upstream_ttfb_ms", r.UpstreamTTFB)
 	ms("ttft_ms", r.TTFT)
@@ -450,9 +454,7 @@ func appendCounts(f []zap.Field, r *Record) []zap.Field {
 	if r.Attempts > 1 {
 		f = append(f, zap.Int("attempts", r.Attempts))
 	}
-	if r.FailoverWait >= 0 {
-		f = append(f, zap.Float64("failover_ms", float64(r.FailoverWait.Microseconds())/1000))
-	}
+	f = appendMS(f, "failover_ms", r.FailoverWait)
 	if r.ClientRetrans > 0 {
 		f = append(f, zap.Int("client_retrans", r.ClientRetrans))
 	}
