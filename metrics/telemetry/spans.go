@@ -1,7 +1,6 @@
 package telemetry
 
 import (
-	"context"
 	"net"
 	"strconv"
 	"strings"
@@ -9,8 +8,8 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/protobuf/encoding/protowire"
 )
 
 // The GenAI semantic conventions' attribute names (the
@@ -112,57 +111,91 @@ func end(r *metrics.Record) time.Time {
 	return r.Start
 }
 
-// span exports the request's span, with its attempts as child spans when
-// it failed over.
+// span writes the request's span into the batch, with its attempts as
+// child spans when it failed over.
 func (e *Exporter) span(r *metrics.Record) {
-	tc := r.Trace
-	ctx := context.WithValue(context.Background(), presetKey{}, preset{trace: tc.TraceID, span: tc.SpanID})
-	if tc.ParentID != [8]byte{} {
-		state, _ := trace.ParseTraceState(tc.State)
-		ctx = trace.ContextWithRemoteSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{
-			TraceID: tc.TraceID, SpanID: tc.ParentID, TraceFlags: trace.FlagsSampled, TraceState: state, Remote: true,
-		}))
-	}
+	tc := &r.Trace
 	op := operation(r)
-	name := op
-	if r.Model != "" {
-		name += " " + r.Model
+	flags := uint32(flagSampled | flagHasIsRemote)
+	b := e.spans.begin()
+	b = appendBytes(b, spanTraceID, tc.TraceID[:])
+	b = appendBytes(b, spanSpanID, tc.SpanID[:])
+	if tc.ParentID != [8]byte{} {
+		// A child of the client's span.
+		b = appendString(b, spanTraceState, traceState(tc.State))
+		b = appendBytes(b, spanParentID, tc.ParentID[:])
+		flags |= flagParentsRemote
 	}
-	attrs := spanAttrs(r, op)
-	ctx, sp := e.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(r.Start),
-		trace.WithAttributes(attrs...))
+	b = appendName(b, op, r.Model)
+	b = appendVarint(b, spanKind, kindServer)
+	b = appendFixed64(b, spanStart, unixNano(r.Start))
+	b = appendFixed64(b, spanEnd, unixNano(end(r)))
+	e.attrs = spanAttrs(e.attrs[:0], r, op)
+	for _, kv := range e.attrs {
+		b = appendKeyValue(b, spanAttributes, kv)
+	}
+	if r.FinishReason != "" {
+		b = appendStringsKeyValue(b, spanAttributes, string(attrFinishReasons), r.FinishReason)
+	}
 	if r.TTFT >= 0 {
-		sp.AddEvent("tokentap.first_token", trace.WithTimestamp(r.Start.Add(r.TTFT)))
+		b = appendEvent(b, "tokentap.first_token", unixNano(r.Start.Add(r.TTFT)))
 	}
 	if r.TTFA >= 0 {
-		sp.AddEvent("tokentap.first_answer_token", trace.WithTimestamp(r.Start.Add(r.TTFA)))
+		b = appendEvent(b, "tokentap.first_answer_token", unixNano(r.Start.Add(r.TTFA)))
 	}
 	if r.Outcome.Failure() {
 		// The service failed it. A request refused for its client's own
 		// doing (a 4xx) or whose client left leaves the server span's
 		// status unset, as OTel's HTTP conventions ask of 4xx: error.type
 		// still says its outcome.
-		sp.SetStatus(codes.Error, r.Error)
+		b = appendErrorStatus(b, r.Error)
 	}
+	b = appendFixed32(b, spanFlags, flags)
+	e.spans.add(b)
 	if len(r.Tries) > 0 {
 		// The attempts are children of the request's span; they get IDs
 		// of their own.
-		actx := trace.ContextWithSpan(context.Background(), sp)
 		var last time.Time
 		for _, t := range r.Tries {
-			e.attempt(actx, op, t.Upstream, t.Addr, t.Start, t.Start.Add(t.Duration), t.Reason)
+			e.attempt(tc, op, t.Upstream, t.Addr, t.Start, t.Start.Add(t.Duration), t.Reason)
 			last = t.Start.Add(t.Duration)
 		}
-		e.attempt(actx, op, r.Upstream, r.UpstreamAddr, last, end(r), errorType(r))
+		e.attempt(tc, op, r.Upstream, r.UpstreamAddr, last, end(r), errorType(r))
 	}
-	_ = ctx
-	sp.End(trace.WithTimestamp(end(r)))
 }
 
-// spanAttrs is the request span's attributes: the GenAI conventions'
-// and tokentap's own.
-func spanAttrs(r *metrics.Record, op string) []attribute.KeyValue {
-	attrs := make([]attribute.KeyValue, 0, 28)
+// traceState is the client's tracestate as the span carries it: "" when
+// it is not one.
+func traceState(s string) string {
+	if s == "" {
+		return ""
+	}
+	ts, err := trace.ParseTraceState(s)
+	if err != nil {
+		return ""
+	}
+	return ts.String()
+}
+
+// appendName writes the span's name: what it did and to what, "chat
+// llama-3", or what it did alone.
+func appendName(b []byte, what, to string) []byte {
+	if to == "" {
+		return appendString(b, spanName, what)
+	}
+	b = protowire.AppendTag(b, spanName, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(len(what)+1+len(to)))
+	b = append(b, what...)
+	b = append(b, ' ')
+	return append(b, to...)
+}
+
+func unixNano(t time.Time) uint64 { return uint64(max(0, t.UnixNano())) }
+
+// spanAttrs appends the request span's attributes to attrs: the GenAI
+// conventions' and tokentap's own, but the finish reasons (a list, which
+// the span writes itself).
+func spanAttrs(attrs []attribute.KeyValue, r *metrics.Record, op string) []attribute.KeyValue {
 	attrs = append(attrs, attrOperation.String(op), attrProvider.String(provider(r.Dialect)), attrStream.Bool(r.Stream),
 		attrRoute.String(r.Route), attrOutcome.String(string(r.Outcome)), attrRequestID.String(r.RequestID))
 	if r.Model != "" {
@@ -174,9 +207,6 @@ func spanAttrs(r *metrics.Record, op string) []attribute.KeyValue {
 	if r.MaxTokens > 0 {
 		attrs = append(attrs, attrMaxTokens.Int(r.MaxTokens))
 	}
-	if r.FinishReason != "" {
-		attrs = append(attrs, attrFinishReasons.StringSlice([]string{r.FinishReason}))
-	}
 	if r.TokensSource != "" {
 		attrs = append(attrs, attrOutputTokens.Int(r.OutputTokens))
 	}
@@ -186,13 +216,7 @@ func spanAttrs(r *metrics.Record, op string) []attribute.KeyValue {
 	if r.TTFT >= 0 {
 		attrs = append(attrs, attrTimeFirstChunk.Float64(r.TTFT.Seconds()))
 	}
-	if r.UpstreamAddr != "" {
-		host, port := splitAddr(r.UpstreamAddr)
-		attrs = append(attrs, attrServerAddress.String(host))
-		if port > 0 {
-			attrs = append(attrs, attrServerPort.Int(port))
-		}
-	}
+	attrs = appendAddr(attrs, r.UpstreamAddr)
 	if et := errorType(r); et != "" {
 		attrs = append(attrs, attrErrorType.String(et))
 	}
@@ -220,23 +244,43 @@ func spanAttrs(r *metrics.Record, op string) []attribute.KeyValue {
 	return attrs
 }
 
-// attempt exports one attempt against an upstream as a client span.
-func (e *Exporter) attempt(ctx context.Context, op, upstream, addr string, start, stop time.Time, failure string) {
-	attrs := []attribute.KeyValue{attrOperation.String(op), attrUpstream.String(upstream)}
-	if addr != "" {
-		host, port := splitAddr(addr)
-		attrs = append(attrs, attrServerAddress.String(host))
-		if port > 0 {
-			attrs = append(attrs, attrServerPort.Int(port))
-		}
+// appendAddr appends server.address and server.port of an upstream's
+// host:port.
+func appendAddr(attrs []attribute.KeyValue, addr string) []attribute.KeyValue {
+	if addr == "" {
+		return attrs
+	}
+	host, port := splitAddr(addr)
+	attrs = append(attrs, attrServerAddress.String(host))
+	if port > 0 {
+		attrs = append(attrs, attrServerPort.Int(port))
+	}
+	return attrs
+}
+
+// attempt writes one attempt against an upstream as a client span, a
+// child of the request's (tc).
+func (e *Exporter) attempt(tc *metrics.TraceContext, op, upstream, addr string, start, stop time.Time, failure string) {
+	var id [8]byte
+	putRandom(id[:])
+	b := e.spans.begin()
+	b = appendBytes(b, spanTraceID, tc.TraceID[:])
+	b = appendBytes(b, spanSpanID, id[:])
+	b = appendBytes(b, spanParentID, tc.SpanID[:])
+	b = appendName(b, "attempt", upstream)
+	b = appendVarint(b, spanKind, kindClient)
+	b = appendFixed64(b, spanStart, unixNano(start))
+	b = appendFixed64(b, spanEnd, unixNano(stop))
+	e.attrs = appendAddr(append(e.attrs[:0], attrOperation.String(op), attrUpstream.String(upstream)), addr)
+	if failure != "" {
+		e.attrs = append(e.attrs, attrErrorType.String(failure))
+	}
+	for _, kv := range e.attrs {
+		b = appendKeyValue(b, spanAttributes, kv)
 	}
 	if failure != "" {
-		attrs = append(attrs, attrErrorType.String(failure))
+		b = appendErrorStatus(b, failure)
 	}
-	_, sp := e.tracer.Start(ctx, "attempt "+upstream, trace.WithSpanKind(trace.SpanKindClient), trace.WithTimestamp(start),
-		trace.WithAttributes(attrs...))
-	if failure != "" {
-		sp.SetStatus(codes.Error, failure)
-	}
-	sp.End(trace.WithTimestamp(stop))
+	b = appendFixed32(b, spanFlags, flagSampled|flagHasIsRemote)
+	e.spans.add(b)
 }

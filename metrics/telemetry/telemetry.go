@@ -29,6 +29,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -36,7 +37,6 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
-	"go.opentelemetry.io/otel/trace"
 )
 
 // Config is the top-level otel section. The SDK's environment variables
@@ -100,10 +100,10 @@ type Exporter struct {
 	closed  atomic.Bool
 	once    sync.Once
 
-	tp     *sdktrace.TracerProvider
-	tracer trace.Tracer
-	mp     *sdkmetric.MeterProvider
-	inst   instruments
+	spans *spanBatch // nil: traces off
+	attrs []attribute.KeyValue
+	mp    *sdkmetric.MeterProvider
+	inst  instruments
 }
 
 // item is one finished record on its way to the exporter's goroutine.
@@ -151,17 +151,11 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 		if len(cfg.Headers) > 0 {
 			opts = append(opts, otlptracehttp.WithHeaders(cfg.Headers))
 		}
-		exp, err := otlptracehttp.New(ctx, opts...)
-		if err != nil {
+		client := otlptracehttp.NewClient(opts...)
+		if err := client.Start(ctx); err != nil {
 			return nil, err
 		}
-		// Blocking: the batcher's queue full holds the exporter's
-		// goroutine, never a request; the records' queue in front of it
-		// drops and counts.
-		e.tp = sdktrace.NewTracerProvider(sdktrace.WithResource(res), sdktrace.WithIDGenerator(idGenerator{}),
-			sdktrace.WithSampler(sdktrace.AlwaysSample()),
-			sdktrace.WithBatcher(countingSpans{exp}, sdktrace.WithBlocking()))
-		e.tracer = e.tp.Tracer("github.com/tokentap/tokentap")
+		e.spans = newSpanBatch(client, res, "github.com/tokentap/tokentap")
 	}
 	if cfg.Metrics {
 		opts := []otlpmetrichttp.Option{}
@@ -236,7 +230,7 @@ func (e *Exporter) Observe(r *metrics.Record) { e.ObserveGaps(r, nil) }
 // metrics, its gaps) is queued for the exporter's goroutine, or dropped
 // and counted when the queue is full.
 func (e *Exporter) ObserveGaps(r *metrics.Record, gaps []time.Duration) {
-	traced := e.tp != nil && r.Trace.Sampled && r.Trace.Valid()
+	traced := e.spans != nil && r.Trace.Sampled && r.Trace.Valid()
 	if !traced && e.mp == nil {
 		return
 	}
@@ -257,18 +251,29 @@ func (e *Exporter) ObserveGaps(r *metrics.Record, gaps []time.Duration) {
 	}
 }
 
+// run exports the queued records, and the spans' batch when it has
+// waited its time; stopped, what is queued, and the last batch.
 func (e *Exporter) run() {
 	defer close(e.done)
+	var due <-chan time.Time
 	for {
+		if e.spans != nil {
+			due = e.spans.due
+		}
 		select {
 		case it := <-e.queue:
 			e.export(&it)
+		case <-due:
+			e.spans.flush()
 		case <-e.stop:
 			for {
 				select {
 				case it := <-e.queue:
 					e.export(&it)
 				default:
+					if e.spans != nil {
+						e.spans.close()
+					}
 					return
 				}
 			}
@@ -297,19 +302,27 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		case <-ctx.Done():
 			err = ctx.Err()
 		}
-		// The providers are shut down even when the queue's goroutine did
-		// not finish in time (a collector that hangs): their own
-		// goroutines, the span batcher and the periodic metric reader,
-		// stop here, so nothing is exported after Shutdown returns but
-		// what was already on its way. Past ctx they get a second to flush.
+		if e.spans != nil && ctx.Err() == nil {
+			select {
+			case <-e.spans.done:
+			case <-ctx.Done():
+				err = ctx.Err()
+			}
+		}
+		// The exports are stopped even when the queue's goroutine did not
+		// finish in time (a collector that hangs): the spans' client
+		// cancels its uploads and takes no more, the periodic metric
+		// reader stops, so nothing is exported after Shutdown returns but
+		// what was already on its way. Past ctx they get a second to
+		// flush.
 		sctx := ctx
 		if ctx.Err() != nil {
 			var cancel context.CancelFunc
 			sctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 			defer cancel()
 		}
-		if e.tp != nil {
-			err = errors.Join(err, e.tp.Shutdown(sctx))
+		if e.spans != nil {
+			err = errors.Join(err, e.spans.client.Stop(sctx))
 		}
 		if e.mp != nil {
 			err = errors.Join(err, e.mp.Shutdown(sctx))
@@ -338,20 +351,6 @@ func (h *errorHandler) Handle(err error) {
 	h.tell(err)
 }
 
-// countingSpans counts what the collector refused or never answered.
-type countingSpans struct{ sdktrace.SpanExporter }
-
-func (c countingSpans) ExportSpans(ctx context.Context, spans []sdktrace.ReadOnlySpan) error {
-	err := c.SpanExporter.ExportSpans(ctx, spans)
-	if err != nil {
-		metrics.OTelExportError("traces")
-		metrics.OTelDropped("spans", len(spans))
-	} else {
-		metrics.OTelSpansExported(len(spans))
-	}
-	return err
-}
-
 // countingMetrics counts the metric exports that failed.
 type countingMetrics struct{ sdkmetric.Exporter }
 
@@ -361,35 +360,4 @@ func (c countingMetrics) Export(ctx context.Context, rm *metricdata.ResourceMetr
 		metrics.OTelExportError("metrics")
 	}
 	return err
-}
-
-// idGenerator gives tokentap's span for a request the IDs StartTrace chose
-// (and the upstream request carried); other spans get random ones.
-type idGenerator struct{}
-
-type presetKey struct{}
-
-type preset struct {
-	trace trace.TraceID
-	span  trace.SpanID
-}
-
-func (idGenerator) NewIDs(ctx context.Context) (trace.TraceID, trace.SpanID) {
-	if p, ok := ctx.Value(presetKey{}).(preset); ok {
-		return p.trace, p.span
-	}
-	var t trace.TraceID
-	var s trace.SpanID
-	putRandom(t[:])
-	putRandom(s[:])
-	return t, s
-}
-
-func (idGenerator) NewSpanID(ctx context.Context, _ trace.TraceID) trace.SpanID {
-	if p, ok := ctx.Value(presetKey{}).(preset); ok {
-		return p.span
-	}
-	var s trace.SpanID
-	putRandom(s[:])
-	return s
 }

@@ -1,0 +1,165 @@
+package telemetry
+
+import (
+	"context"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace"
+	"go.opentelemetry.io/otel/sdk/resource"
+	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
+	resourcepb "go.opentelemetry.io/proto/otlp/resource/v1"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// spanBatch gathers the encoded spans into batches and uploads them with
+// the OTLP exporter's client (its endpoint, headers, TLS, compression,
+// timeout and retries, from the config and OTEL_EXPORTER_OTLP_*), one
+// batch at a time, on a goroutine of its own. It keeps the SDK batcher's
+// settings: OTEL_BSP_MAX_EXPORT_BATCH_SIZE (512 spans, at most
+// OTEL_BSP_MAX_QUEUE_SIZE), OTEL_BSP_SCHEDULE_DELAY (5 s, the longest a
+// span waits for its batch) and OTEL_BSP_EXPORT_TIMEOUT (30 s, one
+// upload's bound).
+//
+// The batch being filled is the exporter's goroutine's; a full one is
+// handed to the uploader, and while the uploader still uploads the one
+// before, the hand-over waits: the exporter's goroutine stops taking
+// records, and the records' queue in front of it drops and counts. The
+// two buffers go back and forth and keep their size (under maxKeptBatch).
+type spanBatch struct {
+	client  otlptrace.Client
+	res     *resourcepb.Resource
+	scope   *commonpb.InstrumentationScope
+	max     int
+	delay   time.Duration
+	timeout time.Duration
+
+	// The exporter's goroutine's.
+	buf     []byte // the batch: ScopeSpans' spans field, encoded
+	n       int    // spans in buf
+	scratch []byte // the span being written, before its length is known
+	timer   *time.Timer
+	due     <-chan time.Time // timer.C while a batch waits for it, else nil
+
+	full chan sentSpans
+	free chan []byte
+	done chan struct{} // closed when the uploader has returned
+}
+
+type sentSpans struct {
+	b []byte
+	n int
+}
+
+// maxKeptBatch bounds a batch's buffer kept for the next: one grown past
+// it by long attributes (a model's name is the client's) is let go.
+const maxKeptBatch = 4 << 20
+
+func newSpanBatch(client otlptrace.Client, res *resource.Resource, scope string) *spanBatch {
+	s := &spanBatch{
+		client: client, res: resourceOf(res), scope: &commonpb.InstrumentationScope{Name: scope},
+		max: envInt("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), delay: envMillis("OTEL_BSP_SCHEDULE_DELAY", 5000),
+		timeout: envMillis("OTEL_BSP_EXPORT_TIMEOUT", 30000),
+		timer:   time.NewTimer(time.Hour),
+		full:    make(chan sentSpans), free: make(chan []byte, 1), done: make(chan struct{}),
+	}
+	s.max = min(s.max, envInt("OTEL_BSP_MAX_QUEUE_SIZE", 2048))
+	s.timer.Stop()
+	s.free <- nil
+	go s.upload()
+	return s
+}
+
+// resourceOf is res as OTLP's Resource: its attributes, written as the
+// spans' are, stand as the message's fields.
+func resourceOf(res *resource.Resource) *resourcepb.Resource {
+	var b []byte
+	for _, kv := range res.Attributes() {
+		b = appendKeyValue(b, resourceAttributes, kv)
+	}
+	m := &resourcepb.Resource{}
+	m.ProtoReflect().SetUnknown(protoreflect.RawFields(b))
+	return m
+}
+
+// begin returns the buffer to write a span's fields into, for add.
+func (s *spanBatch) begin() []byte { return s.scratch[:0] }
+
+// add puts the span written into the batch, and hands the batch over
+// when it is full.
+func (s *spanBatch) add(span []byte) {
+	s.scratch = span
+	s.buf = protowire.AppendTag(s.buf, scopeSpansSpans, protowire.BytesType)
+	s.buf = protowire.AppendBytes(s.buf, span)
+	s.n++
+	if s.n >= s.max {
+		s.flush()
+	} else if s.n == 1 {
+		s.timer.Reset(s.delay)
+		s.due = s.timer.C
+	}
+}
+
+// flush hands the batch to the uploader, waiting for it to finish the
+// one before, and takes the buffer that one was in.
+func (s *spanBatch) flush() {
+	if s.n == 0 {
+		return
+	}
+	s.timer.Stop()
+	s.due = nil
+	s.full <- sentSpans{s.buf, s.n}
+	s.buf, s.n = (<-s.free)[:0], 0
+}
+
+// close hands the last batch over; the uploader returns once it is sent.
+func (s *spanBatch) close() {
+	s.flush()
+	close(s.full)
+}
+
+func (s *spanBatch) upload() {
+	defer close(s.done)
+	for b := range s.full {
+		s.send(b)
+		if cap(b.b) > maxKeptBatch {
+			b.b = nil
+		}
+		s.free <- b.b
+	}
+}
+
+// send uploads one batch: the batch's spans stand as the fields of the
+// request's one ScopeSpans, which the client encodes with the rest.
+func (s *spanBatch) send(b sentSpans) {
+	ss := &tracepb.ScopeSpans{Scope: s.scope}
+	ss.ProtoReflect().SetUnknown(protoreflect.RawFields(b.b))
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	err := s.client.UploadTraces(ctx, []*tracepb.ResourceSpans{{Resource: s.res, ScopeSpans: []*tracepb.ScopeSpans{ss}}})
+	if err != nil {
+		metrics.OTelExportError("traces")
+		metrics.OTelDropped("spans", b.n)
+		otel.Handle(err)
+		return
+	}
+	metrics.OTelSpansExported(b.n)
+}
+
+// envInt and envMillis read a positive setting from the environment, as
+// the SDK does: absent or not a positive number, def.
+func envInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
+
+func envMillis(name string, def int) time.Duration {
+	return time.Duration(envInt(name, def)) * time.Millisecond
+}
