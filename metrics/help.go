@@ -78,7 +78,7 @@ var help = map[string]string{
 	"tokentap_access_log_write_errors_total": "Failed writes to the access log (retried).",
 	"tokentap_access_log_reopens_total":      "Times the access log file was reopened (after rotation).",
 
-	"tokentap_otel_dropped_total":        "OpenTelemetry data the collector never got: records dropped because the export queue was full (signal records), spans in exports that failed (signal spans).",
+	"tokentap_otel_dropped_total":        "OpenTelemetry data the collector never got: records dropped because the export queue was full (signal records); spans dropped because the span queue was full, or in exports that failed (signal spans).",
 	"tokentap_otel_export_errors_total":  "OpenTelemetry exports that failed or timed out, by signal.",
 	"tokentap_otel_spans_exported_total": "Spans the collector accepted.",
 

@@ -27,10 +27,12 @@ import (
 // upload's bound).
 //
 // The batch being filled is the exporter's goroutine's; a full one is
-// handed to the uploader, and while the uploader still uploads the one
-// before, the hand-over waits: the exporter's goroutine stops taking
-// records, and the records' queue in front of it drops and counts. The
-// two buffers go back and forth and keep their size (under maxKeptBatch).
+// queued for the uploader, up to OTEL_BSP_MAX_QUEUE_SIZE spans (2048)
+// waiting. Past that (a collector slower than the traffic, or hung) the
+// batch is dropped and counted, as the SDK's batcher drops spans: the
+// exporter's goroutine never waits on the collector, so the metrics go on
+// being recorded and exported. The buffers go back and forth and keep
+// their size (under maxKeptBatch).
 type spanBatch struct {
 	client  otlptrace.Client
 	res     *resourcepb.Resource
@@ -46,9 +48,9 @@ type spanBatch struct {
 	timer   *time.Timer
 	due     <-chan time.Time // timer.C while a batch waits for it, else nil
 
-	full chan sentSpans
-	free chan []byte
-	done chan struct{} // closed when the uploader has returned
+	full chan sentSpans // the batches queued
+	free chan []byte    // the buffers of the batches sent
+	done chan struct{}  // closed when the uploader has returned
 }
 
 type sentSpans struct {
@@ -65,12 +67,13 @@ func newSpanBatch(client otlptrace.Client, res *resource.Resource, scope string)
 		client: client, res: resourceOf(res), scope: &commonpb.InstrumentationScope{Name: scope},
 		max: envInt("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), delay: envMillis("OTEL_BSP_SCHEDULE_DELAY", 5000),
 		timeout: envMillis("OTEL_BSP_EXPORT_TIMEOUT", 30000),
-		timer:   time.NewTimer(time.Hour),
-		full:    make(chan sentSpans), free: make(chan []byte, 1), done: make(chan struct{}),
+		timer:   time.NewTimer(time.Hour), done: make(chan struct{}),
 	}
-	s.max = min(s.max, envInt("OTEL_BSP_MAX_QUEUE_SIZE", 2048))
+	queue := envInt("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+	s.max = min(s.max, queue)
+	s.full = make(chan sentSpans, queue/s.max)
+	s.free = make(chan []byte, queue/s.max+1)
 	s.timer.Stop()
-	s.free <- nil
 	go s.upload()
 	return s
 }
@@ -105,16 +108,25 @@ func (s *spanBatch) add(span []byte) {
 	}
 }
 
-// flush hands the batch to the uploader, waiting for it to finish the
-// one before, and takes the buffer that one was in.
+// flush queues the batch for the uploader and takes a buffer of one
+// sent, or drops it when the queue is full.
 func (s *spanBatch) flush() {
 	if s.n == 0 {
 		return
 	}
 	s.timer.Stop()
 	s.due = nil
-	s.full <- sentSpans{s.buf, s.n}
-	s.buf, s.n = (<-s.free)[:0], 0
+	select {
+	case s.full <- sentSpans{s.buf, s.n}:
+		select {
+		case s.buf = <-s.free:
+		default:
+			s.buf = nil
+		}
+	default:
+		metrics.OTelDropped("spans", s.n)
+	}
+	s.buf, s.n = s.buf[:0], 0
 }
 
 // close hands the last batch over; the uploader returns once it is sent.
@@ -127,10 +139,12 @@ func (s *spanBatch) upload() {
 	defer close(s.done)
 	for b := range s.full {
 		s.send(b)
-		if cap(b.b) > maxKeptBatch {
-			b.b = nil
+		if cap(b.b) <= maxKeptBatch {
+			select {
+			case s.free <- b.b[:0]:
+			default:
+			}
 		}
-		s.free <- b.b
 	}
 }
 

@@ -1,13 +1,13 @@
 package telemetry
 
 import (
-	"context"
 	"slices"
+	"sort"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"go.opentelemetry.io/otel/attribute"
-	otelmetric "go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
 // The GenAI conventions' bucket boundaries.
@@ -18,8 +18,8 @@ var (
 	tokenBuckets    = []float64{1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864}
 )
 
-// instruments are the GenAI metrics. tokentap stands between the client
-// and the server, so it fills both sides' names (docs/OPERATIONS.md, "OpenTelemetry"):
+// The GenAI metrics. tokentap stands between the client and the server,
+// so it fills both sides' names (docs/OPERATIONS.md, "OpenTelemetry"):
 //
 //   - gen_ai.client.*: what the client lived: the client-side estimates
 //     (network included) where tokentap has them, its own marks
@@ -34,16 +34,72 @@ var (
 // release's (semantic-conventions-genai v0.1.0: gen_ai.client.inference.*
 // and the usage counters with cache reads and writes), or both for a
 // migration (Config.Semconv; OTEL_SEMCONV_STABILITY_OPT_IN).
+const (
+	mDuration = iota // today's client names
+	mTTFC
+	mTPOC
+	mUsage
+	mInfDuration // v0.1.0's
+	mInfTTFC
+	mInfTPOC
+	mInTokens
+	mOutTokens
+	mCacheRead
+	mCacheWrite
+	mReasoning
+	mServerTTFT // both
+	mServerTPOT
+	mServerDuration
+	nMetrics
+)
+
+// metricDef is one metric: a histogram of bounds, or a counter (no
+// bounds).
+type metricDef struct {
+	name, unit, desc string
+	bounds           []float64
+	latest, old      bool // its names' modes (neither: every mode)
+}
+
+var metricDefs = [nMetrics]metricDef{
+	mDuration:       {"gen_ai.client.operation.duration", "s", "GenAI operation duration, as the client lived it.", durationBuckets, false, true},
+	mTTFC:           {"gen_ai.client.operation.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets, false, true},
+	mTPOC:           {"gen_ai.client.operation.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets, false, true},
+	mUsage:          {"gen_ai.client.token.usage", "{token}", "Input and output tokens used.", tokenBuckets, false, true},
+	mInfDuration:    {"gen_ai.client.inference.duration", "s", "GenAI inference duration, as the client lived it.", durationBuckets, true, false},
+	mInfTTFC:        {"gen_ai.client.inference.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets, true, false},
+	mInfTPOC:        {"gen_ai.client.inference.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets, true, false},
+	mInTokens:       {"gen_ai.client.inference.usage.input_tokens", "{token}", "Input tokens, cache reads and writes included.", nil, true, false},
+	mOutTokens:      {"gen_ai.client.inference.usage.output_tokens", "{token}", "Output tokens.", nil, true, false},
+	mCacheRead:      {"gen_ai.client.inference.usage.cache_read.input_tokens", "{token}", "Input tokens served from the prompt cache.", nil, true, false},
+	mCacheWrite:     {"gen_ai.client.inference.usage.cache_write.input_tokens", "{token}", "Input tokens written to the prompt cache.", nil, true, false},
+	mReasoning:      {"gen_ai.client.inference.usage.reasoning.output_tokens", "{token}", "Output tokens spent on reasoning, where the backend reports them.", nil, true, false},
+	mServerTTFT:     {"gen_ai.server.time_to_first_token", "s", "Time to the first token, from the request written to the upstream.", ttftBuckets, false, false},
+	mServerTPOT:     {"gen_ai.server.time_per_output_token", "s", "Time per output token after the first.", perTokenBuckets, false, false},
+	mServerDuration: {"gen_ai.server.request.duration", "s", "Time the upstream took, from the request written to its last byte.", durationBuckets, false, false},
+}
+
+// The attribute sets a label set's points carry.
+const (
+	setBase  = iota // the successful response's
+	setAll          // with error.type where there is one
+	setInput        // the usage histogram's, by token type
+	setOutput
+	nSets
+)
+
+// instruments aggregate the GenAI metrics of the records, on the
+// exporter's goroutine alone, and export them every interval through the
+// OTLP metric exporter. Recording through the SDK's instruments cost
+// about 1 µs a measurement (its options, attribute de-duplication,
+// exemplar filter and concurrent map); here a measurement is a bucket
+// found in the point its label set already holds.
 type instruments struct {
-	old, latest                            bool
-	duration, ttfc, tpoc, usage            otelmetric.Float64Histogram
-	serverTTFT, serverTPOT, serverDuration otelmetric.Float64Histogram
-	// v0.1.0's.
-	infDuration, infTTFC, infTPOC            otelmetric.Float64Histogram
-	inTokens, outTokens, cacheRead, cacheWrt otelmetric.Int64Counter
-	reasoning                                otelmetric.Int64Counter
-	// sets are the attribute sets of the label values seen, built once
-	// (sets): used by the exporter's goroutine alone.
+	old, latest bool
+	cumulative  bool      // the exporter's temporality: points from their start, else since the last export
+	since       time.Time // the last export, a delta's start
+	// sets are the label values seen, with their points: a bounded
+	// number (maxLabelSets).
 	sets map[setKey]*labelSets
 }
 
@@ -52,23 +108,30 @@ type setKey struct {
 	op, provider, route, model, addr, errorType string
 }
 
-// labelSets are one setKey's attribute sets as measurement options: base
-// (the successful response's), all (with error.type where there is one)
-// and the usage histogram's by token type.
-// Each is a slice of one, passed on as it is (a variadic argument built
-// at each call would be a new slice a measurement).
+// labelSets are one setKey's attribute sets, and its points by metric
+// and set.
 type labelSets struct {
-	base, all, input, output []otelmetric.RecordOption
-	added                    []otelmetric.AddOption // base, for the counters
+	attrs  [nSets]attribute.Set
+	points [nMetrics][nSets]*point
 }
 
-// maxLabelSets bounds the sets kept; past it they are built again from
-// nothing (the labels are the configuration's routes, models and
+// point is one series: a histogram's buckets, or a counter's sum.
+type point struct {
+	start    time.Time
+	count    uint64
+	buckets  []uint64 // a histogram's, one more than its bounds
+	sum      float64
+	min, max float64
+	total    int64 // a counter's
+}
+
+// maxLabelSets bounds the sets kept; past it their points start again
+// from nothing (the labels are the configuration's routes, models and
 // upstreams: a bound is only passed after many reloads).
 const maxLabelSets = 4096
 
-// labels returns the attribute sets of r's label values (model: its
-// metric label), built the first time they are seen.
+// labels returns the label sets of r's label values (model: its metric
+// label), built the first time they are seen.
 func (in *instruments) labels(r *metrics.Record, model string) *labelSets {
 	k := setKey{op: operation(r), provider: provider(r.Dialect), route: r.Route, model: model, addr: r.UpstreamAddr, errorType: errorType(r)}
 	if ls, ok := in.sets[k]; ok {
@@ -82,23 +145,15 @@ func (in *instruments) labels(r *metrics.Record, model string) *labelSets {
 	if model != "" {
 		kv = append(kv, attrRequestModel.String(model))
 	}
-	if k.addr != "" {
-		host, port := splitAddr(k.addr)
-		kv = append(kv, attrServerAddress.String(host))
-		if port > 0 {
-			kv = append(kv, attrServerPort.Int(port))
-		}
-	}
-	opt := func(set attribute.Set) []otelmetric.RecordOption {
-		return []otelmetric.RecordOption{otelmetric.WithAttributeSet(set)}
-	}
-	baseSet := attribute.NewSet(kv...)
-	base := opt(baseSet)
-	ls := &labelSets{base: base, all: base, input: opt(with(kv, attrTokenType.String("input"))), output: opt(with(kv, attrTokenType.String("output"))),
-		added: []otelmetric.AddOption{otelmetric.WithAttributeSet(baseSet)}}
+	kv = appendAddr(kv, k.addr)
+	ls := &labelSets{}
+	ls.attrs[setBase] = attribute.NewSet(kv...)
+	ls.attrs[setAll] = ls.attrs[setBase]
 	if k.errorType != "" {
-		ls.all = opt(with(kv, attrErrorType.String(k.errorType)))
+		ls.attrs[setAll] = with(kv, attrErrorType.String(k.errorType))
 	}
+	ls.attrs[setInput] = with(kv, attrTokenType.String("input"))
+	ls.attrs[setOutput] = with(kv, attrTokenType.String("output"))
 	in.sets[k] = ls
 	return ls
 }
@@ -110,43 +165,52 @@ const (
 	SemconvBoth    = "both"
 )
 
-func newInstruments(m otelmetric.Meter, mode string) (instruments, error) {
-	in := instruments{old: mode != SemconvLatest, latest: mode == SemconvLatest || mode == SemconvBoth}
-	var err error
-	h := func(dst *otelmetric.Float64Histogram, name, unit, desc string, buckets []float64) {
-		if err != nil {
-			return
+// newInstruments records under mode's names, for an exporter of
+// temporality t.
+func newInstruments(mode string, t metricdata.Temporality) instruments {
+	return instruments{old: mode != SemconvLatest, latest: mode == SemconvLatest || mode == SemconvBoth,
+		cumulative: t != metricdata.DeltaTemporality, since: time.Now()}
+}
+
+// on reports whether metric m is recorded under the mode.
+func (in *instruments) on(m int) bool {
+	d := &metricDefs[m]
+	return (!d.old && !d.latest) || (d.old && in.old) || (d.latest && in.latest)
+}
+
+// observe adds v to metric m's point of ls's set s.
+func (in *instruments) observe(ls *labelSets, m, s int, v float64) {
+	p := ls.point(m, s)
+	bounds := metricDefs[m].bounds
+	p.buckets[sort.SearchFloat64s(bounds, v)]++
+	if p.count == 0 || v < p.min {
+		p.min = v
+	}
+	if p.count == 0 || v > p.max {
+		p.max = v
+	}
+	p.count++
+	p.sum += v
+}
+
+// add adds n to counter m's point of ls's base set (its count: how many
+// times, which says whether it moved).
+func (in *instruments) add(ls *labelSets, m int, n int64) {
+	p := ls.point(m, setBase)
+	p.total += n
+	p.count++
+}
+
+func (ls *labelSets) point(m, s int) *point {
+	p := ls.points[m][s]
+	if p == nil {
+		p = &point{start: time.Now()}
+		if b := metricDefs[m].bounds; b != nil {
+			p.buckets = make([]uint64, len(b)+1)
 		}
-		*dst, err = m.Float64Histogram(name, otelmetric.WithUnit(unit), otelmetric.WithDescription(desc),
-			otelmetric.WithExplicitBucketBoundaries(buckets...))
+		ls.points[m][s] = p
 	}
-	c := func(dst *otelmetric.Int64Counter, name, desc string) {
-		if err != nil {
-			return
-		}
-		*dst, err = m.Int64Counter(name, otelmetric.WithUnit("{token}"), otelmetric.WithDescription(desc))
-	}
-	if in.old {
-		h(&in.duration, "gen_ai.client.operation.duration", "s", "GenAI operation duration, as the client lived it.", durationBuckets)
-		h(&in.ttfc, "gen_ai.client.operation.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets)
-		h(&in.tpoc, "gen_ai.client.operation.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets)
-		h(&in.usage, "gen_ai.client.token.usage", "{token}", "Input and output tokens used.", tokenBuckets)
-	}
-	if in.latest {
-		// semantic-conventions-genai v0.1.0.
-		h(&in.infDuration, "gen_ai.client.inference.duration", "s", "GenAI inference duration, as the client lived it.", durationBuckets)
-		h(&in.infTTFC, "gen_ai.client.inference.time_to_first_chunk", "s", "Time to the first chunk of a stream, as the client lived it.", ttftBuckets)
-		h(&in.infTPOC, "gen_ai.client.inference.time_per_output_chunk", "s", "Time between consecutive output chunks of a stream.", perTokenBuckets)
-		c(&in.inTokens, "gen_ai.client.inference.usage.input_tokens", "Input tokens, cache reads and writes included.")
-		c(&in.outTokens, "gen_ai.client.inference.usage.output_tokens", "Output tokens.")
-		c(&in.cacheRead, "gen_ai.client.inference.usage.cache_read.input_tokens", "Input tokens served from the prompt cache.")
-		c(&in.cacheWrt, "gen_ai.client.inference.usage.cache_write.input_tokens", "Input tokens written to the prompt cache.")
-		c(&in.reasoning, "gen_ai.client.inference.usage.reasoning.output_tokens", "Output tokens spent on reasoning, where the backend reports them.")
-	}
-	h(&in.serverTTFT, "gen_ai.server.time_to_first_token", "s", "Time to the first token, from the request written to the upstream.", ttftBuckets)
-	h(&in.serverTPOT, "gen_ai.server.time_per_output_token", "s", "Time per output token after the first.", perTokenBuckets)
-	h(&in.serverDuration, "gen_ai.server.request.duration", "s", "Time the upstream took, from the request written to its last byte.", durationBuckets)
-	return in, err
+	return p
 }
 
 // upstreamShare is the part of d that was the upstream's: d without the
@@ -161,9 +225,7 @@ func upstreamShare(r *metrics.Record, d time.Duration) time.Duration {
 }
 
 func (in *instruments) record(r *metrics.Record, model string, gaps []time.Duration) {
-	ctx := context.Background()
 	ls := in.labels(r, model)
-	set := ls.all
 
 	e2e := r.ClientE2E
 	if e2e < 0 {
@@ -171,76 +233,75 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 	}
 	if e2e >= 0 {
 		if in.old {
-			in.duration.Record(ctx, e2e.Seconds(), set...)
+			in.observe(ls, mDuration, setAll, e2e.Seconds())
 		}
 		if in.latest {
-			in.infDuration.Record(ctx, e2e.Seconds(), set...)
+			in.observe(ls, mInfDuration, setAll, e2e.Seconds())
 		}
 	}
 	if r.E2E >= 0 && r.Status > 0 {
-		in.serverDuration.Record(ctx, upstreamShare(r, r.E2E).Seconds(), set...)
+		in.observe(ls, mServerDuration, setAll, upstreamShare(r, r.E2E).Seconds())
 	}
 	if r.Outcome != metrics.OutcomeOK {
 		return // the rest is about successful responses
 	}
-	ok := ls.base
 	if r.Stream && r.TTFT >= 0 {
 		ttft := r.ClientTTFT
 		if ttft < 0 {
 			ttft = r.TTFT
 		}
 		if in.old {
-			in.ttfc.Record(ctx, ttft.Seconds(), ok...)
+			in.observe(ls, mTTFC, setBase, ttft.Seconds())
 		}
 		if in.latest {
-			in.infTTFC.Record(ctx, ttft.Seconds(), ok...)
+			in.observe(ls, mInfTTFC, setBase, ttft.Seconds())
 		}
 		s := r.ServerTTFT
 		if s < 0 {
 			s = upstreamShare(r, r.TTFT)
 		}
-		in.serverTTFT.Record(ctx, s.Seconds(), ok...)
+		in.observe(ls, mServerTTFT, setBase, s.Seconds())
 		for _, g := range gaps {
 			if in.old {
-				in.tpoc.Record(ctx, g.Seconds(), ok...)
+				in.observe(ls, mTPOC, setBase, g.Seconds())
 			}
 			if in.latest {
-				in.infTPOC.Record(ctx, g.Seconds(), ok...)
+				in.observe(ls, mInfTPOC, setBase, g.Seconds())
 			}
 		}
 	}
 	if r.TPOT >= 0 {
-		in.serverTPOT.Record(ctx, r.TPOT.Seconds(), ok...)
+		in.observe(ls, mServerTPOT, setBase, r.TPOT.Seconds())
 	}
-	in.recordUsage(ctx, r, ls)
+	in.recordUsage(r, ls)
 }
 
 // recordUsage records the tokens r used: today's usage histogram, and
 // v0.1.0's counters (cache reads, writes and reasoning apart).
-func (in *instruments) recordUsage(ctx context.Context, r *metrics.Record, ls *labelSets) {
+func (in *instruments) recordUsage(r *metrics.Record, ls *labelSets) {
 	if in.old {
 		if r.InputTokens > 0 {
-			in.usage.Record(ctx, float64(r.InputTokens), ls.input...)
+			in.observe(ls, mUsage, setInput, float64(r.InputTokens))
 		}
 		if r.TokensSource != "" {
-			in.usage.Record(ctx, float64(r.OutputTokens), ls.output...)
+			in.observe(ls, mUsage, setOutput, float64(r.OutputTokens))
 		}
 	}
 	if in.latest {
 		if r.InputTokens > 0 {
-			in.inTokens.Add(ctx, int64(r.InputTokens), ls.added...)
+			in.add(ls, mInTokens, int64(r.InputTokens))
 		}
 		if r.TokensSource != "" {
-			in.outTokens.Add(ctx, int64(r.OutputTokens), ls.added...)
+			in.add(ls, mOutTokens, int64(r.OutputTokens))
 		}
 		if r.CachedTokens > 0 {
-			in.cacheRead.Add(ctx, int64(r.CachedTokens), ls.added...)
+			in.add(ls, mCacheRead, int64(r.CachedTokens))
 		}
 		if r.CacheWriteTokens > 0 {
-			in.cacheWrt.Add(ctx, int64(r.CacheWriteTokens), ls.added...)
+			in.add(ls, mCacheWrite, int64(r.CacheWriteTokens))
 		}
 		if r.ReasoningTokens > 0 {
-			in.reasoning.Add(ctx, int64(r.ReasoningTokens), ls.added...)
+			in.add(ls, mReasoning, int64(r.ReasoningTokens))
 		}
 	}
 }

@@ -33,7 +33,7 @@ func collector(t testing.TB, ln net.Listener, hang bool) (*atomic.Int64, func())
 
 // TestShutdownStopsExportsWhenCollectorHangs: a collector that takes every
 // export and never answers, so that the queue cannot drain within
-// Shutdown's context. Shutdown still stops the SDK's goroutines: once that
+// Shutdown's context. Shutdown still stops the exports: once that
 // collector is gone and another server listens at its address, the new
 // one hears nothing. (Before, the periodic metric reader outlived
 // Shutdown and exported to whatever listened there next, for the life of
@@ -41,8 +41,8 @@ func collector(t testing.TB, ln net.Listener, hang bool) (*atomic.Int64, func())
 func TestShutdownStopsExportsWhenCollectorHangs(t *testing.T) {
 	t.Setenv("OTEL_METRIC_EXPORT_INTERVAL", "50")
 	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
-	// A batcher queue this small fills at once: the exporter's goroutine
-	// then waits on it, and Shutdown's context ends first.
+	// A span queue this small fills at once (the rest is dropped), and
+	// the upload that hangs holds Shutdown past its context.
 	t.Setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
 	t.Setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

@@ -1,16 +1,19 @@
 // Package telemetry exports tokentap's records to an OpenTelemetry
-// collector over OTLP/HTTP with the official Go SDK: one span per request
-// (a child of the client's traceparent, its failed-over attempts as child
-// spans) and the GenAI metrics, both named and attributed by the GenAI
-// semantic conventions.
+// collector over OTLP/HTTP: one span per request (a child of the client's
+// traceparent, its failed-over attempts as child spans) and the GenAI
+// metrics, both named and attributed by the GenAI semantic conventions.
 //
 // Nothing of it runs on a request's path but StartTrace (parse the
 // client's traceparent, pick the span's IDs, decide sampling: no
 // allocation) and a non-blocking send of the finished record to the
-// exporter's goroutine. That goroutine builds the spans and records the
-// metrics; the SDK batches and exports them. A slow, failing or absent
-// collector fills the queue, and what does not fit is dropped and counted
-// (tokentap_otel_dropped_total), never waited for.
+// exporter's goroutine. That goroutine writes the spans in OTLP's
+// encoding into batches (wire.go, batch.go) and adds the metrics to its
+// own aggregation (instruments.go, collect.go): a record costs about 2 µs
+// there, where the SDK's spans and instruments cost 35. The OTLP
+// exporters of the official Go SDK send both, with their configuration,
+// retries and OTEL_EXPORTER_OTLP_* variables. A slow, failing or absent
+// collector fills the queues, and what does not fit is dropped and
+// counted (tokentap_otel_dropped_total), never waited for.
 //
 //	exp, err := telemetry.New(ctx, telemetry.Config{Endpoint: "http://collector:4318", Traces: true, Metrics: true, Sample: 1})
 //	p, _ := proxy.New(cfg, proxy.Options{Tracer: exp, Sinks: []metrics.Sink{exp}})
@@ -33,16 +36,16 @@ import (
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 )
 
 // Config is the top-level otel section. The SDK's environment variables
-// (OTEL_EXPORTER_OTLP_*, OTEL_BSP_*, OTEL_METRIC_EXPORT_INTERVAL,
-// OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME) keep their meaning for what
-// the config leaves unset.
+// (OTEL_EXPORTER_OTLP_*, OTEL_BSP_* but the batcher's queue of records,
+// which is Queue, OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT,
+// OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME) keep their meaning for
+// what the config leaves unset.
 type Config struct {
 	// Endpoint is the collector's OTLP/HTTP base URL
 	// (http://collector:4318); the signals go to /v1/traces and
@@ -94,24 +97,20 @@ func semconvMode(cfg Config) string {
 type Exporter struct {
 	cfg     Config
 	sampler sdktrace.Sampler
-	queue   chan item
+	inbox   *inbox
 	stop    chan struct{}
 	done    chan struct{}
 	closed  atomic.Bool
 	once    sync.Once
 
-	spans *spanBatch // nil: traces off
-	attrs []attribute.KeyValue
-	mp    *sdkmetric.MeterProvider
-	inst  instruments
+	spans   *spanBatch // nil: traces off
+	attrs   []attribute.KeyValue
+	metrics *metricSend // nil: metrics off
+	inst    instruments
 }
 
-// item is one finished record on its way to the exporter's goroutine.
-type item struct {
-	rec   metrics.Record
-	gaps  []time.Duration // streamed responses, with metrics on
-	model string          // the model's metric label: only models of the config (bounded cardinality)
-}
+// scope is the instrumentation scope of what tokentap exports.
+const scope = "github.com/tokentap/tokentap"
 
 // New starts an Exporter. It does not contact the collector: exports
 // begin with the first batch, and a collector that is down only costs
@@ -141,7 +140,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 	}
 	e := &Exporter{
 		cfg: cfg, sampler: sdktrace.TraceIDRatioBased(cfg.Sample),
-		queue: make(chan item, cfg.Queue), stop: make(chan struct{}), done: make(chan struct{}),
+		inbox: newInbox(cfg.Queue), stop: make(chan struct{}), done: make(chan struct{}),
 	}
 	if cfg.Traces {
 		opts := []otlptracehttp.Option{}
@@ -155,7 +154,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 		if err := client.Start(ctx); err != nil {
 			return nil, err
 		}
-		e.spans = newSpanBatch(client, res, "github.com/tokentap/tokentap")
+		e.spans = newSpanBatch(client, res, scope)
 	}
 	if cfg.Metrics {
 		opts := []otlpmetrichttp.Option{}
@@ -169,11 +168,8 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 		if err != nil {
 			return nil, err
 		}
-		e.mp = sdkmetric.NewMeterProvider(sdkmetric.WithResource(res),
-			sdkmetric.WithReader(sdkmetric.NewPeriodicReader(countingMetrics{exp})))
-		if e.inst, err = newInstruments(e.mp.Meter("github.com/tokentap/tokentap"), semconvMode(cfg)); err != nil {
-			return nil, err
-		}
+		e.inst = newInstruments(semconvMode(cfg), exp.Temporality(sdkmetric.InstrumentKindHistogram))
+		e.metrics = newMetricSend(exp, res, scope)
 	}
 	go e.run()
 	return e, nil
@@ -231,53 +227,72 @@ func (e *Exporter) Observe(r *metrics.Record) { e.ObserveGaps(r, nil) }
 // and counted when the queue is full.
 func (e *Exporter) ObserveGaps(r *metrics.Record, gaps []time.Duration) {
 	traced := e.spans != nil && r.Trace.Sampled && r.Trace.Valid()
-	if !traced && e.mp == nil {
+	if !traced && e.metrics == nil {
 		return
 	}
 	if e.closed.Load() {
 		metrics.OTelDropped("records", 1)
 		return
 	}
-	it := item{rec: *r, model: r.Series.Model()}
-	it.rec.Series, it.rec.TenantSeries = nil, nil
-	it.rec.Trace.Sampled = traced
-	if e.mp != nil && r.Stream && len(gaps) > 0 {
-		it.gaps = append([]time.Duration(nil), gaps...)
+	if e.metrics == nil || !r.Stream {
+		gaps = nil
 	}
-	select {
-	case e.queue <- it:
-	default:
+	if !e.inbox.put(r, r.Series.Model(), traced, gaps) {
 		metrics.OTelDropped("records", 1)
 	}
 }
 
-// run exports the queued records, and the spans' batch when it has
-// waited its time; stopped, what is queued, and the last batch.
+// run exports the records of the inbox, the spans' batch when it has
+// waited its time and the metrics every interval; stopped, what the inbox
+// holds, the last batch and the last metrics.
 func (e *Exporter) run() {
 	defer close(e.done)
-	var due <-chan time.Time
+	var due, tick <-chan time.Time
+	gather := time.NewTicker(gatherEvery)
+	defer gather.Stop()
+	if e.metrics != nil {
+		tick = e.metrics.tick.C
+	}
+	var items []item
+	var gaps []time.Duration
 	for {
 		if e.spans != nil {
 			due = e.spans.due
 		}
 		select {
-		case it := <-e.queue:
-			e.export(&it)
+		case <-e.inbox.wake:
+			items, gaps = e.exportAll(items, gaps)
+		case <-gather.C:
+			items, gaps = e.exportAll(items, gaps)
 		case <-due:
 			e.spans.flush()
+		case <-tick:
+			e.metrics.offer(&e.inst)
 		case <-e.stop:
-			for {
-				select {
-				case it := <-e.queue:
-					e.export(&it)
-				default:
-					if e.spans != nil {
-						e.spans.close()
-					}
-					return
-				}
-			}
+			e.exportAll(items, gaps)
+			e.last()
+			return
 		}
+	}
+}
+
+// exportAll exports what the inbox holds, giving it items and gaps, the
+// slices of the take before, to fill next.
+func (e *Exporter) exportAll(items []item, gaps []time.Duration) ([]item, []time.Duration) {
+	items, gaps = e.inbox.take(items, gaps)
+	for i := range items {
+		e.export(&items[i])
+	}
+	return items, gaps
+}
+
+// last hands the last batch and the last metrics over.
+func (e *Exporter) last() {
+	if e.spans != nil {
+		e.spans.close()
+	}
+	if e.metrics != nil {
+		e.metrics.close(&e.inst)
 	}
 }
 
@@ -285,36 +300,42 @@ func (e *Exporter) export(it *item) {
 	if it.rec.Trace.Sampled {
 		e.span(&it.rec)
 	}
-	if e.mp != nil {
+	if e.metrics != nil {
 		e.inst.record(&it.rec, it.model, it.gaps)
 	}
 }
 
-// Shutdown exports what is queued and flushes the SDK, within ctx.
+// Shutdown exports what is queued, the last batch and the last metrics,
+// within ctx.
 // Records observed afterwards are dropped and counted.
 func (e *Exporter) Shutdown(ctx context.Context) error {
 	var err error
 	e.once.Do(func() {
 		e.closed.Store(true)
 		close(e.stop)
-		select {
-		case <-e.done:
-		case <-ctx.Done():
-			err = ctx.Err()
-		}
-		if e.spans != nil && ctx.Err() == nil {
+		wait := func(done <-chan struct{}) {
+			if err != nil {
+				return
+			}
 			select {
-			case <-e.spans.done:
+			case <-done:
 			case <-ctx.Done():
 				err = ctx.Err()
 			}
 		}
+		wait(e.done)
+		if e.spans != nil {
+			wait(e.spans.done)
+		}
+		if e.metrics != nil {
+			wait(e.metrics.done)
+		}
 		// The exports are stopped even when the queue's goroutine did not
 		// finish in time (a collector that hangs): the spans' client
-		// cancels its uploads and takes no more, the periodic metric
-		// reader stops, so nothing is exported after Shutdown returns but
-		// what was already on its way. Past ctx they get a second to
-		// flush.
+		// cancels its uploads and takes no more, the metrics' export on
+		// its way is cancelled and none follows, so nothing is exported
+		// after Shutdown returns. Past ctx the clients get a second to
+		// close.
 		sctx := ctx
 		if ctx.Err() != nil {
 			var cancel context.CancelFunc
@@ -324,8 +345,9 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		if e.spans != nil {
 			err = errors.Join(err, e.spans.client.Stop(sctx))
 		}
-		if e.mp != nil {
-			err = errors.Join(err, e.mp.Shutdown(sctx))
+		if e.metrics != nil {
+			e.metrics.cancel()
+			err = errors.Join(err, e.metrics.exp.Shutdown(sctx))
 		}
 	})
 	return err
@@ -349,15 +371,4 @@ func (h *errorHandler) Handle(err error) {
 		return
 	}
 	h.tell(err)
-}
-
-// countingMetrics counts the metric exports that failed.
-type countingMetrics struct{ sdkmetric.Exporter }
-
-func (c countingMetrics) Export(ctx context.Context, rm *metricdata.ResourceMetrics) error {
-	err := c.Exporter.Export(ctx, rm)
-	if err != nil {
-		metrics.OTelExportError("metrics")
-	}
-	return err
 }
