@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -14,6 +15,7 @@ import (
 	resourcepb "go.opentelemetry.io/proto/otlp/resource/v1"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
@@ -40,6 +42,10 @@ type spanBatch struct {
 	max     int
 	delay   time.Duration
 	timeout time.Duration
+	// json: the client sends OTLP/HTTP's JSON (OTEL_EXPORTER_OTLP_PROTOCOL
+	// or _TRACES_PROTOCOL http/json), which writes known fields only: a
+	// batch is decoded into the generated messages before it goes.
+	json bool
 
 	// The exporter's goroutine's.
 	buf     []byte // the batch: ScopeSpans' spans field, encoded
@@ -68,6 +74,13 @@ func newSpanBatch(client otlptrace.Client, res *resource.Resource, scope string)
 		max: envInt("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), delay: envMillis("OTEL_BSP_SCHEDULE_DELAY", 5000),
 		timeout: envMillis("OTEL_BSP_EXPORT_TIMEOUT", 30000),
 		timer:   time.NewTimer(time.Hour), done: make(chan struct{}),
+	}
+	s.json = otlpProtocol("TRACES") == "http/json"
+	if s.json {
+		res := &resourcepb.Resource{}
+		if err := proto.Unmarshal(s.res.ProtoReflect().GetUnknown(), res); err == nil {
+			s.res = res
+		}
 	}
 	queue := envInt("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
 	s.max = min(s.max, queue)
@@ -153,6 +166,15 @@ func (s *spanBatch) upload() {
 func (s *spanBatch) send(b sentSpans) {
 	ss := &tracepb.ScopeSpans{Scope: s.scope}
 	ss.ProtoReflect().SetUnknown(protoreflect.RawFields(b.b))
+	if s.json {
+		ss = &tracepb.ScopeSpans{Scope: s.scope}
+		if err := proto.Unmarshal(b.b, ss); err != nil {
+			metrics.OTelDropped("spans", b.n)
+			otel.Handle(err)
+			return
+		}
+		ss.Scope = s.scope
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
 	err := s.client.UploadTraces(ctx, []*tracepb.ResourceSpans{{Resource: s.res, ScopeSpans: []*tracepb.ScopeSpans{ss}}})
@@ -163,6 +185,15 @@ func (s *spanBatch) send(b sentSpans) {
 		return
 	}
 	metrics.OTelSpansExported(b.n)
+}
+
+// otlpProtocol is the OTLP protocol the environment asks of a signal
+// ("TRACES", "METRICS"): its own variable, else the general one.
+func otlpProtocol(signal string) string {
+	if v, ok := os.LookupEnv("OTEL_EXPORTER_OTLP_" + signal + "_PROTOCOL"); ok {
+		return strings.TrimSpace(v)
+	}
+	return strings.TrimSpace(os.Getenv("OTEL_EXPORTER_OTLP_PROTOCOL"))
 }
 
 // envInt and envMillis read a positive setting from the environment, as

@@ -1,7 +1,12 @@
 package telemetry
 
 import (
+	"context"
+	"io"
 	"math"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -169,4 +174,41 @@ func toAttr(t *testing.T, kv *commonpb.KeyValue) attribute.KeyValue {
 	}
 	t.Fatalf("no attribute for %v", kv)
 	return attribute.KeyValue{}
+}
+
+// With OTLP/HTTP's JSON asked for (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL),
+// whose encoder writes known fields only, the spans and the resource
+// still reach the collector.
+func TestSpansOverJSON(t *testing.T) {
+	t.Setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+	bodies := make(chan string, 16)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if r.URL.Path == "/v1/traces" {
+			bodies <- r.Header.Get("Content-Type") + " " + string(b)
+		}
+	}))
+	defer srv.Close()
+	e, err := New(context.Background(), Config{Endpoint: srv.URL, Traces: true, Sample: 1, ServiceName: "svc-json"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := metrics.Record{Route: "chat", Model: "llama-3-8b", Dialect: "openai", Path: "/v1/chat/completions", Outcome: metrics.OutcomeOK,
+		Status: 200, RequestID: "req-json", Start: time.Unix(1_800_000_000, 0), TTFT: -1, TTFA: -1, E2E: time.Second, ClientTTFT: -1,
+		Queue: -1, Overhead: -1}
+	r.Trace = metrics.TraceContext{TraceID: [16]byte{1}, SpanID: [8]byte{2}, Sampled: true}
+	e.Observe(&r)
+	if err := e.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case body := <-bodies:
+		for _, want := range []string{"application/json", `"chat llama-3-8b"`, `"req-json"`, `"svc-json"`, `"gen_ai.request.model"`} {
+			if !strings.Contains(body, want) {
+				t.Errorf("the JSON export lacks %s:\n%s", want, body)
+			}
+		}
+	default:
+		t.Fatal("nothing exported")
+	}
 }
