@@ -324,6 +324,13 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 			}
 		}
 		wait(e.done)
+		if err == nil {
+			// A record put between its check of closed and the last take
+			// is counted as the ones observed after Shutdown are.
+			if items, _ := e.inbox.take(nil, nil); len(items) > 0 {
+				metrics.OTelDropped("records", len(items))
+			}
+		}
 		if e.spans != nil {
 			wait(e.spans.done)
 		}
