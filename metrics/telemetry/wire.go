@@ -112,7 +112,7 @@ func valueSize(v attribute.Value) int {
 	case attribute.STRINGSLICE:
 		return protowire.SizeTag(anyArray) + protowire.SizeBytes(stringsSize(v.AsStringSlice()))
 	}
-	return stringValueSize(v.Emit())
+	return stringValueSize(v.String())
 }
 
 // stringsSize is the size of an ArrayValue of strings.
@@ -126,7 +126,7 @@ func stringsSize(ss []string) int {
 
 // appendValue writes v's AnyValue fields: strings, booleans, integers,
 // floats and lists of strings as themselves, any other type as the string
-// the API emits for it (the resource's attributes are the only ones
+// the API gives for it (Value.String) (the resource's attributes are the only ones
 // tokentap does not choose).
 func appendValue(b []byte, v attribute.Value) []byte {
 	switch v.Type() {
@@ -142,7 +142,7 @@ func appendValue(b []byte, v attribute.Value) []byte {
 	case attribute.STRINGSLICE:
 		return appendStringsValue(b, v.AsStringSlice()...)
 	}
-	return appendStringValue(b, v.Emit())
+	return appendStringValue(b, v.String())
 }
 
 // appendStringValue writes an AnyValue's string, present even when empty
