@@ -125,9 +125,9 @@ func stringsSize(ss []string) int {
 }
 
 // appendValue writes v's AnyValue fields: strings, booleans, integers,
-// floats and lists of strings as themselves, any other type as the string
-// the API gives for it (Value.String) (the resource's attributes are the only ones
-// tokentap does not choose).
+// floats and lists of strings as themselves, any other type as its
+// Value.String (only the resource's attributes, which tokentap does not
+// choose, could be one).
 func appendValue(b []byte, v attribute.Value) []byte {
 	switch v.Type() {
 	case attribute.BOOL:
