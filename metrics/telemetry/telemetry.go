@@ -103,10 +103,10 @@ type Exporter struct {
 	closed  atomic.Bool
 	once    sync.Once
 
-	spans   *spanBatch // nil: traces off
-	attrs   []attribute.KeyValue
-	metrics *metricSend // nil: metrics off
-	inst    instruments
+	spans      *spanBatch // nil: traces off
+	attrs      []attribute.KeyValue
+	metricSend *metricSend // nil: metrics off
+	inst       instruments
 }
 
 // scope is the instrumentation scope of what tokentap exports.
@@ -169,7 +169,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 			return nil, err
 		}
 		e.inst = newInstruments(semconvMode(cfg), exp.Temporality(sdkmetric.InstrumentKindHistogram))
-		e.metrics = newMetricSend(exp, res, scope)
+		e.metricSend = newMetricSend(exp, res, scope)
 	}
 	go e.run()
 	return e, nil
@@ -227,14 +227,14 @@ func (e *Exporter) Observe(r *metrics.Record) { e.ObserveGaps(r, nil) }
 // and counted when the queue is full.
 func (e *Exporter) ObserveGaps(r *metrics.Record, gaps []time.Duration) {
 	traced := e.spans != nil && r.Trace.Sampled && r.Trace.Valid()
-	if !traced && e.metrics == nil {
+	if !traced && e.metricSend == nil {
 		return
 	}
 	if e.closed.Load() {
 		metrics.OTelDropped("records", 1)
 		return
 	}
-	if e.metrics == nil || !r.Stream {
+	if e.metricSend == nil || !r.Stream {
 		gaps = nil
 	}
 	if !e.inbox.put(r, r.Series.Model(), traced, gaps) {
@@ -250,8 +250,8 @@ func (e *Exporter) run() {
 	var due, tick <-chan time.Time
 	gather := time.NewTicker(gatherEvery)
 	defer gather.Stop()
-	if e.metrics != nil {
-		tick = e.metrics.tick.C
+	if e.metricSend != nil {
+		tick = e.metricSend.tick.C
 	}
 	var items []item
 	var gaps []time.Duration
@@ -267,7 +267,7 @@ func (e *Exporter) run() {
 		case <-due:
 			e.spans.flush()
 		case <-tick:
-			e.metrics.offer(&e.inst)
+			e.metricSend.offer(&e.inst)
 		case <-e.stop:
 			e.exportAll(items, gaps)
 			e.last()
@@ -291,8 +291,8 @@ func (e *Exporter) last() {
 	if e.spans != nil {
 		e.spans.close()
 	}
-	if e.metrics != nil {
-		e.metrics.close(&e.inst)
+	if e.metricSend != nil {
+		e.metricSend.close(&e.inst)
 	}
 }
 
@@ -300,7 +300,7 @@ func (e *Exporter) export(it *item) {
 	if it.rec.Trace.Sampled {
 		e.span(&it.rec)
 	}
-	if e.metrics != nil {
+	if e.metricSend != nil {
 		e.inst.record(&it.rec, it.model, it.gaps)
 	}
 }
@@ -334,8 +334,8 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		if e.spans != nil {
 			wait(e.spans.done)
 		}
-		if e.metrics != nil {
-			wait(e.metrics.done)
+		if e.metricSend != nil {
+			wait(e.metricSend.done)
 		}
 		// The exports are stopped even when the queue's goroutine did not
 		// finish in time (a collector that hangs): the spans' client
@@ -352,9 +352,9 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		if e.spans != nil {
 			err = errors.Join(err, e.spans.client.Stop(sctx))
 		}
-		if e.metrics != nil {
-			e.metrics.cancel()
-			err = errors.Join(err, e.metrics.exp.Shutdown(sctx))
+		if e.metricSend != nil {
+			e.metricSend.cancel()
+			err = errors.Join(err, e.metricSend.exp.Shutdown(sctx))
 		}
 	})
 	return err
