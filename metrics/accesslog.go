@@ -9,6 +9,7 @@ import (
 	"time"
 
 	vm "github.com/VictoriaMetrics/metrics"
+	"github.com/tokentap/tokentap/metrics/internal/inbox"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -35,14 +36,11 @@ var (
 // (a record observed after Close is counted as dropped). Call Close to
 // write what is queued and stop.
 type AccessLog struct {
-	out   *logOutput // the writer goroutine's only
-	log   *zap.Logger
-	queue chan accessItem
-	done  chan struct{}
-
-	mu     sync.RWMutex // guards closed against the sends on queue
-	closed bool
-	once   sync.Once
+	out  *logOutput // the writer goroutine's only
+	log  *zap.Logger
+	box  *inbox.Box[accessItem] // the queue (inbox's doc says why not a channel)
+	done chan struct{}
+	once sync.Once
 }
 
 type accessItem struct {
@@ -89,10 +87,10 @@ func newAccessLog(out *logOutput, queueLen int) *AccessLog {
 		EncodeDuration: zapcore.StringDurationEncoder,
 	})
 	a := &AccessLog{
-		out:   out,
-		log:   zap.New(zapcore.NewCore(enc, out, zapcore.InfoLevel)),
-		queue: make(chan accessItem, queueLen),
-		done:  make(chan struct{}),
+		out:  out,
+		log:  zap.New(zapcore.NewCore(enc, out, zapcore.InfoLevel)),
+		box:  inbox.New[accessItem](queueLen, 1),
+		done: make(chan struct{}),
 	}
 	go a.run()
 	return a
@@ -100,28 +98,15 @@ func newAccessLog(out *logOutput, queueLen int) *AccessLog {
 
 // Observe queues r for writing. It never blocks.
 func (a *AccessLog) Observe(r *Record) {
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	if a.closed {
-		accessLogDropped.Inc()
-		return
-	}
-	select {
-	case a.queue <- accessItem{rec: *r}:
-	default:
+	if !a.box.Put(true, func(it *accessItem) { it.rec = *r }) {
 		accessLogDropped.Inc()
 	}
 }
 
-// send queues a marker, blocking while the queue is full; false after Close.
-func (a *AccessLog) send(it accessItem) bool {
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	if a.closed {
-		return false
-	}
-	a.queue <- it
-	return true
+// send queues a marker, after the records queued before it (markers are
+// few, and always taken); false after Close.
+func (a *AccessLog) send(m accessItem) bool {
+	return a.box.Put(false, func(it *accessItem) { *it = m })
 }
 
 // Flush waits until every record queued before the call was handed to the
@@ -150,17 +135,14 @@ func (a *AccessLog) Reopen() error {
 // then counting what is left as dropped) and stops the writer.
 func (a *AccessLog) Close() {
 	a.once.Do(func() {
-		a.mu.Lock()
-		a.closed = true
-		close(a.queue)
-		a.mu.Unlock()
+		a.box.Close()
 		<-a.done
 	})
 }
 
 // batchEvery is how often the writer drains the queue while records keep
 // coming. Between drains records queue up without waking it; when they stop
-// coming it blocks on the queue, so an idle proxy has no timer running
+// coming it waits for the next, so an idle proxy has no timer running
 // (unless a failed write waits for its retry). Each wake-up costs the
 // process a few context switches whatever it drains: at 1,000 requests/s
 // on one core, drains every 5 ms cost 20–30 µs of CPU per request, every
@@ -179,60 +161,56 @@ func (a *AccessLog) run() {
 	fields := make([]zap.Field, 0, 40)
 	timer := time.NewTimer(batchEvery)
 	timer.Stop()
+	var chunks [][]accessItem
 	for {
-		// Idle: block until a record comes (or a failed write's retry is
-		// due); write it at once.
-		var it accessItem
-		ok := true
+		// Idle: wait for a record (or a failed write's retry).
 		if a.out.waiting() {
 			timer.Reset(time.Until(a.out.retryAt))
 			select {
-			case it, ok = <-a.queue:
+			case <-a.box.Wake:
 				timer.Stop()
 			case <-timer.C:
 				a.out.flush()
 				continue
 			}
 		} else {
-			it, ok = <-a.queue
+			<-a.box.Wake
 		}
-		if !ok {
-			a.out.final()
-			return
-		}
-		a.handle(it, &fields)
-		a.out.flush()
-		// Busy: drain every batchEvery until a period brings nothing.
+		// Write what came at once, then every batchEvery until a period
+		// brings nothing.
 		for {
-			timer.Reset(batchEvery)
-			<-timer.C
-			if len(a.queue) == 0 {
+			var closed bool
+			chunks, closed = a.box.Take(chunks)
+			n := 0
+			for _, c := range chunks {
+				for i := range c {
+					if n > 0 && n%yieldEvery == 0 {
+						// Let requests run between lines: on one CPU a
+						// period's drain would hold it for its whole
+						// length.
+						runtime.Gosched()
+					}
+					a.handle(&c[i], &fields)
+					n++
+				}
+			}
+			a.box.Give(chunks)
+			a.out.flush()
+			if closed {
+				a.out.final()
+				return
+			}
+			if n == 0 {
 				break
 			}
-			for n, drained := 0, false; !drained; n++ {
-				if n > 0 && n%yieldEvery == 0 {
-					// Let requests run between lines: on one CPU a
-					// period's drain would hold it for its whole length.
-					runtime.Gosched()
-				}
-				select {
-				case it, ok := <-a.queue:
-					if !ok {
-						a.out.final()
-						return
-					}
-					a.handle(it, &fields)
-				default:
-					drained = true
-				}
-			}
-			a.out.flush()
+			timer.Reset(batchEvery)
+			<-timer.C
 		}
 	}
 }
 
 // handle renders one record, or answers a marker.
-func (a *AccessLog) handle(it accessItem, fields *[]zap.Field) {
+func (a *AccessLog) handle(it *accessItem, fields *[]zap.Field) {
 	switch {
 	case it.flush != nil:
 		a.out.flush()

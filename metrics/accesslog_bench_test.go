@@ -39,7 +39,7 @@ func BenchmarkAccessLogRender(b *testing.B) {
 	b.ReportAllocs()
 	n := 0
 	for b.Loop() {
-		a.handle(it, &fields)
+		a.handle(&it, &fields)
 		if n++; n%64 == 0 {
 			a.out.flush()
 		}

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/internal/inbox"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
@@ -97,10 +98,9 @@ func semconvMode(cfg Config) string {
 type Exporter struct {
 	cfg     Config
 	sampler sdktrace.Sampler
-	inbox   *inbox
+	inbox   *inbox.Box[item]
 	stop    chan struct{}
 	done    chan struct{}
-	closed  atomic.Bool
 	once    sync.Once
 
 	spans      *spanBatch // nil: traces off
@@ -140,7 +140,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 	}
 	e := &Exporter{
 		cfg: cfg, sampler: sdktrace.TraceIDRatioBased(cfg.Sample),
-		inbox: newInbox(cfg.Queue), stop: make(chan struct{}), done: make(chan struct{}),
+		inbox: inbox.New[item](cfg.Queue, wakeAt), stop: make(chan struct{}), done: make(chan struct{}),
 	}
 	if cfg.Traces {
 		opts := []otlptracehttp.Option{}
@@ -230,14 +230,10 @@ func (e *Exporter) ObserveGaps(r *metrics.Record, gaps []time.Duration) {
 	if !traced && e.metricSend == nil {
 		return
 	}
-	if e.closed.Load() {
-		metrics.OTelDropped("records", 1)
-		return
-	}
 	if e.metricSend == nil || !r.Stream {
 		gaps = nil
 	}
-	if !e.inbox.put(r, r.Series.Model(), traced, gaps) {
+	if !put(e.inbox, r, r.Series.Model(), traced, gaps) {
 		metrics.OTelDropped("records", 1)
 	}
 }
@@ -253,37 +249,39 @@ func (e *Exporter) run() {
 	if e.metricSend != nil {
 		tick = e.metricSend.tick.C
 	}
-	var items []item
-	var gaps []time.Duration
+	var chunks [][]item
 	for {
 		if e.spans != nil {
 			due = e.spans.due
 		}
 		select {
-		case <-e.inbox.wake:
-			items, gaps = e.exportAll(items, gaps)
+		case <-e.inbox.Wake:
+			chunks = e.exportAll(chunks)
 		case <-gather.C:
-			items, gaps = e.exportAll(items, gaps)
+			chunks = e.exportAll(chunks)
 		case <-due:
 			e.spans.flush()
 		case <-tick:
 			e.metricSend.offer(&e.inst)
 		case <-e.stop:
-			e.exportAll(items, gaps)
+			e.exportAll(chunks)
 			e.last()
 			return
 		}
 	}
 }
 
-// exportAll exports what the inbox holds, giving it items and gaps, the
-// slices of the take before, to fill next.
-func (e *Exporter) exportAll(items []item, gaps []time.Duration) ([]item, []time.Duration) {
-	items, gaps = e.inbox.take(items, gaps)
-	for i := range items {
-		e.export(&items[i])
+// exportAll exports what the inbox holds and gives its chunks back;
+// chunks is the take before's, for the headers.
+func (e *Exporter) exportAll(chunks [][]item) [][]item {
+	chunks, _ = e.inbox.Take(chunks)
+	for _, c := range chunks {
+		for i := range c {
+			e.export(&c[i])
+		}
 	}
-	return items, gaps
+	e.inbox.Give(chunks)
+	return chunks
 }
 
 // last hands the last batch and the last metrics over.
@@ -311,7 +309,7 @@ func (e *Exporter) export(it *item) {
 func (e *Exporter) Shutdown(ctx context.Context) error {
 	var err error
 	e.once.Do(func() {
-		e.closed.Store(true)
+		e.inbox.Close() // what comes after is dropped and counted
 		close(e.stop)
 		wait := func(done <-chan struct{}) {
 			if err != nil {
@@ -324,13 +322,6 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 			}
 		}
 		wait(e.done)
-		if err == nil {
-			// A record put between its check of closed and the last take
-			// is counted as the ones observed after Shutdown are.
-			if items, _ := e.inbox.take(nil, nil); len(items) > 0 {
-				metrics.OTelDropped("records", len(items))
-			}
-		}
 		if e.spans != nil {
 			wait(e.spans.done)
 		}
