@@ -99,10 +99,23 @@ type leaseHold struct {
 // counts them as given back already, so that a client's next request on a
 // kept-alive connection is decided as if its last one's release had landed.
 type releasing struct {
-	leases      []string // at most maxReleasing
-	credit      int64
+	pending     []pendingRelease // at most maxReleasing, sent along with a decision
+	credit      int64            // every one's tokens, the pending's included
 	routeCredit map[string]int64
 	n           int
+}
+
+// pendingRelease is one release on its way, as a decision sends it: its
+// lease, and the tokens it gives back to the tenant and to its route. The
+// decision's script counts them only while the release has not landed (its
+// script marks the lease as landed): between a release landing and its
+// confirmation here, a decision would otherwise count its tokens twice, and
+// a bucket given back twice over looked full to a request larger than it.
+type pendingRelease struct {
+	lease    string
+	back     int64
+	route    string
+	hasRoute bool
 }
 
 // releaseOp is a release waiting to be sent.
@@ -370,10 +383,10 @@ func (s *store) releasingAdd(op *releaseOp) {
 		s.releasing[op.tenant] = r
 	}
 	r.n++
-	if len(r.leases) < maxReleasing {
-		r.leases = append(r.leases, op.lease)
-	}
 	back := op.reserved.tokens - op.actual.tokens
+	if len(r.pending) < maxReleasing {
+		r.pending = append(r.pending, pendingRelease{lease: op.lease, back: back, route: op.route, hasRoute: op.hasRoute})
+	}
 	r.credit += back
 	if op.hasRoute && back != 0 {
 		if r.routeCredit == nil {
@@ -394,8 +407,8 @@ func (s *store) confirmed(op *releaseOp) {
 		delete(s.releasing, op.tenant)
 		return
 	}
-	if i := slices.Index(r.leases, op.lease); i >= 0 {
-		r.leases = slices.Delete(r.leases, i, i+1)
+	if i := slices.IndexFunc(r.pending, func(p pendingRelease) bool { return p.lease == op.lease }); i >= 0 {
+		r.pending = slices.Delete(r.pending, i, i+1)
 	}
 	back := op.reserved.tokens - op.actual.tokens
 	r.credit -= back
@@ -469,15 +482,23 @@ func (s *store) admit(tenant, route string, all, rl *Limits, est usage) (lease s
 	// The tenant's releases on their way: the check takes their leases
 	// as freed and their tokens as given back, so that a client's next
 	// request on a kept-alive connection does not find its last one's
-	// slot still taken.
+	// slot still taken. Each pending one's tokens count only while its
+	// release has not landed; credit is what the ones past maxReleasing
+	// give back, counted as they are.
 	var credit [2]int64
 	s.mu.Lock()
 	if r := s.releasing[tenant]; r != nil {
-		args = append(args, len(r.leases))
-		for _, l := range r.leases {
-			args = append(args, l)
-		}
+		args = append(args, len(r.pending))
 		credit = [2]int64{r.credit, r.routeCredit[route]}
+		for _, p := range r.pending {
+			var onRoute int64
+			if p.hasRoute && p.route == route {
+				onRoute = p.back
+			}
+			args = append(args, p.lease, p.back, onRoute)
+			credit[0] -= p.back
+			credit[1] -= onRoute
+		}
 	} else {
 		args = append(args, 0)
 	}

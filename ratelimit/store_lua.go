@@ -59,19 +59,27 @@ local untilDay = (day + 1) * 86400 - now
 local mon, untilMon = months(tonumber(t[1]))
 untilMon = untilMon - tonumber(t[2]) / 1e6
 local est, lease, ttl, estUSD, nrel = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local base = 5 + nrel
+local base = 5 + 3 * nrel
+-- A release on its way whose script ran already gives nothing more back.
+local landed = {}
+for j = 1, nrel do
+  landed[j] = redis.call('EXISTS', KEYS[1] .. ':rel:' .. ARGV[3 * j + 3]) == 1
+end
 local wait, reason = 0, ''
 local st = {}
 for i = 1, #KEYS do
   local o = base + (i - 1) * 9 + 1
   local credit = tonumber(ARGV[o])
+  for j = 1, nrel do
+    if not landed[j] then credit = credit + tonumber(ARGV[3 * j + 3 + i]) end
+  end
   local rps, burst, tpm, maxc, rpd, tpd = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+5]), tonumber(ARGV[o+6])
   local usdd, usdm = tonumber(ARGV[o+7]), tonumber(ARGV[o+8])
   local b = KEYS[i]
   local s = {}
   if maxc > 0 then
     redis.call('ZREMRANGEBYSCORE', b .. ':conc', '-inf', now)
-    for j = 1, nrel do redis.call('ZREM', b .. ':conc', ARGV[5 + j]) end
+    for j = 1, nrel do redis.call('ZREM', b .. ':conc', ARGV[3 * j + 3]) end
     if redis.call('ZCARD', b .. ':conc') >= maxc then
       return {0, '-1', 'concurrency'}
     end
@@ -159,6 +167,9 @@ for i = 1, #KEYS do
   if usdd > 0 and resUSD ~= actUSD then reconcile(b .. ':usdd:' .. day, actUSD - resUSD, 2 * 86400) end
   if usdm > 0 and resUSD ~= actUSD then reconcile(b .. ':usdm:' .. mon, actUSD - resUSD, 32 * 86400) end
 end
+-- Landed: a decision that still sees this release on its way leaves its
+-- tokens out (the replica confirms it a round trip later).
+if reserved ~= actual then redis.call('SET', KEYS[1] .. ':rel:' .. lease, '1', 'EX', 300) end
 return 1
 `)
 
