@@ -161,7 +161,7 @@ func (a *AccessLog) run() {
 	fields := make([]zap.Field, 0, 40)
 	timer := time.NewTimer(batchEvery)
 	timer.Stop()
-	var chunks [][]accessItem
+	lines := 0
 	for {
 		// Idle: wait for a record (or a failed write's retry).
 		if a.out.waiting() {
@@ -179,22 +179,14 @@ func (a *AccessLog) run() {
 		// Write what came at once, then every batchEvery until a period
 		// brings nothing.
 		for {
-			var closed bool
-			chunks, closed = a.box.Take(chunks)
-			n := 0
-			for _, c := range chunks {
-				for i := range c {
-					if n > 0 && n%yieldEvery == 0 {
-						// Let requests run between lines: on one CPU a
-						// period's drain would hold it for its whole
-						// length.
-						runtime.Gosched()
-					}
-					a.handle(&c[i], &fields)
-					n++
+			n, closed := a.box.Drain(func(it *accessItem) {
+				if lines++; lines%yieldEvery == 0 {
+					// Let requests run between lines: on one CPU a
+					// period's drain would hold it for its whole length.
+					runtime.Gosched()
 				}
-			}
-			a.box.Give(chunks)
+				a.handle(it, &fields)
+			})
 			a.out.flush()
 			if closed {
 				a.out.final()

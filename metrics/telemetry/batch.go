@@ -9,6 +9,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace"
 	"go.opentelemetry.io/otel/sdk/resource"
 	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
@@ -53,9 +54,10 @@ type spanBatch struct {
 	json bool
 
 	// The exporter's goroutine's.
-	buf     []byte // the batch: ScopeSpans' spans field, encoded
-	n       int    // spans in buf
-	scratch []byte // the span being written, before its length is known
+	buf     []byte               // the batch: ScopeSpans' spans field, encoded
+	n       int                  // spans in buf
+	scratch []byte               // the span being written, before its length is known
+	attrs   []attribute.KeyValue // and its attributes
 	timer   *time.Timer
 	due     <-chan time.Time // timer.C while a batch waits for it, else nil
 
@@ -173,17 +175,15 @@ func (s *spanBatch) upload() {
 // send uploads one batch: the batch's spans stand as the fields of the
 // request's one ScopeSpans, which the client encodes with the rest.
 func (s *spanBatch) send(b sentSpans) {
-	ss := &tracepb.ScopeSpans{Scope: s.scope}
-	ss.ProtoReflect().SetUnknown(protoreflect.RawFields(b.b))
-	if s.json {
-		ss = &tracepb.ScopeSpans{Scope: s.scope}
-		if err := proto.Unmarshal(b.b, ss); err != nil {
-			metrics.OTelDropped("spans", b.n)
-			otel.Handle(err)
-			return
-		}
-		ss.Scope = s.scope
+	ss := &tracepb.ScopeSpans{}
+	if !s.json {
+		ss.ProtoReflect().SetUnknown(protoreflect.RawFields(b.b))
+	} else if err := proto.Unmarshal(b.b, ss); err != nil {
+		metrics.OTelDropped("spans", b.n)
+		otel.Handle(err)
+		return
 	}
+	ss.Scope = s.scope
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
 	err := s.client.UploadTraces(ctx, []*tracepb.ResourceSpans{{Resource: s.res, ScopeSpans: []*tracepb.ScopeSpans{ss}}})

@@ -178,8 +178,8 @@ func (in *instruments) on(m int) bool {
 	return (!d.old && !d.latest) || (d.old && in.old) || (d.latest && in.latest)
 }
 
-// observe adds v to metric m's point of ls's set s.
-func (in *instruments) observe(ls *labelSets, m, s int, v float64) {
+// observe adds v to metric m's point of set s.
+func (ls *labelSets) observe(m, s int, v float64) {
 	p := ls.point(m, s)
 	bounds := metricDefs[m].bounds
 	p.buckets[sort.SearchFloat64s(bounds, v)]++
@@ -193,9 +193,9 @@ func (in *instruments) observe(ls *labelSets, m, s int, v float64) {
 	p.sum += v
 }
 
-// add adds n to counter m's point of ls's base set (its count: how many
+// add adds n to counter m's point of the base set (its count: how many
 // times, which says whether it moved).
-func (in *instruments) add(ls *labelSets, m int, n int64) {
+func (ls *labelSets) add(m int, n int64) {
 	p := ls.point(m, setBase)
 	p.total += n
 	p.count++
@@ -233,14 +233,14 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 	}
 	if e2e >= 0 {
 		if in.old {
-			in.observe(ls, mDuration, setAll, e2e.Seconds())
+			ls.observe(mDuration, setAll, e2e.Seconds())
 		}
 		if in.latest {
-			in.observe(ls, mInfDuration, setAll, e2e.Seconds())
+			ls.observe(mInfDuration, setAll, e2e.Seconds())
 		}
 	}
 	if r.E2E >= 0 && r.Status > 0 {
-		in.observe(ls, mServerDuration, setAll, upstreamShare(r, r.E2E).Seconds())
+		ls.observe(mServerDuration, setAll, upstreamShare(r, r.E2E).Seconds())
 	}
 	if r.Outcome != metrics.OutcomeOK {
 		return // the rest is about successful responses
@@ -251,27 +251,27 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 			ttft = r.TTFT
 		}
 		if in.old {
-			in.observe(ls, mTTFC, setBase, ttft.Seconds())
+			ls.observe(mTTFC, setBase, ttft.Seconds())
 		}
 		if in.latest {
-			in.observe(ls, mInfTTFC, setBase, ttft.Seconds())
+			ls.observe(mInfTTFC, setBase, ttft.Seconds())
 		}
 		s := r.ServerTTFT
 		if s < 0 {
 			s = upstreamShare(r, r.TTFT)
 		}
-		in.observe(ls, mServerTTFT, setBase, s.Seconds())
+		ls.observe(mServerTTFT, setBase, s.Seconds())
 		for _, g := range gaps {
 			if in.old {
-				in.observe(ls, mTPOC, setBase, g.Seconds())
+				ls.observe(mTPOC, setBase, g.Seconds())
 			}
 			if in.latest {
-				in.observe(ls, mInfTPOC, setBase, g.Seconds())
+				ls.observe(mInfTPOC, setBase, g.Seconds())
 			}
 		}
 	}
 	if r.TPOT >= 0 {
-		in.observe(ls, mServerTPOT, setBase, r.TPOT.Seconds())
+		ls.observe(mServerTPOT, setBase, r.TPOT.Seconds())
 	}
 	in.recordUsage(r, ls)
 }
@@ -281,27 +281,27 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 func (in *instruments) recordUsage(r *metrics.Record, ls *labelSets) {
 	if in.old {
 		if r.InputTokens > 0 {
-			in.observe(ls, mUsage, setInput, float64(r.InputTokens))
+			ls.observe(mUsage, setInput, float64(r.InputTokens))
 		}
 		if r.TokensSource != "" {
-			in.observe(ls, mUsage, setOutput, float64(r.OutputTokens))
+			ls.observe(mUsage, setOutput, float64(r.OutputTokens))
 		}
 	}
 	if in.latest {
 		if r.InputTokens > 0 {
-			in.add(ls, mInTokens, int64(r.InputTokens))
+			ls.add(mInTokens, int64(r.InputTokens))
 		}
 		if r.TokensSource != "" {
-			in.add(ls, mOutTokens, int64(r.OutputTokens))
+			ls.add(mOutTokens, int64(r.OutputTokens))
 		}
 		if r.CachedTokens > 0 {
-			in.add(ls, mCacheRead, int64(r.CachedTokens))
+			ls.add(mCacheRead, int64(r.CachedTokens))
 		}
 		if r.CacheWriteTokens > 0 {
-			in.add(ls, mCacheWrite, int64(r.CacheWriteTokens))
+			ls.add(mCacheWrite, int64(r.CacheWriteTokens))
 		}
 		if r.ReasoningTokens > 0 {
-			in.add(ls, mReasoning, int64(r.ReasoningTokens))
+			ls.add(mReasoning, int64(r.ReasoningTokens))
 		}
 	}
 }

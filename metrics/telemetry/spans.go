@@ -130,10 +130,8 @@ func (e *Exporter) span(r *metrics.Record) {
 	b = appendVarint(b, spanKind, kindServer)
 	b = appendFixed64(b, spanStart, unixNano(r.Start))
 	b = appendFixed64(b, spanEnd, unixNano(end(r)))
-	e.attrs = spanAttrs(e.attrs[:0], r, op)
-	for _, kv := range e.attrs {
-		b = appendKeyValue(b, spanAttributes, kv)
-	}
+	e.spans.attrs = spanAttrs(e.spans.attrs[:0], r, op)
+	b = appendAttributes(b, e.spans.attrs)
 	if r.FinishReason != "" {
 		b = appendStringsKeyValue(b, spanAttributes, string(attrFinishReasons), r.FinishReason)
 	}
@@ -271,13 +269,12 @@ func (e *Exporter) attempt(tc *metrics.TraceContext, op, upstream, addr string, 
 	b = appendVarint(b, spanKind, kindClient)
 	b = appendFixed64(b, spanStart, unixNano(start))
 	b = appendFixed64(b, spanEnd, unixNano(stop))
-	e.attrs = appendAddr(append(e.attrs[:0], attrOperation.String(op), attrUpstream.String(upstream)), addr)
+	attrs := appendAddr(append(e.spans.attrs[:0], attrOperation.String(op), attrUpstream.String(upstream)), addr)
 	if failure != "" {
-		e.attrs = append(e.attrs, attrErrorType.String(failure))
+		attrs = append(attrs, attrErrorType.String(failure))
 	}
-	for _, kv := range e.attrs {
-		b = appendKeyValue(b, spanAttributes, kv)
-	}
+	e.spans.attrs = attrs
+	b = appendAttributes(b, attrs)
 	if failure != "" {
 		b = appendErrorStatus(b, failure)
 	}

@@ -33,7 +33,6 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/internal/inbox"
 	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -103,8 +102,7 @@ type Exporter struct {
 	done    chan struct{}
 	once    sync.Once
 
-	spans      *spanBatch // nil: traces off
-	attrs      []attribute.KeyValue
+	spans      *spanBatch  // nil: traces off
 	metricSend *metricSend // nil: metrics off
 	inst       instruments
 }
@@ -249,39 +247,25 @@ func (e *Exporter) run() {
 	if e.metricSend != nil {
 		tick = e.metricSend.tick.C
 	}
-	var chunks [][]item
 	for {
 		if e.spans != nil {
 			due = e.spans.due
 		}
 		select {
 		case <-e.inbox.Wake:
-			chunks = e.exportAll(chunks)
+			e.inbox.Drain(e.export)
 		case <-gather.C:
-			chunks = e.exportAll(chunks)
+			e.inbox.Drain(e.export)
 		case <-due:
 			e.spans.flush()
 		case <-tick:
 			e.metricSend.offer(&e.inst)
 		case <-e.stop:
-			e.exportAll(chunks)
+			e.inbox.Drain(e.export)
 			e.last()
 			return
 		}
 	}
-}
-
-// exportAll exports what the inbox holds and gives its chunks back;
-// chunks is the take before's, for the headers.
-func (e *Exporter) exportAll(chunks [][]item) [][]item {
-	chunks, _ = e.inbox.Take(chunks)
-	for _, c := range chunks {
-		for i := range c {
-			e.export(&c[i])
-		}
-	}
-	e.inbox.Give(chunks)
-	return chunks
 }
 
 // last hands the last batch and the last metrics over.
@@ -304,8 +288,7 @@ func (e *Exporter) export(it *item) {
 }
 
 // Shutdown exports what is queued, the last batch and the last metrics,
-// within ctx.
-// Records observed afterwards are dropped and counted.
+// within ctx. Records observed afterwards are dropped and counted.
 func (e *Exporter) Shutdown(ctx context.Context) error {
 	var err error
 	e.once.Do(func() {

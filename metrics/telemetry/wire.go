@@ -100,7 +100,7 @@ func stringValueSize(s string) int {
 	return protowire.SizeTag(anyString) + protowire.SizeBytes(len(s))
 }
 
-// valueSize is the size of the AnyValue v is written as (valueOf).
+// valueSize is the size of the AnyValue v is written as (appendValue).
 func valueSize(v attribute.Value) int {
 	switch v.Type() {
 	case attribute.BOOL:
@@ -168,6 +168,14 @@ func appendKeyValue(b []byte, num protowire.Number, kv attribute.KeyValue) []byt
 	vs := valueSize(kv.Value)
 	b = appendKeyValueHead(b, num, string(kv.Key), vs)
 	return appendValue(b, kv.Value)
+}
+
+// appendAttributes writes kvs as a span's attributes.
+func appendAttributes(b []byte, kvs []attribute.KeyValue) []byte {
+	for _, kv := range kvs {
+		b = appendKeyValue(b, spanAttributes, kv)
+	}
+	return b
 }
 
 // appendKeyValueHead writes a KeyValue's tag, its length, its key and

@@ -1,7 +1,7 @@
 // Package inbox hands values from many goroutines to one: the access log's
 // records to its writer, the OTel export's to its exporter. The senders
 // fill their values in place, under the box's lock, into fixed chunks
-// the receiver gives back once it has read them, so the same few
+// that go back to the box once the receiver has drained them, so the same few
 // kilobytes are written again and again, warm in the caches, and a burst
 // costs new chunks, never a copy of the ones filled (an append's growth,
 // under the lock, would hold every sender for as long). A channel of the
@@ -30,6 +30,8 @@ type Box[T any] struct {
 	free   [][]T // empty chunks, given back
 	// Wake is poked when the box reaches wakeAt values, and at Close.
 	Wake chan struct{}
+
+	headers [][]T // the drainer's own: the chunks' headers of its last drain
 }
 
 // New returns a box that refuses a bounded put past max values and pokes
@@ -79,10 +81,26 @@ func (b *Box[T]) poke() {
 	}
 }
 
-// Take returns the chunks filled so far, in order, and whether the box is
+// Drain calls f on every value put so far, in order, and gives their
+// chunks back; it reports how many values it saw and whether the box is
+// closed. One goroutine drains a box.
+func (b *Box[T]) Drain(f func(*T)) (n int, closed bool) {
+	chunks, closed := b.take(b.headers)
+	for _, c := range chunks {
+		for i := range c {
+			f(&c[i])
+		}
+		n += len(c)
+	}
+	b.give(chunks)
+	b.headers = chunks
+	return n, closed
+}
+
+// take returns the chunks filled so far, in order, and whether the box is
 // closed; into is an emptied slice for the chunks' headers, returned to
-// the receiver's use. The receiver reads them, then gives them back.
-func (b *Box[T]) Take(into [][]T) ([][]T, bool) {
+// the drainer's use.
+func (b *Box[T]) take(into [][]T) ([][]T, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	chunks := b.chunks
@@ -90,9 +108,9 @@ func (b *Box[T]) Take(into [][]T) ([][]T, bool) {
 	return chunks, b.closed
 }
 
-// Give takes back chunks that were read: cleared (the values may hold the
+// give takes back chunks that were read: cleared (the values may hold the
 // senders' memory) and kept for the next values, up to keptChunks.
-func (b *Box[T]) Give(chunks [][]T) {
+func (b *Box[T]) give(chunks [][]T) {
 	for _, c := range chunks {
 		clear(c)
 	}

@@ -36,7 +36,7 @@ func TestEveryValueOnceInOrder(t *testing.T) {
 				next[v.writer]++
 			}
 		}
-		b.Give(chunks)
+		b.give(chunks)
 	}
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
@@ -47,10 +47,10 @@ func TestEveryValueOnceInOrder(t *testing.T) {
 			running = false
 		case <-b.Wake:
 		}
-		chunks, _ = b.Take(chunks)
+		chunks, _ = b.take(chunks)
 		read(chunks)
 	}
-	chunks, _ = b.Take(chunks)
+	chunks, _ = b.take(chunks)
 	read(chunks)
 	for w, n := range next {
 		if n != each {
@@ -67,7 +67,7 @@ func TestEveryValueOnceInOrder(t *testing.T) {
 	if !small.Put(false, func(*value) {}) {
 		t.Error("an unbounded put refused by the bound")
 	}
-	chunks, closed := small.Take(nil)
+	chunks, closed := small.take(nil)
 	if n := len(chunks[0]); n != 4 || closed {
 		t.Errorf("took %d values (closed %v), want the 3 and the unbounded one", n, closed)
 	}
@@ -75,8 +75,8 @@ func TestEveryValueOnceInOrder(t *testing.T) {
 	if small.Put(false, func(*value) {}) {
 		t.Error("a put after Close was taken")
 	}
-	if _, closed := small.Take(nil); !closed {
-		t.Error("Take does not say the box is closed")
+	if _, closed := small.take(nil); !closed {
+		t.Error("take does not say the box is closed")
 	}
 }
 
@@ -96,25 +96,21 @@ func TestWakesAtItsCount(t *testing.T) {
 	}
 }
 
-// Once its chunks have been given back, the box puts, takes and gives
-// without allocating: the same chunks go round. A burst's chunks past
+// Once its chunks have been given back, the box puts and drains without
+// allocating: the same chunks go round. A burst's chunks past
 // keptChunks are let go.
 func TestChunksGoRound(t *testing.T) {
 	b := New[value](1<<20, 1)
-	var chunks [][]value
+	check := func(v *value) {
+		if v.seq != 1 {
+			t.Fatal("a value came out as it was not put: a chunk given back was not cleared, or reused while read")
+		}
+	}
 	cycle := func(n int) {
 		for range n {
 			b.Put(true, func(v *value) { v.seq = 1 })
 		}
-		chunks, _ = b.Take(chunks)
-		for _, c := range chunks {
-			for _, v := range c {
-				if v.seq != 1 {
-					t.Fatal("a value came out as it was not put: a chunk given back was not cleared, or reused while read")
-				}
-			}
-		}
-		b.Give(chunks)
+		b.Drain(check)
 	}
 	cycle(3 * chunkLen)
 	if allocs := testing.AllocsPerRun(100, func() { cycle(3 * chunkLen) }); allocs != 0 {
