@@ -37,19 +37,19 @@ import (
 //
 // The loop's goroutine parks in the runtime's poller on the epoll
 // descriptor itself (an epoll set is readable while it has events), so an
-// idle loop holds no thread and the loops do not compete with the
-// runtime's scheduler. As it lets go of a stream (Ended) its owner carries
-// it on, on a goroutine of its own.
+// idle loop holds no thread; how it parks and yields when many goroutines
+// are runnable is crowding's. As it lets go of a stream (Ended) its owner
+// carries it on, on a goroutine of its own.
 //
 // The loop sees a stream only through Stream (what to read, what was
 // written, what else befell it) and its two descriptors. It uses the
 // connections' own descriptors, so nothing may close them while it holds
 // them: an owner that closes a connection from another goroutine (a client
-// that left, a drain cut short) only shuts the socket down then, which the loop sees at once (the upstream reads
-// its end, the client's socket reports a hang-up), and the close waits for
-// the stream to leave the loop. (Duplicating the descriptors instead would
-// double what each stream holds: 9,000 idle streams ran out of the
-// process's 20,000.)
+// that left, a drain cut short) only shuts the socket down then, which
+// the loop sees at once (the upstream reads its end, the client's socket
+// reports a hang-up), and the close waits for the stream to leave the
+// loop. (Duplicating the descriptors would double what each stream holds:
+// 9,000 idle streams ran out of the process's 20,000.)
 //
 // Timeouts are the goroutine path's: the upstream's idle gap between reads
 // and the client's write timeout, on the owner's clock. The loop wakes for
@@ -78,7 +78,7 @@ type Loop struct {
 	// an ended stream never reaches a stream that took its slot.
 	freed []int32
 	// due is when the earliest timeout of an open stream can fire (zero:
-	// none); armed is the epoll file's read deadline, which wakes the loop.
+	// none); armed is the due the epoll file's read deadline is set for.
 	// A stream's activity only moves its timeouts later, so due is a
 	// bound, renewed by each check (scan).
 	due     time.Time
@@ -86,6 +86,7 @@ type Loop struct {
 	spare   spareBufs     // read buffers lent to its streams (spareBufs)
 	again   bool          // a read filled the buffer: look again before parking
 	more    bool          // events are left after a batch: yield, then serve them
+	pace    pacing        // how it parks and yields (crowding)
 	exiting bool          // the loop's own: stop was seen
 	exited  chan struct{} // closed when the goroutine has closed the descriptors and returned
 
@@ -101,54 +102,6 @@ type Loop struct {
 	// Its set's counts: the streams let go of (end), and the sockets
 	// registered for a watch (Watch, and a Seat's first).
 	streams, registered *atomic.Uint64
-}
-
-// Stream is a stream as a loop sees it. The loop calls its methods on
-// its own goroutine only, while the stream is in it.
-type Stream interface {
-	// Read reads the upstream socket fd once. wait: nothing was waiting
-	// (EAGAIN). Otherwise out is what to write to the client (possibly
-	// nothing), got says bytes came, again that the socket may still be
-	// readable (the buffer filled, or its end waits).
-	Read(fd int, events uint32) (out []byte, wait, got, again bool)
-	// Written: out was written whole; end says whether the stream is
-	// over, err why (nil: the body's end).
-	Written() (end bool, err error)
-	// Note tells the stream what else befell it (Event).
-	Note(e Event)
-}
-
-// EventKind is what befell a stream in a loop.
-type EventKind uint8
-
-const (
-	// Entered: the loop took the stream (its sockets are watched).
-	Entered EventKind = iota
-	// Sent: N bytes were written to the client.
-	Sent
-	// Stalled: a write waited D for the client's socket.
-	Stalled
-	// ClientLeft: the client's socket reported its close with nothing
-	// waiting.
-	ClientLeft
-	// Failed: the stream ends with Err, a failed write, a stop or a
-	// timeout; KeepRead says whether the read being relayed keeps its own
-	// error (false: Err is the read's, an idle upstream). Ended follows.
-	Failed
-	// Ended: the loop let go of the stream, for good (Err: how it ended;
-	// ErrNoLoop: the loop could not take it). The loop touches neither
-	// the stream nor its Handle after it.
-	Ended
-)
-
-// Event is one thing that befell a stream in a loop, with what its kind
-// says (N, D, Err, KeepRead).
-type Event struct {
-	Kind     EventKind
-	KeepRead bool
-	N        int
-	D        time.Duration
-	Err      error
 }
 
 // loopBatch is how many ready events a loop serves before it lets other
@@ -220,7 +173,7 @@ func newLoop(now func() time.Time) (*Loop, error) {
 		return nil, errors.New("epoll descriptor is not pollable")
 	}
 	l := &Loop{poll: poll, efd: efd, file: f, raw: raw, now: now, events: make([]unix.EpollEvent, loopBatch),
-		exited: make(chan struct{})}
+		exited: make(chan struct{}), pace: newPacing()}
 	l.turnFn = l.turn
 	return l, nil
 }
@@ -240,22 +193,36 @@ func (l *Loop) run() {
 			_ = unix.Close(l.efd)
 			return
 		}
-		if l.more {
-			l.more = false
+		switch {
+		case l.more && l.pace.crowd == crowded:
+			time.Sleep(yieldFor)
+		case l.more:
 			runtime.Gosched()
+		case l.pace.crowd == crowded:
+			time.Sleep(pollEvery)
 		}
+		l.more = false
 		if now := l.now(); !l.due.IsZero() && !now.Before(l.due) {
 			l.scan(now)
 		}
-		if !l.armed.Equal(l.due) {
+		poll := time.Time{}
+		if l.pace.crowd == busy {
+			if poll = l.pace.pollAt; poll.IsZero() || !time.Now().Before(poll) {
+				poll = time.Now().Add(pollEvery)
+			}
+		}
+		if !l.armed.Equal(l.due) || !poll.Equal(l.pace.pollAt) {
 			// The file's deadline is on the runtime's clock: the time left
-			// on the owner's.
+			// on the owner's, or a busy loop's poll if sooner.
 			at := l.due
 			if !at.IsZero() {
 				at = time.Now().Add(l.due.Sub(l.now()))
 			}
+			if !poll.IsZero() && (at.IsZero() || poll.Before(at)) {
+				at = poll
+			}
 			_ = l.file.SetReadDeadline(at)
-			l.armed = l.due
+			l.armed, l.pace.pollAt = l.due, poll
 		}
 	}
 }
@@ -311,8 +278,11 @@ func (l *Loop) turn(uintptr) bool {
 		if !l.armed.Equal(l.due) || !l.due.IsZero() && !l.now().Before(l.due) {
 			return true
 		}
+		l.pace.look()
 		if n < len(l.events) && !l.again {
-			return false
+			// Nothing is ready: park here on the poller, unless crowded
+			// (run sleeps) or busy without a poll deadline (run sets it).
+			return l.pace.crowd == crowded || l.pace.crowd == busy && l.pace.pollAt.IsZero()
 		}
 		// More is ready: first let the goroutines waiting for the
 		// processor run (run yields), as each stream's goroutine would have
