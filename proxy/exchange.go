@@ -276,7 +276,8 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		// with the first chunk instead, in one write.
 		ctx.Response.ImmediateHeaderFlush = x.att.conn.buffered() == 0
 		// A stream may run for minutes; no attempt sends the body again.
-		x.in.letBodyGo(x.p, x.att.req)
+		x.in.letBodyGo(x.p)
+		x.att.letRequestGo()
 	}
 	x.relay.contentLength = cl
 	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.cs.cc != nil && x.cs.cc == x.client {

@@ -102,13 +102,12 @@ func (in *inbound) readBody(ctx *fasthttp.RequestCtx, limit int, p *Proxy) ([]by
 // letBodyGo drops the request body once no attempt can send it again: a
 // stream's prompt is not held for the stream's life, and its bytes leave
 // the budget of all requests' bodies (Options.MaxBufferedBodies), where
-// they would refuse new requests while long streams run. The upstream
-// request's view of it (req) goes too. A buffer no larger than
+// they would refuse new requests while long streams run (the upstream
+// request goes too: letRequestGo). A buffer no larger than
 // keptBodyBuffer stays with the exchange for its next request, and in the
 // budget.
-func (in *inbound) letBodyGo(p *Proxy, req *fasthttp.Request) {
+func (in *inbound) letBodyGo(p *Proxy) {
 	in.body0 = nil
-	req.ResetBody()
 	if cap(in.injected) > keptBodyBuffer {
 		in.injected = nil
 	}
