@@ -202,9 +202,15 @@ func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 				return false, err
 			}
 		}
+		// A stream that moves into a loop may stay open for minutes: the
+		// header it wrote is not held meanwhile (the exchange's next
+		// response grows a buffer anew).
+		head := r.head
+		r.head = nil
 		if r.passLoop(hj) {
 			return true, nil
 		}
+		r.head = head
 	}
 	return false, r.passRest()
 }
