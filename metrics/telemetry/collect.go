@@ -24,7 +24,7 @@ func (in *instruments) collect(res *resource.Resource, scope string, now time.Ti
 	var ms []metricdata.Metrics
 	for m := range metricDefs {
 		d := &metricDefs[m]
-		if !in.on(m) {
+		if !in.on[m] {
 			continue
 		}
 		var hs []metricdata.HistogramDataPoint[float64]

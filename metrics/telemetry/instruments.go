@@ -95,9 +95,9 @@ const (
 // exemplar filter and concurrent map); here a measurement is a bucket
 // found in the point its label set already holds.
 type instruments struct {
-	old, latest bool
-	cumulative  bool      // the exporter's temporality: points from their start, else since the last export
-	since       time.Time // the last export, a delta's start
+	on         [nMetrics]bool // the metrics recorded under the mode
+	cumulative bool           // the exporter's temporality: points from their start, else since the last export
+	since      time.Time      // the last export, a delta's start
 	// sets are the label values seen, with their points: a bounded
 	// number (maxLabelSets).
 	sets map[setKey]*labelSets
@@ -168,14 +168,28 @@ const (
 // newInstruments records under mode's names, for an exporter of
 // temporality t.
 func newInstruments(mode string, t metricdata.Temporality) instruments {
-	return instruments{old: mode != SemconvLatest, latest: mode == SemconvLatest || mode == SemconvBoth,
-		cumulative: t != metricdata.DeltaTemporality, since: time.Now()}
+	in := instruments{cumulative: t != metricdata.DeltaTemporality, since: time.Now()}
+	old, latest := mode != SemconvLatest, mode == SemconvLatest || mode == SemconvBoth
+	for m, d := range metricDefs {
+		in.on[m] = (!d.old && !d.latest) || (d.old && old) || (d.latest && latest)
+	}
+	return in
 }
 
-// on reports whether metric m is recorded under the mode.
-func (in *instruments) on(m int) bool {
-	d := &metricDefs[m]
-	return (!d.old && !d.latest) || (d.old && in.old) || (d.latest && in.latest)
+// observe adds v to set s's point of each of the metrics ms recorded
+// under the mode (on); add adds n to counter m's.
+func (in *instruments) observe(ls *labelSets, s int, v float64, ms ...int) {
+	for _, m := range ms {
+		if in.on[m] {
+			ls.observe(m, s, v)
+		}
+	}
+}
+
+func (in *instruments) add(ls *labelSets, m, n int) {
+	if in.on[m] {
+		ls.add(m, int64(n))
+	}
 }
 
 // observe adds v to metric m's point of set s.
@@ -232,15 +246,10 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 		e2e = r.E2E
 	}
 	if e2e >= 0 {
-		if in.old {
-			ls.observe(mDuration, setAll, e2e.Seconds())
-		}
-		if in.latest {
-			ls.observe(mInfDuration, setAll, e2e.Seconds())
-		}
+		in.observe(ls, setAll, e2e.Seconds(), mDuration, mInfDuration)
 	}
 	if r.E2E >= 0 && r.Status > 0 {
-		ls.observe(mServerDuration, setAll, upstreamShare(r, r.E2E).Seconds())
+		in.observe(ls, setAll, upstreamShare(r, r.E2E).Seconds(), mServerDuration)
 	}
 	if r.Outcome != metrics.OutcomeOK {
 		return // the rest is about successful responses
@@ -250,28 +259,23 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 		if ttft < 0 {
 			ttft = r.TTFT
 		}
-		if in.old {
-			ls.observe(mTTFC, setBase, ttft.Seconds())
-		}
-		if in.latest {
-			ls.observe(mInfTTFC, setBase, ttft.Seconds())
-		}
+		in.observe(ls, setBase, ttft.Seconds(), mTTFC, mInfTTFC)
 		s := r.ServerTTFT
 		if s < 0 {
 			s = upstreamShare(r, r.TTFT)
 		}
-		ls.observe(mServerTTFT, setBase, s.Seconds())
+		in.observe(ls, setBase, s.Seconds(), mServerTTFT)
 		for _, g := range gaps {
-			if in.old {
+			if in.on[mTPOC] {
 				ls.observe(mTPOC, setBase, g.Seconds())
 			}
-			if in.latest {
+			if in.on[mInfTPOC] {
 				ls.observe(mInfTPOC, setBase, g.Seconds())
 			}
 		}
 	}
 	if r.TPOT >= 0 {
-		ls.observe(mServerTPOT, setBase, r.TPOT.Seconds())
+		in.observe(ls, setBase, r.TPOT.Seconds(), mServerTPOT)
 	}
 	in.recordUsage(r, ls)
 }
@@ -279,30 +283,22 @@ func (in *instruments) record(r *metrics.Record, model string, gaps []time.Durat
 // recordUsage records the tokens r used: today's usage histogram, and
 // v0.1.0's counters (cache reads, writes and reasoning apart).
 func (in *instruments) recordUsage(r *metrics.Record, ls *labelSets) {
-	if in.old {
-		if r.InputTokens > 0 {
-			ls.observe(mUsage, setInput, float64(r.InputTokens))
-		}
-		if r.TokensSource != "" {
-			ls.observe(mUsage, setOutput, float64(r.OutputTokens))
-		}
+	if r.InputTokens > 0 {
+		in.observe(ls, setInput, float64(r.InputTokens), mUsage)
+		in.add(ls, mInTokens, r.InputTokens)
 	}
-	if in.latest {
-		if r.InputTokens > 0 {
-			ls.add(mInTokens, int64(r.InputTokens))
-		}
-		if r.TokensSource != "" {
-			ls.add(mOutTokens, int64(r.OutputTokens))
-		}
-		if r.CachedTokens > 0 {
-			ls.add(mCacheRead, int64(r.CachedTokens))
-		}
-		if r.CacheWriteTokens > 0 {
-			ls.add(mCacheWrite, int64(r.CacheWriteTokens))
-		}
-		if r.ReasoningTokens > 0 {
-			ls.add(mReasoning, int64(r.ReasoningTokens))
-		}
+	if r.TokensSource != "" {
+		in.observe(ls, setOutput, float64(r.OutputTokens), mUsage)
+		in.add(ls, mOutTokens, r.OutputTokens)
+	}
+	if r.CachedTokens > 0 {
+		in.add(ls, mCacheRead, r.CachedTokens)
+	}
+	if r.CacheWriteTokens > 0 {
+		in.add(ls, mCacheWrite, r.CacheWriteTokens)
+	}
+	if r.ReasoningTokens > 0 {
+		in.add(ls, mReasoning, r.ReasoningTokens)
 	}
 }
 

@@ -12,7 +12,6 @@ import (
 	"errors"
 	"net"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -193,30 +192,19 @@ func (l *Loop) run() {
 			_ = unix.Close(l.efd)
 			return
 		}
-		switch {
-		case l.more && l.pace.crowd == crowded:
-			time.Sleep(yieldFor)
-		case l.more:
-			runtime.Gosched()
-		case l.pace.crowd == crowded:
-			time.Sleep(pollEvery)
-		}
+		l.pace.rest(l.more)
 		l.more = false
 		if now := l.now(); !l.due.IsZero() && !now.Before(l.due) {
 			l.scan(now)
 		}
-		poll := time.Time{}
-		if l.pace.crowd == busy {
-			if poll = l.pace.pollAt; poll.IsZero() || !time.Now().Before(poll) {
-				poll = time.Now().Add(pollEvery)
-			}
-		}
+		rt := time.Now()
+		poll := l.pace.poll(rt)
 		if !l.armed.Equal(l.due) || !poll.Equal(l.pace.pollAt) {
 			// The file's deadline is on the runtime's clock: the time left
 			// on the owner's, or a busy loop's poll if sooner.
 			at := l.due
 			if !at.IsZero() {
-				at = time.Now().Add(l.due.Sub(l.now()))
+				at = rt.Add(l.due.Sub(l.now()))
 			}
 			if !poll.IsZero() && (at.IsZero() || poll.Before(at)) {
 				at = poll
@@ -280,9 +268,9 @@ func (l *Loop) turn(uintptr) bool {
 		}
 		l.pace.look()
 		if n < len(l.events) && !l.again {
-			// Nothing is ready: park here on the poller, unless crowded
-			// (run sleeps) or busy without a poll deadline (run sets it).
-			return l.pace.crowd == crowded || l.pace.crowd == busy && l.pace.pollAt.IsZero()
+			// Nothing is ready: park here on the poller, or in run as the
+			// crowding says.
+			return !l.pace.parks()
 		}
 		// More is ready: first let the goroutines waiting for the
 		// processor run (run yields), as each stream's goroutine would have

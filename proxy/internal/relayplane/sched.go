@@ -1,6 +1,7 @@
 package relayplane
 
 import (
+	"runtime"
 	rtmetrics "runtime/metrics"
 	"time"
 )
@@ -74,6 +75,40 @@ func newPacing() pacing {
 // look reads the scheduler's crowding now into crowd.
 func (s *pacing) look() {
 	s.crowd = s.level()
+}
+
+// parks reports whether a loop with nothing ready parks on the poller as
+// it is: calm, or busy with its poll deadline set. Crowded, run sleeps
+// instead (rest); busy without a deadline, run sets one (poll).
+func (s *pacing) parks() bool {
+	return s.crowd == calm || s.crowd == busy && !s.pollAt.IsZero()
+}
+
+// rest is run's pause between turns: after a full batch (more) a yield,
+// a sleep of yieldFor when crowded; else, crowded, a sleep of pollEvery
+// in place of parking on the poller.
+func (s *pacing) rest(more bool) {
+	switch {
+	case more && s.crowd == crowded:
+		time.Sleep(yieldFor)
+	case more:
+		runtime.Gosched()
+	case s.crowd == crowded:
+		time.Sleep(pollEvery)
+	}
+}
+
+// poll is the deadline the loop's file should hold at now for a busy
+// loop (zero: none): the one it holds until it passes, then one
+// pollEvery ahead.
+func (s *pacing) poll(now time.Time) time.Time {
+	switch {
+	case s.crowd != busy:
+		return time.Time{}
+	case s.pollAt.IsZero() || !now.Before(s.pollAt):
+		return now.Add(pollEvery)
+	}
+	return s.pollAt
 }
 
 // level reads the runtime's count of runnable goroutines and its
