@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"io"
 	"math/rand/v2"
 	"net/http"
@@ -220,10 +221,22 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 	}
 	// Hold the upstream busy (critical requests, which may wait twice
 	// their budget: the second's 500 ms is within its 700), then ask in
-	// each dialect with two in flight (900 ms predicted).
+	// each dialect with two in flight (900 ms predicted). The two would
+	// stream for 20 s: they hold the upstream however slowly the
+	// machine runs the test, and leave once it has asked.
+	hold, leave := context.WithCancel(context.Background())
+	defer leave()
 	var wg sync.WaitGroup
 	for range 2 {
-		wg.Go(func() { chat(t, tp.url, "X-Priority", "critical") })
+		wg.Go(func() {
+			body := `{"model":"m","stream":true,"max_tokens":2000,"messages":[{"role":"user","content":"hi"}]}`
+			req, _ := http.NewRequestWithContext(hold, "POST", tp.url+"/v1/chat/completions", strings.NewReader(body))
+			req.Header.Set("X-Priority", "critical")
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		})
 	}
 	waitUntil(t, func() bool { return up.inflight.Load() == 2 })
 	for _, c := range []struct {
@@ -245,6 +258,7 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 			t.Errorf("%s: %d %s, Retry-After %q", c.path, resp.StatusCode, b, resp.Header.Get("Retry-After"))
 		}
 	}
+	leave()
 	wg.Wait()
 	shed := 0
 	for range 4 {

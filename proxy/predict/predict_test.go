@@ -43,6 +43,31 @@ func truth(reqs []predictsim.Request, k int, from, to time.Duration, perTok time
 	return sum / float64(n), n
 }
 
+// Requests all of one input size teach no cost per input token, whatever
+// the rounding of the running means leaves in the regression's sums:
+// a request of another size is predicted as they lived, at every level,
+// over clocks stepping from 1 µs to 2 ms between observations.
+func TestOneInputSizeTeachesNoTokenCost(t *testing.T) {
+	zero := time.Unix(1_700_000_000, 0)
+	for step := time.Microsecond; step <= 2*time.Millisecond; step += 7 * time.Microsecond {
+		c := &fakeClock{t: zero}
+		m := New(c.now)
+		for range 5 {
+			for k := range 6 {
+				c.t = c.t.Add(step)
+				m.Observe(k, 10, time.Duration(100+400*k)*time.Millisecond, 10*time.Millisecond, -1)
+			}
+		}
+		for k := range 3 {
+			same, _, _ := m.Predict(k, 10)
+			other, _, ok := m.Predict(k, 23)
+			if !ok || (other-same).Abs() > time.Millisecond {
+				t.Fatalf("step %v, level %d: %v at 23 tokens, %v at 10 (known %v); want the same", step, k, other, same, ok)
+			}
+		}
+	}
+}
+
 // On a server of 8 slots under bursts of 1.5 times its capacity (its queue
 // builds to fifty and drains), the model's TTFT at the levels it saw ten
 // times, for a request of 1,000 tokens, is within 10% of the simulation's
