@@ -48,8 +48,20 @@ func dropHop(h hopHeader, found uint16, connection [][]byte) {
 	h.ResetConnectionClose()
 }
 
+// hopLens has bit n set when a hop-by-hop header's name is n bytes long:
+// most headers' lengths have none, and hopBit looks no further.
+var hopLens = func() (m uint32) {
+	for _, name := range hopHeaders {
+		m |= 1 << len(name)
+	}
+	return m
+}()
+
 // hopBit returns the bit of the hop-by-hop header named k, or 0.
 func hopBit(k []byte) uint16 {
+	if len(k) >= 32 || hopLens&(1<<len(k)) == 0 {
+		return 0
+	}
 	for i, name := range hopHeaders {
 		if len(k) == len(name) && strings.EqualFold(name, string(k)) {
 			return 1 << i
@@ -58,21 +70,45 @@ func hopBit(k []byte) uint16 {
 	return 0
 }
 
-// requestHops and responseHops find the hop-by-hop headers of h in one
-// pass (ranging over the concrete type's iterator allocates nothing).
-func requestHops(h *fasthttp.RequestHeader) (found uint16) {
-	for k := range h.All() {
-		found |= hopBit(k)
+// scanRequest finds, in one pass over the client's request header, its
+// hop-by-hop headers (a bit each, hopBit), whether it carries a header
+// of tokentap's own (isOwn), and its first X-Forwarded-For (ranging over
+// the concrete type's iterator allocates nothing).
+func scanRequest(h *fasthttp.RequestHeader) (hops uint16, own bool, xff []byte) {
+	for k, v := range h.All() {
+		hops |= hopBit(k)
+		own = own || isOwn(k)
+		if xff == nil && len(k) == len(hdrForwardedFor) && bytes.EqualFold(k, hdrForwardedFor) {
+			xff = v
+		}
 	}
-	return found
+	return hops, own, xff
 }
 
-func responseHops(h *fasthttp.ResponseHeader) (found uint16) {
-	for k := range h.All() {
-		found |= hopBit(k)
+// scanResponse finds, in one pass, the hop-by-hop headers of h and
+// whether it carries a request id of its own.
+func scanResponse(h *fasthttp.ResponseHeader) (hops uint16, id bool) {
+	for k, v := range h.All() {
+		hops |= hopBit(k)
+		id = id || len(v) > 0 && len(k) == len(hdrRequestID) && bytes.EqualFold(k, hdrRequestID)
 	}
-	return found
+	return hops, id
 }
+
+// connectionBit is Connection's bit (hopHeaders[0]): only a header that
+// has one names more hop-by-hop headers in it.
+const connectionBit = 1 << 0
+
+// The headers tokentap sets, in the canonical form fasthttp stores: set
+// with SetCanonical, they skip the copy and normalisation of the key.
+var (
+	hdrForwardedHost  = []byte("X-Forwarded-Host")
+	hdrForwardedFor   = []byte("X-Forwarded-For")
+	hdrForwardedProto = []byte("X-Forwarded-Proto")
+	hdrRequestID      = []byte("X-Request-Id")
+	protoHTTPS        = []byte("https")
+	protoHTTP         = []byte("http")
+)
 
 // prepareRequest turns the client's request into the upstream request:
 // the same method, headers and body, minus hop-by-hop headers and
@@ -85,9 +121,16 @@ func responseHops(h *fasthttp.ResponseHeader) (found uint16) {
 // grown buffer is returned.
 func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, up *upstream, path, query, body, requestID, scratch []byte) []byte {
 	in := &ctx.Request
+	hops, own, prior := scanRequest(&in.Header)
 	in.Header.CopyTo(&req.Header)
-	dropHop(&req.Header, requestHops(&req.Header), in.Header.PeekAll("Connection"))
-	dropOwn(&req.Header)
+	var named [][]byte
+	if hops&connectionBit != 0 {
+		named = in.Header.PeekAll("Connection")
+	}
+	dropHop(&req.Header, hops, named)
+	if own {
+		dropOwn(&req.Header)
+	}
 	// A body without Content-Type goes without one: fasthttp would add
 	// application/octet-stream.
 	req.Header.SetNoDefaultContentType(true)
@@ -113,40 +156,45 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, u
 		req.Header.Set("Authorization", up.auth)
 	}
 	if host := in.Header.Host(); len(host) > 0 {
-		req.Header.SetBytesV("X-Forwarded-Host", host)
+		req.Header.SetCanonical(hdrForwardedHost, host)
 	}
 
 	xff := uri[:0]
-	if prior := in.Header.Peek("X-Forwarded-For"); len(prior) > 0 {
+	if len(prior) > 0 {
 		xff = append(append(xff, prior...), ", "...)
 	}
 	xff = appendIP(xff, ctx.RemoteAddr())
-	req.Header.SetBytesV("X-Forwarded-For", xff)
+	req.Header.SetCanonical(hdrForwardedFor, xff)
 	if ctx.IsTLS() {
-		req.Header.Set("X-Forwarded-Proto", "https")
+		req.Header.SetCanonical(hdrForwardedProto, protoHTTPS)
 	} else {
-		req.Header.Set("X-Forwarded-Proto", "http")
+		req.Header.SetCanonical(hdrForwardedProto, protoHTTP)
 	}
-	req.Header.SetBytesV("X-Request-Id", requestID)
+	req.Header.SetCanonical(hdrRequestID, requestID)
 	req.SetBodyRaw(body)
 	return xff
 }
 
 // dropOwn removes inbound copies of the headers tokentap sets itself
-// (X-Tokentap-*), in every spelling an upstream could read as one of them:
-// any case, and with underscores for dashes, which some servers (CGI,
-// WSGI) fold together.
+// (X-Tokentap-*, isOwn).
 func dropOwn(h *fasthttp.RequestHeader) {
 	var names [][]byte
 	for k := range h.All() {
-		if len(k) >= len("x-tokentap-") && (k[1] == '-' || k[1] == '_') && bytes.EqualFold(k[:1], []byte("x")) &&
-			bytes.EqualFold(k[2:10], []byte("tokentap")) && (k[10] == '-' || k[10] == '_') {
+		if isOwn(k) {
 			names = append(names, append([]byte(nil), k...))
 		}
 	}
 	for _, k := range names {
 		h.DelBytes(k)
 	}
+}
+
+// isOwn reports a header name tokentap sets itself (X-Tokentap-*), in
+// every spelling an upstream could read as one: any case, and with
+// underscores for dashes, which some servers (CGI, WSGI) fold together.
+func isOwn(k []byte) bool {
+	return len(k) >= len("x-tokentap-") && (k[1] == '-' || k[1] == '_') && k[0]|0x20 == 'x' &&
+		bytes.EqualFold(k[2:10], []byte("tokentap")) && (k[10] == '-' || k[10] == '_')
 }
 
 // appendIP appends the IP address of addr (a TCP address, IPv4-mapped
@@ -170,9 +218,14 @@ func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, re
 	// CopyTo takes the upstream header's default-Content-Type setting
 	// too: a response without Content-Type must go without one.
 	to.SetNoDefaultContentType(true)
-	dropHop(to, responseHops(to), from.Header.PeekAll("Connection"))
+	hops, id := scanResponse(to)
+	var named [][]byte
+	if hops&connectionBit != 0 {
+		named = from.Header.PeekAll("Connection")
+	}
+	dropHop(to, hops, named)
 	to.SetProtocol([]byte("HTTP/1.1"))
-	if len(to.Peek("X-Request-Id")) == 0 {
-		to.SetBytesV("X-Request-Id", requestID)
+	if !id {
+		to.SetCanonical(hdrRequestID, requestID)
 	}
 }

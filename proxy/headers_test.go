@@ -44,7 +44,11 @@ func TestDropHop(t *testing.T) {
 	if err := req.Read(bufio.NewReader(strings.NewReader(raw))); err != nil {
 		t.Fatal(err)
 	}
-	dropHop(&req.Header, requestHops(&req.Header), req.Header.PeekAll("Connection"))
+	hops, own, _ := scanRequest(&req.Header)
+	if own || hops&connectionBit == 0 {
+		t.Errorf("request: own %v, Connection's bit %v", own, hops&connectionBit != 0)
+	}
+	dropHop(&req.Header, hops, req.Header.PeekAll("Connection"))
 	check("request", &req.Header, len(keep)+2) // with Host and Content-Length
 
 	var resp fasthttp.Response
@@ -53,10 +57,57 @@ func TestDropHop(t *testing.T) {
 	if err := resp.Header.Read(bufio.NewReader(strings.NewReader(raw))); err != nil {
 		t.Fatal(err)
 	}
-	dropHop(&resp.Header, responseHops(&resp.Header), resp.Header.PeekAll("Connection"))
+	hops, _ = scanResponse(&resp.Header)
+	dropHop(&resp.Header, hops, resp.Header.PeekAll("Connection"))
 	check("response", &resp.Header, len(keep))
 	if resp.Header.ConnectionClose() {
 		t.Error("response: Connection: close set")
+	}
+}
+
+// hopBit finds exactly the hop-by-hop names, in any case, and nothing of
+// their lengths that is not one; scanRequest finds the first
+// X-Forwarded-For and tokentap's own headers in every spelling.
+func TestHeaderScans(t *testing.T) {
+	for i, name := range hopHeaders {
+		for _, k := range []string{name, strings.ToLower(name), strings.ToUpper(name)} {
+			if got := hopBit([]byte(k)); got != 1<<i {
+				t.Errorf("hopBit(%q) = %b, want %b", k, got, 1<<i)
+			}
+		}
+		near := []byte(name)
+		near[len(near)-1] ^= 1
+		if got := hopBit(near); got != 0 {
+			t.Errorf("hopBit(%q) = %b, want 0", near, got)
+		}
+	}
+	if hopBit([]byte("Connection")) != connectionBit {
+		t.Error("connectionBit is not Connection's")
+	}
+	for _, k := range []string{"User-Agent", "Accept", "Host", "Content-Type", "Authorization", strings.Repeat("x", 40)} {
+		if got := hopBit([]byte(k)); got != 0 {
+			t.Errorf("hopBit(%q) = %b, want 0", k, got)
+		}
+	}
+
+	var req fasthttp.Request
+	raw := "POST /v1/x HTTP/1.1\r\nHost: h\r\nx-forwarded-for: 10.0.0.1\r\nX-Forwarded-For: 10.0.0.2\r\nContent-Length: 0\r\n\r\n"
+	if err := req.Read(bufio.NewReader(strings.NewReader(raw))); err != nil {
+		t.Fatal(err)
+	}
+	hops, own, xff := scanRequest(&req.Header)
+	if hops != 0 || own || string(xff) != "10.0.0.1" {
+		t.Errorf("scanRequest: hops %b, own %v, X-Forwarded-For %q; want 0, false, the first", hops, own, xff)
+	}
+	for _, k := range []string{"X-Tokentap-Tenant", "x_tokentap_tenant", "X-TOKENTAP-Class", "x-Tokentap_a"} {
+		if !isOwn([]byte(k)) {
+			t.Errorf("isOwn(%q) = false", k)
+		}
+	}
+	for _, k := range []string{"X-Tokentapx-a", "Y-Tokentap-a", "X-Tokentap", "X-Token-tap-a"} {
+		if isOwn([]byte(k)) {
+			t.Errorf("isOwn(%q) = true", k)
+		}
 	}
 }
 
@@ -71,6 +122,39 @@ func BenchmarkDropHop(b *testing.B) {
 	}
 	b.ReportAllocs()
 	for b.Loop() {
-		dropHop(&req.Header, requestHops(&req.Header), nil)
+		hops, _, _ := scanRequest(&req.Header)
+		dropHop(&req.Header, hops, nil)
+	}
+}
+
+// Both header passes of a request, on the headers a typical client and
+// backend send: the upstream request built from the client's, and the
+// client's response header from the upstream's.
+func BenchmarkHeaderRewrite(b *testing.B) {
+	var ctx fasthttp.RequestCtx
+	raw := "POST /v1/chat/completions HTTP/1.1\r\nHost: gw.example\r\nUser-Agent: bench/1.0\r\nContent-Type: application/json\r\n" +
+		"Authorization: Bearer k\r\nAccept: */*\r\nAccept-Encoding: gzip\r\nX-Tenant: t1\r\nContent-Length: 2\r\n\r\nhi"
+	if err := ctx.Request.Read(bufio.NewReader(strings.NewReader(raw))); err != nil {
+		b.Fatal(err)
+	}
+	var resp fasthttp.Response
+	resp.StreamBody = true
+	rawResp := "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: Sat, 05 Dec 2026 10:00:00 GMT\r\nServer: llama.cpp\r\n" +
+		"Access-Control-Allow-Origin: *\r\nKeep-Alive: timeout=5\r\nContent-Length: 300\r\n\r\n"
+	if err := resp.Header.Read(bufio.NewReader(strings.NewReader(rawResp))); err != nil {
+		b.Fatal(err)
+	}
+	r := &route{}
+	up := &upstream{host: "127.0.0.1:8000"}
+	var req fasthttp.Request
+	var out fasthttp.ResponseHeader
+	var scratch []byte
+	id := []byte("0123456789abcdef")
+	b.ReportAllocs()
+	for b.Loop() {
+		req.Reset()
+		out.Reset()
+		scratch = prepareRequest(&ctx, &req, r, up, []byte("/v1/chat/completions"), nil, []byte("hi"), id, scratch)
+		copyResponseHeader(&resp, &out, id)
 	}
 }
