@@ -117,4 +117,19 @@ func TestAckMarkUnusableWhenLookedAtLate(t *testing.T) {
 	if !never.take().IsZero() {
 		t.Fatal("bytes never written counted as acknowledged")
 	}
+
+	// Later bytes written 10 µs after the token's: once they have had
+	// nine tenths of a round trip, no acknowledgement found could count,
+	// and the watch ends unusable; before it, it goes on.
+	overtaken := newAckMark(sys, base+1000, flush, time.Millisecond)
+	overtaken.later.Store(flush.Add(10 * time.Microsecond).UnixNano())
+	if overtaken.look(flush.Add(800*time.Microsecond), &ti) {
+		t.Fatal("the watch ended before the later bytes could have been acknowledged")
+	}
+	if !overtaken.look(flush.Add(910*time.Microsecond), &ti) {
+		t.Fatal("the watch went on after the later bytes could have been acknowledged")
+	}
+	if !overtaken.take().IsZero() {
+		t.Fatal("an overtaken mark counted as acknowledged")
+	}
 }
