@@ -108,9 +108,8 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 		// at the first look came sooner than a round trip (a handshake
 		// that met a queue made the round trip look longer), at a time
 		// the looks cannot tell.
-		later := m.later.Load()
-		if (acked == m.target || later > 0 && now.Before(time.Unix(0, later).Add(m.rtt*9/10))) &&
-			now.Sub(m.prev) <= 2*lookLater {
+		by := m.laterAckedBy()
+		if (acked == m.target || !by.IsZero() && now.Before(by)) && now.Sub(m.prev) <= 2*lookLater {
 			m.ackedAt = m.prev.Add(now.Sub(m.prev) / 2)
 		}
 		m.over = true
@@ -127,17 +126,29 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 }
 
 // overtaken reports that bytes written after the token's have had the
-// time to be acknowledged by now (nine tenths of a round trip, as look
-// counts it): an acknowledgement found from here on would cover them too
-// and count for nothing, so the watch ends. What it gives up is an
-// acknowledgement of exactly the token's bytes while the later ones are
-// still on their way (lost, or queued behind them); the estimate by the
-// round trip stands for those. A one-token stream's end follows its
-// token at once: its mark was looked at until the client's delayed
-// acknowledgement came, 6.7 times a mark on loopback, for nothing.
+// time to be acknowledged by now (laterAckedBy): an acknowledgement found
+// from here on would cover them too and count for nothing, so the watch
+// ends. What it gives up is an acknowledgement of exactly the token's
+// bytes while the later ones are still on their way (lost, or queued
+// behind them); the estimate by the round trip stands for those. A
+// one-token stream's end follows its token at once: its mark was looked
+// at until the client's delayed acknowledgement came, 6.7 times a mark on
+// loopback, for nothing.
 func (m *ackMark) overtaken(now time.Time) bool {
+	by := m.laterAckedBy()
+	return !by.IsZero() && !now.Before(by)
+}
+
+// laterAckedBy is when the bytes written after the token's could first
+// have been acknowledged: nine tenths of a round trip after them (the
+// handshake's may be a little above the path's minimum); zero while none
+// were written.
+func (m *ackMark) laterAckedBy() time.Time {
 	later := m.later.Load()
-	return later > 0 && !now.Before(time.Unix(0, later).Add(m.rtt*9/10))
+	if later == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, later).Add(m.rtt * 9 / 10)
 }
 
 // take ends the watch and returns when the token's bytes reached the
