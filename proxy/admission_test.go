@@ -204,38 +204,43 @@ func TestTokenBudgetReconciledFromTheStream(t *testing.T) {
 			io.WriteString(w, "data: [DONE]\n\n")
 		}
 	})
-	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeReject,
-		ratelimit.Tenant{Name: "a", Keys: []string{"k"}, Limits: ratelimit.Limits{TokensPerMinute: 60_000}}))
+	// A tenant a case: each budget starts full, with no wait for a refill.
+	var tenants []ratelimit.Tenant
+	for _, name := range []string{"usage", "none", "truncated"} {
+		tenants = append(tenants, ratelimit.Tenant{Name: name, Keys: []string{"k-" + name}, Limits: ratelimit.Limits{TokensPerMinute: 60_000}})
+	}
+	tp := startProxy(t, up.URL, withTenants(ratelimit.ModeReject, tenants...))
 	body := `{"stream":true,"max_tokens":1000,"x":"` + strings.Repeat("y", 380) + `"}` // ~100 tokens in, 1000 out
 	remaining := func(resp *http.Response) int {
 		n, _ := strconv.Atoi(resp.Header.Get("X-Ratelimit-Remaining-Tokens"))
 		return n
 	}
-	check := func(path string, used int) {
+	check := func(mode string, used int) {
 		t.Helper()
-		resp, _ := postKey(t, tp.url+path, "k", body)
+		path := "/v1/chat/completions?mode=" + mode
+		resp, _ := postKey(t, tp.url+path, "k-"+mode, body)
 		// During the request the whole estimate is reserved.
 		if r := remaining(resp); r > 60_000-1100 || r < 60_000-1200 {
 			t.Fatalf("%s: remaining while reserved %d", path, r)
 		}
 		rec := tp.rec.next(t)
-		if rec.Tenant != "a" {
+		if rec.Tenant != mode {
 			t.Fatalf("%s: %+v", path, rec)
 		}
 		// After it, only what was used is spent (the budget refills at
 		// 1000/s, so allow the time the test took).
-		_, tok := tp.p.snap.Load().admit.Quotas("a", "default")
+		_, tok := tp.p.snap.Load().admit.Quotas(mode, "default")
 		if tok.Remaining < int64(60_000-used-5) || tok.Remaining > 60_000 {
 			t.Fatalf("%s: remaining after %d, want ≈ %d", path, tok.Remaining, 60_000-used)
 		}
-		time.Sleep(time.Duration(used+50) * time.Millisecond) // refill for the next case
 	}
-	const path = "/v1/chat/completions?mode="
-	check(path+"usage", 42)        // 40 in + 2 out, from usage
-	check(path+"none", 105+2)      // estimated input (420 bytes / 4) + 2 counted
-	check(path+"truncated", 105+2) // truncated: estimated input + 2 counted
-	if in, q := tp.p.snap.Load().admit.Stats("a"); in != 0 || q != 0 {
-		t.Fatalf("gauges after: in flight %d queued %d", in, q)
+	check("usage", 42)        // 40 in + 2 out, from usage
+	check("none", 105+2)      // estimated input (420 bytes / 4) + 2 counted
+	check("truncated", 105+2) // truncated: estimated input + 2 counted
+	for _, tn := range tenants {
+		if in, q := tp.p.snap.Load().admit.Stats(tn.Name); in != 0 || q != 0 {
+			t.Fatalf("%s: gauges after: in flight %d queued %d", tn.Name, in, q)
+		}
 	}
 }
 
@@ -347,18 +352,6 @@ func TestQueueTimeMeasured(t *testing.T) {
 	if promValue(t, `tokentap_queue_seconds_count{route="default",model="other"}`)-countBefore != 2 {
 		t.Fatal("queue histogram not updated")
 	}
-}
-
-// waitUntil waits for cond, polling: for an event, not a time (a minute is
-// a hang, not a slow machine).
-func waitUntil(t *testing.T, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
-		if cond() {
-			return
-		}
-	}
-	t.Fatal("condition not met within a minute")
 }
 
 // seriesSum adds the values of the series of family whose labels hold

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -120,15 +121,12 @@ func TestAckWatchManyStreamsAtOnce(t *testing.T) {
 		}
 	}
 	tp.rec.none(t)
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+	waitFor(t, func() error {
 		tp.p.acks.mu.Lock()
-		running, waiting := tp.p.acks.running, len(tp.p.acks.waiting)
-		tp.p.acks.mu.Unlock()
-		if !running && waiting == 0 {
-			break
+		defer tp.p.acks.mu.Unlock()
+		if tp.p.acks.running || len(tp.p.acks.waiting) > 0 {
+			return fmt.Errorf("the watch still runs with %d waiting", len(tp.p.acks.waiting))
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the watch still runs with %d waiting", waiting)
-		}
-	}
+		return nil
+	})
 }

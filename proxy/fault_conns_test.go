@@ -81,21 +81,18 @@ func TestFaultAcceptRecoversFromEMFILE(t *testing.T) {
 		c.Close()
 	}
 	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	waitFor(t, func() error { // the proxy recovers
 		resp, err := client.Get("http://" + addr + "/x")
-		if err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == 200 && string(b) == "ok" {
-				break
-			}
+		if err != nil {
+			return err
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("proxy did not recover: %v", err)
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(b) != "ok" {
+			return fmt.Errorf("%d %q", resp.StatusCode, b)
 		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return nil
+	})
 	stdin.Close()
 	var errs string
 	for out.Scan() {

@@ -192,10 +192,7 @@ func TestFaultContentLengthReservesNothing(t *testing.T) {
 		_ = c
 	}
 	// Let every connection reach the handler and block on its body.
-	deadline := time.Now().Add(5 * time.Second)
-	for tp.p.ClientConns() < conns && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitUntil(t, func() bool { return tp.p.ClientConns() >= conns })
 	time.Sleep(200 * time.Millisecond)
 	var after runtime.MemStats
 	runtime.ReadMemStats(&after)

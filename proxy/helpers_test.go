@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -50,6 +51,34 @@ func (r *recorder) none(t *testing.T) {
 		t.Fatalf("unexpected extra record: %+v", rec)
 	case <-time.After(100 * time.Millisecond):
 	}
+}
+
+// waitFor polls cond until it returns nil. It waits for an event, not a
+// time: its one limit is a hang's (a minute), never a slow machine's, and
+// on a hang the test fails with cond's last word on what it saw. Every
+// wait for a state the proxy reaches on its own goes through here.
+func waitFor(t testing.TB, cond func() error) {
+	t.Helper()
+	var err error
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(2 * time.Millisecond) {
+		if err = cond(); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not within a minute: %v", err)
+		}
+	}
+}
+
+// waitUntil is waitFor for a condition with nothing to say.
+func waitUntil(t testing.TB, cond func() bool) {
+	t.Helper()
+	waitFor(t, func() error {
+		if cond() {
+			return nil
+		}
+		return errors.New("the condition still does not hold")
+	})
 }
 
 type testProxy struct {

@@ -152,18 +152,12 @@ func TestIdleStreamsHoldLittle(t *testing.T) {
 		conns = append(conns, open())
 	}
 	// The last stream's move into its loop may still be under way.
-	deadline := time.Now().Add(10 * time.Second)
-	var relaying int
-	for {
-		relaying = goroutinesIn("(*bodyRelay).relayPass(")
-		if relaying == 0 || time.Now().After(deadline) {
-			break
+	waitFor(t, func() error {
+		if relaying := goroutinesIn("(*bodyRelay).relayPass("); relaying > 0 {
+			return fmt.Errorf("%d goroutines relay open streams, want none (the loops hold them)", relaying)
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if relaying > 0 {
-		t.Fatalf("%d goroutines relay open streams, want none (the loops hold them)", relaying)
-	}
+		return nil
+	})
 	perStream := float64(settledHeap()-base) / streams
 	t.Logf("heap per open stream: %.0f bytes", perStream)
 	if perStream > 11<<10 {
@@ -242,17 +236,13 @@ func TestLoopPeerWatchLeavesNothingBehind(t *testing.T) {
 // a quiet loop must not hold.
 func waitSeats(t *testing.T, tp *testProxy, max int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	waitFor(t, func() error {
 		seats, err := tp.p.loops.Idle()
-		if err == nil && seats <= max {
-			return
+		if err == nil && seats > max {
+			err = fmt.Errorf("%d seats, want at most %d", seats, max)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d seats (want at most %d), %v", seats, max, err)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return err
+	})
 }
 
 // A kept-alive connection's socket is registered in a loop's epoll set by

@@ -88,11 +88,12 @@ func TestIdleResetsLeaveNoRecord(t *testing.T) {
 				time.Sleep(2 * time.Millisecond) // given back, waiting for the next request
 				reset(c)
 			}
-			for deadline := time.Now().Add(5 * time.Second); failoverCountName(`tokentap_client_conns_closed_idle_total{reason="reset"} `)-before < 2*each; time.Sleep(5 * time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatalf("%d idle resets counted, want %d", failoverCountName(`tokentap_client_conns_closed_idle_total{reason="reset"} `)-before, 2*each)
+			waitFor(t, func() error {
+				if n := failoverCountName(`tokentap_client_conns_closed_idle_total{reason="reset"} `) - before; n < 2*each {
+					return fmt.Errorf("%d idle resets counted, want %d", n, 2*each)
 				}
-			}
+				return nil
+			})
 			tp.rec.none(t)
 		})
 	}

@@ -63,11 +63,12 @@ func TestShutdownStopsRelayLoops(t *testing.T) {
 	}
 	// The response was tokentap's to write: the kept-alive connection went
 	// back to the server (Proxy.resume), which Shutdown closes.
-	for deadline := time.Now().Add(10 * time.Second); goroutinesIn("(*Proxy).resume(") != 1; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d goroutines serve the connection again after the stream, want 1", goroutinesIn("(*Proxy).resume("))
+	waitFor(t, func() error {
+		if n := goroutinesIn("(*Proxy).resume("); n != 1 {
+			return fmt.Errorf("%d goroutines serve the connection again after the stream, want 1", n)
 		}
-	}
+		return nil
+	})
 	// The server counts a connection it was just given as busy for 5 s;
 	// the shutdown closes it at once as the idle connection it is.
 	ctx, cancel := context.WithTimeout(context.Background(), 4500*time.Millisecond)
@@ -80,11 +81,12 @@ func TestShutdownStopsRelayLoops(t *testing.T) {
 	if n, err := br.Read(make([]byte, 1)); n != 0 || err != io.EOF {
 		t.Fatalf("after Shutdown the kept-alive connection read %d bytes, %v; want it closed", n, err)
 	}
-	for deadline := time.Now().Add(10 * time.Second); goroutinesIn("(*Proxy).resume(") != 0; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("a goroutine still serves a connection after Shutdown")
+	waitFor(t, func() error {
+		if n := goroutinesIn("(*Proxy).resume("); n != 0 {
+			return fmt.Errorf("%d goroutines still serve a connection after Shutdown", n)
 		}
-	}
+		return nil
+	})
 	// The proxy's own loops are gone (Stop returns once each loop's
 	// goroutine has closed its descriptors and returned), and the process
 	// holds no more loop goroutines or epoll descriptors than before: a

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"slices"
@@ -158,13 +159,13 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 	// last bytes, so lines can come in another order: wait for all, and
 	// order them by request id (a counter).
 	var lines []string
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+	waitFor(t, func() error {
 		alog.Flush()
-		lines = strings.Split(strings.TrimSpace(logBuf.String()), "\n")
-		if len(lines) >= len(cases) || time.Now().After(deadline) {
-			break
+		if lines = strings.Split(strings.TrimSpace(logBuf.String()), "\n"); len(lines) < len(cases) {
+			return fmt.Errorf("%d log lines for %d requests", len(lines), len(cases))
 		}
-	}
+		return nil
+	})
 	slices.SortFunc(lines, func(a, b string) int { return strings.Compare(jsonField(a, "request_id"), jsonField(b, "request_id")) })
 	if len(lines) != len(cases) {
 		t.Fatalf("%d log lines for %d requests:\n%s", len(lines), len(cases), logBuf.String())

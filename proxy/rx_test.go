@@ -46,19 +46,16 @@ func stampsOn(t testing.TB) {
 	t.Helper()
 	client, c := tcpPair(t)
 	buf := make([]byte, 8)
-	for deadline := time.Now().Add(2 * time.Second); ; {
+	waitFor(t, func() error {
 		client.Write([]byte("x"))
 		if _, err := c.Read(buf); err != nil {
 			t.Fatal(err)
 		}
-		if c.timestamp() != 0 { // the kernel's stamp, not the read's fallback
-			return
+		if c.timestamp() == 0 { // the read's fallback, not the kernel's stamp
+			return errors.New("the kernel does not stamp received packets")
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("the kernel does not stamp received packets")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // Bytes that waited in the socket are stamped with their arrival, not with
@@ -289,15 +286,10 @@ func TestRxConnWrite(t *testing.T) {
 	c.SetWriteDeadline(time.Time{})
 	client.(*net.TCPConn).SetLinger(0)
 	client.Close()
-	for i := 0; ; i++ {
-		if _, err = c.Write([]byte("x")); err != nil {
-			break
-		}
-		if i > 100 {
-			t.Fatal("writes to a reset connection kept succeeding")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitUntil(t, func() bool { // writes to a reset connection stop succeeding
+		_, err = c.Write([]byte("x"))
+		return err != nil
+	})
 	var se *os.SyscallError
 	if !errors.As(err, &se) || se.Syscall != "write" {
 		t.Fatalf("write to a reset peer: %v, want a write syscall error", err)

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -103,16 +104,12 @@ func TestLeastTTFTWeighsBackendQueue(t *testing.T) {
 		}
 		// A scrape or two: once one came after the load began, the table
 		// shows it (the scrapes' period is the machine's, not the test's).
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			complaint := scrapeShown(tp, "a", scrape)
-			if complaint == "" {
-				break
+		waitFor(t, func() error {
+			if complaint := scrapeShown(tp, "a", scrape); complaint != "" {
+				return errors.New(complaint)
 			}
-			if time.Now().After(deadline) {
-				t.Error(complaint)
-				break
-			}
-		}
+			return nil
+		})
 		tl := offer(t, tp, chatBody, 12, 2*time.Second, 0, rng)
 		toA := 0
 		for range tl.arrivals {

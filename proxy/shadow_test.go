@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -206,13 +207,14 @@ func TestShadowCopiesInTheBodyBudget(t *testing.T) {
 		// those sent reach the shadow on goroutines of their own.
 		var sent int64
 		var got int
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		waitFor(t, func() error {
 			sent = copies.Load()
 			got = failoverCountName(`tokentap_shadow_skipped_total{route="budget",reason="body_budget"} `) - skipped
-			if int64(got)+sent >= 16 || time.Now().After(deadline) {
-				break
+			if int64(got)+sent < 16 {
+				return fmt.Errorf("%d copies sent and %d skipped of 16", sent, got)
 			}
-		}
+			return nil
+		})
 		t.Logf("budget %d MiB, bodies of %d KiB: %d copies sent, %d skipped for the budget, %d bytes held", c.budget>>20, c.body>>10, sent, got, tp.p.bodies.Load())
 		if sent > c.copiesAtMost || int64(got) != 16-sent {
 			t.Fatalf("%d copies sent (at most %d), %d skipped for the budget (want the other %d)", sent, c.copiesAtMost, got, 16-sent)

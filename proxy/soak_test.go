@@ -156,7 +156,6 @@ func TestSoak(t *testing.T) {
 	}
 	wg.Wait()
 	// Every record is written once the last stream ends.
-	waitFor := time.Now().Add(10 * time.Second)
 	total := func() int {
 		n := 0
 		for _, v := range counts.get() {
@@ -164,9 +163,7 @@ func TestSoak(t *testing.T) {
 		}
 		return n
 	}
-	for int64(total()) < sent.Load() && time.Now().Before(waitFor) {
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitUntil(t, func() bool { return int64(total()) >= sent.Load() })
 	got := counts.get()
 	t.Logf("sent %d: completed %d, aborted %d, broken %d; records %v", sent.Load(), completed.Load(), aborted.Load(), broken.Load(), got)
 	if int64(total()) != sent.Load() {

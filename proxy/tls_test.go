@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"io"
 	"log"
@@ -402,14 +403,12 @@ func TestServerTLSServesRenewedCertificates(t *testing.T) {
 		}
 	}
 	var second string
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if second = tlstest.Serial(t, tp.addr); second != first {
-			break
+	waitFor(t, func() error {
+		if second = tlstest.Serial(t, tp.addr); second == first {
+			return errors.New("the renewed certificate is not served")
 		}
-	}
-	if second == first {
-		t.Fatal("the renewed certificate was not served")
-	}
+		return nil
+	})
 	if serial, _, notAfter := st.Serving(); renewals.Load() == 0 || serial != second || notAfter.IsZero() {
 		t.Fatalf("renewal told %d times; serving %s (until %v), the listener %s", renewals.Load(), serial, notAfter, second)
 	}
@@ -418,9 +417,7 @@ func TestServerTLSServesRenewedCertificates(t *testing.T) {
 	if err := os.WriteFile(certFile, []byte("not a certificate"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(5 * time.Second); failures.Load() == 0 && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitUntil(t, func() bool { return failures.Load() > 0 })
 	if failures.Load() == 0 || tlstest.Serial(t, tp.addr) != second {
 		t.Fatalf("broken files: %d failures told, serving %s", failures.Load(), tlstest.Serial(t, tp.addr))
 	}

@@ -72,17 +72,11 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 	var w lookWatch
 	m2 := newAckMark(sys, base+310, time.Now(), 50*time.Microsecond)
 	w.add(m2, time.Now)
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Millisecond) {
+	waitUntil(t, func() bool { // the watch ends the mark
 		m2.mu.Lock()
-		over := m2.over
-		m2.mu.Unlock()
-		if over {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the watch did not end the mark within a minute")
-		}
-	}
+		defer m2.mu.Unlock()
+		return m2.over
+	})
 }
 
 // TestAckMarkUnusableWhenLookedAtLate: an acknowledgement already there at

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -286,17 +287,12 @@ func TestIdleConnectionsReaped(t *testing.T) {
 	if open, idle := tp.upstreamConns(); open == 0 || open != idle {
 		t.Fatalf("after the requests: open=%d idle=%d, want all open ones idle", open, idle)
 	}
-	deadline := time.Now().Add(30 * time.Second) // an event, not a time
-	for {
-		open, idle := tp.upstreamConns()
-		if open == 0 && idle == 0 {
-			break
+	waitFor(t, func() error {
+		if open, idle := tp.upstreamConns(); open != 0 || idle != 0 {
+			return fmt.Errorf("idle connections not reaped: open=%d idle=%d", open, idle)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("idle connections not reaped: open=%d idle=%d", open, idle)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 	select {
 	case <-closed:
 	case <-time.After(30 * time.Second):
@@ -397,11 +393,10 @@ func TestMaxConnsHoldAcrossReloads(t *testing.T) {
 	if p := peak.Load(); p > 2 {
 		t.Fatalf("%d connections open at the backend at once under reloads, max_conns 2", p)
 	}
-	pooled, idle := tp.upstreamConns()
-	for deadline := time.Now().Add(2 * time.Second); open.Load() != int64(pooled) && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		pooled, idle = tp.upstreamConns()
-	}
-	if open.Load() > 2 || int64(pooled) != open.Load() || idle != pooled {
-		t.Fatalf("after 50 reloads under traffic: %d connections open at the backend, the pool counts %d open and %d idle", open.Load(), pooled, idle)
-	}
+	waitFor(t, func() error { // the backend's count of closes comes after the pool's
+		if pooled, idle := tp.upstreamConns(); open.Load() > 2 || int64(pooled) != open.Load() || idle != pooled {
+			return fmt.Errorf("after 50 reloads under traffic: %d connections open at the backend, the pool counts %d open and %d idle", open.Load(), pooled, idle)
+		}
+		return nil
+	})
 }

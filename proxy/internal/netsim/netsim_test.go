@@ -91,12 +91,16 @@ func TestLinkLoses(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	arrived := make(chan int64, 1)
 	go func() {
 		c, err := ln.Accept()
-		if err == nil {
-			_, _ = io.Copy(io.Discard, c)
-			c.Close()
+		if err != nil {
+			arrived <- -1
+			return
 		}
+		n, _ := io.Copy(io.Discard, c)
+		c.Close()
+		arrived <- n
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -109,7 +113,14 @@ func TestLinkLoses(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.Close()
-	time.Sleep(200 * time.Millisecond)
+	select {
+	case n := <-arrived:
+		if n != 200_000 {
+			t.Fatalf("%d bytes arrived of 200000", n)
+		}
+	case <-ctx.Done():
+		t.Fatal("the bytes did not all arrive within 20 s")
+	}
 	l.Close()
 	d, f := l.Dropped, l.Forwarded
 	if share := float64(d) / float64(d+f); d == 0 || share < 0.1 || share > 0.3 {

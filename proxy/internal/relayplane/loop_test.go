@@ -27,7 +27,8 @@ type pipeStream struct {
 	stalled time.Duration
 	cancels int
 	failed  error
-	done    chan error // Ended's err
+	entered chan struct{} // Entered
+	done    chan error    // Ended's err
 }
 
 func (p *pipeStream) Read(fd int, events uint32) (out []byte, wait, got, again bool) {
@@ -69,6 +70,8 @@ func (p *pipeStream) Note(e Event) {
 			p.err = e.Err
 		}
 		p.failed = e.Err
+	case Entered:
+		p.entered <- struct{}{}
 	case Ended:
 		p.done <- e.Err
 	}
@@ -107,7 +110,7 @@ type loopCase struct {
 func newLoopCase(t *testing.T, idle, wtime time.Duration) *loopCase {
 	upFd, up := sockPair(t)
 	clFd, client := sockPair(t)
-	p := &pipeStream{buf: make([]byte, 8<<10), upFd: upFd, done: make(chan error, 1)}
+	p := &pipeStream{buf: make([]byte, 8<<10), upFd: upFd, entered: make(chan struct{}, 1), done: make(chan error, 1)}
 	c := &loopCase{p: p, up: up, client: client}
 	c.s = Handle{S: p, UpFd: upFd, ClFd: clFd, Idle: idle, WriteTimeout: wtime}
 	return c
@@ -332,7 +335,7 @@ func TestLoopStopEndsStreamsAndClosesDescriptors(t *testing.T) {
 	ls, l := startLoop(t)
 	c := newLoopCase(t, time.Hour, time.Hour)
 	l.Post(&c.s)
-	time.Sleep(10 * time.Millisecond)
+	<-c.p.entered // in the loop's table, not still posted
 	ls.Stop()
 	if err := ended(t, c); err != ErrLoopStopped {
 		t.Fatalf("the stream in the stopped loop ended with %v", err)
