@@ -20,7 +20,8 @@ import (
 // as the path is the same both times). A mark watches for that
 // acknowledgement on the client connection's TCP_INFO (tcpi_bytes_acked)
 // after the write that carried the token: looks every lookEvery at most
-// from a little before a round trip has passed, then every lookLater
+// from a little before a round trip has passed (none within ackAgree of
+// it, where what a look finds changes nothing), then every lookLater
 // once a round trip and 10 ms passed (a queue on the path, or a client
 // that delays its acknowledgements), until the bytes are acknowledged or
 // a round trip and ackGiveUp passed.
@@ -56,11 +57,8 @@ type ackMark struct {
 // acknowledgement is due, and lookLater after: half of it is the
 // estimate's own error. lookFirst is the shortest: a twentieth of the
 // round trip on a long path, never below a quarter of ackAgree, within
-// which the estimate by the round trip is taken anyway (byAck). A client
-// that delays its acknowledgement until the stream's next bytes (as
-// kept-alive HTTP clients do) is looked at until they come: at 100 µs on
-// loopback, 8.6 looks a one-token stream, each a system call and most a
-// wake-up of the marks' goroutine.
+// which the estimate by the round trip is taken anyway (byAck). Each look
+// is a system call and most a wake-up of the marks' goroutine.
 const (
 	lookFirst = ackAgree / 4
 	lookEvery = 500 * time.Microsecond
@@ -80,10 +78,35 @@ func newAckMark(sys syscall.RawConn, target int64, flush time.Time, rtt time.Dur
 	m.every = min(max(rtt/20, lookFirst), lookEvery)
 	// No acknowledgement can come before a round trip: look first a
 	// little before one.
-	m.next = flush.Add(rtt * 3 / 4)
 	m.prev = flush
+	m.next = m.pastAgreed(flush.Add(rtt * 3 / 4))
 	m.until = flush.Add(rtt + ackGiveUp)
 	return m
+}
+
+// pastAgreed moves a look due within ackAgree of the round trip's
+// estimate (flush + rtt) to that span's end. An acknowledgement found by
+// then changes nothing: byAck takes the estimate for one that came within
+// ackAgree of it, and the looks' middle (ackedAt) errs by half their gap
+// at most, as anywhere. So on a short path (a client in the same network,
+// loopback) the first look is at a round trip and ackAgree, where looks
+// every lookFirst from three quarters of a round trip made 5 in that span
+// for a client that delays its acknowledgement (as kept-alive HTTP
+// clients do). The move never takes a look past 2 lookLater after the
+// last, the longest gap whose middle is usable.
+func (m *ackMark) pastAgreed(next time.Time) time.Time {
+	est := m.flush.Add(m.rtt)
+	end := est.Add(ackAgree)
+	if !next.After(est.Add(-ackAgree)) || !next.Before(end) {
+		return next
+	}
+	if most := m.prev.Add(2 * lookLater); most.Before(end) {
+		end = most
+	}
+	if end.Before(next) {
+		return next
+	}
+	return end
 }
 
 // look reads TCP_INFO once at now, into ti (the watch's buffer, shared by
@@ -113,30 +136,16 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 			m.ackedAt = m.prev.Add(now.Sub(m.prev) / 2)
 		}
 		m.over = true
-	case !now.Before(m.until) || m.overtaken(now):
+	case !now.Before(m.until):
 		m.over = true
 	default:
 		m.prev = now
-		m.next = now.Add(m.every)
+		m.next = m.pastAgreed(now.Add(m.every))
 		if now.After(m.flush.Add(m.rtt + 10*time.Millisecond)) {
 			m.next = now.Add(lookLater)
 		}
 	}
 	return m.over
-}
-
-// overtaken reports that bytes written after the token's have had the
-// time to be acknowledged by now (laterAckedBy): an acknowledgement found
-// from here on would cover them too and count for nothing, so the watch
-// ends. What it gives up is an acknowledgement of exactly the token's
-// bytes while the later ones are still on their way (lost, or queued
-// behind them); the estimate by the round trip stands for those. A
-// one-token stream's end follows its token at once: its mark was looked
-// at until the client's delayed acknowledgement came, 6.7 times a mark on
-// loopback, for nothing.
-func (m *ackMark) overtaken(now time.Time) bool {
-	by := m.laterAckedBy()
-	return !by.IsZero() && !now.Before(by)
 }
 
 // laterAckedBy is when the bytes written after the token's could first
