@@ -134,7 +134,7 @@ func (cs *clientSide) sent() int64 {
 func (x *exchange) delivered(t time.Time) {
 	sent := x.cs.sent()
 	tok, ans := x.tap.wrote(t, x.cs.stalled(), sent)
-	x.cs.laterBytes(t)
+	x.cs.laterBytes(t, sent)
 	x.markAcks(tok, ans, t, sent)
 }
 
@@ -195,10 +195,11 @@ func byAck(est time.Duration, acked, arrival time.Time) time.Duration {
 const ackAgree = time.Millisecond
 
 // laterBytes tells the marks waiting for their acknowledgement that bytes
-// after theirs were written at t.
-func (cs *clientSide) laterBytes(t time.Time) {
+// after theirs were written at t, up to the connection's count sent.
+func (cs *clientSide) laterBytes(t time.Time, sent int64) {
 	for _, m := range [2]*ackMark{cs.tokMark, cs.ansMark} {
 		if m != nil && m.flush.Before(t) && m.later.Load() == 0 {
+			m.laterEnd.Store(cs.cc.ackBase + sent)
 			m.later.Store(t.UnixNano())
 		}
 	}

@@ -405,13 +405,16 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		if r.ttft50 >= r.naive50 {
 			t.Errorf("%v one way, %.0f%% loss, %s connections: |Δ| p50 TTFT %.2f ms, not under ttft_ms's own %.2f ms", r.delay, 100*r.loss, r.conn, r.ttft50, r.naive50)
 		}
-		// Behind a queue a fresh connection's client acknowledges at once
-		// (Linux's quick acknowledgements): the acknowledgement of the
-		// token's bytes measures the queue, 0.2-0.4 ms off at the median
-		// here. A watch that ended before it came left the round trip's
-		// estimate, off by the queue (35 ms).
-		if r.queued && r.conn == "fresh" && r.ttft50 >= 5 {
-			t.Errorf("%s, fresh connections: |Δ| p50 TTFT %.2f ms behind the queue: its acknowledgements were not used", r.link, r.ttft50)
+		// Behind a queue the acknowledgement of the token's bytes measures
+		// the queue: 0.2-0.4 ms off at the median here on fresh connections,
+		// whose client acknowledges at once (Linux's quick acknowledgements),
+		// 0.6-2 ms on kept-alive ones, whose client acknowledges a small
+		// segment with the next (its interactive mode: ackMark.withNext).
+		// Without them the round trip's estimate is off by the queue: 29-52
+		// ms on fresh connections with a watch that ended too soon, 55-90 on
+		// kept-alive ones with the next write's acknowledgement set aside.
+		if r.queued && r.ttft50 >= 10 {
+			t.Errorf("%s, %s connections: |Δ| p50 TTFT %.2f ms behind the queue: its acknowledgements were not used", r.link, r.conn, r.ttft50)
 		}
 		// When a row misses, its requests the link carried on time (none
 		// of their packets released late by the forwarder: a busy

@@ -179,3 +179,51 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 		}
 	}
 }
+
+// TestAckMarkWithTheNextWrite: an acknowledgement of exactly the token's
+// bytes and the next write's, found after the next write could have been
+// acknowledged alone, stands for the next write's arrival (a client in
+// Linux's interactive mode acknowledges a small segment once it read a
+// second): the token's arrival is the writes' spacing before it, never
+// before the round trip's estimate. One that covers more is not usable.
+func TestAckMarkWithTheNextWrite(t *testing.T) {
+	s, c := loopPair(t)
+	base, _ := ackedBase(t, s)
+	go io.Copy(io.Discard, c)
+	sys, _ := s.SyscallConn()
+	var ti tcpInfo
+	write := func(n int) {
+		t.Helper()
+		if _, err := s.Write(make([]byte, n)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 50 bytes of the token, 20 of the next write: acknowledged together.
+	write(50)
+	write(20)
+	waitUntil(t, func() bool { return ti.read(sys) && int64(ti.info.Bytes_acked) >= base+70 })
+	flush := time.Now()
+	for _, c := range []struct {
+		spacing, want time.Duration // want: after the write, 0 for none
+		laterEnd      int64
+	}{
+		{spacing: 5 * time.Millisecond, want: 24500 * time.Microsecond, laterEnd: 70},
+		{spacing: 29 * time.Millisecond, want: time.Millisecond, laterEnd: 70}, // before the estimate
+		{spacing: 5 * time.Millisecond, laterEnd: 60},                          // more than the next write
+	} {
+		m := newAckMark(sys, base+50, flush, time.Millisecond)
+		m.laterEnd.Store(base + c.laterEnd)
+		m.later.Store(flush.Add(c.spacing).UnixNano())
+		m.prev = flush.Add(29 * time.Millisecond) // the last look that found nothing
+		if !m.look(flush.Add(30*time.Millisecond), &ti) {
+			t.Fatal("an acknowledgement found did not end the watch")
+		}
+		got := m.take()
+		switch {
+		case c.want == 0 && !got.IsZero():
+			t.Errorf("next write ending at %d: usable at %v", c.laterEnd, got.Sub(flush))
+		case c.want > 0 && got.Sub(flush) != c.want:
+			t.Errorf("next write %v on: token acknowledged at %v, want %v", c.spacing, got.Sub(flush), c.want)
+		}
+	}
+}
