@@ -227,3 +227,62 @@ func TestAckMarkWithTheNextWrite(t *testing.T) {
 		}
 	}
 }
+
+// TestAckMarkLooksApartOnABusyMachine: looks further apart than 2
+// lookLater (a scheduler that held the watch) still time an
+// acknowledgement that came long past the round trip's estimate, where
+// their middle errs by an eighth of the delay at most; near the estimate
+// they do not.
+func TestAckMarkLooksApartOnABusyMachine(t *testing.T) {
+	s, c := loopPair(t)
+	base, _ := ackedBase(t, s)
+	go io.Copy(io.Discard, c)
+	sys, _ := s.SyscallConn()
+	var ti tcpInfo
+	if _, err := s.Write(make([]byte, 50)); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, func() bool { return ti.read(sys) && int64(ti.info.Bytes_acked) >= base+50 })
+	flush := time.Now()
+	for _, c := range []struct {
+		prev, now, want time.Duration // want: 0 for none
+	}{
+		{prev: 55 * time.Millisecond, now: 60 * time.Millisecond, want: 57500 * time.Microsecond}, // 5 ms apart, 56.5 ms late
+		{prev: 5 * time.Millisecond, now: 10 * time.Millisecond},                                  // 5 ms apart, 6.5 ms late
+		{prev: 5 * time.Millisecond, now: 7 * time.Millisecond, want: 6 * time.Millisecond},       // 2 ms apart
+	} {
+		m := newAckMark(sys, base+50, flush, time.Millisecond)
+		m.prev = flush.Add(c.prev)
+		if !m.look(flush.Add(c.now), &ti) {
+			t.Fatal("an acknowledgement found did not end the watch")
+		}
+		if got := m.take(); c.want == 0 && !got.IsZero() || c.want > 0 && got.Sub(flush) != c.want {
+			t.Errorf("looks at %v and %v after the write: acknowledged at %v (zero: not usable), want %v", c.prev, c.now, got.Sub(flush), c.want)
+		}
+	}
+}
+
+// TestAckMarkNextWriteAtTheDeliveryRate: the next write's bytes arrive at
+// least their size over the connection's delivery rate after the token's
+// (behind a bottleneck, its share of it), or as far apart as they were
+// written if that is longer.
+func TestAckMarkNextWriteAtTheDeliveryRate(t *testing.T) {
+	flush := time.Now()
+	m := newAckMark(nil, 1000, flush, time.Millisecond)
+	m.laterEnd.Store(1150) // 150 bytes
+	m.later.Store(flush.Add(5 * time.Millisecond).UnixNano())
+	ack := flush.Add(100 * time.Millisecond)
+	for _, c := range []struct {
+		rate uint64
+		want time.Duration
+	}{
+		{rate: 10_000, want: 85 * time.Millisecond},    // 15 ms at 10,000 B/s
+		{rate: 1_000_000, want: 95 * time.Millisecond}, // written 5 ms apart
+		{rate: 0, want: 95 * time.Millisecond},         // no rate
+		{rate: 1_500, want: time.Millisecond},          // 100 ms: the estimate
+	} {
+		if got := m.withNext(ack, c.rate).Sub(flush); got != c.want {
+			t.Errorf("rate %d B/s: the token's arrival %v after the write, want %v", c.rate, got, c.want)
+		}
+	}
+}
