@@ -165,6 +165,7 @@ func (cs *clientSide) mark(p *Proxy, tok, ans bool, t time.Time, sent int64) {
 	// that is lower: a handshake that met a queue would time the first
 	// looks too late.
 	m := newAckMark(cc.sys, cc.ackBase+sent, t, p.floors.floor(cc.ip, cc.synRTT, t))
+	m.kept = cs.sentFrom > 0
 	p.marks.add(m, p.now)
 	if tok {
 		cs.tokMark = m

@@ -50,6 +50,9 @@ type ackMark struct {
 	until    time.Time // no look after it
 
 	over bool // the watch is done: seen, given up, or the record took it
+	// kept: the connection carried a response before this one, so its
+	// client may be delaying its acknowledgements (alone).
+	kept bool
 	// ackedAt is when the bytes were acknowledged, the middle of the last
 	// two looks, where that is usable (zero: none usable).
 	ackedAt time.Time
@@ -137,6 +140,7 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 		gap := now.Sub(m.prev)
 		var at time.Time
 		switch mid := m.prev.Add(gap / 2); {
+		case acked == m.target && m.delayed(mid):
 		case acked == m.target || !by.IsZero() && now.Before(by):
 			at = mid
 		case acked == m.laterEnd.Load():
@@ -156,6 +160,34 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 		}
 	}
 	return m.over
+}
+
+// delackFloor is the shortest delay a client's delayed acknowledgement
+// adds (Linux's minimum is 40 ms, Windows' 200 ms; a timer's tick
+// earlier).
+const delackFloor = 20 * time.Millisecond
+
+// delayed reports that an acknowledgement of exactly the token's bytes,
+// come at ack, may be the client's delayed acknowledgement and not the
+// path's time. A client that keeps its connection alive sends its next
+// request as soon as a response ends, and Linux then holds its
+// acknowledgement of a lone small segment (a token) until a second comes
+// or its timer runs out: with a token every 60 ms, half the kept-alive
+// streams' tokens were acknowledged 40-43 ms late on a path with no queue,
+// and client_ttft_ms carried that at the median. So on a connection's
+// later responses (kept) one that came delackFloor or more past the round
+// trip's estimate is not used, and the estimate stands, unless the next
+// write followed the token within delackFloor: a client that holds its
+// acknowledgements would have acknowledged both (withNext), so one that
+// acknowledged the token alone does not, and behind a queue its
+// acknowledgement measures it. A fresh connection's client acknowledges at
+// once (Linux's quick acknowledgements): its acknowledgement is used.
+func (m *ackMark) delayed(ack time.Time) bool {
+	if !m.kept || ack.Sub(m.flush.Add(m.rtt)) < delackFloor {
+		return false
+	}
+	later := m.later.Load()
+	return later == 0 || time.Duration(later-m.flush.UnixNano()) >= delackFloor
 }
 
 // fine reports whether looks gap apart time an acknowledgement taken at at

@@ -286,3 +286,33 @@ func TestAckMarkNextWriteAtTheDeliveryRate(t *testing.T) {
 		}
 	}
 }
+
+// TestAckMarkDelayedAcknowledgement: on a kept-alive connection, an
+// acknowledgement of exactly the token's bytes delackFloor or more past
+// the round trip's estimate may be the client's delayed acknowledgement,
+// unless the next write followed the token within delackFloor (a client
+// that delays would have acknowledged both); near the estimate, or on a
+// connection's first response, it is the path's.
+func TestAckMarkDelayedAcknowledgement(t *testing.T) {
+	flush := time.Now()
+	for _, c := range []struct {
+		kept        bool
+		late, next  time.Duration // past the estimate; the next write after the token (0: none)
+		wantDelayed bool
+	}{
+		{kept: true, late: 40 * time.Millisecond, wantDelayed: true},
+		{kept: true, late: 40 * time.Millisecond, next: 60 * time.Millisecond, wantDelayed: true},
+		{kept: true, late: 40 * time.Millisecond, next: 5 * time.Millisecond},
+		{kept: true, late: 10 * time.Millisecond},
+		{kept: false, late: 40 * time.Millisecond},
+	} {
+		m := newAckMark(nil, 1000, flush, 20*time.Millisecond)
+		m.kept = c.kept
+		if c.next > 0 {
+			m.later.Store(flush.Add(c.next).UnixNano())
+		}
+		if got := m.delayed(flush.Add(20*time.Millisecond + c.late)); got != c.wantDelayed {
+			t.Errorf("kept %v, %v late, next write %v on: delayed %v, want %v", c.kept, c.late, c.next, got, c.wantDelayed)
+		}
+	}
+}
