@@ -26,13 +26,12 @@ import (
 // that delays its acknowledgements), until the bytes are acknowledged or
 // a round trip and ackGiveUp passed.
 //
-// An acknowledgement that also covers bytes written after the token's
-// may be the client acknowledging the later ones (a receiver delays its
-// ACK until a second segment comes, or for up to 40 ms, unless it reads
-// at once): it counts only when it came before the later bytes could have
-// been acknowledged, less than a round trip after they were written.
-// Without a usable acknowledgement the estimate stays ttft_ms + RTT
-// (byAck decides between the two).
+// An acknowledgement found is read by reading: one that also covers
+// bytes written after the token's may be the client acknowledging the
+// later ones (a receiver delays its ACK until a second segment comes, or
+// its timer runs out), and one of the token's bytes alone may be that
+// timer's. Without a usable acknowledgement the estimate stays ttft_ms +
+// RTT (byAck decides between the two).
 type ackMark struct {
 	mu     sync.Mutex // held by the watch during a look, and by the record to end it
 	sys    syscall.RawConn
@@ -51,7 +50,7 @@ type ackMark struct {
 
 	over bool // the watch is done: seen, given up, or the record took it
 	// kept: the connection carried a response before this one, so its
-	// client may be delaying its acknowledgements (alone).
+	// client may delay its acknowledgement of a lone segment (delayed).
 	kept bool
 	// ackedAt is when the bytes were acknowledged, the middle of the last
 	// two looks, where that is usable (zero: none usable).
@@ -100,7 +99,7 @@ func newAckMark(sys syscall.RawConn, target int64, flush time.Time, rtt time.Dur
 // clients do). The move never takes a look past 2 lookLater after the
 // last, the longest gap whose middle is usable.
 func (m *ackMark) pastAgreed(next time.Time) time.Time {
-	est := m.flush.Add(m.rtt)
+	est := m.est()
 	end := est.Add(ackAgree)
 	if !next.After(est.Add(-ackAgree)) || !next.Before(end) {
 		return next
@@ -129,37 +128,58 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 	acked := int64(ti.info.Bytes_acked)
 	switch {
 	case acked >= m.target:
-		// Later bytes acknowledged too: usable only if this came before
-		// their own acknowledgement could (a round trip after them; the
-		// handshake's may be a little above the path's minimum). And only
-		// when the look before was recent: an acknowledgement already there
-		// at the first look came sooner than a round trip (a handshake
-		// that met a queue made the round trip look longer), at a time
-		// the looks cannot tell.
-		by := m.laterAckedBy()
-		gap := now.Sub(m.prev)
-		var at time.Time
-		switch mid := m.prev.Add(gap / 2); {
-		case acked == m.target && m.delayed(mid):
-		case acked == m.target || !by.IsZero() && now.Before(by):
-			at = mid
-		case acked == m.laterEnd.Load():
-			at = m.withNext(mid, ti.info.Delivery_rate)
-		}
-		if !at.IsZero() && m.fine(gap, at) {
-			m.ackedAt = at
-		}
+		m.ackedAt = m.reading(acked, now, ti.info.Delivery_rate)
 		m.over = true
 	case !now.Before(m.until):
 		m.over = true
 	default:
 		m.prev = now
 		m.next = m.pastAgreed(now.Add(m.every))
-		if now.After(m.flush.Add(m.rtt + 10*time.Millisecond)) {
+		if now.After(m.est().Add(10 * time.Millisecond)) {
 			m.next = now.Add(lookLater)
 		}
 	}
 	return m.over
+}
+
+// reading is when an acknowledgement of acked bytes, found at now, says
+// the token's bytes reached the client (zero: it says nothing usable),
+// from the middle of this look and the last. One that covers later bytes
+// too counts as it came only before they could have been acknowledged
+// themselves (laterAckedBy), and as the next write's arrival when it ends
+// exactly there (withNext); one of the token's bytes alone may be the
+// client's timer (delayed); and the looks must have been near enough for
+// what they measured (fine: an acknowledgement already there at the first
+// look, long after the write, came at a time they cannot tell).
+func (m *ackMark) reading(acked int64, now time.Time, rate uint64) time.Time {
+	gap := now.Sub(m.prev)
+	mid := m.prev.Add(gap / 2)
+	var at time.Time
+	switch by := m.laterAckedBy(); {
+	case acked == m.target && m.delayed(mid):
+		return time.Time{}
+	case acked == m.target || !by.IsZero() && now.Before(by):
+		at = mid
+	case acked == m.laterEnd.Load():
+		at = m.withNext(mid, rate)
+	default: // it covers more than the next write
+		return time.Time{}
+	}
+	if !m.fine(gap, at) {
+		return time.Time{}
+	}
+	return at
+}
+
+// est is the round trip's estimate of when the client acknowledges the
+// token's bytes: a round trip after their write.
+func (m *ackMark) est() time.Time { return m.flush.Add(m.rtt) }
+
+// spacing is how long after the token's bytes the next were written
+// (false: none yet).
+func (m *ackMark) spacing() (time.Duration, bool) {
+	later := m.later.Load()
+	return time.Duration(later - m.flush.UnixNano()), later != 0
 }
 
 // delackFloor is the shortest delay a client's delayed acknowledgement
@@ -183,11 +203,11 @@ const delackFloor = 20 * time.Millisecond
 // acknowledgement measures it. A fresh connection's client acknowledges at
 // once (Linux's quick acknowledgements): its acknowledgement is used.
 func (m *ackMark) delayed(ack time.Time) bool {
-	if !m.kept || ack.Sub(m.flush.Add(m.rtt)) < delackFloor {
+	if !m.kept || ack.Sub(m.est()) < delackFloor {
 		return false
 	}
-	later := m.later.Load()
-	return later == 0 || time.Duration(later-m.flush.UnixNano()) >= delackFloor
+	spacing, ok := m.spacing()
+	return !ok || spacing >= delackFloor
 }
 
 // fine reports whether looks gap apart time an acknowledgement taken at at
@@ -202,7 +222,7 @@ func (m *ackMark) delayed(ack time.Time) bool {
 // (a handshake that met a queue made the round trip look longer) is not
 // fine: the middle comes before the estimate.
 func (m *ackMark) fine(gap time.Duration, at time.Time) bool {
-	return gap <= 2*lookLater || gap <= at.Sub(m.flush.Add(m.rtt))/4
+	return gap <= 2*lookLater || gap <= at.Sub(m.est())/4
 }
 
 // withNext reads an acknowledgement of exactly the token's bytes and the
@@ -223,12 +243,12 @@ func (m *ackMark) fine(gap time.Duration, at time.Time) bool {
 // bottleneck between the two). A time before the round trip's estimate is
 // the estimate: no queue held the token.
 func (m *ackMark) withNext(ack time.Time, rate uint64) time.Time {
-	spacing := time.Duration(m.later.Load() - m.flush.UnixNano())
+	spacing, _ := m.spacing()
 	if rate > 0 {
 		spacing = max(spacing, time.Duration(float64(m.laterEnd.Load()-m.target)/float64(rate)*float64(time.Second)))
 	}
 	t := ack.Add(-spacing)
-	if est := m.flush.Add(m.rtt); t.Before(est) {
+	if est := m.est(); t.Before(est) {
 		return est
 	}
 	return t

@@ -3,6 +3,7 @@ package proxy
 import (
 	"io"
 	"net"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -39,18 +40,45 @@ func ackedBase(t *testing.T, s *net.TCPConn) (int64, *tcpInfo) {
 	return int64(ti.info.Bytes_acked), &ti
 }
 
+// readConn is the server's end of a loopback connection whose client reads
+// all it gets: sys to look at, base its tcpi_bytes_acked before any write.
+type readConn struct {
+	s    *net.TCPConn
+	sys  syscall.RawConn
+	base int64
+}
+
+func newReadConn(t *testing.T) *readConn {
+	t.Helper()
+	s, c := loopPair(t)
+	base, _ := ackedBase(t, s)
+	go io.Copy(io.Discard, c)
+	sys, _ := s.SyscallConn()
+	return &readConn{s: s, sys: sys, base: base}
+}
+
+func (r *readConn) write(t *testing.T, n int) {
+	t.Helper()
+	if _, err := r.s.Write(make([]byte, n)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// acked waits until the client acknowledged the first n bytes written.
+func (r *readConn) acked(t *testing.T, n int64) {
+	t.Helper()
+	var ti tcpInfo
+	waitUntil(t, func() bool { return ti.read(r.sys) && int64(ti.info.Bytes_acked) >= r.base+n })
+}
+
 // TestAckMarkSeesTheAcknowledgement: the client's kernel acknowledges the
 // bytes at once on loopback; looks 0.1 ms apart see it and it is usable,
 // stamped between the look before and the one that saw it. The shared
 // watch ends a mark by itself.
 func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
-	s, c := loopPair(t)
-	base, _ := ackedBase(t, s)
-	go io.Copy(io.Discard, c)
-	sys, _ := s.SyscallConn()
-	if _, err := s.Write(make([]byte, 300)); err != nil {
-		t.Fatal(err)
-	}
+	r := newReadConn(t)
+	sys, base := r.sys, r.base
+	r.write(t, 300)
 	flush := time.Now()
 	m := newAckMark(sys, base+300, flush, 50*time.Microsecond)
 	var ti tcpInfo
@@ -66,9 +94,7 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 		t.Fatalf("acknowledgement stamped %v, usable %v: want between the write (%v) and the look that saw it (%v)", got, ok, flush, at)
 	}
 
-	if _, err := s.Write(make([]byte, 10)); err != nil {
-		t.Fatal(err)
-	}
+	r.write(t, 10)
 	var w lookWatch
 	m2 := newAckMark(sys, base+310, time.Now(), 50*time.Microsecond)
 	w.add(m2, time.Now)
@@ -84,13 +110,9 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 // long), came at a time the looks cannot tell: not usable. One that never
 // comes (bytes never written) ends the watch unusable at its limit.
 func TestAckMarkUnusableWhenLookedAtLate(t *testing.T) {
-	s, c := loopPair(t)
-	base, _ := ackedBase(t, s)
-	go io.Copy(io.Discard, c)
-	sys, _ := s.SyscallConn()
-	if _, err := s.Write(make([]byte, 100)); err != nil {
-		t.Fatal(err)
-	}
+	r := newReadConn(t)
+	sys, base := r.sys, r.base
+	r.write(t, 100)
 	flush := time.Now()
 	m := newAckMark(sys, base+100, flush, 100*time.Millisecond)
 	var ti tcpInfo
@@ -187,21 +209,13 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 // second): the token's arrival is the writes' spacing before it, never
 // before the round trip's estimate. One that covers more is not usable.
 func TestAckMarkWithTheNextWrite(t *testing.T) {
-	s, c := loopPair(t)
-	base, _ := ackedBase(t, s)
-	go io.Copy(io.Discard, c)
-	sys, _ := s.SyscallConn()
+	r := newReadConn(t)
+	sys, base := r.sys, r.base
 	var ti tcpInfo
-	write := func(n int) {
-		t.Helper()
-		if _, err := s.Write(make([]byte, n)); err != nil {
-			t.Fatal(err)
-		}
-	}
 	// 50 bytes of the token, 20 of the next write: acknowledged together.
-	write(50)
-	write(20)
-	waitUntil(t, func() bool { return ti.read(sys) && int64(ti.info.Bytes_acked) >= base+70 })
+	r.write(t, 50)
+	r.write(t, 20)
+	r.acked(t, 70)
 	flush := time.Now()
 	for _, c := range []struct {
 		spacing, want time.Duration // want: after the write, 0 for none
@@ -234,15 +248,11 @@ func TestAckMarkWithTheNextWrite(t *testing.T) {
 // their middle errs by an eighth of the delay at most; near the estimate
 // they do not.
 func TestAckMarkLooksApartOnABusyMachine(t *testing.T) {
-	s, c := loopPair(t)
-	base, _ := ackedBase(t, s)
-	go io.Copy(io.Discard, c)
-	sys, _ := s.SyscallConn()
+	r := newReadConn(t)
+	sys, base := r.sys, r.base
 	var ti tcpInfo
-	if _, err := s.Write(make([]byte, 50)); err != nil {
-		t.Fatal(err)
-	}
-	waitUntil(t, func() bool { return ti.read(sys) && int64(ti.info.Bytes_acked) >= base+50 })
+	r.write(t, 50)
+	r.acked(t, 50)
 	flush := time.Now()
 	for _, c := range []struct {
 		prev, now, want time.Duration // want: 0 for none
