@@ -236,7 +236,9 @@ func (m *Model) curve(now time.Time) *fit {
 // minWeight of them within Stale): every knee c from 0 to
 // the highest level seen is tried, the one that leaves the least weighted
 // squared error kept; slopes are never negative (one more request in
-// flight never makes the first token come sooner).
+// flight never makes the first token come sooner), and never less past
+// the knee than before it (a request waiting its turn costs more than
+// one sharing the batch).
 func (m *Model) fitLevels(now time.Time) fit {
 	n := len(m.levels)
 	m.wBuf, m.yBuf = slices.Grow(m.wBuf[:0], n)[:n], slices.Grow(m.yBuf[:0], n)[:n]
@@ -372,10 +374,20 @@ func fitKnee(left, all *sums, c float64) (fit, float64) {
 			use[0], f.a = false, 0 // no time below nothing: through 0
 		}
 	}
-	if !use[2] {
+	switch {
+	case !use[2]:
 		// Nothing measured past the knee, or a slope that fell: one line
 		// goes on past it.
 		f.b2 = f.b1
+	case f.b2 < f.b1:
+		// A curve that climbs less once the batch is full is no queue:
+		// each request ahead costs a whole turn there, more than a place
+		// in the batch did. Such a knee is a few figures past it read
+		// low (a level counted a request the backend had just finished,
+		// or one that reached it after this), and believing it would
+		// admit requests at levels nobody measured; the line through
+		// every level, the last knee's fit, is what the figures say.
+		return fit{}, math.Inf(1)
 	}
 	// The weighted squared error, Σw(y − x·β)², from the same sums.
 	beta := [3]float64{f.a, f.b1, f.b2}
