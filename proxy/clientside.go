@@ -240,6 +240,11 @@ func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on boo
 	d.wire = cc.sent - cs.sentFrom
 	d.total = cc.sent
 	d.note(in, cc.ackBase, now)
+	for _, m := range [2]*ackMark{cs.tokMark, cs.ansMark} {
+		if m != nil {
+			m.ended(int64(in.Bytes_acked), cc.ackBase+cc.sent, now, in.Delivery_rate)
+		}
+	}
 	if d.ackedAt >= d.total || d.wire == 0 || !watch {
 		d.watched = d.ackedAt >= d.total
 		return false

@@ -71,22 +71,24 @@ func (r *readConn) acked(t *testing.T, n int64) {
 	waitUntil(t, func() bool { return ti.read(r.sys) && int64(ti.info.Bytes_acked) >= r.base+n })
 }
 
-// TestAckMarkSeesTheAcknowledgement: the client's kernel acknowledges the
-// bytes at once on loopback; looks 0.1 ms apart see it and it is usable,
-// stamped between the look before and the one that saw it. The shared
-// watch ends a mark by itself.
+// TestAckMarkSeesTheAcknowledgement: a look before the client's kernel
+// acknowledged the bytes sees nothing; the next, 0.1 ms later on the
+// looks' clock, sees the acknowledgement, which is usable, stamped
+// between the two. The shared watch ends a mark by itself.
 func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 	r := newReadConn(t)
 	sys, base := r.sys, r.base
-	r.write(t, 300)
 	flush := time.Now()
 	m := newAckMark(sys, base+300, flush, 50*time.Microsecond)
 	var ti tcpInfo
-	// The looks' own clock, 0.1 ms a look, whatever the machine's load.
-	at := flush
-	for !m.look(at, &ti) {
-		at = at.Add(100 * time.Microsecond)
-		time.Sleep(200 * time.Microsecond)
+	if m.look(flush, &ti) { // nothing written yet
+		t.Fatal("the watch ended before the bytes were written")
+	}
+	r.write(t, 300)
+	r.acked(t, 300)
+	at := flush.Add(100 * time.Microsecond)
+	if !m.look(at, &ti) {
+		t.Fatal("the look after the acknowledgement did not end the watch")
 	}
 	got := m.take()
 	ok := !got.IsZero()
@@ -323,6 +325,44 @@ func TestAckMarkDelayedAcknowledgement(t *testing.T) {
 		}
 		if got := m.delayed(flush.Add(20*time.Millisecond + c.late)); got != c.wantDelayed {
 			t.Errorf("kept %v, %v late, next write %v on: delayed %v, want %v", c.kept, c.late, c.next, got, c.wantDelayed)
+		}
+	}
+}
+
+// TestAckMarkEnded: at the response's end, an acknowledgement not yet seen
+// ends the watch unusable on a kept-alive connection when the one that
+// could still be read would be of the response's last bytes (the token's,
+// or the next write's), which may come with the client's next request;
+// the watch goes on for a connection's first response, or when bytes
+// followed those. One the end's reading sees is read as a look's.
+func TestAckMarkEnded(t *testing.T) {
+	flush := time.Now()
+	end := flush.Add(100 * time.Microsecond)
+	for _, c := range []struct {
+		kept       bool
+		laterEnd   int64 // the next write's end (0: none)
+		total      int64 // the connection's count at the end
+		acked      int64
+		wantOver   bool
+		wantUsable bool
+	}{
+		{kept: true, total: 1000, wantOver: true},
+		{kept: true, laterEnd: 1500, total: 1500, wantOver: true},
+		{kept: true, laterEnd: 1500, total: 1505},
+		{kept: true, total: 1005},
+		{kept: false, total: 1000},
+		{kept: true, total: 1000, acked: 1000, wantOver: true, wantUsable: true},
+	} {
+		m := newAckMark(nil, 1000, flush, 20*time.Microsecond)
+		m.kept = c.kept
+		if c.laterEnd > 0 {
+			m.laterEnd.Store(c.laterEnd)
+			m.later.Store(flush.Add(50 * time.Microsecond).UnixNano())
+		}
+		m.ended(c.acked, c.total, end, 0)
+		if m.over != c.wantOver || !m.ackedAt.IsZero() != c.wantUsable {
+			t.Errorf("kept %v, next write to %d, %d at the end, %d acknowledged: over %v, usable %v; want %v, %v",
+				c.kept, c.laterEnd, c.total, c.acked, m.over, !m.ackedAt.IsZero(), c.wantOver, c.wantUsable)
 		}
 	}
 }
