@@ -195,10 +195,14 @@ func byAck(est time.Duration, acked, arrival time.Time) time.Duration {
 // be before the acknowledgement's is taken.
 const ackAgree = time.Millisecond
 
+// marks are the response's first-token and first-answer-token marks (nil:
+// none; one mark may be both).
+func (cs *clientSide) marks() [2]*ackMark { return [2]*ackMark{cs.tokMark, cs.ansMark} }
+
 // laterBytes tells the marks waiting for their acknowledgement that bytes
 // after theirs were written at t, up to the connection's count sent.
 func (cs *clientSide) laterBytes(t time.Time, sent int64) {
-	for _, m := range [2]*ackMark{cs.tokMark, cs.ansMark} {
+	for _, m := range cs.marks() {
 		if m != nil && m.flush.Before(t) && m.later.Load() == 0 {
 			m.laterEnd.Store(cs.cc.ackBase + sent)
 			m.later.Store(t.UnixNano())
@@ -240,7 +244,7 @@ func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on boo
 	d.wire = cc.sent - cs.sentFrom
 	d.total = cc.sent
 	d.note(in, cc.ackBase, now)
-	for _, m := range [2]*ackMark{cs.tokMark, cs.ansMark} {
+	for _, m := range cs.marks() {
 		if m != nil {
 			m.ended(int64(in.Bytes_acked), cc.ackBase+cc.sent, now, in.Delivery_rate)
 		}

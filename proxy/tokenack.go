@@ -128,8 +128,7 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 	acked := int64(ti.info.Bytes_acked)
 	switch {
 	case acked >= m.target:
-		m.ackedAt = m.reading(acked, now, ti.info.Delivery_rate)
-		m.over = true
+		m.found(acked, now, ti.info.Delivery_rate)
 	case !now.Before(m.until):
 		m.over = true
 	default:
@@ -140,6 +139,12 @@ func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
 		}
 	}
 	return m.over
+}
+
+// found ends the watch on an acknowledgement of acked bytes found at
+// now, keeping what it says (reading).
+func (m *ackMark) found(acked int64, now time.Time, rate uint64) {
+	m.ackedAt, m.over = m.reading(acked, now, rate), true
 }
 
 // reading is when an acknowledgement of acked bytes, found at now, says
@@ -293,7 +298,7 @@ func (m *ackMark) ended(acked, end int64, now time.Time, rate uint64) {
 	switch {
 	case m.over:
 	case acked >= m.target:
-		m.ackedAt, m.over = m.reading(acked, now, rate), true
+		m.found(acked, now, rate)
 	case m.kept && last >= end:
 		m.over = true
 	}

@@ -204,6 +204,19 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 	}
 }
 
+// lookOnce looks at m at now, its last look that found nothing at prev,
+// and returns what the record takes: the bytes must be acknowledged by
+// then.
+func lookOnce(t *testing.T, m *ackMark, prev, now time.Time) time.Time {
+	t.Helper()
+	var ti tcpInfo
+	m.prev = prev
+	if !m.look(now, &ti) {
+		t.Fatal("an acknowledgement found did not end the watch")
+	}
+	return m.take()
+}
+
 // TestAckMarkWithTheNextWrite: an acknowledgement of exactly the token's
 // bytes and the next write's, found after the next write could have been
 // acknowledged alone, stands for the next write's arrival (a client in
@@ -213,7 +226,6 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 func TestAckMarkWithTheNextWrite(t *testing.T) {
 	r := newReadConn(t)
 	sys, base := r.sys, r.base
-	var ti tcpInfo
 	// 50 bytes of the token, 20 of the next write: acknowledged together.
 	r.write(t, 50)
 	r.write(t, 20)
@@ -230,11 +242,8 @@ func TestAckMarkWithTheNextWrite(t *testing.T) {
 		m := newAckMark(sys, base+50, flush, time.Millisecond)
 		m.laterEnd.Store(base + c.laterEnd)
 		m.later.Store(flush.Add(c.spacing).UnixNano())
-		m.prev = flush.Add(29 * time.Millisecond) // the last look that found nothing
-		if !m.look(flush.Add(30*time.Millisecond), &ti) {
-			t.Fatal("an acknowledgement found did not end the watch")
-		}
-		got := m.take()
+		// The last look that found nothing 29 ms after the write.
+		got := lookOnce(t, m, flush.Add(29*time.Millisecond), flush.Add(30*time.Millisecond))
 		switch {
 		case c.want == 0 && !got.IsZero():
 			t.Errorf("next write ending at %d: usable at %v", c.laterEnd, got.Sub(flush))
@@ -252,7 +261,6 @@ func TestAckMarkWithTheNextWrite(t *testing.T) {
 func TestAckMarkLooksApartOnABusyMachine(t *testing.T) {
 	r := newReadConn(t)
 	sys, base := r.sys, r.base
-	var ti tcpInfo
 	r.write(t, 50)
 	r.acked(t, 50)
 	flush := time.Now()
@@ -264,11 +272,7 @@ func TestAckMarkLooksApartOnABusyMachine(t *testing.T) {
 		{prev: 5 * time.Millisecond, now: 7 * time.Millisecond, want: 6 * time.Millisecond},       // 2 ms apart
 	} {
 		m := newAckMark(sys, base+50, flush, time.Millisecond)
-		m.prev = flush.Add(c.prev)
-		if !m.look(flush.Add(c.now), &ti) {
-			t.Fatal("an acknowledgement found did not end the watch")
-		}
-		if got := m.take(); c.want == 0 && !got.IsZero() || c.want > 0 && got.Sub(flush) != c.want {
+		if got := lookOnce(t, m, flush.Add(c.prev), flush.Add(c.now)); c.want == 0 && !got.IsZero() || c.want > 0 && got.Sub(flush) != c.want {
 			t.Errorf("looks at %v and %v after the write: acknowledged at %v (zero: not usable), want %v", c.prev, c.now, got.Sub(flush), c.want)
 		}
 	}
