@@ -189,8 +189,6 @@ func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 		r.buf = relayplane.NewBuf()
 	}
 	up := r.up
-	up.setDirect(true)
-	setDirect(clientRx(r.client), true)
 	if r.headOwed && up.buffered() == 0 {
 		if err := r.writeOut(nil); err != nil {
 			return false, err
@@ -405,21 +403,6 @@ const maxPooledOut = 32 << 10
 // bareLastChunk ends a chunked body that has no trailers.
 var bareLastChunk = []byte("0\r\n\r\n")
 
-// clientRx returns the client connection's rxConn, or nil.
-func clientRx(c net.Conn) *rxConn {
-	if cc, ok := c.(*clientConn); ok {
-		return cc.rxConn
-	}
-	return nil
-}
-
-// setDirect turns the relay loop's direct socket calls on or off.
-func setDirect(c *rxConn, on bool) {
-	if c != nil {
-		c.direct = on
-	}
-}
-
 // serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
 // cannot read chunked encoding: the body goes out unframed on a hijacked
 // connection, ended by closing it. fasthttp would send chunked encoding.
@@ -482,8 +465,6 @@ func (r *bodyRelay) relayPass(hj net.Conn) {
 // server takes it on this one.
 func (r *bodyRelay) endPass(hj net.Conn, err error) {
 	cc := r.client.(*clientConn)
-	r.up.setDirect(false)
-	setDirect(cc.rxConn, false)
 	keep := err == nil && r.upDone && r.keepConn
 	if keep && hj != nil {
 		// A pipelined request the server had read ahead goes back with

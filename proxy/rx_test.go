@@ -242,7 +242,6 @@ func TestRxConnWrite(t *testing.T) {
 	if c.raw == nil {
 		t.Fatal("the connection has no raw access: the raw write is not under test")
 	}
-	c.direct = true
 	want := make([]byte, 8<<20)
 	for i := range want {
 		want[i] = byte(i * 7)

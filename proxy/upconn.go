@@ -120,9 +120,6 @@ func (c *upConn) recvFd(fd int, b []byte) (int, syscall.Errno) {
 	return n, errno
 }
 
-// setDirect turns the relay loop's direct socket calls on or off.
-func (c *upConn) setDirect(on bool) { setDirect(c.rx, on) }
-
 // Upstream connections' buffers: a reader per connection (8 KiB, held by
 // every stream but those on a relay loop) and a writer per request written.
 const (

@@ -47,13 +47,19 @@ func (p *poller) remove(fd int) error {
 	return p.ctl("remove", unix.EPOLL_CTL_DEL, fd, 0, 0, 0)
 }
 
+// ctl is made without the runtime's syscall bookkeeping (RawSyscall6), as
+// every call a stream's start and end make: epoll_ctl never waits, and the
+// bookkeeping's first call after an idle spell wakes the runtime's monitor
+// thread (see proxy's rxConn.sendRaw).
 func (p *poller) ctl(op string, code, fd int, events uint32, slot, side int32) error {
 	ev := unix.EpollEvent{Events: events, Fd: slot, Pad: side}
-	err := unix.EpollCtl(p.fd, code, fd, &ev)
-	if err != nil {
+	_, _, e := unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(p.fd), uintptr(code), uintptr(fd),
+		uintptr(unsafe.Pointer(&ev)), 0, 0)
+	if e != 0 {
 		metrics.RelayLoopError(op)
+		return e
 	}
-	return err
+	return nil
 }
 
 // wait takes the ready events without blocking (the loop parks in the

@@ -39,10 +39,22 @@ func Peek(fd uintptr) PeerState {
 
 // HungUp reports a peer that shut its side of the connection down (or
 // reset it), whatever bytes it sent before.
+// The call (ppoll with a zero timeout) never waits and is made without the
+// runtime's syscall bookkeeping, as Peek's.
 func HungUp(fd uintptr) bool {
 	fds := [1]unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
-	n, err := unix.Poll(fds[:], 0)
-	return err == nil && n > 0 && fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
+	var now unix.Timespec
+	for {
+		n, _, e := unix.RawSyscall6(unix.SYS_PPOLL, uintptr(unsafe.Pointer(&fds[0])), 1,
+			uintptr(unsafe.Pointer(&now)), 0, 0, 0)
+		switch {
+		case e == unix.EINTR:
+		case e != 0 || n == 0:
+			return false
+		default:
+			return fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
+		}
+	}
 }
 
 // Controller runs a function with a socket's descriptor (as
