@@ -79,6 +79,7 @@ func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 	snap := p.snap.Load()
 	x := p.acquireExchange(snap, p.arrival(ctx))
 	p.inflight.Add(1) // until recorded (shadow copies never count: they never hold up a drain)
+	p.monitor.arm()
 	rec := &x.rec
 	rec.Series, rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 	x.id = p.requestID(x.id[:0], clientID)

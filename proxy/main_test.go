@@ -11,9 +11,10 @@ import (
 
 // TestMain lets this test binary serve as a netsim link's forwarder, and
 // as the clients on the link's far side (network_test.go): processes of
-// their own.
+// their own, and as TestMonitorTickPreemptsLongWork's client.
 func TestMain(m *testing.M) {
 	netsim.ServeForwarder()
 	serveNetClients()
+	serveMonitorClient()
 	os.Exit(m.Run())
 }

@@ -147,6 +147,7 @@ type Proxy struct {
 	floors   pathFloors     // per client address, the lowest round trip lately (for the marks' looks)
 	stats    *stats.Engine
 	statsNow func() time.Time
+	monitor  *monitorTick // the runtime's monitor kept awake while requests are in flight
 }
 
 // New builds a Proxy for cfg.
@@ -155,6 +156,7 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy"),
 		caps: &connCaps{max: opts.MaxConns, maxPerIP: opts.MaxConnsPerIP, perIP: map[netip.Addr]int{}}}
 	_, _ = rand.Read(p.idPrefix[:])
+	p.monitor = newMonitorTick(func() bool { return p.inflight.Load() > 0 })
 	if s := int64(opts.IdleTimeout / time.Second); s > 0 {
 		p.keepAliveValue = []byte("timeout=" + strconv.FormatInt(s, 10))
 	}
