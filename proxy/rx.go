@@ -212,10 +212,10 @@ func (c *rxConn) WriteTo(w io.Writer) (int64, error) {
 // hand-off the write's time is the processor's, as a busy proxy's is.
 func (c *rxConn) sendRaw(fd uintptr) bool {
 	for len(c.wb) > 0 {
-		n, _, e := unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&c.wb[0])), uintptr(len(c.wb)))
+		n, e := rawWrite(fd, c.wb)
 		switch e {
 		case 0:
-			c.wn += int(n)
+			c.wn += n
 			c.wb = c.wb[n:]
 		case unix.EINTR:
 		case unix.EAGAIN:

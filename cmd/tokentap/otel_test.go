@@ -202,6 +202,7 @@ otel: {endpoint: %s, service_name: tokentap-test, sample: 1.0}
 routes:
   - name: chat
     prefix: /
+    balance: least_inflight
     upstreams:
       - {name: bad, url: %q, weight: 1000}
       - {name: good, url: %q, weight: 1}
