@@ -44,17 +44,21 @@ func serveMonitorClient() {
 	_ = a.SetDeadline(time.Now().Add(30 * time.Second))
 	_ = b.SetDeadline(time.Now().Add(30 * time.Second))
 	word := make([]byte, 1)
-	step := func(from, to net.Conn, say string, wait func()) {
-		if _, err := from.Read(word); err != nil {
-			os.Exit(2)
-		}
-		wait()
-		if _, err := to.Write([]byte(say)); err != nil {
+	read := func(c net.Conn) {
+		if _, err := c.Read(word); err != nil {
 			os.Exit(2)
 		}
 	}
-	step(b, a, "a", func() { waitMonitorAsleep(os.Getppid()) }) // set: the long request's byte
-	step(a, b, "b", func() {})                                  // it began: the other request's byte
+	write := func(c net.Conn, say string) {
+		if _, err := c.Write([]byte(say)); err != nil {
+			os.Exit(2)
+		}
+	}
+	read(b) // the parent is set
+	waitMonitorAsleep(os.Getppid())
+	write(a, "a") // the long request's byte
+	read(a)       // it began
+	write(b, "b") // the other request's byte
 	_, _ = a.Read(word)
 	os.Exit(0)
 }

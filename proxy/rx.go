@@ -8,6 +8,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"golang.org/x/sys/unix"
 )
 
@@ -206,13 +207,16 @@ func (c *rxConn) WriteTo(w io.Writer) (int64, error) {
 // switch each time. At 1,000 non-streamed requests/s on one processor the
 // writes were the last calls that woke it: made raw, context switches per
 // request fell from 4.6 to 2.1, the monitor's sleeps from 1.3 to 0.1, and
-// CPU per request by 16–28% (3 rounds side by side). A write on loopback, which also runs
-// the receiver's side of TCP, often takes longer than the 20 µs after which
-// the runtime would hand the processor to another thread: without the
-// hand-off the write's time is the processor's, as a busy proxy's is.
+// CPU per request by 16–28% (3 rounds side by side). A write on loopback,
+// which also runs the receiver's side of TCP, often takes longer than the
+// 20 µs after which the runtime would hand the processor to another
+// thread: without the hand-off the write's time is the processor's, as a
+// busy proxy's is. Under the race detector the write goes through
+// syscall.Write (relayplane.Write), whose annotations order it before the
+// peer's read.
 func (c *rxConn) sendRaw(fd uintptr) bool {
 	for len(c.wb) > 0 {
-		n, e := rawWrite(fd, c.wb)
+		n, e := relayplane.Write(fd, c.wb)
 		switch e {
 		case 0:
 			c.wn += n

@@ -304,13 +304,11 @@ func (l *Loop) halt() {
 	l.wake()
 }
 
-// wake writes the loop's eventfd, without the runtime's syscall
-// bookkeeping (the descriptor is non-blocking: the call never waits).
+// wake writes the loop's eventfd (non-blocking: the call never waits).
 func (l *Loop) wake() {
 	one := [8]byte{1}
 	for {
-		_, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(l.efd), uintptr(unsafe.Pointer(&one[0])), 8)
-		if e != unix.EINTR {
+		if _, e := Write(uintptr(l.efd), one[:]); e != unix.EINTR {
 			return // EAGAIN: the counter is full, the loop is woken anyway
 		}
 	}
@@ -394,10 +392,10 @@ func (l *Loop) read(s *Handle, events uint32) {
 // socket to be writable.
 func (l *Loop) write(s *Handle) {
 	for len(s.pending) > 0 {
-		n, _, e := unix.RawSyscall(unix.SYS_WRITE, uintptr(s.ClFd), uintptr(unsafe.Pointer(&s.pending[0])), uintptr(len(s.pending)))
+		n, e := Write(uintptr(s.ClFd), s.pending)
 		switch e {
 		case 0:
-			s.S.Note(Event{Kind: Sent, N: int(n)})
+			s.S.Note(Event{Kind: Sent, N: n})
 			s.pending = s.pending[n:]
 			continue
 		case unix.EINTR:

@@ -39,6 +39,7 @@ func Peek(fd uintptr) PeerState {
 
 // HungUp reports a peer that shut its side of the connection down (or
 // reset it), whatever bytes it sent before.
+//
 // The call (ppoll with a zero timeout) never waits and is made without the
 // runtime's syscall bookkeeping, as Peek's.
 func HungUp(fd uintptr) bool {

@@ -1,15 +1,15 @@
 //go:build race
 
-package proxy
+package relayplane
 
 import "syscall"
 
-// rawWrite, under the race detector, writes through syscall.Write, whose
+// Write, under the race detector, writes through syscall.Write, whose
 // annotations order a write before the peer's read of its bytes: a test
 // that reads what a handler set once the response arrived is not a race.
-// The bookkeeping this adds (the runtime's monitor woken, see
-// rxConn.sendRaw) changes the CPU a write costs, not what it does.
-func rawWrite(fd uintptr, b []byte) (int, syscall.Errno) {
+// The bookkeeping this adds (the runtime's monitor woken) changes the CPU
+// a write costs, not what it does.
+func Write(fd uintptr, b []byte) (int, syscall.Errno) {
 	n, err := syscall.Write(int(fd), b)
 	if err != nil {
 		return max(n, 0), err.(syscall.Errno)
