@@ -406,6 +406,9 @@ func appendCounts(f []zap.Field, r *Record) []zap.Field {
 	if r.CostUSD >= 0 {
 		f = append(f, zap.Float64("cost_usd", r.CostUSD))
 	}
+	if r.CostBasis != "" {
+		f = append(f, zap.String("cost_basis", r.CostBasis))
+	}
 	if r.ReasoningTokens >= 0 {
 		f = append(f, zap.Int("reasoning_tokens", r.ReasoningTokens))
 	}

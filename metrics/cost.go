@@ -11,6 +11,7 @@ import (
 // are accounts, not latency figures).
 //
 //	tokentap_cost_usd_total{route,model,tenant}
+//	tokentap_unpriced_requests_total{route,charged}  charged: route_max, no
 //	tokentap_cached_tokens_total{route,model}
 //	tokentap_cache_write_tokens_total{route,model}
 //	tokentap_cache_reported_requests_total{route,cache}      cache: hit, miss
@@ -40,6 +41,14 @@ func handle[C any](k handleKey, mk func() C) C {
 // model and its tenant.
 func account(r *Record) {
 	x := r.Series
+	if x != nil && r.CostBasis != "" && r.CostBasis != CostModel {
+		// A request its model's price did not price: charged at its
+		// route's dearest, or not at all.
+		basis := r.CostBasis
+		handle(handleKey{"unpriced", x.route, basis, ""}, func() *vm.Counter {
+			return vm.GetOrCreateCounter(`tokentap_unpriced_requests_total{route="` + x.route + `",charged="` + map[string]string{CostDearest: "route_max", CostUnpriced: "no"}[basis] + `"}`)
+		}).Inc()
+	}
 	reported := r.CachedTokens >= 0 && r.Stream && r.TTFT >= 0
 	if x == nil || (r.CostUSD <= 0 && r.CachedTokens <= 0 && r.CacheWriteTokens <= 0 && !reported) {
 		return

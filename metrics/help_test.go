@@ -31,6 +31,8 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	rec.CostUSD, rec.CachedTokens, rec.CacheWriteTokens, rec.Tenant = 0.001, 10, 5, "t-"+route
 	rec.UsageSource, rec.Stream = UsageProvider, true
 	s.Observe(&rec)
+	rec.CostBasis = CostUnpriced
+	s.Observe(&rec)
 	BackendScrape(true)
 	UpstreamConnDiscarded(DiscardExpired)
 	UpstreamRetry()

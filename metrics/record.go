@@ -172,6 +172,12 @@ type Record struct {
 	// CostUSD is what the request cost at its model's price (Config.Prices),
 	// in dollars; −1 when no price matches.
 	CostUSD float64
+	// CostBasis says which price CostUSD is at, where prices are
+	// configured: CostModel (the served model's), CostDearest (the
+	// route's dearest: the model had none and its tenant has a dollar
+	// budget) or CostUnpriced (no price: CostUSD absent); "" without
+	// prices.
+	CostBasis string
 	// Class is the request's class (proxy.Classes): its input and output
 	// sizes and whether its prefix was reused, so that upstreams are
 	// compared like with like. Empty outside a route.
@@ -229,6 +235,13 @@ const (
 	UsageProvider  = "provider"
 	UsageCounted   = "counted"
 	UsageEstimated = "estimated"
+)
+
+// The prices a record's cost is at (Record.CostBasis).
+const (
+	CostModel    = "model"
+	CostDearest  = "route_max"
+	CostUnpriced = "unpriced"
 )
 
 // Reset clears r for reuse, with every timing Absent.

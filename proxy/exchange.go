@@ -57,7 +57,7 @@ type exchange struct {
 	tenant    string
 	ticket    *ratelimit.Ticket
 	estIn     int64  // estimated input tokens
-	price     *Price // the model's price (prices.go; nil: none)
+	charge    charge // how it is priced (prices.go): by the request's model, then the served one
 	modelIdx  int    // the model's metric index
 	responded bool   // the upstream answered with headers
 	finished  bool
@@ -178,6 +178,9 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	x.in.body0 = body
 	req := x.dialect.Request(x.in.path, body)
+	if req.Dup != "" {
+		return x.duplicateMember(req.Dup)
+	}
 	model := req.Model
 	if x.in.late {
 		if r := x.pickLate(string(model), &ctx.Request.Header); r != nil {
@@ -185,7 +188,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 		}
 	}
 	rec.Model = boundedString(model, maxLoggedModel)
-	x.price = snap.cfg.priceOf(rec.Model)
+	x.charge = x.chargeFor(rec.Model)
 	rec.Stream = req.Stream
 	x.in.stream = req.Stream
 	x.tap.m.items = req.Items
@@ -211,10 +214,7 @@ func (x *exchange) admit() *refusal {
 	}
 	var total int64
 	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
-	var usd float64 // what it may cost, for the dollar budgets
-	if p := x.price; p != nil {
-		usd = p.cost(int(x.estIn), 0, 0, int(total-x.estIn))
-	}
+	usd := x.charge.cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
 	start := x.p.now()
 	ticket, refused := a.AdmitUSD(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total, usd)
 	x.rec.Queue = x.p.now().Sub(start)
@@ -344,6 +344,7 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 // Content-Encoding (tap.start).
 func (x *exchange) startParsing(resp *fasthttp.Response) {
 	x.tap.acks = x
+	x.tap.prices = len(x.snap.cfg.Prices) > 0
 	x.tap.start(resp.Header.ContentType(), resp.Header.ContentEncoding(), x.dialect, x.snap.cfg.MaxEventBytes, x.snap.cfg.MaxDecodedBytes)
 	x.rec.Stream = x.tap.streamed
 }
@@ -539,7 +540,24 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 // still taken. Called once per exchange, before record.
 func (x *exchange) accountBody(now time.Time, complete bool) {
 	x.tap.settle(now, complete)
+	if len(x.tap.model) > 0 && x.rt != nil {
+		// Priced as the model that served it.
+		x.charge = x.chargeFor(string(x.tap.model))
+	}
 	x.releaseTicket()
+}
+
+// chargeFor is how a request of the route served as model is priced: at
+// the model's price, else, for a tenant with a dollar budget, at the
+// route's dearest.
+func (x *exchange) chargeFor(model string) charge {
+	if p := x.snap.cfg.priceOf(model); p != nil {
+		return charge{price: p}
+	}
+	if a := x.snap.admit; a != nil && x.rt != nil && a.SpendsDollars(x.tenant, x.rt.Name) {
+		return charge{dearest: x.rt.prices}
+	}
+	return charge{}
 }
 
 // fillRecord derives the record's timings from the meter.
@@ -553,18 +571,15 @@ func (x *exchange) fillRecord(now time.Time) {
 	}
 	if x.tap.details {
 		x.rec.FinishReason = x.tap.finish
-		if len(x.tap.model) > 0 {
-			x.rec.ResponseModel = string(x.tap.model)
-		}
+	}
+	if len(x.tap.model) > 0 {
+		x.rec.ResponseModel = string(x.tap.model)
 	}
 	if x.rt != nil {
 		in := x.tap.m.usage.input(x.rec.BytesIn)
 		x.rec.Class = x.snap.cfg.Classes.of(in, x.rec.OutputTokens, x.rec.CachedTokens)
 	}
-	if x.price == nil && x.rec.Model == "" {
-		x.price = x.snap.cfg.priceOf(x.rec.ResponseModel)
-	}
-	priceRecord(&x.rec, x.price, &x.tap.m.usage)
+	priceRecord(&x.rec, x.charge, &x.tap.m.usage, len(x.snap.cfg.Prices) > 0)
 }
 
 // judge judges the finished record against its route's SLO, under the
@@ -590,9 +605,7 @@ func (x *exchange) releaseTicket() {
 	if u := &x.tap.m.usage; x.responded && (x.rec.Status < 400 || u.hasIn || u.hasOut) {
 		out, _ := x.tap.m.outputTokens(x.tap.streamed)
 		actual = int64(u.input(x.rec.BytesIn) + out)
-		if p := x.price; p != nil {
-			usd = p.used(u, x.rec.BytesIn, out)
-		}
+		usd = x.charge.used(u, x.rec.BytesIn, out)
 	}
 	x.ticket.ReleaseUSD(actual, usd)
 	x.ticket = nil

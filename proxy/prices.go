@@ -19,10 +19,10 @@ type Price struct {
 }
 
 // priceOf returns the first price whose glob matches model (nil: none).
+// A model that is empty (a body tokentap cannot read: not JSON, encoded,
+// a model that is no string) is priced by a catch-all glob ("*") like an
+// unknown one.
 func (c *Config) priceOf(model string) *Price {
-	if model == "" {
-		return nil
-	}
 	for i := range c.Prices {
 		if globMatch(c.Prices[i].Model, model) {
 			return &c.Prices[i]
@@ -67,25 +67,88 @@ func validPrices(prices []Price) error {
 	return nil
 }
 
-// used is what a request that used u (its output out) cost, its input
-// estimated from bytesIn where the usage does not say.
-func (p *Price) used(u *usage, bytesIn int64, out int) float64 {
-	return p.cost(u.input(bytesIn), u.cached, u.write, out)
+// routePrices are the prices that may apply to a route's requests: for a
+// route that names models, those whose glob meets one of its globs (each
+// read as a name of the other's; all of them when none does), else all.
+// The dearest of them prices a request whose model has no price when its
+// tenant has a dollar budget (charge).
+func routePrices(prices []Price, models []string) []*Price {
+	var ps []*Price
+	for i := range prices {
+		p := &prices[i]
+		meets := len(models) == 0
+		for _, g := range models {
+			meets = meets || globMatch(p.Model, g) || globMatch(g, p.Model)
+		}
+		if meets {
+			ps = append(ps, p)
+		}
+	}
+	if len(ps) == 0 && len(models) > 0 {
+		return routePrices(prices, nil)
+	}
+	return ps
 }
 
-// priceRecord fills the record's cost at p (nil: no price, CostUSD stays
-// absent). A request that reached no upstream cost nothing; one without a
-// usage block is priced from what was counted and estimated (its
-// UsageSource says so).
-func priceRecord(rec *metrics.Record, p *Price, u *usage) {
+// charge is how a request is priced: at its served model's price, or,
+// where that has none and its tenant has a dollar budget, at the dearest
+// price of its route for what it used (a body tokentap cannot read, or a
+// model left unpriced, never spends a budget for free); else unpriced.
+type charge struct {
+	price   *Price   // the served model's (nil: none)
+	dearest []*Price // its route's prices, when they stand in for it
+}
+
+// basis says which price a record's cost is at (metrics.Cost*).
+func (c charge) basis() string {
+	switch {
+	case c.price != nil:
+		return metrics.CostModel
+	case len(c.dearest) > 0:
+		return metrics.CostDearest
+	}
+	return metrics.CostUnpriced
+}
+
+// priced reports whether the charge gives a cost.
+func (c charge) priced() bool { return c.price != nil || len(c.dearest) > 0 }
+
+// cost is what in input tokens (cached and written of them to the prompt
+// cache) and out output tokens cost under the charge: the model's price,
+// or the dearest of the route's for these figures.
+func (c charge) cost(in, cached, written, out int) float64 {
+	if c.price != nil {
+		return c.price.cost(in, cached, written, out)
+	}
+	var most float64
+	for _, p := range c.dearest {
+		most = max(most, p.cost(in, cached, written, out))
+	}
+	return most
+}
+
+// used is what a request that used u (its output out) cost, its input
+// estimated from bytesIn where the usage does not say.
+func (c charge) used(u *usage, bytesIn int64, out int) float64 {
+	return c.cost(u.input(bytesIn), u.cached, u.write, out)
+}
+
+// priceRecord fills the record's cost under c (unpriced: CostUSD stays
+// absent, its basis says so). A request that reached no upstream cost
+// nothing; one without a usage block is priced from what was counted and
+// estimated (its UsageSource says so).
+func priceRecord(rec *metrics.Record, c charge, u *usage, anyPrices bool) {
 	if rec.Attempts == 0 {
 		rec.UsageSource = ""
-		if p != nil {
+		if c.priced() {
 			rec.CostUSD = 0
 		}
 		return
 	}
-	if p != nil {
-		rec.CostUSD = p.used(u, rec.BytesIn, rec.OutputTokens)
+	if anyPrices {
+		rec.CostBasis = c.basis()
+	}
+	if c.priced() {
+		rec.CostUSD = c.used(u, rec.BytesIn, rec.OutputTokens)
 	}
 }

@@ -18,6 +18,8 @@ import (
 var priceFixtures = map[string]struct{ contentType, body string }{
 	"openai-json": {"application/json", `{"id":"c1","object":"chat.completion","model":"gpt-4o-2024-08-06","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],` +
 		`"usage":{"prompt_tokens":2000,"completion_tokens":300,"total_tokens":2300,"prompt_tokens_details":{"cached_tokens":1500}}}`},
+	"openai-json-nomodel": {"application/json", `{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],` +
+		`"usage":{"prompt_tokens":2000,"completion_tokens":300,"total_tokens":2300}}`},
 	"openai-stream": {"text/event-stream", chatChunk("a") + chatChunk("b") + chatChunk("c") +
 		`data: {"choices":[],"usage":{"prompt_tokens":1000,"completion_tokens":3,"total_tokens":1003,"prompt_tokens_details":{"cached_tokens":0}}}` + "\n\ndata: [DONE]\n\n"},
 	"openai-stream-nousage": {"text/event-stream", chatChunk("a") + chatChunk("b") + chatChunk("c") + chatChunk("d") + "data: [DONE]\n\n"},
@@ -37,7 +39,8 @@ var testPrices = []Price{
 // Anthropic dialects with cache reads and writes, through tokentap with
 // prices. Each record's cached and cache-write tokens, usage source and
 // cost are exact; a stream without usage is counted and priced above $0;
-// an unpriced model has no cost; tokentap_cost_usd_total per tenant is the
+// a request is priced as the model the response names; a model with no
+// price, served by a response that names none, has no cost; tokentap_cost_usd_total per tenant is the
 // sum of its records'.
 func TestCostOfEachRecord(t *testing.T) {
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
@@ -65,8 +68,10 @@ func TestCostOfEachRecord(t *testing.T) {
 		resp.Body.Close()
 		return tp.rec.next(t)
 	}
-	costBefore := map[string]float64{"costa": promFloat(t, costSeries("gpt-4o", "costa")) + promFloat(t, costSeries("claude-sonnet-4-5", "costa")),
-		"costb": promFloat(t, costSeries("gpt-4o", "costb")) + promFloat(t, costSeries("claude-sonnet-4-5", "costb"))}
+	costOf := func(tenant string) float64 {
+		return promFloat(t, costSeries("gpt-4o", tenant)) + promFloat(t, costSeries("claude-sonnet-4-5", tenant)) + promFloat(t, costSeries("llama-x", tenant))
+	}
+	costBefore := map[string]float64{"costa": costOf("costa"), "costb": costOf("costb")}
 	nousage := `{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 400) + `"}]}`
 	cases := []struct {
 		key, fixture, path, body string
@@ -79,7 +84,9 @@ func TestCostOfEachRecord(t *testing.T) {
 		{"ka", "anthropic-stream", "/v1/messages", `{"model":"claude-sonnet-4-5","stream":true,"messages":[]}`, 5000, 2000, metrics.UsageProvider,
 			(100*3 + 5000*0.30 + 2000*3.75 + 50*15) / 1e6},
 		{"kb", "openai-stream-nousage", "/v1/chat/completions", nousage, -1, 0, metrics.UsageCounted, (float64(len(nousage)/4)*2.5 + 4*10) / 1e6},
-		{"ka", "openai-json", "/v1/chat/completions", `{"model":"llama-x","messages":[]}`, 1500, 0, metrics.UsageProvider, -1},
+		// Priced as the model that served it.
+		{"ka", "openai-json", "/v1/chat/completions", `{"model":"llama-x","messages":[]}`, 1500, 0, metrics.UsageProvider, (500*2.5 + 1500*1.25 + 300*10) / 1e6},
+		{"ka", "openai-json-nomodel", "/v1/chat/completions", `{"model":"llama-x","messages":[]}`, -1, 0, metrics.UsageProvider, -1},
 	}
 	sum := map[string]float64{}
 	for _, c := range cases {
@@ -93,6 +100,9 @@ func TestCostOfEachRecord(t *testing.T) {
 		if c.source == metrics.UsageCounted && rec.CostUSD <= 0 {
 			t.Errorf("a stream without usage priced at %v", rec.CostUSD)
 		}
+		if want := map[bool]string{true: metrics.CostModel, false: metrics.CostUnpriced}[c.cost >= 0]; rec.CostBasis != want {
+			t.Errorf("%s: cost basis %q, want %q", c.fixture, rec.CostBasis, want)
+		}
 		if rec.CostUSD > 0 {
 			sum[rec.Tenant] += rec.CostUSD
 		}
@@ -103,7 +113,7 @@ func TestCostOfEachRecord(t *testing.T) {
 		sum[rec.Tenant] += rec.CostUSD
 	}
 	for tenant, want := range sum {
-		got := promFloat(t, costSeries("gpt-4o", tenant)) + promFloat(t, costSeries("claude-sonnet-4-5", tenant)) - costBefore[tenant]
+		got := costOf(tenant) - costBefore[tenant]
 		if math.Abs(got-want) > 1e-9 {
 			t.Errorf("tokentap_cost_usd_total for %s: %.9f, the records sum to %.9f", tenant, got, want)
 		}

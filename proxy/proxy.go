@@ -241,7 +241,7 @@ func (p *Proxy) Apply(cfg Config) error {
 // buildRoute makes route i of a new generation: its upstreams (each a
 // metric row, appended to rows), shadow and guard.
 func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow) (*route, error) {
-	rt := &route{Route: r, slo: s.cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect)}
+	rt := &route{Route: r, slo: s.cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect), prices: routePrices(s.cfg.Prices, r.Models)}
 	specs := r.Upstreams
 	if len(specs) == 0 {
 		specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label

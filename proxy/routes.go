@@ -32,6 +32,7 @@ type route struct {
 	shadow  *shadowState    // nil: none
 	dialect dialect.Dialect // nil: chosen per request from the path
 	aff     *affinity       // sticky: prefix: the hash ring and the loads (affinity.go)
+	prices  []*Price        // the prices its requests may be at (routePrices)
 }
 
 // scrapers calls f with each scraper of the generation's upstreams.

@@ -29,6 +29,20 @@ func (x *exchange) modelNotFound() *refusal {
 	return r
 }
 
+// duplicateMember is the refusal of a body that gives name ("model" or
+// "stream") twice: tokentap reads the first, a backend that decodes with
+// Go or pydantic the last, so the request would be routed, priced and
+// checked as one model and served as another. A 400 in the dialect's
+// words.
+func (x *exchange) duplicateMember(name string) *refusal {
+	r := &refusal{status: fasthttp.StatusBadRequest, outcome: metrics.OutcomeBadRequest, code: "duplicate_member",
+		errType: "invalid_request_error", msg: "the request body gives \"" + name + "\" more than once"}
+	if x.dialect != nil && x.dialect.Name() == "anthropic" {
+		r.anthropic = true
+	}
+	return r
+}
+
 // pickLate settles the route of a request that waited for its body
 // (route.late): by the model it names where routes name models; then
 // chooses its upstream.

@@ -42,6 +42,9 @@ type tap struct {
 	details bool
 	model   []byte
 	finish  string
+	// prices: read the response's model until one is named (requests are
+	// priced as the model that served them).
+	prices bool
 }
 
 // ackMarker is told which delivery carried the stream's first token (tok)
@@ -272,9 +275,9 @@ func (tp *tap) settle(now time.Time, complete bool) {
 
 // readDetails reads the model that answered (until one is named) and the
 // finish reason (the last one given) from an event, line or body, when
-// tracing asked for them.
+// tracing asked for them; the model alone for pricing.
 func (tp *tap) readDetails(data []byte) {
-	if !tp.details {
+	if !tp.details && !(tp.prices && len(tp.model) == 0) {
 		return
 	}
 	d := dialect.ReadDetails(data, len(tp.model) == 0)

@@ -223,6 +223,17 @@ func (a *Admitter) Has(tenant string) bool {
 	return ok
 }
 
+// SpendsDollars reports whether tenant has a dollar budget (usd_per_day or
+// usd_per_month) of its own or on route: a request of it must be priced.
+func (a *Admitter) SpendsDollars(tenant, route string) bool {
+	t := a.tenants[tenant]
+	if t == nil {
+		return false
+	}
+	dollars := func(l Limits) bool { return l.USDPerDay > 0 || l.USDPerMonth > 0 }
+	return dollars(t.Limits) || dollars(t.Routes[route])
+}
+
 // state returns the live state of a configured tenant, creating it.
 func (a *Admitter) state(name string) *tenantState {
 	a.mu.Lock()

@@ -102,6 +102,12 @@ type Request struct {
 	Stream bool
 	// Items is the number of inputs of an embeddings call.
 	Items int
+	// Dup names a member read here ("model" or "stream") that the body's
+	// top level gives more than once, under any spelling that decodes to
+	// it; "" when none. A decoder that keeps the last value (Go's,
+	// pydantic's) would serve another model than the first names, so
+	// such a body cannot be routed, priced or checked.
+	Dup string
 }
 
 // All lists every dialect, by name.
@@ -142,17 +148,35 @@ func ForPath(path []byte) Dialect {
 	return Generic
 }
 
-// modelAndStream reads the "model" and "stream" members of a JSON body;
-// stream is def when absent.
+// modelAndStream reads the "model" and "stream" members of a JSON body's
+// top level in one pass; stream is def when absent. A member given twice
+// is named in Dup, the first value kept.
 func modelAndStream(body []byte, def bool) Request {
-	s := str(body)
-	var r Request
-	r.Model = stringView(body, gjson.Get(s, "model"))
-	if st := gjson.Get(s, "stream"); st.Exists() {
-		r.Stream = st.Bool()
-	} else {
-		r.Stream = def
+	r := Request{Stream: def}
+	b := bytes.TrimSpace(body)
+	if len(b) == 0 || b[0] != '{' {
+		return r
 	}
+	var seenModel, seenStream bool
+	gjson.Parse(str(b)).ForEach(func(k, v gjson.Result) bool {
+		switch k.Str {
+		case "model":
+			if seenModel {
+				r.Dup = "model"
+				return false
+			}
+			seenModel = true
+			r.Model = stringView(b, v)
+		case "stream":
+			if seenStream {
+				r.Dup = "stream"
+				return false
+			}
+			seenStream = true
+			r.Stream = v.Bool()
+		}
+		return true
+	})
 	return r
 }
 

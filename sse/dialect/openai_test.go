@@ -57,6 +57,30 @@ func TestReadRequest(t *testing.T) {
 	if r = OpenAI.Request(nil, []byte(`not json`)); r.Model != nil {
 		t.Fatalf("garbage: got %q", r.Model)
 	}
+	if r = OpenAI.Request(nil, []byte("  \n{\"model\":\"m\\u0031\"}\n ")); string(r.Model) != "m1" || r.Dup != "" {
+		t.Fatalf("spaced: got %q, dup %q", r.Model, r.Dup)
+	}
+}
+
+// TestDuplicateMembers: a body that gives "model" or "stream" twice at its
+// top level, under any spelling that decodes to the name, is flagged; the
+// same names nested, or given once, are not.
+func TestDuplicateMembers(t *testing.T) {
+	for body, want := range map[string]string{
+		`{"model":"cheap","model":"gpt-4o"}`:                         "model",
+		`{"model":"cheap","messages":[],"m\u006fdel":"gpt-4o"}`:      "model",
+		`{"stream":false,"model":"m","stream":true}`:                 "stream",
+		`{"model":"m","stream":true,"messages":[{"model":"other"}]}`: "",
+		`{"model":"m","metadata":{"model":"x","stream":1}}`:          "",
+		`{"model":null,"model":"x"}`:                                 "model",
+		`["model","model"]`:                                          "",
+	} {
+		for _, d := range []Dialect{OpenAI, Anthropic, Responses, Ollama, LlamaCpp, Embeddings, Generic} {
+			if got := d.Request(nil, []byte(body)).Dup; got != want {
+				t.Errorf("%s %s: dup %q, want %q", d.Name(), body, got, want)
+			}
+		}
+	}
 }
 
 func TestForPath(t *testing.T) {
