@@ -403,11 +403,11 @@ func appendCounts(f []zap.Field, r *Record) []zap.Field {
 	if r.UsageSource != "" {
 		f = append(f, zap.Int("cache_write_tokens", r.CacheWriteTokens), zap.String("usage_source", r.UsageSource))
 	}
-	if r.CostUSD >= 0 {
-		f = append(f, zap.Float64("cost_usd", r.CostUSD))
+	if r.Cost.USD >= 0 {
+		f = append(f, zap.Float64("cost_usd", r.Cost.USD))
 	}
-	if r.CostBasis != "" {
-		f = append(f, zap.String("cost_basis", r.CostBasis))
+	if r.Cost.Basis != "" {
+		f = append(f, zap.String("cost_basis", r.Cost.Basis))
 	}
 	if r.ReasoningTokens >= 0 {
 		f = append(f, zap.Int("reasoning_tokens", r.ReasoningTokens))

@@ -12,6 +12,7 @@ import (
 //
 //	tokentap_cost_usd_total{route,model,tenant}
 //	tokentap_unpriced_requests_total{route,charged}  charged: route_max, no
+//	tokentap_usage_rejected_total{route}             usage that could not be true
 //	tokentap_cached_tokens_total{route,model}
 //	tokentap_cache_write_tokens_total{route,model}
 //	tokentap_cache_reported_requests_total{route,cache}      cache: hit, miss
@@ -41,24 +42,29 @@ func handle[C any](k handleKey, mk func() C) C {
 // model and its tenant.
 func account(r *Record) {
 	x := r.Series
-	if x != nil && r.CostBasis != "" && r.CostBasis != CostModel {
+	if x != nil && r.UsageSource == UsageRejected {
+		handle(handleKey{"usage_rejected", x.route, "", ""}, func() *vm.Counter {
+			return vm.GetOrCreateCounter(`tokentap_usage_rejected_total{route="` + x.route + `"}`)
+		}).Inc()
+	}
+	if x != nil && r.Cost.Basis != "" && r.Cost.Basis != CostModel {
 		// A request its model's price did not price: charged at its
 		// route's dearest, or not at all.
-		basis := r.CostBasis
+		basis := r.Cost.Basis
 		handle(handleKey{"unpriced", x.route, basis, ""}, func() *vm.Counter {
 			return vm.GetOrCreateCounter(`tokentap_unpriced_requests_total{route="` + x.route + `",charged="` + map[string]string{CostDearest: "route_max", CostUnpriced: "no"}[basis] + `"}`)
 		}).Inc()
 	}
 	reported := r.CachedTokens >= 0 && r.Stream && r.TTFT >= 0
-	if x == nil || (r.CostUSD <= 0 && r.CachedTokens <= 0 && r.CacheWriteTokens <= 0 && !reported) {
+	if x == nil || (r.Cost.USD <= 0 && r.CachedTokens <= 0 && r.CacheWriteTokens <= 0 && !reported) {
 		return
 	}
 	// The series' names are made on first use only (no string per request).
 	labels := func() string { return `route="` + x.route + `",model="` + x.model + `"` }
-	if r.CostUSD > 0 {
+	if r.Cost.USD > 0 {
 		handle(handleKey{"cost", x.route, x.model, r.Tenant}, func() *vm.FloatCounter {
 			return vm.GetOrCreateFloatCounter(`tokentap_cost_usd_total{` + labels() + `,tenant="` + r.Tenant + `"}`)
-		}).Add(r.CostUSD)
+		}).Add(r.Cost.USD)
 	}
 	if r.CachedTokens > 0 {
 		handle(handleKey{"read", x.route, x.model, ""}, func() *vm.Counter {

@@ -28,10 +28,10 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	rec.Reset()
 	rec.Route, rec.Status, rec.Outcome, rec.Series, rec.TenantSeries = route, 200, OutcomeOK, s.Series(0, 0), s.Tenant("t-"+route)
 	rec.TTFT, rec.E2E, rec.ServerQueue, rec.ServerPrefill, rec.ServerDecode = time.Millisecond, time.Second, time.Millisecond, time.Millisecond, time.Millisecond
-	rec.CostUSD, rec.CachedTokens, rec.CacheWriteTokens, rec.Tenant = 0.001, 10, 5, "t-"+route
+	rec.Cost.USD, rec.CachedTokens, rec.CacheWriteTokens, rec.Tenant = 0.001, 10, 5, "t-"+route
 	rec.UsageSource, rec.Stream = UsageProvider, true
 	s.Observe(&rec)
-	rec.CostBasis = CostUnpriced
+	rec.Cost.Basis, rec.UsageSource = CostUnpriced, UsageRejected
 	s.Observe(&rec)
 	BackendScrape(true)
 	UpstreamConnDiscarded(DiscardExpired)

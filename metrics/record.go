@@ -166,18 +166,13 @@ type Record struct {
 	ReasoningTokens int
 	// UsageSource says where the tokens came from: UsageProvider (the
 	// backend's usage block), UsageCounted (none: tokentap counted the
-	// stream's tokens, the input estimated from the body's size) or
-	// UsageEstimated (neither: the input from the body's size alone).
+	// stream's tokens, the input estimated from the body's size),
+	// UsageEstimated (neither: the input from the body's size alone) or
+	// UsageRejected (the backend's could not be true: counted and
+	// estimated as without one).
 	UsageSource string
-	// CostUSD is what the request cost at its model's price (Config.Prices),
-	// in dollars; −1 when no price matches.
-	CostUSD float64
-	// CostBasis says which price CostUSD is at, where prices are
-	// configured: CostModel (the served model's), CostDearest (the
-	// route's dearest: the model had none and its tenant has a dollar
-	// budget) or CostUnpriced (no price: CostUSD absent); "" without
-	// prices.
-	CostBasis string
+	// Cost is what the request cost and at which price.
+	Cost Cost
 	// Class is the request's class (proxy.Classes): its input and output
 	// sizes and whether its prefix was reused, so that upstreams are
 	// compared like with like. Empty outside a route.
@@ -235,9 +230,25 @@ const (
 	UsageProvider  = "provider"
 	UsageCounted   = "counted"
 	UsageEstimated = "estimated"
+	// UsageRejected: the backend's usage could not be true (a count that
+	// is negative, fractional, not a number, or more than the request's
+	// bytes and the response's bytes and time could carry) and was set
+	// aside: the figures are tokentap's count and estimate.
+	UsageRejected = "rejected"
 )
 
-// The prices a record's cost is at (Record.CostBasis).
+// Cost is what a request cost at its model's price (Config.Prices).
+type Cost struct {
+	// USD is the cost in dollars; −1 when no price matches.
+	USD float64
+	// Basis says which price USD is at, where prices are configured:
+	// CostModel (the served model's), CostDearest (the route's dearest:
+	// the model had none and its tenant has a dollar budget) or
+	// CostUnpriced (no price: USD absent); "" without prices.
+	Basis string
+}
+
+// The prices a record's cost is at (Cost.Basis).
 const (
 	CostModel    = "model"
 	CostDearest  = "route_max"
@@ -251,7 +262,7 @@ func (r *Record) Reset() {
 		ServerQueue: Absent, ServerLoad: Absent, ServerPrefill: Absent, ServerDecode: Absent, ServerTTFT: Absent,
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
-		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1, CostUSD: -1, ReasoningTokens: -1,
+		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1, Cost: Cost{USD: -1}, ReasoningTokens: -1,
 		PredictedTTFT: Absent, PredictedTPOT: Absent,
 	}
 }

@@ -27,7 +27,11 @@ func TestRequestClasses(t *testing.T) {
 		case "fresh":
 			usage = fmt.Sprintf(`,"usage":{"prompt_tokens":%d,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}`, len(body)/4)
 		}
-		io.WriteString(w, `data: {"choices":[{"delta":{"content":"hi"}}]}`+"\n\n")
+		text := "hi"
+		if r.Header.Get("X-Usage") == "reused" {
+			text = strings.Repeat(" w", 600) // 600 tokens' text: usage past what the bytes carry is set aside
+		}
+		io.WriteString(w, `data: {"choices":[{"delta":{"content":"`+text+`"}}]}`+"\n\n")
 		io.WriteString(w, `data: {"choices":[]`+usage+"}\n\n")
 		io.WriteString(w, "data: [DONE]\n\n")
 	})

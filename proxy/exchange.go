@@ -177,6 +177,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 		}
 	}
 	x.in.body0 = body
+	x.in.encoded = encoded(ctx.Request.Header.ContentEncoding())
 	req := x.dialect.Request(x.in.path, body)
 	if req.Dup != "" {
 		return x.duplicateMember(req.Dup)
@@ -203,36 +204,6 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	rec.Queue = 0
 	return nil
-}
-
-// admit runs admission control for the identified tenant, waiting in its
-// queue when the mode says so.
-func (x *exchange) admit() *refusal {
-	a := x.snap.admit
-	if a == nil {
-		return nil
-	}
-	var total int64
-	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
-	usd := x.charge.cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
-	start := x.p.now()
-	ticket, refused := a.AdmitUSD(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total, usd)
-	x.rec.Queue = x.p.now().Sub(start)
-	if refused == nil {
-		x.ticket = ticket
-		return nil
-	}
-	x.rec.TenantSeries.Rejected(string(refused.Reason))
-	if refused.Reason == ratelimit.ReasonCancelled {
-		return refuseGoneWhileQueued
-	}
-	if refused.Reason == ratelimit.ReasonStore {
-		return &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeRejected, code: "admission_store_unavailable",
-			msg: "admission control cannot reach its shared store, retry later", note: "rejected: admission store unavailable", retryAfter: time.Second}
-	}
-	return &refusal{status: fasthttp.StatusTooManyRequests, outcome: metrics.OutcomeLimited, code: "rate_limit_exceeded",
-		msg:  "rate limit reached (" + string(refused.Reason) + "), retry later",
-		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, rateLimited: true}
 }
 
 // respond passes the response headers on and hands the body to the server,
@@ -540,24 +511,12 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 // still taken. Called once per exchange, before record.
 func (x *exchange) accountBody(now time.Time, complete bool) {
 	x.tap.settle(now, complete)
+	x.checkUsage(now)
 	if len(x.tap.model) > 0 && x.rt != nil {
 		// Priced as the model that served it.
 		x.charge = x.chargeFor(string(x.tap.model))
 	}
 	x.releaseTicket()
-}
-
-// chargeFor is how a request of the route served as model is priced: at
-// the model's price, else, for a tenant with a dollar budget, at the
-// route's dearest.
-func (x *exchange) chargeFor(model string) charge {
-	if p := x.snap.cfg.priceOf(model); p != nil {
-		return charge{price: p}
-	}
-	if a := x.snap.admit; a != nil && x.rt != nil && a.SpendsDollars(x.tenant, x.rt.Name) {
-		return charge{dearest: x.rt.prices}
-	}
-	return charge{}
 }
 
 // fillRecord derives the record's timings from the meter.
@@ -590,23 +549,4 @@ func (x *exchange) judge() {
 	}
 	slo := x.slo()
 	slo.Judge(&x.rec)
-}
-
-// releaseTicket returns the request's admission ticket with the tokens it
-// really used: the usage the backend reported, or the input estimate and
-// the output tokens counted; nothing when no response came or the backend
-// refused the request without usage.
-func (x *exchange) releaseTicket() {
-	if x.ticket == nil {
-		return
-	}
-	var actual int64
-	var usd float64
-	if u := &x.tap.m.usage; x.responded && (x.rec.Status < 400 || u.hasIn || u.hasOut) {
-		out, _ := x.tap.m.outputTokens(x.tap.streamed)
-		actual = int64(u.input(x.rec.BytesIn) + out)
-		usd = x.charge.used(u, x.rec.BytesIn, out)
-	}
-	x.ticket.ReleaseUSD(actual, usd)
-	x.ticket = nil
 }

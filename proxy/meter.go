@@ -48,10 +48,53 @@ type meter struct {
 }
 
 // usage is the token usage the response reported, merged across events.
+// bad: a count that cannot be true was given (dialect.Obs.BadUsage);
+// rejected: the whole usage was set aside (reject), the counts tokentap
+// made stand in.
 type usage struct {
 	hasIn, hasOut, hasCached, hasWrite, hasReasoning bool
+	bad, rejected                                    bool
 	in, out, cached, write, reasoning                int
 }
+
+// What a response's usage can claim beyond what tokentap saw of it
+// (plausible): input tokens beyond one a byte of the request's body
+// (content a request references by URL: images, files), output tokens
+// beyond one a byte of the response's text (tokens a backend generates
+// unseen: hidden reasoning) at the fastest rate a stream is decoded, and
+// a margin for the few tokens that print nothing (an end of sequence).
+const (
+	unseenInput       = 1 << 17 // tokens
+	unseenOutputRate  = 10_000  // tokens a second
+	unseenOutputSlack = 64      // tokens
+	// compressedRatio stands in for a compressed body's text where it was
+	// not decoded whole: the bytes it may hold per byte sent.
+	compressedRatio = 1024
+)
+
+// plausible reports whether the usage could be true of a request of
+// bytesIn body bytes whose response carried textOut bytes of text and
+// lasted e2e: no count given that cannot be true (bad), none past what
+// the bytes and the time could carry, no part larger than its whole.
+func (u *usage) plausible(bytesIn, textOut int64, e2e time.Duration) bool {
+	switch {
+	case u.bad:
+		return false
+	case u.hasIn && int64(u.in) > bytesIn+unseenInput:
+		return false
+	case u.hasOut && float64(u.out) > float64(textOut+unseenOutputSlack)+unseenOutputRate*max(e2e.Seconds(), 0):
+		return false
+	case u.hasIn && (u.cached > u.in || u.write > u.in || u.cached+u.write > u.in):
+		return false
+	case u.hasOut && u.hasReasoning && u.reasoning > u.out:
+		return false
+	}
+	return true
+}
+
+// reject sets the usage aside: the record, the bill and the budgets then
+// go by what tokentap counted and estimated.
+func (u *usage) reject() { *u = usage{bad: u.bad, rejected: true} }
 
 // input is the request's input tokens: the usage's where the backend
 // said, else the estimate from the body's bytesIn (admission control's).
@@ -107,6 +150,9 @@ func (m *meter) observe(o dialect.Obs, t time.Time) {
 	}
 	if o.HasReasoning {
 		m.usage.hasReasoning, m.usage.reasoning = true, o.Reasoning
+	}
+	if o.BadUsage {
+		m.usage.bad = true
 	}
 	if o.Items > 0 {
 		m.items = o.Items
@@ -210,6 +256,8 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 		rec.OutputTokens, rec.TokensSource = n, source
 	}
 	switch {
+	case m.usage.rejected:
+		rec.UsageSource = metrics.UsageRejected
 	case m.usage.hasIn || m.usage.hasOut:
 		rec.UsageSource = metrics.UsageProvider
 	case rec.TokensSource == "counted":

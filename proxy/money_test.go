@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -68,7 +69,8 @@ func TestBudgetNotDodgedByAnUnreadableBody(t *testing.T) {
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
-		io.WriteString(w, `{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":10,"completion_tokens":1000}}`)
+		// A thousand tokens' text: usage past what the bytes carry is set aside.
+		io.WriteString(w, `{"choices":[{"message":{"content":"`+strings.Repeat("word ", 200)+`"}}],"usage":{"prompt_tokens":10,"completion_tokens":1000}}`)
 	})
 	var gz bytes.Buffer
 	zw := gzip.NewWriter(&gz)
@@ -100,8 +102,8 @@ func TestBudgetNotDodgedByAnUnreadableBody(t *testing.T) {
 			resp.Body.Close()
 			statuses = append(statuses, resp.StatusCode)
 			rec := tp.rec.next(t)
-			if resp.StatusCode == 200 && (math.Abs(rec.CostUSD-0.00375) > 1e-12 || rec.CostBasis != metrics.CostModel) {
-				t.Errorf("%s: cost %v (%s), want 0.00375 at the catch-all", name, rec.CostUSD, rec.CostBasis)
+			if resp.StatusCode == 200 && (math.Abs(rec.Cost.USD-0.00375) > 1e-12 || rec.Cost.Basis != metrics.CostModel) {
+				t.Errorf("%s: cost %v (%s), want 0.00375 at the catch-all", name, rec.Cost.USD, rec.Cost.Basis)
 			}
 		}
 		if !slicesEqual(statuses, []int{200, 200, 200, 429, 429}) {
@@ -136,21 +138,104 @@ func TestUnpricedModelChargedAtTheRouteDearest(t *testing.T) {
 		resp, _ := postKey(t, tp.url+"/v1/chat/completions", "kb", body)
 		statuses = append(statuses, resp.StatusCode)
 		rec := tp.rec.next(t)
-		if resp.StatusCode == 200 && (math.Abs(rec.CostUSD-dear) > 1e-12 || rec.CostBasis != metrics.CostDearest) {
-			t.Errorf("budget tenant: cost %v (%q), want %v at route_max", rec.CostUSD, rec.CostBasis, dear)
+		if resp.StatusCode == 200 && (math.Abs(rec.Cost.USD-dear) > 1e-12 || rec.Cost.Basis != metrics.CostDearest) {
+			t.Errorf("budget tenant: cost %v (%q), want %v at route_max", rec.Cost.USD, rec.Cost.Basis, dear)
 		}
 	}
 	if !slicesEqual(statuses, []int{200, 200, 429, 429}) {
 		t.Errorf("statuses %v, want two through at the dearest price, then 429", statuses)
 	}
 	resp, _ := postKey(t, tp.url+"/v1/chat/completions", "kf", body)
-	if rec := tp.rec.next(t); resp.StatusCode != 200 || rec.CostUSD != -1 || rec.CostBasis != metrics.CostUnpriced {
-		t.Errorf("tenant without a budget: %d, cost %v (%q), want unpriced", resp.StatusCode, rec.CostUSD, rec.CostBasis)
+	if rec := tp.rec.next(t); resp.StatusCode != 200 || rec.Cost.USD != -1 || rec.Cost.Basis != metrics.CostUnpriced {
+		t.Errorf("tenant without a budget: %d, cost %v (%q), want unpriced", resp.StatusCode, rec.Cost.USD, rec.Cost.Basis)
 	}
 	if d := promFloat(t, `tokentap_unpriced_requests_total{route="unpriced",charged="no"}`) - unpricedBefore; d != 1 {
 		t.Errorf("unpriced requests counted %v, want 1", d)
 	}
 	if d := promFloat(t, `tokentap_unpriced_requests_total{route="unpriced",charged="route_max"}`) - chargedBefore; d != 2 {
 		t.Errorf("requests charged at the route's dearest counted %v, want 2", d)
+	}
+}
+
+// TestHostileUsageSetAside: a stream of three tokens whose usage claims
+// what cannot be true (1e30, NaN, Infinity, negative, fractional, a
+// string, 1e9 tokens in a response of a few hundred bytes, more cached
+// tokens than input) is set aside: the record says usage_source
+// "rejected" and carries the three counted tokens, the cost is what the
+// counted tokens and estimated input cost, the metric counts each, and a
+// tenant's dollar budget moves by that cost only (1e9 used to lock it out
+// for the day). An honest usage is kept.
+func TestHostileUsageSetAside(t *testing.T) {
+	var claim atomic.Value
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a")+chatChunk("b")+chatChunk("c")+`data: {"choices":[],"usage":`+claim.Load().(string)+"}\n\ndata: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, func(c *Config) {
+		c.Routes[0].Name = "hostile"
+		c.Prices = []Price{{Model: "*", Input: 1, CachedInput: -1, CacheWrite: -1, Output: 10}}
+		withTenants(ratelimit.ModeReject, ratelimit.Tenant{Name: "payer", Keys: []string{"kp"}, Limits: ratelimit.Limits{USDPerDay: 0.001}})(c)
+	})
+	body := `{"model":"m","stream":true,"max_tokens":3,"messages":[]}`
+	counted := (float64(len(body)/4)*1 + 3*10) / 1e6
+	rejectedBefore := promFloat(t, `tokentap_usage_rejected_total{route="hostile"}`)
+	costBefore := promFloat(t, `tokentap_cost_usd_total{route="hostile",model="other",tenant="payer"}`)
+	hostile := []string{
+		`{"prompt_tokens":1e30,"completion_tokens":1e30}`,
+		`{"prompt_tokens":NaN,"completion_tokens":3}`,
+		`{"prompt_tokens":5,"completion_tokens":Infinity}`,
+		`{"prompt_tokens":-7,"completion_tokens":3}`,
+		`{"prompt_tokens":5,"completion_tokens":2.5}`,
+		`{"prompt_tokens":"5","completion_tokens":3}`,
+		`{"prompt_tokens":5,"completion_tokens":1000000000}`,
+		`{"prompt_tokens":5,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":900}}`,
+		`{"prompt_tokens":1000000000,"completion_tokens":3}`,
+	}
+	var spent float64
+	for _, u := range hostile {
+		claim.Store(u)
+		resp, b := postKey(t, tp.url+"/v1/chat/completions", "kp", body)
+		rec := tp.rec.next(t)
+		if resp.StatusCode != 200 || !strings.Contains(string(b), `"c"`) {
+			t.Fatalf("%s: %d, the stream did not pass whole", u, resp.StatusCode)
+		}
+		if rec.UsageSource != metrics.UsageRejected || rec.OutputTokens != 3 || rec.InputTokens != 0 || rec.CachedTokens != -1 {
+			t.Errorf("%s: usage_source %q, output %d, input %d, cached %d; want rejected, the 3 counted", u, rec.UsageSource, rec.OutputTokens, rec.InputTokens, rec.CachedTokens)
+		}
+		if math.Abs(rec.Cost.USD-counted) > 1e-12 {
+			t.Errorf("%s: cost %v, want the counted %v", u, rec.Cost.USD, counted)
+		}
+		spent += rec.Cost.USD
+	}
+	if d := promFloat(t, `tokentap_usage_rejected_total{route="hostile"}`) - rejectedBefore; d != float64(len(hostile)) {
+		t.Errorf("tokentap_usage_rejected_total moved by %v, want %d", d, len(hostile))
+	}
+	if d := promFloat(t, `tokentap_cost_usd_total{route="hostile",model="other",tenant="payer"}`) - costBefore; math.Abs(d-spent) > 1e-12 {
+		t.Errorf("tokentap_cost_usd_total moved by %v, the records by %v", d, spent)
+	}
+	// The budget ($0.001) holds 22 requests' counted cost: the claims
+	// spent none of it beyond that, so the tenant is still served.
+	claim.Store(`{"prompt_tokens":12,"completion_tokens":3}`)
+	resp, _ := postKey(t, tp.url+"/v1/chat/completions", "kp", body)
+	if rec := tp.rec.next(t); resp.StatusCode != 200 || rec.UsageSource != metrics.UsageProvider || rec.InputTokens != 12 {
+		t.Errorf("an honest request after the claims: %d, usage_source %q, input %d; want served, the provider's", resp.StatusCode, rec.UsageSource, rec.InputTokens)
+	}
+}
+
+// TestHonestUsageKept: a usage within what the request's and the
+// response's bytes and time could carry is the record's, provider.
+func TestHonestUsageKept(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("a")+chatChunk("b")+chatChunk("c")+
+			`data: {"choices":[],"usage":{"prompt_tokens":40000,"completion_tokens":60,"completion_tokens_details":{"reasoning_tokens":57},"prompt_tokens_details":{"cached_tokens":30000}}}`+"\n\ndata: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, nil)
+	ask(t, tp.url, "/v1/chat/completions", `{"model":"m","stream":true,"messages":[]}`)
+	if rec := tp.rec.next(t); rec.UsageSource != metrics.UsageProvider || rec.InputTokens != 40000 || rec.OutputTokens != 60 || rec.CachedTokens != 30000 {
+		t.Errorf("usage_source %q, input %d, output %d, cached %d: want the provider's (input referenced beyond the body, hidden reasoning)",
+			rec.UsageSource, rec.InputTokens, rec.OutputTokens, rec.CachedTokens)
 	}
 }

@@ -95,8 +95,8 @@ func routePrices(prices []Price, models []string) []*Price {
 // price of its route for what it used (a body tokentap cannot read, or a
 // model left unpriced, never spends a budget for free); else unpriced.
 type charge struct {
-	price   *Price   // the served model's (nil: none)
-	dearest []*Price // its route's prices, when they stand in for it
+	price   *Price    // the served model's (nil: none)
+	dearest *[]*Price // its route's prices, when they stand in for it
 }
 
 // basis says which price a record's cost is at (metrics.Cost*).
@@ -104,14 +104,14 @@ func (c charge) basis() string {
 	switch {
 	case c.price != nil:
 		return metrics.CostModel
-	case len(c.dearest) > 0:
+	case c.dearest != nil && len(*c.dearest) > 0:
 		return metrics.CostDearest
 	}
 	return metrics.CostUnpriced
 }
 
 // priced reports whether the charge gives a cost.
-func (c charge) priced() bool { return c.price != nil || len(c.dearest) > 0 }
+func (c charge) priced() bool { return c.basis() != metrics.CostUnpriced }
 
 // cost is what in input tokens (cached and written of them to the prompt
 // cache) and out output tokens cost under the charge: the model's price,
@@ -121,7 +121,10 @@ func (c charge) cost(in, cached, written, out int) float64 {
 		return c.price.cost(in, cached, written, out)
 	}
 	var most float64
-	for _, p := range c.dearest {
+	if c.dearest == nil {
+		return 0
+	}
+	for _, p := range *c.dearest {
 		most = max(most, p.cost(in, cached, written, out))
 	}
 	return most
@@ -141,14 +144,14 @@ func priceRecord(rec *metrics.Record, c charge, u *usage, anyPrices bool) {
 	if rec.Attempts == 0 {
 		rec.UsageSource = ""
 		if c.priced() {
-			rec.CostUSD = 0
+			rec.Cost.USD = 0
 		}
 		return
 	}
 	if anyPrices {
-		rec.CostBasis = c.basis()
+		rec.Cost.Basis = c.basis()
 	}
 	if c.priced() {
-		rec.CostUSD = c.used(u, rec.BytesIn, rec.OutputTokens)
+		rec.Cost.USD = c.used(u, rec.BytesIn, rec.OutputTokens)
 	}
 }

@@ -16,9 +16,9 @@ import (
 
 // The price fixtures: what a backend answers, by the X-Fixture header.
 var priceFixtures = map[string]struct{ contentType, body string }{
-	"openai-json": {"application/json", `{"id":"c1","object":"chat.completion","model":"gpt-4o-2024-08-06","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],` +
+	"openai-json": {"application/json", `{"id":"c1","object":"chat.completion","model":"gpt-4o-2024-08-06","choices":[{"index":0,"message":{"role":"assistant","content":"` + words300 + `"},"finish_reason":"stop"}],` +
 		`"usage":{"prompt_tokens":2000,"completion_tokens":300,"total_tokens":2300,"prompt_tokens_details":{"cached_tokens":1500}}}`},
-	"openai-json-nomodel": {"application/json", `{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],` +
+	"openai-json-nomodel": {"application/json", `{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"` + words300 + `"},"finish_reason":"stop"}],` +
 		`"usage":{"prompt_tokens":2000,"completion_tokens":300,"total_tokens":2300}}`},
 	"openai-stream": {"text/event-stream", chatChunk("a") + chatChunk("b") + chatChunk("c") +
 		`data: {"choices":[],"usage":{"prompt_tokens":1000,"completion_tokens":3,"total_tokens":1003,"prompt_tokens_details":{"cached_tokens":0}}}` + "\n\ndata: [DONE]\n\n"},
@@ -28,6 +28,10 @@ var priceFixtures = map[string]struct{ contentType, body string }{
 		"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":50}}\n\n" +
 		"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"},
 }
+
+// words300 is the text of 300 output tokens: a usage that claims more
+// tokens than a response's bytes carry is set aside.
+var words300 = strings.Repeat(" tok", 300)
 
 var testPrices = []Price{
 	{Model: "gpt-4o*", Input: 2.50, CachedInput: 1.25, CacheWrite: -1, Output: 10},
@@ -94,23 +98,23 @@ func TestCostOfEachRecord(t *testing.T) {
 		if rec.CachedTokens != c.cached || rec.CacheWriteTokens != c.written || rec.UsageSource != c.source {
 			t.Errorf("%s: cached %d, cache write %d, source %q; want %d, %d, %q", c.fixture, rec.CachedTokens, rec.CacheWriteTokens, rec.UsageSource, c.cached, c.written, c.source)
 		}
-		if math.Abs(rec.CostUSD-c.cost) > 1e-12 {
-			t.Errorf("%s (%s): cost %.9f, want %.9f", c.fixture, c.body[:20], rec.CostUSD, c.cost)
+		if math.Abs(rec.Cost.USD-c.cost) > 1e-12 {
+			t.Errorf("%s (%s): cost %.9f, want %.9f", c.fixture, c.body[:20], rec.Cost.USD, c.cost)
 		}
-		if c.source == metrics.UsageCounted && rec.CostUSD <= 0 {
-			t.Errorf("a stream without usage priced at %v", rec.CostUSD)
+		if c.source == metrics.UsageCounted && rec.Cost.USD <= 0 {
+			t.Errorf("a stream without usage priced at %v", rec.Cost.USD)
 		}
-		if want := map[bool]string{true: metrics.CostModel, false: metrics.CostUnpriced}[c.cost >= 0]; rec.CostBasis != want {
-			t.Errorf("%s: cost basis %q, want %q", c.fixture, rec.CostBasis, want)
+		if want := map[bool]string{true: metrics.CostModel, false: metrics.CostUnpriced}[c.cost >= 0]; rec.Cost.Basis != want {
+			t.Errorf("%s: cost basis %q, want %q", c.fixture, rec.Cost.Basis, want)
 		}
-		if rec.CostUSD > 0 {
-			sum[rec.Tenant] += rec.CostUSD
+		if rec.Cost.USD > 0 {
+			sum[rec.Tenant] += rec.Cost.USD
 		}
 	}
 	if rec := send("ka", "anthropic-stream", "/v1/messages", `{"model":"claude-sonnet-4-5","stream":true}`); rec.InputTokens != 7100 {
 		t.Errorf("Anthropic input tokens %d, want the whole prompt (100 + 2000 + 5000)", rec.InputTokens)
 	} else {
-		sum[rec.Tenant] += rec.CostUSD
+		sum[rec.Tenant] += rec.Cost.USD
 	}
 	for tenant, want := range sum {
 		got := costOf(tenant) - costBefore[tenant]
@@ -165,7 +169,8 @@ func TestDollarBudget(t *testing.T) {
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
-		io.WriteString(w, `{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":10,"completion_tokens":1000}}`)
+		// A thousand tokens' text: usage past what the bytes carry is set aside.
+		io.WriteString(w, `{"choices":[{"message":{"content":"`+strings.Repeat("word ", 200)+`"}}],"usage":{"prompt_tokens":10,"completion_tokens":1000}}`)
 	})
 	tp := startProxy(t, up.URL, func(c *Config) {
 		c.Prices = []Price{{Model: "dollar-*", Input: 0, CachedInput: -1, CacheWrite: -1, Output: 3.75}}
@@ -182,8 +187,8 @@ func TestDollarBudget(t *testing.T) {
 			refused, retry = b, resp.Header.Get("Retry-After")
 		}
 		rec := tp.rec.next(t)
-		if resp.StatusCode == 200 && math.Abs(rec.CostUSD-0.00375) > 1e-12 {
-			t.Errorf("a request's cost %v, want 0.00375", rec.CostUSD)
+		if resp.StatusCode == 200 && math.Abs(rec.Cost.USD-0.00375) > 1e-12 {
+			t.Errorf("a request's cost %v, want 0.00375", rec.Cost.USD)
 		}
 	}
 	if !slicesEqual(statuses, []int{200, 200, 200, 429, 429}) {

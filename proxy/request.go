@@ -24,6 +24,7 @@ type inbound struct {
 	stickyKey   uint64 // the hash of the sticky key that chose the upstream (stickyKeyed)
 	stickyKeyed bool
 	late        bool // the route or upstream waits for the body (route.late)
+	encoded     bool // the body has a Content-Encoding: its bytes hold more text
 }
 
 // kept is the part's next life in a pooled exchange: its buffers (a large

@@ -3,8 +3,8 @@ package proxy
 // The exchange's steps that decide where a request goes and whether it
 // goes: the route settled by the model it names, the upstream picked
 // (pickUpstream, by the route's balance, stickiness or prediction), its
-// priority and overload's verdict, and what the upstream's model learns
-// from it once it ends.
+// priority and overload's verdict, its tenant's admission and what it is
+// charged, and what the upstream's model learns from it once it ends.
 
 import (
 	"bytes"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/shed"
+	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/valyala/fasthttp"
 )
 
@@ -184,4 +185,83 @@ func (x *exchange) observeUpstream() {
 		ttft -= rec.Queue
 	}
 	x.att.up.gate.Model.Observe(x.att.startK, x.tap.m.usage.input(rec.BytesIn), ttft, rec.TPOT, rec.PredictedTTFT)
+}
+
+// admit runs admission control for the identified tenant, waiting in its
+// queue when the mode says so.
+func (x *exchange) admit() *refusal {
+	a := x.snap.admit
+	if a == nil {
+		return nil
+	}
+	var total int64
+	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
+	usd := x.charge.cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
+	start := x.p.now()
+	ticket, refused := a.AdmitUSD(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total, usd)
+	x.rec.Queue = x.p.now().Sub(start)
+	if refused == nil {
+		x.ticket = ticket
+		return nil
+	}
+	x.rec.TenantSeries.Rejected(string(refused.Reason))
+	if refused.Reason == ratelimit.ReasonCancelled {
+		return refuseGoneWhileQueued
+	}
+	if refused.Reason == ratelimit.ReasonStore {
+		return &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeRejected, code: "admission_store_unavailable",
+			msg: "admission control cannot reach its shared store, retry later", note: "rejected: admission store unavailable", retryAfter: time.Second}
+	}
+	return &refusal{status: fasthttp.StatusTooManyRequests, outcome: metrics.OutcomeLimited, code: "rate_limit_exceeded",
+		msg:  "rate limit reached (" + string(refused.Reason) + "), retry later",
+		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, rateLimited: true}
+}
+
+// checkUsage sets aside a usage that could not be true of this request and
+// response (usage.plausible): no response moves a count, a bill or a
+// budget by more than it could have cost.
+func (x *exchange) checkUsage(now time.Time) {
+	u := &x.tap.m.usage
+	if !u.bad && !u.hasIn && !u.hasOut {
+		return
+	}
+	in := x.rec.BytesIn
+	if x.in.encoded {
+		in *= compressedRatio
+	}
+	if !u.plausible(in, x.tap.text(x.relay.bytesOut), now.Sub(x.tap.m.arrival)) {
+		u.reject()
+	}
+}
+
+// chargeFor is how a request of the route served as model is priced: at
+// the model's price, else, for a tenant with a dollar budget, at the
+// route's dearest.
+func (x *exchange) chargeFor(model string) charge {
+	if p := x.snap.cfg.priceOf(model); p != nil {
+		return charge{price: p}
+	}
+	if a := x.snap.admit; a != nil && x.rt != nil && a.SpendsDollars(x.tenant, x.rt.Name) {
+		return charge{dearest: &x.rt.prices}
+	}
+	return charge{}
+}
+
+// releaseTicket returns the request's admission ticket with the tokens it
+// really used: the usage the backend reported, or the input estimate and
+// the output tokens counted; nothing when no response came or the backend
+// refused the request without usage.
+func (x *exchange) releaseTicket() {
+	if x.ticket == nil {
+		return
+	}
+	var actual int64
+	var usd float64
+	if u := &x.tap.m.usage; x.responded && (x.rec.Status < 400 || u.hasIn || u.hasOut) {
+		out, _ := x.tap.m.outputTokens(x.tap.streamed)
+		actual = int64(u.input(x.rec.BytesIn) + out)
+		usd = x.charge.used(u, x.rec.BytesIn, out)
+	}
+	x.ticket.ReleaseUSD(actual, usd)
+	x.ticket = nil
 }

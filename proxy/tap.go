@@ -24,27 +24,29 @@ type tap struct {
 	acks     ackMarker // told which deliveries carried the first tokens
 	streamed bool      // text/event-stream or NDJSON: measured event by event
 	mode     parseMode
-	parser   *sse.Parser
-	lines    *sse.Lines
-	whole    []byte       // a non-streamed body, kept up to maxEvent
-	dec      *sideDecoder // decompresses a copy of a compressed body
-	decTimes []chunkTimes // compressed chunks not yet decoded, from decBase on
-	decBase  int
-	strip    bool   // drop the usage-only chunk tokentap asked for
-	held     []byte // strip: bytes of an event not yet complete
-	stripped []byte // strip: the bytes of the last read to relay
-	maxEvent int
+	strip    bool // drop the usage-only chunk tokentap asked for
 	// partial: what was measured is not the whole body (an event cut at
 	// maxEvent, a body past it, a copy that did not decode).
 	partial bool
 	// details: read the response's model and finish reason too (tracing
-	// is on); model is a copy, kept in its buffer across lives.
-	details bool
-	model   []byte
-	finish  string
-	// prices: read the response's model until one is named (requests are
+	// is on); prices: the model alone, until one is named (requests are
 	// priced as the model that served them).
-	prices bool
+	details, prices bool
+	encoded         bool // the body had a Content-Encoding
+	parser          *sse.Parser
+	lines           *sse.Lines
+	whole           []byte       // a non-streamed body, kept up to maxEvent
+	dec             *sideDecoder // decompresses a copy of a compressed body
+	decTimes        []chunkTimes // compressed chunks not yet decoded, from decBase on
+	decBase         int
+	held            []byte // strip: bytes of an event not yet complete
+	stripped        []byte // strip: the bytes of the last read to relay
+	maxEvent        int
+	model           []byte // the response's model (details, prices): a copy, kept in its buffer across lives
+	finish          string
+	// parsed counts the body's text handed to the parser (decoded, for a
+	// compressed body).
+	parsed int64
 }
 
 // ackMarker is told which delivery carried the stream's first token (tok)
@@ -88,7 +90,7 @@ func (tp *tap) start(ct, enc []byte, d dialect.Dialect, maxEvent int, maxDecoded
 	default:
 		tp.mode = parseBody
 	}
-	if len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) {
+	if tp.encoded = encoded(enc); tp.encoded {
 		// The compressed bytes pass through untouched; the parser reads a
 		// decompressed copy.
 		if tp.dec = newSideDecoder(enc, maxDecoded); tp.dec == nil {
@@ -160,6 +162,7 @@ func (tp *tap) takeDecoded(final bool) {
 
 // parse reads body bytes read at t.
 func (tp *tap) parse(b []byte, t time.Time) {
+	tp.parsed += int64(len(b))
 	switch tp.mode {
 	case parseSSE:
 		if tp.strip {
@@ -272,6 +275,19 @@ func (tp *tap) settle(now time.Time, complete bool) {
 	}
 	tp.whole = tp.whole[:0]
 }
+
+// text is the bytes of text the body carried, sent as bytesOut: those
+// parsed, and for a compressed body not decoded whole, what its bytes could
+// hold (compressedRatio).
+func (tp *tap) text(bytesOut int64) int64 {
+	if tp.encoded && tp.partial {
+		return max(tp.parsed, bytesOut*compressedRatio)
+	}
+	return max(tp.parsed, bytesOut)
+}
+
+// encoded reports a Content-Encoding other than identity.
+func encoded(enc []byte) bool { return len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) }
 
 // readDetails reads the model that answered (until one is named) and the
 // finish reason (the last one given) from an event, line or body, when

@@ -65,9 +65,9 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 		a.limited++
 	}
 	a.outTokens += int64(r.OutputTokens)
-	if r.CostUSD >= 0 {
+	if r.Cost.USD >= 0 {
 		a.priced++
-		a.costMicro += int64(math.Round(r.CostUSD * 1e6))
+		a.costMicro += int64(math.Round(r.Cost.USD * 1e6))
 	}
 	if r.CachedTokens >= 0 { // only a usage block says it
 		a.cacheReported++

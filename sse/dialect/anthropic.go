@@ -53,7 +53,7 @@ func (anthropic) Event(typ, data []byte) Obs {
 		}
 	case "message_delta":
 		if v := gjson.Get(s, "usage.output_tokens"); v.Exists() {
-			o.HasOut, o.Out = true, int(v.Int())
+			o.HasOut, o.Out = o.count(v)
 		}
 		if u := gjson.Get(s, "usage"); u.IsObject() && gjson.Get(u.Raw, "input_tokens").Exists() {
 			anthropicInput(u.Raw, &o)
@@ -69,14 +69,13 @@ func anthropicInput(u string, o *Obs) {
 	if !in.Exists() {
 		return
 	}
-	o.HasIn = true
 	read, write := gjson.Get(u, "cache_read_input_tokens"), gjson.Get(u, "cache_creation_input_tokens")
-	o.In = int(in.Int() + write.Int() + read.Int())
-	if read.Exists() {
-		o.HasCached, o.Cached = true, int(read.Int())
-	}
-	if write.Exists() {
-		o.HasCacheWrite, o.CacheWrite = true, int(write.Int())
+	// The whole prompt: its uncached part, the cache's reads and writes.
+	hasIn, n := o.count(in)
+	o.HasCached, o.Cached = o.count(read)
+	o.HasCacheWrite, o.CacheWrite = o.count(write)
+	if hasIn {
+		o.HasIn, o.In = true, n+o.Cached+o.CacheWrite
 	}
 }
 
@@ -89,7 +88,7 @@ func (anthropic) Body(body []byte) Obs {
 	if u := gjson.Get(s, "usage"); u.IsObject() {
 		anthropicInput(u.Raw, &o)
 		if v := gjson.Get(u.Raw, "output_tokens"); v.Exists() {
-			o.HasOut, o.Out = true, int(v.Int())
+			o.HasOut, o.Out = o.count(v)
 		}
 	}
 	o.Error = gjson.Get(s, "type").Str == "error"

@@ -16,6 +16,7 @@ package dialect
 
 import (
 	"bytes"
+	"math"
 	"strings"
 	"time"
 	"unsafe"
@@ -50,6 +51,10 @@ type Obs struct {
 	// output_tokens_details.reasoning_tokens, Gemini's thoughtsTokenCount).
 	HasReasoning bool
 	Reasoning    int
+	// BadUsage reports a token count that cannot be true: negative, not
+	// a whole number, not a number, or past maxCount. It reads as absent;
+	// a caller should distrust the response's other counts too.
+	BadUsage bool
 	// Items is the number of results of a non-generating call (embeddings).
 	Items int
 	// Error reports an error object inside the stream or body.
@@ -69,6 +74,23 @@ type Timings struct {
 	// TTFT is the server's own time to first token, from when it scheduled
 	// the request (vLLM's per-request metrics).
 	TTFT time.Duration
+}
+
+// maxCount bounds a token count: no model's context holds 2^31 tokens.
+const maxCount = 1<<31 - 1
+
+// count reads a token count: absent or null reads as absent; a whole
+// number from 0 to maxCount as itself; anything else (negative, a
+// fraction, a string, 1e30) as absent, marking BadUsage.
+func (o *Obs) count(v gjson.Result) (bool, int) {
+	if !v.Exists() || v.Type == gjson.Null {
+		return false, 0
+	}
+	if f := v.Num; v.Type != gjson.Number || !(f >= 0 && f <= maxCount) || f != math.Trunc(f) {
+		o.BadUsage = true
+		return false, 0
+	}
+	return true, int(v.Num)
 }
 
 func noTimings() Timings {

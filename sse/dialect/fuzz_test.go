@@ -76,7 +76,7 @@ func smallInt(v any, present bool) (int, bool) {
 		return 0, true
 	}
 	f, isNum := v.(float64)
-	if !isNum || f != math.Trunc(f) || math.Abs(f) > 1e9 {
+	if !isNum || f != math.Trunc(f) || f < 0 || f > 1e9 {
 		return 0, false
 	}
 	return int(f), true

@@ -52,6 +52,7 @@ func (gemini) Body(body []byte) Obs {
 			o.Token = o.Token || one.Token
 			o.Answer = o.Answer || one.Answer
 			o.Error = o.Error || one.Error
+			o.BadUsage = o.BadUsage || one.BadUsage
 			if one.HasIn || one.HasOut {
 				o.HasIn, o.In, o.HasOut, o.Out = one.HasIn, one.In, one.HasOut, one.Out
 				o.HasCached, o.Cached = one.HasCached, one.Cached
@@ -85,17 +86,16 @@ func readGemini(s string, o *Obs) {
 	}
 	if u := gjson.Get(s, "usageMetadata"); u.IsObject() {
 		if v := gjson.Get(u.Raw, "promptTokenCount"); v.Exists() {
-			o.HasIn, o.In = true, int(v.Int())
+			o.HasIn, o.In = o.count(v)
 		}
 		if v := gjson.Get(u.Raw, "cachedContentTokenCount"); v.Exists() {
-			o.HasCached, o.Cached = true, int(v.Int())
+			o.HasCached, o.Cached = o.count(v)
 		}
-		c, t := gjson.Get(u.Raw, "candidatesTokenCount"), gjson.Get(u.Raw, "thoughtsTokenCount")
-		if c.Exists() || t.Exists() {
-			o.HasOut, o.Out = true, int(c.Int()+t.Int())
-		}
-		if t.Exists() {
-			o.HasReasoning, o.Reasoning = true, int(t.Int())
+		// Output is the answer's tokens and the thoughts'.
+		hasC, c := o.count(gjson.Get(u.Raw, "candidatesTokenCount"))
+		o.HasReasoning, o.Reasoning = o.count(gjson.Get(u.Raw, "thoughtsTokenCount"))
+		if hasC || o.HasReasoning {
+			o.HasOut, o.Out = true, c+o.Reasoning
 		}
 	}
 	if gjson.Get(s, "error").IsObject() {

@@ -34,19 +34,19 @@ func readLlama(s string) Obs {
 	}
 	t := gjson.Get(s, "timings")
 	if v := gjson.Get(s, "tokens_evaluated"); v.Exists() {
-		o.HasIn, o.In = true, int(v.Int())
+		o.HasIn, o.In = o.count(v)
 	} else if v := gjson.Get(t.Raw, "prompt_n"); t.IsObject() && v.Exists() {
-		o.HasIn, o.In = true, int(v.Int())
+		o.HasIn, o.In = o.count(v)
 	}
 	if v := gjson.Get(s, "tokens_cached"); v.Exists() {
-		o.HasCached, o.Cached = true, int(v.Int())
+		o.HasCached, o.Cached = o.count(v)
 	} else if v := gjson.Get(t.Raw, "cache_n"); t.IsObject() && v.Exists() {
-		o.HasCached, o.Cached = true, int(v.Int())
+		o.HasCached, o.Cached = o.count(v)
 	}
 	if v := gjson.Get(s, "tokens_predicted"); v.Exists() {
-		o.HasOut, o.Out = true, int(v.Int())
+		o.HasOut, o.Out = o.count(v)
 	} else if v := gjson.Get(t.Raw, "predicted_n"); t.IsObject() && v.Exists() {
-		o.HasOut, o.Out = true, int(v.Int())
+		o.HasOut, o.Out = o.count(v)
 	}
 	if t.IsObject() {
 		o.Timings = llamaTimings(t.Raw)

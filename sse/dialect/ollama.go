@@ -38,10 +38,10 @@ func readOllama(s string) Obs {
 	}
 	if gjson.Get(s, "done").Type == gjson.True { // the JSON true only: gjson reads 1 and "true" as true too
 		if v := gjson.Get(s, "prompt_eval_count"); v.Exists() {
-			o.HasIn, o.In = true, int(v.Int())
+			o.HasIn, o.In = o.count(v)
 		}
 		if v := gjson.Get(s, "eval_count"); v.Exists() {
-			o.HasOut, o.Out = true, int(v.Int())
+			o.HasOut, o.Out = o.count(v)
 		}
 		t := noTimings()
 		t.Load = nanos(gjson.Get(s, "load_duration"))

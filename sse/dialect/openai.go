@@ -110,23 +110,23 @@ func readChoice(c string, o *Obs) {
 // reports them there too).
 func readUsage(u, in, out string, o *Obs) {
 	if v := gjson.Get(u, in); v.Exists() {
-		o.HasIn, o.In = true, int(v.Int())
+		o.HasIn, o.In = o.count(v)
 	}
 	details := "prompt_tokens_details.cached_tokens"
 	if in == "input_tokens" {
 		details = "input_tokens_details.cached_tokens"
 	}
 	if v := gjson.Get(u, details); v.Exists() {
-		o.HasCached, o.Cached = true, int(v.Int())
+		o.HasCached, o.Cached = o.count(v)
 	}
 	if v := gjson.Get(u, out); v.Exists() {
-		o.HasOut, o.Out = true, int(v.Int())
+		o.HasOut, o.Out = o.count(v)
 	}
 	reasoning := "completion_tokens_details.reasoning_tokens"
 	if out == "output_tokens" {
 		reasoning = "output_tokens_details.reasoning_tokens"
 	}
 	if v := gjson.Get(u, reasoning); v.Exists() {
-		o.HasReasoning, o.Reasoning = true, int(v.Int())
+		o.HasReasoning, o.Reasoning = o.count(v)
 	}
 }

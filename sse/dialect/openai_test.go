@@ -157,3 +157,36 @@ func TestCachedTokens(t *testing.T) {
 		t.Errorf("no details: %+v says cached", o)
 	}
 }
+
+// TestUsageThatCannotBeTrue: a count that is not a whole number from 0 to
+// 2^31−1 reads as absent and marks BadUsage, in every dialect's usage; a
+// null reads as absent and marks nothing.
+func TestUsageThatCannotBeTrue(t *testing.T) {
+	for _, v := range []string{"1e30", "NaN", "Infinity", "-Inf", "-7", "2.5", `"5"`, "9.3e18", "true", "{}"} {
+		for _, c := range []struct {
+			d    Dialect
+			typ  string
+			data string
+		}{
+			{OpenAI, "", `{"choices":[],"usage":{"prompt_tokens":` + v + `,"completion_tokens":3}}`},
+			{Responses, "response.completed", `{"type":"response.completed","response":{"usage":{"input_tokens":4,"output_tokens":` + v + `}}}`},
+			{Anthropic, "message_start", `{"type":"message_start","message":{"usage":{"input_tokens":4,"cache_read_input_tokens":` + v + `}}}`},
+			{Anthropic, "message_delta", `{"type":"message_delta","usage":{"output_tokens":` + v + `}}`},
+			{Gemini, "", `{"usageMetadata":{"promptTokenCount":4,"thoughtsTokenCount":` + v + `}}`},
+			{Ollama, "", `{"done":true,"prompt_eval_count":` + v + `,"eval_count":3}`},
+			{TGI, "", `{"token":{"text":"x"},"details":{"generated_tokens":` + v + `}}`},
+			{LlamaCpp, "", `{"content":"","tokens_predicted":` + v + `}`},
+		} {
+			o := c.d.Event([]byte(c.typ), []byte(c.data))
+			if !o.BadUsage {
+				t.Errorf("%s %s: not marked bad", c.d.Name(), c.data)
+			}
+		}
+	}
+	if o := OpenAI.Event(nil, []byte(`{"choices":[],"usage":{"prompt_tokens":null,"completion_tokens":3}}`)); o.BadUsage || o.HasIn || !o.HasOut || o.Out != 3 {
+		t.Errorf("null: %+v", o)
+	}
+	if o := OpenAI.Event(nil, []byte(`{"choices":[],"usage":{"prompt_tokens":2147483647,"completion_tokens":1e3}}`)); o.BadUsage || o.In != 2147483647 || o.Out != 1000 {
+		t.Errorf("whole numbers: %+v", o)
+	}
+}

@@ -103,7 +103,7 @@ func (embeddings) Body(body []byte) Obs {
 	}
 	if u := gjson.Get(s, "usage"); u.IsObject() {
 		if v := gjson.Get(u.Raw, "prompt_tokens"); v.Exists() {
-			o.HasIn, o.In = true, int(v.Int())
+			o.HasIn, o.In = o.count(v)
 		}
 		o.HasOut = true
 	}

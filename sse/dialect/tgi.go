@@ -59,7 +59,7 @@ func readTGITail(s string, o *Obs) {
 		return
 	}
 	if v := gjson.Get(s, "details.generated_tokens"); v.Exists() {
-		o.HasOut, o.Out = true, int(v.Int())
+		o.HasOut, o.Out = o.count(v)
 	}
 	if present(gjson.Get(s, "error")) {
 		o.Error = true
