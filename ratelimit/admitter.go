@@ -78,6 +78,13 @@ type tenantState struct {
 
 	inflight atomic.Int64 // for gauges
 	queued   atomic.Int64
+
+	// a is the Admitter the state belongs to now (a reload hands it on):
+	// its mode pumps the queue. holds are the admissions in flight, each
+	// holding a concurrency slot where it says (here, in a store, in the
+	// fallback), so that a reload can hand them over (handOver).
+	a     *Admitter
+	holds map[*admission]struct{}
 }
 
 // reconfigure puts the tenant's new limits in place, keeping what is in
@@ -88,10 +95,8 @@ func (st *tenantState) reconfigure(t *Tenant, now time.Time) {
 	case !t.Limits.any():
 		st.all = nil
 	case st.all == nil:
+		// The requests in flight are counted in it by recount.
 		st.all = newLimiter(t.Limits, now)
-		// Every request in flight counts against the new limits; their
-		// releases decrement it (Release checks st.all).
-		st.all.inflight = int(st.inflight.Load())
 	default:
 		st.all.reconfigure(t.Limits, now)
 	}
@@ -113,16 +118,24 @@ type waiter struct {
 	ch        chan struct{}
 	admitted  bool
 	gone      bool // left the queue (timed out or cancelled) unadmitted
-	adm       admission
+	adm       *admission
 }
 
-// admission is how a request was admitted: its lease in a shared store,
-// or by this replica's fallback limiters.
+// admission is how a request was admitted, and where its concurrency slot
+// is held while it runs: by this replica's limiters, by a lease in a
+// shared store, or by this replica's fallback limiters. A reload that
+// adds or takes away the store moves it (handOver); its tenant's lock
+// guards it.
 type admission struct {
-	lease    string
-	store    *store // the store the lease is in (a reload may hand it to the next Admitter)
-	fallback bool
-	route    *limiter // the local route limiter it took from (nil: none)
+	lease     string
+	store     *store // the store the lease is in (a reload may hand it to the next Admitter)
+	fallback  bool
+	route     *limiter // the route limiter it counts in, here or in the fallback (nil: none)
+	routeName string
+	// moved: a reload handed it over from where it was admitted; its
+	// release frees its slot only, the tokens it reserved being counted
+	// where they were taken.
+	moved bool
 }
 
 // Ticket is an admitted request. Release it exactly once, when the
@@ -132,7 +145,7 @@ type Ticket struct {
 	a         *Admitter
 	st        *tenantState
 	routeName string
-	adm       admission
+	adm       *admission
 	reserved  usage
 	// Queued is the time the request waited for admission.
 	Queued   time.Duration
@@ -173,9 +186,11 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 		}
 	}
 	if prev != nil {
-		prev.Close()
+		// The tenants' states go on, with their requests in flight handed
+		// over before the store that held them (if any) is closed.
 		prev.mu.Lock()
 		now := a.now()
+		moved := false
 		for name, st := range prev.states {
 			if t, ok := a.tenants[name]; ok {
 				st.mu.Lock()
@@ -184,11 +199,17 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 				} else {
 					st.t = t
 				}
+				st.a = a
+				moved = a.handOver(st, now) || moved
 				st.mu.Unlock()
 				a.states[name] = st
 			}
 		}
 		prev.mu.Unlock()
+		prev.Close()
+		if moved && a.shared != nil {
+			a.shared.renewNow()
+		}
 	}
 	go a.evictLoop()
 	return a
@@ -241,7 +262,7 @@ func (a *Admitter) state(name string) *tenantState {
 	st := a.states[name]
 	if st == nil {
 		t := a.tenants[name]
-		st = &tenantState{t: t}
+		st = &tenantState{t: t, a: a}
 		if t.Limits.any() {
 			st.all = newLimiter(t.Limits, a.now())
 		}
@@ -320,13 +341,14 @@ func (st *tenantState) take(now time.Time, rl *limiter, est usage) {
 // (-1: until a request ends) and why. st is locked; with a shared store
 // the lock is let go during the store's round trip (the tenant's other
 // requests decide meanwhile) and held again when try returns.
-func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, now time.Time) (admission, bool, time.Duration, Reason) {
+func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, now time.Time) (*admission, bool, time.Duration, Reason) {
 	if a.shared == nil {
 		ok, wait, reason := st.check(now, rl, est)
-		if ok {
-			st.take(now, rl, est)
+		if !ok {
+			return nil, false, wait, reason
 		}
-		return admission{route: rl}, ok, wait, reason
+		st.take(now, rl, est)
+		return st.hold(&admission{route: rl, routeName: route}), true, 0, ""
 	}
 	var all, rlim *Limits
 	if st.all != nil {
@@ -347,17 +369,22 @@ func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, no
 	switch {
 	case err == nil && wait == 0:
 		st.inflight.Add(1)
-		return admission{lease: lease, store: shared, route: rl}, true, 0, ""
+		adm := st.hold(&admission{lease: lease, store: shared, routeName: route})
+		if st.a != a {
+			// A reload came while the store decided: moved as the others were.
+			st.a.handOver(st, now)
+		}
+		return adm, true, 0, ""
 	case err == nil:
-		return admission{}, false, wait, reason
+		return nil, false, wait, reason
 	case a.cfg.Store.Fail == FailClosed:
-		return admission{}, false, time.Second, ReasonStore
+		return nil, false, time.Second, ReasonStore
 	}
 	// The store is down and the config says open: this replica's share.
 	fa, fr := st.fallbackLimiters(route, rl != nil, shared.shareOf(), now)
 	ok, wait, reason := checkPair(now, fa, fr, est)
 	if !ok {
-		return admission{}, false, wait, reason
+		return nil, false, wait, reason
 	}
 	for _, l := range [2]*limiter{fa, fr} {
 		if l != nil {
@@ -365,7 +392,7 @@ func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, no
 		}
 	}
 	st.inflight.Add(1)
-	return admission{fallback: true, route: fr}, true, 0, ""
+	return st.hold(&admission{fallback: true, route: fr, routeName: route}), true, 0, ""
 }
 
 // fallbackLimiters returns the tenant's limiters at share of its limits
@@ -501,37 +528,34 @@ func (t *Ticket) release(actual usage) {
 		return
 	}
 	st := t.st
-	if t.adm.lease != "" {
-		var all, rlim *Limits
-		if l := st.t.Limits; l.any() {
-			all = &l
-		}
-		if l, ok := st.t.Routes[t.routeName]; ok && l.any() {
-			rlim = &l
-		}
-		t.adm.store.release(st.t.Name, t.routeName, all, rlim, t.adm.lease, t.reserved, actual)
-	}
 	st.mu.Lock()
+	adm, reserved := t.adm, t.reserved
+	delete(st.holds, adm)
+	if adm.moved {
+		reserved, actual = usage{}, usage{}
+	}
 	now := t.a.now()
 	switch {
-	case t.adm.lease != "":
-	case t.adm.fallback:
+	case adm.lease != "":
+		all, rl := st.limitsOn(t.routeName)
+		adm.store.release(st.t.Name, t.routeName, all, rl, adm.lease, reserved, actual)
+	case adm.fallback:
 		if l := st.fallback[""]; l != nil {
-			l.release(now, t.reserved, actual)
+			l.release(now, reserved, actual)
 		}
-		if t.adm.route != nil {
-			t.adm.route.release(now, t.reserved, actual)
+		if adm.route != nil {
+			adm.route.release(now, reserved, actual)
 		}
 	default:
 		if st.all != nil {
-			st.all.release(now, t.reserved, actual)
+			st.all.release(now, reserved, actual)
 		}
-		if t.adm.route != nil {
-			t.adm.route.release(now, t.reserved, actual)
+		if adm.route != nil {
+			adm.route.release(now, reserved, actual)
 		}
 	}
 	st.inflight.Add(-1)
 	st.lastUse = now
-	t.a.pumpLocked(st, now)
+	st.a.pumpLocked(st, now)
 	st.mu.Unlock()
 }

@@ -61,13 +61,13 @@ func (a *Admitter) pumpAfter(st *tenantState, wait time.Duration) {
 	}
 	st.timer = time.AfterFunc(wait, func() {
 		st.mu.Lock()
-		a.pumpLocked(st, a.now())
+		st.a.pumpLocked(st, st.a.now()) // the Admitter it belongs to by then
 		st.mu.Unlock()
 	})
 }
 
 // admitHead takes the queue's head, w, out of it as admitted. st is locked.
-func (st *tenantState) admitHead(w *waiter, adm admission) {
+func (st *tenantState) admitHead(w *waiter, adm *admission) {
 	st.queue[0] = nil
 	st.queue = st.queue[1:]
 	st.queued.Add(-1)

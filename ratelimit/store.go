@@ -300,10 +300,36 @@ func (s *store) beat(every time.Duration) {
 	if live > 0 {
 		s.replicas.Store(live)
 	}
-	// Every lease this replica holds, renewed in calls of up to
-	// renewBatch: the key of each holding, and its lease beside it. A
-	// lease the store lost (a restart without persistence, a stall past
-	// its time) is put back.
+	s.renew()
+}
+
+// renewNow renews every lease this replica holds at once: those a reload
+// just handed over are counted in the store before the next decision.
+func (s *store) renewNow() {
+	if s.up.Load() {
+		s.renew()
+	}
+}
+
+// hold registers a lease for a request of tenant t on route admitted
+// elsewhere (a reload handed it over): renewed with the others, released
+// as they are.
+func (s *store) hold(t *Tenant, route string) string {
+	lease := s.id + ":" + strconv.FormatUint(s.seq.Add(1), 36)
+	h := leaseHold{tenant: t.Name, route: route, all: t.Limits.MaxConcurrent > 0, onRoute: t.Routes[route].MaxConcurrent > 0}
+	if h.all || h.onRoute {
+		s.mu.Lock()
+		s.leases[lease] = h
+		s.mu.Unlock()
+	}
+	return lease
+}
+
+// renew renews every lease this replica holds, in calls of up to
+// renewBatch: the key of each holding, and its lease beside it. A lease
+// the store lost (a restart without persistence, a stall past its time)
+// is put back.
+func (s *store) renew() {
 	var keys []string
 	args := []any{s.cfg.LeaseTTL.Seconds()}
 	s.mu.Lock()
