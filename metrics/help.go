@@ -53,7 +53,8 @@ var help = map[string]string{
 	"tokentap_stats_requests_folded":            "Requests the live /stats table recorded in their route's (folded) tenant because it held measurement.max_groups groups, since start.",
 	"tokentap_stats_groups_evicted":             "Groups the live /stats table evicted after an hour without a request (their all-time figures folded into the (folded) tenant), since start.",
 	"tokentap_admission_store_releases_pending": "Releases of finished requests not yet confirmed by the shared admission store (sent in the background, pipelined).",
-	"tokentap_admission_store_releases_dropped": "Releases not sent because the shared admission store was down since start: their leases ran out on their own, their unused tokens stayed taken.",
+	"tokentap_admission_store_releases_dropped": "Releases never sent since start: the shared admission store stayed down past the 4 minutes a release is sent again for; their leases ran out on their own, their unused tokens stayed taken.",
+	"tokentap_admission_store_releases_retried": "Releases that could not be sent to the shared admission store at once (it was down, or a call failed) and were kept to be sent again, since start.",
 
 	"tokentap_upstream_conns_discarded_total":    "Pooled upstream connections closed instead of reused, by reason.",
 	"tokentap_upstream_retries_total":            "Requests sent again on a new connection because the backend provably never received them.",

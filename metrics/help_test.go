@@ -16,7 +16,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	s := NewSet([]RouteRow{{Route: route}}, []string{"m"}, SetOptions{SLO: true})
 	s.AddTenants([]string{"t-" + route}, []string{"rate"}, func(string) (int64, int64) { return 1, 2 })
 	s.AddGauge(`tokentap_guard_tripped{route="`+route+`",upstream="c"}`, func() float64 { return 0 })
-	for _, g := range []string{"up", "calls", "call_failures", "call_seconds", "replicas", "releases_pending", "releases_dropped"} {
+	for _, g := range []string{"up", "calls", "call_failures", "call_seconds", "replicas", "releases_pending", "releases_dropped", "releases_retried"} {
 		s.AddGauge("tokentap_admission_store_"+g, func() float64 { return 1 })
 	}
 	for _, g := range []string{"groups", "requests_folded", "groups_evicted"} {

@@ -112,6 +112,7 @@ func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.S
 		set.AddGauge("tokentap_admission_store_replicas", func() float64 { return float64(a.StoreStats().Replicas) })
 		set.AddGauge("tokentap_admission_store_releases_pending", func() float64 { return float64(a.StoreStats().ReleasesPending) })
 		set.AddGauge("tokentap_admission_store_releases_dropped", func() float64 { return float64(a.StoreStats().ReleasesDropped) })
+		set.AddGauge("tokentap_admission_store_releases_retried", func() float64 { return float64(a.StoreStats().ReleasesRetried) })
 	}
 	return a
 }

@@ -342,7 +342,8 @@ func (st *tenantState) take(now time.Time, rl *limiter, est usage) {
 // the lock is let go during the store's round trip (the tenant's other
 // requests decide meanwhile) and held again when try returns.
 func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, now time.Time) (*admission, bool, time.Duration, Reason) {
-	if a.shared == nil {
+	if a.shared == nil || st.all == nil && rl == nil {
+		// Here, or a tenant without limits: nothing to ask the store.
 		ok, wait, reason := st.check(now, rl, est)
 		if !ok {
 			return nil, false, wait, reason

@@ -118,7 +118,8 @@ type StoreStats struct {
 	Replicas          int64   // live replicas in the heartbeats
 	LeasesHeld        int
 	ReleasesPending   int   // releases not yet confirmed by the store
-	ReleasesDropped   int64 // releases not sent: the store was down
+	ReleasesRetried   int64 // releases that could not be sent at once, kept to be sent again
+	ReleasesDropped   int64 // releases never sent: still unsent after releaseRetryFor (the store down that long)
 	FailOpen, Present bool
 }
 
@@ -136,7 +137,7 @@ func (a *Admitter) StoreStats() StoreStats {
 	s.mu.Unlock()
 	return StoreStats{Present: true, Up: s.up.Load(), Calls: s.calls.Load(), Failures: s.failures.Load(),
 		Seconds: time.Duration(s.nanos.Load()).Seconds(), Replicas: s.replicas.Load(), LeasesHeld: n,
-		ReleasesPending: pending, ReleasesDropped: s.dropped.Load(), FailOpen: s.cfg.Fail == FailOpen}
+		ReleasesPending: pending, ReleasesRetried: s.retried.Load(), ReleasesDropped: s.dropped.Load(), FailOpen: s.cfg.Fail == FailOpen}
 }
 
 // OnStoreChange has f called, once per transition, when the shared store

@@ -54,6 +54,10 @@ const (
 	maxReleasing = 64
 )
 
+// callGrace is what a call's context allows past its timeout: the time
+// this replica took to get to the call is not the store's.
+const callGrace = 5 * time.Second
+
 // errDown is the answer of a store whose breaker is open.
 var errDown = errors.New("the admission store is down (the breaker is open until a probe is answered)")
 
@@ -79,6 +83,7 @@ type store struct {
 	next      *store                // the store of a later configuration that took the leases over
 
 	calls, failures, nanos, dropped atomic.Int64
+	retried                         atomic.Int64 // releases kept to be sent again
 	onChange                        atomic.Pointer[func(up bool, err error)]
 
 	kick chan struct{}
@@ -118,14 +123,25 @@ type pendingRelease struct {
 	hasRoute bool
 }
 
-// releaseOp is a release waiting to be sent.
+// releaseOp is a release waiting to be sent, since when.
 type releaseOp struct {
 	tenant, route    string
 	lease            string
 	all, rl          Limits // zero: none
 	hasRoute         bool
 	reserved, actual usage
+	since            time.Time
 }
+
+// A release that could not be sent (the store down, a call that failed)
+// is sent again at the next flush, for up to releaseRetryFor: within the
+// time its script's mark of having landed is kept (300 s), so one that
+// did land is not counted twice. Past it, or past maxUnsent waiting, it
+// is dropped and counted; its lease has run out by then on its own.
+const (
+	releaseRetryFor = 4 * time.Minute
+	maxUnsent       = 100_000
+)
 
 // quiet drops the Redis client's own log lines (its dial failures, with
 // addresses): the store's transitions are logged once each by tokentap
@@ -151,6 +167,7 @@ func newStore(cfg StoreConfig, prev *store) *store {
 	if cfg.Redis.TLS {
 		o.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
 	}
+
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	s := &store{c: redis.NewClient(o), cfg: cfg, id: hex.EncodeToString(b[:]), leases: map[string]leaseHold{},
@@ -218,7 +235,15 @@ func (s *store) close() {
 // and down: tripAfter failures in a row open the breaker, an answer
 // closes it.
 func (s *store) call(timeout time.Duration, f func(ctx context.Context) error) error {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	// The store answers within timeout of being asked: the client sets
+	// each read's and write's deadline (ReadTimeout, WriteTimeout) as it
+	// sends. The context's deadline, later by callGrace, bounds the rest:
+	// on a busy machine the goroutine may wait for a processor before it
+	// asks, and that is not the store's delay. With the context at
+	// timeout, 3 replicas of 16 clients each beside 8 goroutines spinning
+	// failed 59-135 of ~2,800 calls (the breaker tripped, 118k-577k 503s
+	// in 5 s); with the grace, none.
+	ctx, cancel := context.WithTimeout(context.Background(), timeout+callGrace)
 	defer cancel()
 	start := time.Now()
 	err := f(ctx)
@@ -359,38 +384,21 @@ const (
 	releaseBatch = 256
 )
 
-// flush sends the releases waiting, pipelined. While the store is down
-// they are dropped (counted): their leases run out on their own, and the
-// tokens they would give back stay taken.
+// flush sends the releases waiting, pipelined. Those that cannot be sent
+// (the store down, a call that failed) wait for the next flush
+// (releaseRetryFor).
 func (s *store) flush() {
 	s.mu.Lock()
 	ops := s.releases
 	s.releases = nil
 	s.mu.Unlock()
+	var unsent []releaseOp
 	for len(ops) > 0 {
 		batch := ops[:min(len(ops), releaseBatch)]
 		ops = ops[len(batch):]
-		if !s.up.Load() {
-			s.dropped.Add(int64(len(batch)))
-		} else {
-			_ = s.call(s.background(), func(ctx context.Context) error {
-				pipe := s.c.Pipeline()
-				for i := range batch {
-					keys, args := s.releaseCall(&batch[i])
-					releaseScript.EvalSha(ctx, pipe, keys, args...)
-				}
-				_, err := pipe.Exec(ctx)
-				if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-					// The store restarted and lost its scripts: load them once.
-					if err = releaseScript.Load(ctx, s.c).Err(); err == nil {
-						_, err = pipe.Exec(ctx)
-					}
-				}
-				if err != nil {
-					s.dropped.Add(int64(len(batch)))
-				}
-				return err
-			})
+		if !s.up.Load() || s.sendReleases(batch) != nil {
+			unsent = append(unsent, batch...)
+			continue
 		}
 		s.mu.Lock()
 		for i := range batch {
@@ -398,6 +406,42 @@ func (s *store) flush() {
 		}
 		s.mu.Unlock()
 	}
+	if len(unsent) == 0 {
+		return
+	}
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	kept := unsent[:0]
+	for i := range unsent {
+		if now.Sub(unsent[i].since) > releaseRetryFor || len(kept)+len(s.releases) >= maxUnsent {
+			s.dropped.Add(1)
+			s.confirmed(&unsent[i])
+			continue
+		}
+		kept = append(kept, unsent[i])
+	}
+	s.retried.Add(int64(len(kept)))
+	s.releases = append(kept, s.releases...) // first in line, in their order
+}
+
+// sendReleases sends batch in one pipeline.
+func (s *store) sendReleases(batch []releaseOp) error {
+	return s.call(s.background(), func(ctx context.Context) error {
+		pipe := s.c.Pipeline()
+		for i := range batch {
+			keys, args := s.releaseCall(&batch[i])
+			releaseScript.EvalSha(ctx, pipe, keys, args...)
+		}
+		_, err := pipe.Exec(ctx)
+		if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// The store restarted and lost its scripts: load them once.
+			if err = releaseScript.Load(ctx, s.c).Err(); err == nil {
+				_, err = pipe.Exec(ctx)
+			}
+		}
+		return err
+	})
 }
 
 // releasingAdd counts op among its tenant's releases on their way. s.mu
@@ -581,7 +625,7 @@ func (s *store) release(tenant, route string, all, rl *Limits, lease string, res
 		s.mu.Lock()
 	}
 	delete(s.leases, lease)
-	op := releaseOp{tenant: tenant, route: route, lease: lease, hasRoute: rl != nil, reserved: reserved, actual: actual}
+	op := releaseOp{tenant: tenant, route: route, lease: lease, hasRoute: rl != nil, reserved: reserved, actual: actual, since: time.Now()}
 	if all != nil {
 		op.all = *all
 	}

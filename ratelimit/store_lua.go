@@ -150,6 +150,9 @@ local day = math.floor(tonumber(t[1]) / 86400)
 local mon = months(tonumber(t[1]))
 local lease, reserved, actual = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local resUSD, actUSD = tonumber(ARGV[4]), tonumber(ARGV[5])
+local gives = reserved ~= actual or resUSD ~= actUSD
+-- Sent again (a retry after a failed call that may have landed): once.
+if gives and redis.call('EXISTS', KEYS[1] .. ':rel:' .. lease) == 1 then return 1 end
 for i = 1, #KEYS do
   local o = 5 + (i - 1) * 8
   local tpm, maxc, tpd = tonumber(ARGV[o+3]), tonumber(ARGV[o+4]), tonumber(ARGV[o+6])
@@ -169,7 +172,7 @@ for i = 1, #KEYS do
 end
 -- Landed: a decision that still sees this release on its way leaves its
 -- tokens out (the replica confirms it a round trip later).
-if reserved ~= actual then redis.call('SET', KEYS[1] .. ':rel:' .. lease, '1', 'EX', 300) end
+if gives then redis.call('SET', KEYS[1] .. ':rel:' .. lease, '1', 'EX', 300) end
 return 1
 `)
 
