@@ -200,7 +200,7 @@ func New(cfg Config, now func() time.Time, prev *Admitter) *Admitter {
 					st.t = t
 				}
 				st.a = a
-				moved = a.handOver(st, now) || moved
+				moved = st.handOver(a.shared, now) || moved
 				st.mu.Unlock()
 				a.states[name] = st
 			}
@@ -373,7 +373,7 @@ func (a *Admitter) try(st *tenantState, rl *limiter, route string, est usage, no
 		adm := st.hold(&admission{lease: lease, store: shared, routeName: route})
 		if st.a != a {
 			// A reload came while the store decided: moved as the others were.
-			st.a.handOver(st, now)
+			st.handOver(st.a.shared, now)
 		}
 		return adm, true, 0, ""
 	case err == nil:

@@ -20,15 +20,15 @@ func (st *tenantState) hold(adm *admission) *admission {
 	return adm
 }
 
-// handOver moves st's admissions in flight to where a counts them: its
-// store's leases, or this replica's limiters; then counts them there. It
-// reports whether any became a lease (a.shared must renew them). st is
-// locked.
-func (a *Admitter) handOver(st *tenantState, now time.Time) bool {
+// handOver moves st's admissions in flight to where a configuration with
+// the shared store (nil: none) counts them: its leases, or this replica's
+// limiters; then counts them there. It reports whether any became a lease
+// (shared must renew them). st is locked.
+func (st *tenantState) handOver(shared *store, now time.Time) bool {
 	leased := false
 	for adm := range st.holds {
 		switch {
-		case a.shared == nil && (adm.lease != "" || adm.fallback):
+		case shared == nil && (adm.lease != "" || adm.fallback):
 			if adm.lease != "" {
 				// Freed in the store it was taken in (sent before that
 				// store closes): the other replicas see the slot go.
@@ -36,8 +36,8 @@ func (a *Admitter) handOver(st *tenantState, now time.Time) bool {
 				adm.store.release(st.t.Name, adm.routeName, all, rl, adm.lease, usage{}, usage{})
 			}
 			*adm = admission{routeName: adm.routeName, moved: true}
-		case a.shared != nil && adm.lease == "" && !adm.fallback:
-			adm.lease, adm.store, adm.moved = a.shared.hold(st.t, adm.routeName), a.shared, true
+		case shared != nil && adm.lease == "" && !adm.fallback:
+			adm.lease, adm.store, adm.moved = shared.hold(st.t, adm.routeName), shared, true
 			leased = true
 		}
 	}
