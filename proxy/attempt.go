@@ -23,7 +23,32 @@ type upstreamAttempt struct {
 	tried          []*member     // upstreams tried before the current one
 	attemptAt      time.Time     // when the current attempt began
 	firstByteLimit time.Duration // bounds the wait for the response header (failover)
-	startK         int           // the upstream's requests in flight when this one was sent to it
+	startK         int           // tokentap's requests in flight at the upstream when this one was sent to it
+	counted        bool          // counted in the upstream's requests in flight (count)
+	learned, ended bool          // its model learned its first token, its end (learnFirst, learnEnd)
+}
+
+// count counts the request in its upstream's requests in flight, from
+// when it is picked until it ends, but for its wait in its tenant's
+// admission queue (exchange.admit): startK is the level it starts at,
+// tokentap's own requests there. The model files what the request lives
+// at that level: a scrape (held) moves where a prediction is read, never
+// where a measurement is filed, so a scrape that claims what is not so
+// corrupts nothing the model keeps.
+func (a *upstreamAttempt) count(now time.Time) {
+	if a.counted || a.mem == nil {
+		return
+	}
+	a.counted = true
+	a.startK = int(a.mem.up.inflight.Add(1) - 1)
+}
+
+// uncount takes the request out of its upstream's requests in flight.
+func (a *upstreamAttempt) uncount() {
+	if a.counted {
+		a.counted = false
+		a.mem.up.inflight.Add(-1)
+	}
 }
 
 // kept is the part's next life in a pooled exchange: the request and

@@ -277,3 +277,59 @@ func TestCompareSides(t *testing.T) {
 		t.Error("a route of one upstream has sides to compare")
 	}
 }
+
+// TestQueuedRequestsNotCountedAtTheirUpstream: a tenant of max_concurrent
+// 1 in queue mode holds one stream open and sends three more, which wait
+// in its queue. While they wait the route's upstreams count one request in
+// flight, not four (least_inflight, least_ttft and overload read that
+// count): a request is counted at its upstream once its tenant admits it.
+// Once the stream ends the three are served, one after another, each
+// counted then.
+func TestQueuedRequestsNotCountedAtTheirUpstream(t *testing.T) {
+	tp, hold := twoBackendsHeld(t, func(r *Route) { r.Balance = BalanceLeastInflight })
+	cfg := tp.p.snap.Load().cfg
+	cfg.Admission = &ratelimit.Config{Tenants: []ratelimit.Tenant{{Name: "q", Keys: []string{"kq"}, Limits: ratelimit.Limits{MaxConcurrent: 1}}},
+		Mode: ratelimit.ModeQueue, MaxQueue: 10, MaxWait: time.Minute}
+	if err := tp.p.Apply(cfg); err != nil {
+		t.Fatal(err)
+	}
+	inflight := func() (n int64) {
+		for _, m := range tp.p.snap.Load().routes[0].members {
+			n += m.up.inflight.Load()
+		}
+		return n
+	}
+	send := func(body string) chan int {
+		done := make(chan int, 1)
+		go func() {
+			resp, _ := postKey(t, tp.url+"/v1/chat/completions", "kq", body)
+			done <- resp.StatusCode
+		}()
+		return done
+	}
+	held := send(`{"model":"m","stream":true,"max_tokens":3,"mock_hold":true,"messages":[{"role":"user","content":"hi"}]}`)
+	waitUntil(t, func() bool { return inflight() == 1 })
+	var queued []chan int
+	for range 3 {
+		queued = append(queued, send(streamChat))
+	}
+	waitFor(t, func() error {
+		if _, q := tp.p.snap.Load().admit.Stats("q"); q != 3 {
+			return fmt.Errorf("%d queued", q)
+		}
+		return nil
+	})
+	if n := inflight(); n != 1 {
+		t.Errorf("with one stream open and three requests in its tenant's queue, the upstreams count %d in flight, want 1", n)
+	}
+	close(hold)
+	for i, c := range append(queued, held) {
+		if status := <-c; status != 200 {
+			t.Errorf("request %d: %d", i, status)
+		}
+	}
+	for range 4 {
+		tp.rec.next(t)
+	}
+	waitUntil(t, func() bool { return inflight() == 0 })
+}

@@ -151,6 +151,9 @@ func (x *exchange) rewatch() { x.watch.start(x.client, x.fire, &x.p.loops) }
 // delivered at t with the connection's count at sent; one mark serves
 // both when one delivery carried them. Only streams are marked.
 func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
+	if tok {
+		x.learnFirst()
+	}
 	if x.tap.streamed && !x.p.opts.NoClientSide {
 		x.cs.mark(x.p, tok, ans, t, sent)
 	}

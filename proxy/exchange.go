@@ -78,15 +78,15 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 		return refuseUpgrade
 	}
 	if !x.in.late { // judged on the headers alone
-		if r := x.overload(ctx); r != nil {
+		if r := x.overload(ctx, false); r != nil {
 			return r
 		}
 	}
 	if r := x.readRequest(ctx); r != nil {
 		return r
 	}
-	if x.in.late { // its upstream known from its body
-		if r := x.overload(ctx); r != nil {
+	if whole := !x.in.stream && ctx.IsPost(); x.in.late || whole { // its upstream known from its body, or its body says it is no stream
+		if r := x.overload(ctx, whole); r != nil {
 			return r
 		}
 	}
@@ -343,9 +343,7 @@ func (x *exchange) finish(writeErr error) {
 		x.in.bodyHeld = 0
 	}
 	now := x.p.now()
-	if x.att.mem != nil {
-		x.att.mem.up.inflight.Add(-1)
-	}
+	x.att.uncount()
 
 	complete := x.relay.upDone || (x.relay.contentLength >= 0 && x.relay.bytesOut == int64(x.relay.contentLength))
 	if x.relay.unstamped && writeErr == nil {
@@ -470,7 +468,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	if !x.p.opts.NoStats {
 		x.p.stats.Observe(rec, x.tap.m.gaps)
 	}
-	x.observeUpstream()
+	x.learnEnd(complete)
 	if m := x.att.mem; m != nil && rec.Attempts > 0 {
 		if rec.CachedTokens >= 0 {
 			m.cache.note(rec.CachedTokens, rec.TTFT.Microseconds())

@@ -98,9 +98,10 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	}
 	a.attemptAt = now
 	a.tried = append(a.tried, a.mem)
-	a.mem.up.inflight.Add(-1)
+	a.uncount()
+	a.learned, a.ended = false, false
 	a.mem = next
-	a.startK = int(next.up.inflight.Add(1) - 1)
+	a.count(now)
 	a.up = next.up
 	a.x.rec.Upstream = next.name
 	a.x.rec.Series = a.x.snap.metrics.Series(next.row, a.x.modelIdx)

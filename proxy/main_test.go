@@ -11,10 +11,12 @@ import (
 
 // TestMain lets this test binary serve as a netsim link's forwarder, and
 // as the clients on the link's far side (network_test.go): processes of
-// their own, and as TestMonitorTickPreemptsLongWork's client.
+// their own, as TestMonitorTickPreemptsLongWork's client, and as the busy
+// machine's simulated server (busy_test.go).
 func TestMain(m *testing.M) {
 	netsim.ServeForwarder()
 	serveNetClients()
 	serveMonitorClient()
+	serveMockChild()
 	os.Exit(m.Run())
 }

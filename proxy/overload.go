@@ -58,12 +58,12 @@ func (c *Config) validOverload(r Route, field func(string) string) error {
 		return nil
 	}
 	slo := c.SLO.Over(r.SLO)
-	judged := slo.TTFT > 0 || slo.TPOT > 0 || o.SLOHeaders
+	judged := slo.TTFT > 0 || slo.TPOT > 0 || slo.E2E > 0 || o.SLOHeaders
 	for _, t := range c.TenantSLOs {
-		judged = judged || t.TTFT > 0 || t.TPOT > 0
+		judged = judged || t.TTFT > 0 || t.TPOT > 0 || t.E2E > 0
 	}
 	if !judged {
-		return fieldErr(field("overload.shed"), "sheds by the TTFT and TPOT objectives, and the route has none: set slo.ttft or slo.tpot (on the route, the default or its tenants), or overload.slo_headers")
+		return fieldErr(field("overload.shed"), "sheds by the TTFT and TPOT objectives (streams) and the E2E objective (whole responses), and the route has none: set slo.ttft, slo.tpot or slo.e2e (on the route, the default or its tenants), or overload.slo_headers")
 	}
 	if o.PriorityHeader != "" && !isToken(o.PriorityHeader) {
 		return fieldErr(field("overload.priority_header"), "%q is not a header name", o.PriorityHeader)

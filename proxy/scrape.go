@@ -28,6 +28,16 @@ const (
 	// maxScrapeBytes bounds a scrape's body: a larger one is refused, not
 	// held.
 	maxScrapeBytes = 4 << 20
+	// maxBackendRequests bounds the requests a scrape may say a backend
+	// runs or holds waiting: past it (1e300, 9.3e18) the scrape is wrong,
+	// and refused whole rather than read as anything.
+	maxBackendRequests = 1_000_000
+	// minOthers is the fewest requests beyond tokentap's own a scrape may
+	// add to the level a prediction is read at (others): at most as many
+	// as tokentap's own, or this many. A scrape can tell of another
+	// client's load; it cannot move the level, and the curve the model
+	// files what it measures by, past what tokentap's own traffic shows.
+	minOthers = 16
 )
 
 // The metrics read, by server: requests running, requests waiting, and
@@ -99,7 +109,10 @@ func (s *scraper) scrape() {
 		st.Err = "scrape answered " + strconv.Itoa(resp.StatusCode())
 	default:
 		parseBackendMetrics(resp.Body(), st)
-		if st.Running < 0 && st.Waiting < 0 && st.KV < 0 {
+		switch {
+		case st.Running > maxBackendRequests || st.Waiting > maxBackendRequests:
+			*st = backendState{Running: -1, Waiting: -1, KV: -1, At: st.At, Err: "implausible request count in the scrape"}
+		case st.Running < 0 && st.Waiting < 0 && st.KV < 0:
 			st.Err = "no known metric in the scrape"
 		}
 	}
@@ -131,14 +144,15 @@ func (s *scraper) fresh(now time.Time) (*backendState, bool) {
 }
 
 // others is how many requests the backend holds beyond tokentap's k in
-// flight there (0 without a fresh scrape that says).
+// flight there (0 without a fresh scrape that says), at most k or
+// minOthers.
 func (s *scraper) others(now time.Time, k int) int {
 	st, ok := s.fresh(now)
 	if !ok || st.Running < 0 && st.Waiting < 0 {
 		return 0
 	}
-	held := max(st.Running, 0) + max(st.Waiting, 0)
-	return max(0, int(math.Round(held))-k)
+	held := min(max(st.Running, 0)+max(st.Waiting, 0), maxBackendRequests)
+	return min(max(0, int(math.Round(held))-k), max(k, minOthers))
 }
 
 // parseBackendMetrics reads the Prometheus text exposition in b: the sum
@@ -179,9 +193,9 @@ func parseBackendMetrics(b []byte, st *backendState) {
 		}
 		switch {
 		case hasName(runningNames, name):
-			st.Running = max(st.Running, 0) + v
+			st.Running = min(max(st.Running, 0)+v, 2*maxBackendRequests) // past the bound either way
 		case hasName(waitingNames, name):
-			st.Waiting = max(st.Waiting, 0) + v
+			st.Waiting = min(max(st.Waiting, 0)+v, 2*maxBackendRequests)
 		case hasName(kvNames, name):
 			st.KV = max(st.KV, min(v, 1))
 		}

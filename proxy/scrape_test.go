@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -194,4 +195,63 @@ func scrapeShown(tp *testProxy, upstream string, scrape bool) string {
 		return fmt.Sprintf("a failing scrape shows %+v, want its status", shown)
 	}
 	return ""
+}
+
+// TestAScrapeCannotSwitchSheddingOff: tokentap sheds in front of the
+// simulated server of 8 slots (about 28 a second) offered twice its
+// capacity, its metrics_url a script. At half the capacity, for 4 s the
+// script claims 1,000 requests running; then the truth (nothing beyond
+// tokentap's), and twice the capacity. In the 6 s after the claim,
+// shedding keeps at least 0.6 of the capacity good: the
+// level a scrape adds is bounded by tokentap's own in flight, so the
+// figures the model files during the claim stay near the levels it
+// measures. Before, the claim moved the learned limit from 66 to 1,024 and
+// nothing was shed for 7.5 s after it (16 of 663 good). A claim past what
+// any backend holds (1e300, 9.3e18) is refused as implausible, never read
+// as an idle backend.
+func TestAScrapeCannotSwitchSheddingOff(t *testing.T) {
+	const capacity = 28.0
+	var claim atomic.Value
+	claim.Store("vllm:num_requests_running 0\n")
+	metricsSrv := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, claim.Load().(string)) })
+	srv := httptest.NewServer(mockllm.New(overloadBackend))
+	t.Cleanup(srv.CloseClientConnections)
+	t.Cleanup(srv.Close)
+	tp := startProxyRecords(t, "", func(c *Config) {
+		c.SLO = overloadSLO
+		c.Routes[0].Upstreams = []Upstream{{Name: "a", URL: srv.URL, MetricsURL: metricsSrv.URL, Weight: 1}}
+		c.Routes[0].Overload = &Overload{Shed: true}
+	}, Options{}, 20000)
+	rng := rand.New(rand.NewPCG(31, 7))
+	phase := func(load float64, d time.Duration) *tally { return offer(t, tp, chatBody, load*capacity, d, 0, rng) }
+	for _, c := range []struct {
+		claim string
+		load  float64
+		d     time.Duration
+	}{{"vllm:num_requests_running 0\n", 0.5, 3 * time.Second}, {"vllm:num_requests_running 1000\nvllm:num_requests_waiting 0\n", 0.5, 4 * time.Second}} {
+		claim.Store(c.claim)
+		w := phase(c.load, c.d)
+		for range w.arrivals {
+			tp.rec.next(t)
+		}
+	}
+	claim.Store("vllm:num_requests_running 0\n")
+	after := phase(2, 6*time.Second)
+	countRecords(t, tp, after, after.arrivals)
+	t.Logf("the 6 s after the claim: %d sent, %d good (%.1f/s), %d shed", after.sent, after.good, float64(after.good)/6, after.shed)
+	if float64(after.good)/6 < 0.6*capacity {
+		t.Errorf("after a scrape claimed 1,000 running: %.1f good/s, want 0.6 of the capacity %.0f", float64(after.good)/6, capacity)
+	}
+	for _, huge := range []string{"1e300", "9.3e18"} {
+		claim.Store("vllm:num_requests_running " + huge + "\n")
+		waitFor(t, func() error {
+			if s := tp.p.snap.Load().routes[0].members[0].scrape.state.Load(); s == nil || !strings.Contains(s.Err, "implausible") {
+				return fmt.Errorf("a scrape of %s reads %+v", huge, s)
+			}
+			return nil
+		})
+		if n := tp.p.snap.Load().routes[0].members[0].scrape.others(time.Now(), 3); n != 0 {
+			t.Errorf("a scrape of %s adds %d requests", huge, n)
+		}
+	}
 }

@@ -61,7 +61,7 @@ func (sh *shadowState) start(x *exchange, ctx *fasthttp.RequestCtx) {
 	}
 	s.shadow = true
 	s.rt, s.att.mem, s.att.up, s.dialect, s.in.stream = x.rt, sh.member, sh.member.up, x.dialect, x.in.stream
-	s.att.startK = int(s.att.mem.up.inflight.Add(1) - 1)
+	s.att.count(x.p.now())
 	s.id = append(append(s.id[:0], x.id...), "-shadow"...)
 	rec, src := &s.rec, &x.rec
 	rec.RequestID, rec.Route, rec.Upstream, rec.Shadow = string(s.id), src.Route, sh.member.name, true

@@ -96,7 +96,7 @@ func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	m.why[why].Add(1)
 	// The level the request starts at: tokentap's requests there, and
 	// what the backend says it holds beyond them (scrape.go).
-	x.att.startK = m.held(x.p.now(), int(m.up.inflight.Add(1)-1))
+	x.att.count(x.p.now())
 	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
 	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
 }
@@ -130,10 +130,13 @@ func (x *exchange) priority(h *fasthttp.RequestHeader, o *Overload) Priority {
 	return max(p, most) // higher numbers are lower priorities
 }
 
-// overload is the request's overload step, before its body is read: the
-// prediction for its upstream now and, with Shed, the refusal of a request
-// that would miss its objectives.
-func (x *exchange) overload(ctx *fasthttp.RequestCtx) *refusal {
+// overload is the request's overload step: the prediction for its
+// upstream now and, with Shed, the refusal of a request that would miss
+// its objectives. Before its body is read a request is judged as a
+// stream, by its TTFT and TPOT objectives; once its body says it is not
+// one (whole), by its time to the whole response against its E2E
+// objective (shed.Gate.JudgeWhole).
+func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 	o := x.rt.Overload
 	if o == nil {
 		return nil
@@ -141,29 +144,46 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx) *refusal {
 	h := &ctx.Request.Header
 	prio := x.priority(h, o)
 	x.rec.Priority = prio.String()
-	in := -1
-	if cl := h.ContentLength(); cl > 0 {
-		in = cl / 4 // what admission control estimates too, before the body
-	}
 	slo := x.slo()
 	if o.SLOHeaders {
 		slo = slo.Over(metrics.SLO{TTFT: headerMS(h.PeekBytes(headerSLOTTFT)), TPOT: headerMS(h.PeekBytes(headerSLOTPOT))})
 	}
-	v := x.att.up.gate.Judge(x.p.now(), x.att.startK, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
-	if !v.Known {
-		return nil // nothing measured lately: nothing to decide on
+	var v shed.Verdict
+	k := x.att.mem.held(x.p.now(), x.att.startK) // the backend's own count included, where it says
+	if whole {
+		if slo.E2E <= 0 {
+			return nil
+		}
+		v = x.att.up.gate.JudgeWhole(x.p.now(), k, len(x.in.body0)/4, prio, slo.E2E, x.rt.Timeouts.FirstByte)
+	} else {
+		in := -1
+		if cl := h.ContentLength(); cl > 0 {
+			in = cl / 4 // what admission control estimates too, before the body
+		} else if x.in.late {
+			in = len(x.in.body0) / 4
+		}
+		v = x.att.up.gate.Judge(x.p.now(), k, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
 	}
-	x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
+	if v.Known {
+		x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
+	}
 	if !o.Shed || !v.Shed {
 		return nil
 	}
 	metrics.Shed(x.rt.Name, x.att.mem.name, prio.String())
 	x.att.up.gate.Refused(x.p.now())
+	what := "TTFT"
+	if whole {
+		what = "response time"
+	}
 	r := &refusal{status: fasthttp.StatusServiceUnavailable, outcome: metrics.OutcomeShed, code: "overloaded", errType: "overloaded",
 		msg:  "the upstream is overloaded: this request would miss its objectives, retry later",
-		note: "shed: predicted TTFT " + strconv.FormatFloat(float64(v.TTFT)/1e6, 'f', 1, 64) + " ms at " + strconv.Itoa(x.att.startK) + " in flight",
-		// The body is not read: the connection closes after the answer.
-		close: true, retryAfter: v.RetryAfter}
+		note: "shed: predicted " + what + " " + strconv.FormatFloat(float64(v.TTFT)/1e6, 'f', 1, 64) + " ms at " + strconv.Itoa(k) + " in flight",
+		// A body not read yet is not read: the connection closes after the answer.
+		close: !x.in.late && !whole, retryAfter: v.RetryAfter}
+	if !v.Known {
+		r.note = "shed: " + strconv.Itoa(k) + " in flight, past the levels measured while critical requests come"
+	}
 	if x.dialect != nil && x.dialect.Name() == "anthropic" {
 		// Anthropic's own answer to an overloaded API.
 		r.status, r.errType, r.anthropic = 529, "overloaded_error", true
@@ -171,20 +191,41 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx) *refusal {
 	return r
 }
 
-// observeUpstream tells the upstream's model what the request lived there:
-// its time to first token from when it was sent on (the admission queue
-// is tokentap's, not the backend's) and its time per output token, with
-// the prediction made for it.
-func (x *exchange) observeUpstream() {
-	if x.rt == nil || !x.rt.predicts() || x.att.up == nil || x.rec.Attempts == 0 || !x.rec.Stream {
-		return // a whole response's first byte is its end: no first token to learn from
+// The upstream's model learns what its requests live there: a stream's
+// first token as it comes (learnFirst), its time per output token at its
+// end (learnEnd); a whole response's time at its end, in the model of
+// whole responses. Each from when the request was sent (a wait in the
+// admission queue, or for the client's upload, is not the backend's) to
+// when the kernel received the upstream's bytes: time tokentap spent
+// waiting for a processor on a busy machine is not the backend's either.
+
+// learnFirst teaches the upstream's model a stream's first token.
+func (x *exchange) learnFirst() {
+	if x.rt == nil || !x.rt.predicts() || !x.att.counted || x.tap.m.written.IsZero() || x.tap.m.firstTokenRead.IsZero() {
+		return
 	}
-	rec := &x.rec
-	ttft := rec.TTFT
-	if ttft >= 0 && rec.Queue > 0 {
-		ttft -= rec.Queue
+	ttft := max(x.tap.m.firstTokenRead.Sub(x.tap.m.written), 0)
+	x.att.up.gate.Model.ObserveFirst(x.att.startK, len(x.in.body0)/4, ttft, x.rec.PredictedTTFT)
+	x.att.learned = true
+}
+
+// learnEnd teaches the upstream's models a request's end: a stream's time
+// per output token, a whole response's time (complete: it came whole).
+func (x *exchange) learnEnd(complete bool) {
+	if x.rt == nil || !x.rt.predicts() || x.att.up == nil || x.att.ended || x.rec.Attempts == 0 {
+		return
 	}
-	x.att.up.gate.Model.Observe(x.att.startK, x.tap.m.usage.input(rec.BytesIn), ttft, rec.TPOT, rec.PredictedTTFT)
+	x.att.ended = true
+	g := x.att.up.gate
+	switch {
+	case x.tap.streamed && x.att.learned:
+		g.Model.ObserveEnd(x.att.startK, x.rec.TPOT)
+	case !x.tap.streamed && x.rec.Method == "POST" && complete && !x.tap.m.firstByteRead.IsZero() && !x.tap.m.written.IsZero():
+		whole := max(x.tap.m.firstByteRead.Sub(x.tap.m.written), 0)
+		g.Whole.Observe(x.att.startK, len(x.in.body0)/4, whole, -1, x.rec.PredictedTTFT)
+	default:
+		g.Model.ObserveEnd(x.att.startK, -1) // a completion, nothing measured
+	}
 }
 
 // admit runs admission control for the identified tenant, waiting in its
@@ -198,9 +239,13 @@ func (x *exchange) admit() *refusal {
 	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
 	usd := x.charge.cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
 	start := x.p.now()
+	// A request waiting in its tenant's queue is not at its upstream: it
+	// is counted there again once admitted, at the level it starts at then.
+	x.att.uncount()
 	ticket, refused := a.AdmitUSD(goneCtx{x.cancel.doneChan()}, x.tenant, x.rt.Name, total, usd)
 	x.rec.Queue = x.p.now().Sub(start)
 	if refused == nil {
+		x.att.count(x.p.now())
 		x.ticket = ticket
 		return nil
 	}

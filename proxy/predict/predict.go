@@ -62,7 +62,7 @@ const (
 type level struct {
 	ttft, in, tpot float64
 	w, wTPOT       float64
-	at             time.Time // the last request's
+	at, tpotAt     time.Time // the last first token's, the last TPOT's
 }
 
 // Model is one upstream's model.
@@ -78,9 +78,11 @@ type Model struct {
 	inRef, sxy, sxx float64
 	pairs           int
 	// done is the completions a second (exponential average over ~5 s)
-	// and doneAt the last completion: how fast a queue drains.
-	done   float64
-	doneAt time.Time
+	// and doneAt the last completion: how fast a queue drains; first and
+	// firstAt the same of first tokens, known a prefill after a request
+	// starts where its completion comes a response later.
+	done, first     float64
+	doneAt, firstAt time.Time
 	// The prediction's error against what requests then lived: an
 	// exponential average of (predicted − actual) / actual and of its
 	// absolute value, over the requests it predicted.
@@ -107,20 +109,29 @@ func New(now func() time.Time) *Model {
 // the upstream, had in input tokens, and lived ttft to its first token and
 // tpot per output token after it (negative: not measured, as a request
 // that failed before its first token or had one token). predicted is what
-// the model said before it was sent (negative: nothing), for its error.
+// the model said before it was sent (negative: nothing), for its error. It
+// is ObserveFirst and ObserveEnd at once, for a request whose first token
+// is learned at its end.
 func (m *Model) Observe(k, in int, ttft, tpot, predicted time.Duration) {
+	if ttft >= 0 {
+		m.ObserveFirst(k, in, ttft, predicted)
+	}
+	m.ObserveEnd(k, tpot)
+}
+
+// ObserveFirst adds the first token of a request that started with k
+// others in flight on the upstream and had in input tokens: it came ttft
+// after the request was sent. predicted is what the model said before it
+// was sent (negative: nothing), for its error. Learned as the first token
+// comes, a level is known a prefill after the load reaches it, not a
+// whole response later.
+func (m *Model) ObserveFirst(k, in int, ttft, predicted time.Duration) {
 	now := m.now()
 	k = min(max(k, 0), MaxLevel)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.completed(now)
-	if ttft < 0 {
-		return
-	}
-	for len(m.levels) <= k {
-		m.levels = append(m.levels, level{})
-	}
-	l := &m.levels[k]
+	m.first, m.firstAt = rate(m.first, m.firstAt, now), now
+	l := m.level(k)
 	y, x := ms(ttft), float64(in)
 	if m.pairs == 0 && m.inRef == 0 {
 		m.inRef = x
@@ -133,16 +144,10 @@ func (m *Model) Observe(k, in int, ttft, tpot, predicted time.Duration) {
 		m.pairs++
 	}
 	// The level's averages, its requests' weight decayed since the last.
-	d := math.Exp(-float64(now.Sub(l.at)) / float64(tau))
-	l.w *= d
+	l.w *= math.Exp(-float64(now.Sub(l.at)) / float64(tau))
 	l.ttft, l.in = (l.ttft*l.w+y)/(l.w+1), (l.in*l.w+x)/(l.w+1)
 	l.w++
 	m.seen++
-	if tpot >= 0 {
-		l.wTPOT *= d
-		l.tpot = (l.tpot*l.wTPOT + ms(tpot)) / (l.wTPOT + 1)
-		l.wTPOT++
-	}
 	l.at = now
 	if predicted >= 0 && y > 0 {
 		e := (ms(predicted) - y) / y
@@ -153,6 +158,48 @@ func (m *Model) Observe(k, in int, ttft, tpot, predicted time.Duration) {
 	}
 }
 
+// ObserveEnd adds the end of a request that started with k others in
+// flight: its time per output token (negative: not measured), and a
+// completion in the completion rate.
+func (m *Model) ObserveEnd(k int, tpot time.Duration) {
+	now := m.now()
+	k = min(max(k, 0), MaxLevel)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.completed(now)
+	if tpot < 0 {
+		return
+	}
+	l := m.level(k)
+	l.wTPOT *= math.Exp(-float64(now.Sub(l.tpotAt)) / float64(tau))
+	l.tpot = (l.tpot*l.wTPOT + ms(tpot)) / (l.wTPOT + 1)
+	l.wTPOT++
+	l.tpotAt = now
+	m.seen++
+}
+
+// level returns level k's figures, made up to it. m.mu is held.
+func (m *Model) level(k int) *level {
+	for len(m.levels) <= k {
+		m.levels = append(m.levels, level{})
+	}
+	return &m.levels[k]
+}
+
+// Measured is the highest level at which a first token was measured
+// within Stale (−1: none).
+func (m *Model) Measured() int {
+	now := m.now()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for k := len(m.levels) - 1; k >= 0; k-- {
+		if l := &m.levels[k]; l.w > 0 && now.Sub(l.at) <= Stale {
+			return k
+		}
+	}
+	return -1
+}
+
 // completed counts a completion at now in the completion rate. m.mu is
 // held.
 func (m *Model) completed(now time.Time) {
@@ -160,12 +207,18 @@ func (m *Model) completed(now time.Time) {
 		m.doneAt = now
 		return
 	}
-	dt := now.Sub(m.doneAt).Seconds()
-	m.doneAt = now
-	// An event rate as an exponential average over tau: each event adds
-	// 1/tau, and the rate decays by exp(−dt/tau) in between.
+	m.done, m.doneAt = rate(m.done, m.doneAt, now), now
+}
+
+// rate is an event rate r, of the last event at at, with one more event
+// at now: an exponential average over 5 s, each event adding a fifth and
+// the rate decaying by exp(−dt/5 s) in between.
+func rate(r float64, at, now time.Time) float64 {
 	const tau = 5.0
-	m.done = m.done*math.Exp(-dt/tau) + 1/tau
+	if at.IsZero() {
+		return 1 / tau
+	}
+	return r*math.Exp(-now.Sub(at).Seconds()/tau) + 1/tau
 }
 
 // perToken is the TTFT cost of one input token, in ms (never negative).
@@ -494,6 +547,17 @@ func (m *Model) CompletionRate() float64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.done * math.Exp(-m.now().Sub(m.doneAt).Seconds()/5)
+}
+
+// ServedRate is the upstream's requests a second that got their first
+// token or completed lately, the larger (exponential averages over about
+// 5 s): how fast it takes requests in, known from its first tokens before
+// any completes.
+func (m *Model) ServedRate() float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := m.now()
+	return max(m.done*math.Exp(-now.Sub(m.doneAt).Seconds()/5), m.first*math.Exp(-now.Sub(m.firstAt).Seconds()/5))
 }
 
 // Calibration is how well the model predicted: the mean relative error

@@ -345,3 +345,34 @@ func TestAFigureCountedHighDoesNotFlattenTheCurve(t *testing.T) {
 	}
 	t.Logf("the limit at most %d levels from the truth's", worst)
 }
+
+// First tokens teach the model as they come: three of them, at levels 0,
+// 1 and 3, and the model predicts, knows level 3 as the highest measured,
+// and counts them in the rate the upstream takes requests in, before any
+// request has completed; a completion counts in its completion rate.
+func TestFirstTokensTeachBeforeCompletions(t *testing.T) {
+	c := &fakeClock{t: time.Unix(1_800_000_000, 0)}
+	m := New(c.now)
+	if m.Measured() != -1 || m.ServedRate() != 0 {
+		t.Fatalf("empty: measured %d, served %.2f", m.Measured(), m.ServedRate())
+	}
+	m.ObserveFirst(0, 100, 50*time.Millisecond, -1)
+	m.ObserveFirst(1, 100, 50*time.Millisecond, -1)
+	c.t = c.t.Add(10 * time.Millisecond)
+	m.ObserveFirst(3, 100, 60*time.Millisecond, -1)
+	if _, _, ok := m.Predict(2, 100); !ok {
+		t.Error("three first tokens: nothing predicted")
+	}
+	if m.Measured() != 3 || m.ServedRate() <= 0 || m.CompletionRate() != 0 {
+		t.Errorf("measured %d, served %.2f/s, completed %.2f/s: want 3, some, none", m.Measured(), m.ServedRate(), m.CompletionRate())
+	}
+	c.t = c.t.Add(Stale + time.Second)
+	if m.Measured() != -1 {
+		t.Errorf("levels not seen for %v: measured %d, want none", Stale, m.Measured())
+	}
+	m.ObserveEnd(3, 5*time.Millisecond)
+	m.ObserveEnd(3, 5*time.Millisecond)
+	if m.CompletionRate() <= 0 {
+		t.Error("two completions: no completion rate")
+	}
+}

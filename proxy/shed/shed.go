@@ -55,21 +55,22 @@ func ParsePriority(s string) (p Priority, ok bool) {
 
 // share is the part, by priority, of a request's waiting budget (its TTFT
 // or TPOT objective less what an idle upstream gives) its prediction may
-// use before it is refused while the upstream's queue stands (see Gate);
-// lowered to shareReserved while critical requests come to the upstream
-// (within CriticalSeen), so that the queue lower priorities leave is short
-// enough for a critical request's first token to come in time despite the
-// prediction's error. A critical request may wait up to twice its
-// budget: it is served late rather than refused, and refused only where
-// critical requests alone come faster than the upstream serves them (a
-// queue of them would grow to the first-byte timeout, every one failed).
-// Without a standing queue a burst passes: a standard request is refused
-// only when it would miss its objective outright, a critical one only
-// past its first-byte timeout.
+// use before it is refused while the upstream's queue stands (see Gate).
+// A critical request may wait up to twice its budget: it is served late
+// rather than refused, and refused only where critical requests alone come
+// faster than the upstream serves them (a queue of them would grow to the
+// first-byte timeout, every one failed), and never while requests of
+// lower priorities are let through. Without a standing queue a burst
+// passes: a standard request is refused only when it would miss its
+// objective outright, a critical one only past its first-byte timeout.
+//
+// While critical requests come (within CriticalSeen) and a queue stands,
+// the lower priorities leave them room: the levels critical requests
+// hold (criticalRoom), and no level past a quarter beyond the highest
+// measured lately (beyond), where the model's curve is a guess.
 var (
-	share         = [numPriorities]float64{Critical: 2, Standard: 0.85, Sheddable: 0.6}
-	shareReserved = [numPriorities]float64{Critical: 2, Standard: 0.3, Sheddable: 0.2}
-	shareBurst    = [numPriorities]float64{Critical: 0, Standard: 1, Sheddable: 0.6}
+	share      = [numPriorities]float64{Critical: 2, Standard: 0.85, Sheddable: 0.6}
+	shareBurst = [numPriorities]float64{Critical: 0, Standard: 1, Sheddable: 0.6}
 )
 
 // A queue stands when, over the last StandingWindow or two, even its
@@ -107,7 +108,11 @@ type Objectives struct{ TTFT, TPOT time.Duration }
 
 // Gate is one upstream's overload gate. It is safe for concurrent use.
 type Gate struct {
+	// Model is what the upstream's streams live: their first token and
+	// time per output token; Whole what its whole (not streamed)
+	// responses live, their time taken as Model's TTFT.
 	Model    *predict.Model
+	Whole    *predict.Model
 	critical atomic.Int64 // when a critical request last came (unix ns)
 
 	mu sync.Mutex
@@ -115,16 +120,20 @@ type Gate struct {
 	// and in the one before.
 	winAt          time.Time
 	minNow, minWas int
-	// arrivals is the requests judged a second (an exponential average
-	// over about 5 s, as the model's completion rate), at arrivedAt.
-	arrivals  float64
-	arrivedAt time.Time
-	standing  bool // the last judgement found the queue standing
+	// arrivals is the requests judged a second, critArrivals the critical
+	// ones (exponential averages over about 5 s, as the model's
+	// completion rate), at arrivedAt.
+	arrivals, critArrivals float64
+	arrivedAt              time.Time
+	standing               bool // the last judgement found the queue standing
 	// The refusals: how many, and a second (an exponential average over
 	// about 5 s, as the arrivals), at lastShed.
 	sheds    int64
 	shedRate float64
 	lastShed time.Time
+	// lower is when a request of a lower priority than critical was last
+	// let through.
+	lower time.Time
 }
 
 // Refused counts a request refused on the gate's word at now.
@@ -190,13 +199,21 @@ func (g *Gate) Status(now time.Time, k int, obj Objectives) Status {
 
 // shortest notes an arrival that found k in flight at now and returns the
 // fewest any arrival found over the last window or two.
-func (g *Gate) shortest(now time.Time, k int) (fewest int, rate float64) {
+func (g *Gate) shortest(now time.Time, k int, p Priority, arrive bool) (fewest int, rate float64) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if !arrive {
+		return min(g.minNow, g.minWas), g.arrivals * math.Exp(-now.Sub(g.arrivedAt).Seconds()/5)
+	}
 	if !g.arrivedAt.IsZero() {
-		g.arrivals *= math.Exp(-now.Sub(g.arrivedAt).Seconds() / 5)
+		d := math.Exp(-now.Sub(g.arrivedAt).Seconds() / 5)
+		g.arrivals *= d
+		g.critArrivals *= d
 	}
 	g.arrivals, g.arrivedAt = g.arrivals+1.0/5, now
+	if p == Critical {
+		g.critArrivals += 1.0 / 5
+	}
 	switch since := now.Sub(g.winAt); {
 	case since >= 2*StandingWindow || since < 0:
 		g.winAt, g.minWas, g.minNow = now, k, k // nothing came for a while
@@ -209,7 +226,7 @@ func (g *Gate) shortest(now time.Time, k int) (fewest int, rate float64) {
 }
 
 // New returns a gate with an empty model on the clock now (nil: time.Now).
-func New(now func() time.Time) *Gate { return &Gate{Model: predict.New(now)} }
+func New(now func() time.Time) *Gate { return &Gate{Model: predict.New(now), Whole: predict.New(now)} }
 
 // Verdict is a request's judgement.
 type Verdict struct {
@@ -230,29 +247,44 @@ type Verdict struct {
 // request when no first token would come before firstByte (0: no
 // timeout). Nothing is refused while the model believes nothing.
 func (g *Gate) Judge(now time.Time, k, in int, p Priority, obj Objectives, firstByte time.Duration) Verdict {
+	return g.judge(g.Model, true, now, k, in, p, obj, firstByte)
+}
+
+// JudgeWhole judges a request whose response is whole (not streamed) as
+// Judge does a stream, by its predicted time to the whole response (Whole)
+// against its E2E objective e2e. It is judged once its body says it does
+// not stream, which Judge, on the headers alone, cannot know; the
+// arrivals it counts are Judge's.
+func (g *Gate) JudgeWhole(now time.Time, k, in int, p Priority, e2e, timeout time.Duration) Verdict {
+	return g.judge(g.Whole, false, now, k, in, p, Objectives{TTFT: e2e}, timeout)
+}
+
+// judge is Judge on model m, counting the request as an arrival with
+// arrive.
+func (g *Gate) judge(m *predict.Model, arrive bool, now time.Time, k, in int, p Priority, obj Objectives, firstByte time.Duration) Verdict {
 	if p == Critical {
 		g.critical.Store(now.UnixNano())
 	}
-	fewest, arrivals := g.shortest(now, k)
-	m := g.Model
+	fewest, arrivals := g.shortest(now, k, p, arrive)
 	ttft, tpot, ok := m.Predict(k, in)
-	v := Verdict{Known: ok, TTFT: ttft, TPOT: tpot}
-	if !ok {
-		return v
+	v := Verdict{Known: ok, TTFT: ttft, TPOT: tpot, RetryAfter: time.Second}
+	reserved := now.UnixNano()-g.critical.Load() < int64(CriticalSeen)
+	// What an idle upstream gives, and whether a queue stands; with
+	// nothing believed, what is known is that nothing is (a cold start).
+	var idleTTFT, idleTPOT time.Duration
+	standing := true
+	if ok {
+		idleTTFT, idleTPOT, _ = m.Predict(0, in)
+		shortest, _, _ := m.Predict(fewest, in)
+		st := threshold(obj.TTFT, idleTTFT, standingShare)
+		standing = st > 0 && shortest > st || arrivals > overloaded*g.servedRate()
 	}
-	idleTTFT, idleTPOT, _ := m.Predict(0, in)
-	shortest, _, _ := m.Predict(fewest, in)
-	shares := &shareBurst
-	st := threshold(obj.TTFT, idleTTFT, standingShare)
-	standing := st > 0 && shortest > st || arrivals > overloaded*m.CompletionRate()
 	g.mu.Lock()
 	g.standing = standing
 	g.mu.Unlock()
+	shares := &shareBurst
 	if standing {
 		shares = &share
-		if now.UnixNano()-g.critical.Load() < int64(CriticalSeen) {
-			shares = &shareReserved
-		}
 	}
 	var ttftAt, tpotAt time.Duration
 	if s := shares[p]; s > 0 {
@@ -261,10 +293,60 @@ func (g *Gate) Judge(now time.Time, k, in int, p Priority, obj Objectives, first
 	if firstByte > 0 && (ttftAt == 0 || firstByte < ttftAt) {
 		ttftAt = firstByte // no first token would come in time at all
 	}
-	v.Shed = ttftAt > 0 && ttft > ttftAt || tpotAt > 0 && tpot > tpotAt
-	if v.Shed {
+	switch {
+	case ok && (ttftAt > 0 && ttft > ttftAt || tpotAt > 0 && tpot > tpotAt):
+		v.Shed = p != Critical || !g.lowerLetThrough(now) // lower priorities go first
+	case p == Critical || !standing || !reserved:
+	case k > beyond(m.Measured()):
+		v.Shed = true
+	case ok:
+		lim, _ := m.Limit(in, ttftAt, tpotAt)
+		v.Shed = k > lim-g.criticalRoom(now, k)
+	}
+	if !v.Shed && p != Critical {
+		g.mu.Lock()
+		g.lower = now
+		g.mu.Unlock()
+	}
+	if v.Shed && ok {
 		limit, _ := m.Limit(in, ttftAt, tpotAt)
 		v.RetryAfter = m.DrainTime(k, limit)
 	}
 	return v
+}
+
+// beyond is the most in flight a request of a lower priority than
+// critical is sent at while critical requests come and a queue stands,
+// from the highest level a first token was measured at lately (−1: none):
+// a quarter further (one level at least, four at the start: Envoy's
+// adaptive concurrency starts at three). Past the levels measured the
+// model's curve is a guess, and a queue found there is one the critical
+// requests wait in; from a cold start under overload this is what keeps
+// that queue short while the model learns the curve.
+func beyond(measured int) int { return max(4, measured+max(1, measured/4)) }
+
+// criticalRoom is the levels the critical requests hold with k in flight:
+// their share of the requests served times k (Little's law, the time in
+// the system alike), rounded up.
+func (g *Gate) criticalRoom(now time.Time, k int) int {
+	g.mu.Lock()
+	c := g.critArrivals * math.Exp(-now.Sub(g.arrivedAt).Seconds()/5)
+	g.mu.Unlock()
+	served := g.servedRate()
+	if c <= 0 || served <= 0 {
+		return 0
+	}
+	return int(math.Ceil(min(c/served, 1) * float64(max(k, 1))))
+}
+
+// servedRate is the requests a second the upstream took in lately,
+// streams and whole responses.
+func (g *Gate) servedRate() float64 { return g.Model.ServedRate() + g.Whole.ServedRate() }
+
+// lowerLetThrough reports a request of a lower priority than critical let
+// through within StandingWindow.
+func (g *Gate) lowerLetThrough(now time.Time) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return !g.lower.IsZero() && now.Sub(g.lower) < StandingWindow
 }
