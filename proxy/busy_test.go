@@ -101,7 +101,7 @@ func TestNoFalseShedsOnABusyMachine(t *testing.T) {
 	up := startMockChild(t)
 	tp := startProxyRecords(t, up, func(c *Config) {
 		c.SLO = overloadSLO
-		c.Routes[0].Overload = &Overload{Shed: true, PriorityHeader: "X-Priority"}
+		c.Routes[0].Overload = &Overload{Shed: true, PriorityHeader: "X-Priority", TrustPriorityHeader: true}
 	}, Options{}, 10000)
 	stop := make(chan struct{})
 	spinners := spin(8, stop)

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"fmt"
 	"strconv"
 	"time"
 
@@ -24,8 +25,12 @@ type Overload struct {
 	// PriorityHeader names the request header that says a request's
 	// priority (critical, standard, sheddable; anything else: standard).
 	// A tenant's priority (Config.TenantPriorities) is the most its
-	// requests may claim: the header may lower it, never raise it.
-	PriorityHeader string
+	// requests may claim: the header may lower it, never raise it. Without
+	// tenants to cap it the header claims at most standard, unless
+	// TrustPriorityHeader (every client, or a gateway in front that sets
+	// it, may be believed).
+	PriorityHeader      string
+	TrustPriorityHeader bool
 	// SLOHeaders lets a request set its own objectives for the decision
 	// (X-SLO-TTFT-Ms, X-SLO-TPOT-Ms), over the route's and its tenant's.
 	SLOHeaders bool
@@ -69,6 +74,20 @@ func (c *Config) validOverload(r Route, field func(string) string) error {
 		return fieldErr(field("overload.priority_header"), "%q is not a header name", o.PriorityHeader)
 	}
 	return nil
+}
+
+// Warnings lists what a valid configuration says that may not do what was
+// meant: each a field and why, printed by -check and logged when the
+// configuration is applied.
+func (c *Config) Warnings() []string {
+	var ws []string
+	tenants := c.Admission != nil && len(c.Admission.Tenants) > 0
+	for i, r := range c.Routes {
+		if o := r.Overload; o != nil && o.PriorityHeader != "" && !tenants && !o.TrustPriorityHeader {
+			ws = append(ws, fmt.Sprintf("routes[%d].overload.priority_header: with no tenants to cap it, the header claims at most standard (any client could claim critical); set overload.trust_priority_header: true where every client may be believed", i))
+		}
+	}
+	return ws
 }
 
 // isToken reports a header name made of token characters.

@@ -123,7 +123,7 @@ func overloadProxy(t *testing.T, shed bool) *testProxy {
 	// A recorder that holds every record of the runs.
 	return startProxyRecords(t, srv.URL, func(c *Config) {
 		c.SLO = overloadSLO
-		c.Routes[0].Overload = &Overload{Shed: shed, PriorityHeader: "X-Priority"}
+		c.Routes[0].Overload = &Overload{Shed: shed, PriorityHeader: "X-Priority", TrustPriorityHeader: true}
 	}, Options{}, 10000)
 }
 
@@ -207,7 +207,7 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 	t.Cleanup(srv.Close)
 	tp := startProxyOpts(t, srv.URL, func(c *Config) {
 		c.SLO = metrics.SLO{TTFT: 400 * time.Millisecond}
-		c.Routes[0].Overload = &Overload{Shed: true, PriorityHeader: "X-Priority"}
+		c.Routes[0].Overload = &Overload{Shed: true, PriorityHeader: "X-Priority", TrustPriorityHeader: true}
 	}, Options{})
 	// The model is taught what this upstream does (one slot: 100 ms of
 	// prefill, then 300 ms of tokens, so each request in flight ahead
@@ -323,7 +323,7 @@ func TestWholeResponsesShedByTheirE2E(t *testing.T) {
 		t.Cleanup(srv.Close)
 		return startProxyRecords(t, srv.URL, func(c *Config) {
 			c.SLO = metrics.SLO{E2E: 600 * time.Millisecond}
-			c.Routes[0].Overload = &Overload{Shed: shed, PriorityHeader: "X-Priority"}
+			c.Routes[0].Overload = &Overload{Shed: shed, PriorityHeader: "X-Priority", TrustPriorityHeader: true}
 		}, Options{}, 10000)
 	}
 	runWhole := func(tp *testProxy, rate float64, seed uint64) *tally {
@@ -350,5 +350,37 @@ func TestWholeResponsesShedByTheirE2E(t *testing.T) {
 	}
 	if float64(low.shed) > 0.05*float64(low.sent) || float64(low.good) < 0.85*float64(low.sent) {
 		t.Errorf("at 0.5x: %d of %d shed, %d good", low.shed, low.sent, low.good)
+	}
+}
+
+// TestPriorityHeaderWithoutTenants: with no tenants to cap it, a request's
+// X-Priority: critical counts as standard (32 critical clients starved 4
+// standard ones: 6 served, 14,951 shed); it may still lower a request's
+// priority; on a route that trusts the header, it says critical.
+func TestPriorityHeaderWithoutTenants(t *testing.T) {
+	for _, trust := range []bool{false, true} {
+		up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "{}") })
+		tp := startProxy(t, up.URL, func(c *Config) {
+			c.SLO = overloadSLO
+			c.Routes[0].Overload = &Overload{PriorityHeader: "X-Priority", TrustPriorityHeader: trust}
+		})
+		for _, c := range []struct{ header, want string }{
+			{"critical", map[bool]string{false: "standard", true: "critical"}[trust]},
+			{"sheddable", "sheddable"}, {"", "standard"},
+		} {
+			req := mustReq(t, "POST", tp.url+"/v1/chat/completions", chatBody)
+			if c.header != "" {
+				req.Header.Set("X-Priority", c.header)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if r := tp.rec.next(t); r.Priority != c.want {
+				t.Errorf("trust %v, X-Priority %q: priority %q, want %q", trust, c.header, r.Priority, c.want)
+			}
+		}
 	}
 }

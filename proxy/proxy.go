@@ -179,6 +179,9 @@ func (p *Proxy) Apply(cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	for _, w := range cfg.Warnings() {
+		p.log.Warn(w)
+	}
 	cfg = cfg.withDefaults()
 	s := &snapshot{cfg: cfg, pools: map[string]*connPool{}}
 	var rows []metrics.RouteRow

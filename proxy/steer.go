@@ -112,14 +112,18 @@ func (x *exchange) slo() metrics.SLO {
 
 // priority is the request's priority: its header's (when the route has
 // one), no higher than its tenant's (standard for a tenant that sets
-// none); without admission control the header alone says it.
+// none); without admission control, no higher than standard unless the
+// route trusts the header (Overload.TrustPriorityHeader): any client could
+// claim critical and starve the others.
 func (x *exchange) priority(h *fasthttp.RequestHeader, o *Overload) Priority {
-	most := PriorityCritical
-	if x.snap.admit != nil {
-		most = PriorityStandard
+	most := PriorityStandard
+	switch {
+	case x.snap.admit != nil:
 		if p, ok := x.snap.cfg.TenantPriorities[x.tenant]; ok {
 			most = p
 		}
+	case o.TrustPriorityHeader:
+		most = PriorityCritical
 	}
 	p := PriorityStandard
 	if o.PriorityHeader != "" {

@@ -232,16 +232,17 @@ func (f *fileGuard) guard() *proxy.Guard {
 
 // fileOverload is a route's overload control (proxy.Overload).
 type fileOverload struct {
-	Shed           bool   `yaml:"shed"`
-	PriorityHeader string `yaml:"priority_header"`
-	SLOHeaders     bool   `yaml:"slo_headers"`
+	Shed                bool   `yaml:"shed"`
+	PriorityHeader      string `yaml:"priority_header"`
+	TrustPriorityHeader bool   `yaml:"trust_priority_header"`
+	SLOHeaders          bool   `yaml:"slo_headers"`
 }
 
 func (f *fileOverload) overload() *proxy.Overload {
 	if f == nil {
 		return nil
 	}
-	return &proxy.Overload{Shed: f.Shed, PriorityHeader: f.PriorityHeader, SLOHeaders: f.SLOHeaders}
+	return &proxy.Overload{Shed: f.Shed, PriorityHeader: f.PriorityHeader, TrustPriorityHeader: f.TrustPriorityHeader, SLOHeaders: f.SLOHeaders}
 }
 
 // fileShadow is a route's shadow traffic.

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -445,5 +447,26 @@ func TestMeasurementSection(t *testing.T) {
 	}
 	if code := status(t, "GET", "http://"+admin+"/metrics", ""); code != 200 {
 		t.Errorf("/metrics: %d", code)
+	}
+}
+
+// TestCheckWarnsOfAnUncappedPriorityHeader: -check accepts a route whose
+// priority header no tenant caps, and says that the header claims at most
+// standard there; with trust_priority_header it says nothing.
+func TestCheckWarnsOfAnUncappedPriorityHeader(t *testing.T) {
+	for _, trust := range []bool{false, true} {
+		path := filepath.Join(t.TempDir(), "tokentap.yaml")
+		conf := "routes:\n  - name: a\n    prefix: /\n    upstream: http://127.0.0.1:1\n    slo: {ttft: 1s}\n    overload: {shed: true, priority_header: X-Priority, trust_priority_header: " +
+			strconv.FormatBool(trust) + "}\n"
+		if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		check := exec.Command(os.Args[0], "-config", path, "-check")
+		check.Env = append(os.Environ(), "TOKENTAP_TEST_MAIN=1")
+		out, err := check.CombinedOutput()
+		warned := strings.Contains(string(out), "warning: routes[0].overload.priority_header") && strings.Contains(string(out), "at most standard")
+		if err != nil || !strings.Contains(string(out), "config ok") || warned == trust {
+			t.Errorf("trust %v: -check said %v\n%s", trust, err, out)
+		}
 	}
 }

@@ -145,6 +145,9 @@ func parseFlags(args []string) (*settings, error) {
 	s, err := buildSettings(fc, f)
 	if err == nil && *check {
 		if err = s.proxy.Validate(); err == nil {
+			for _, w := range s.proxy.Warnings() {
+				fmt.Println("warning:", w)
+			}
 			fmt.Println("config ok")
 			return nil, errPrinted
 		}
