@@ -16,13 +16,17 @@ import (
 // to the same upstream, where its prefix cache holds the prompt's blocks
 // (the ring and the keys hashed alike in every process: replicas agree),
 // with the load bounded: consistent hashing with bounded loads (Mirrokni,
-// Thorup and Zadimoghaddam), each upstream taking at most affinityLoad
-// times its weight's share of the requests sent lately. A key stays on
-// its upstream while that one is within its bound; past it the key moves
-// to the next on the ring with room (byPrefix).
+// Thorup and Zadimoghaddam), each upstream holding at most affinityLoad
+// times its weight's share of the route's requests in flight. A key stays
+// on its upstream while that one is within its bound; past it the key
+// moves to the next on the ring with room (byPrefix). The load is what is
+// in flight, not how many requests were sent: a prefix that dominates a
+// route's traffic stays where it is cached while its upstream keeps up,
+// however many requests it brings one after another (it was spread over
+// every upstream, each a cache miss, with one request in flight).
 
 // affinityLoad is the bound: no upstream is given more than this many
-// times its weight's share of the route's recent requests.
+// times its weight's share of the route's requests in flight.
 const affinityLoad = 1.25
 
 // maxPrefixBytes bounds the bytes of a prompt hashed into its key.
@@ -32,12 +36,6 @@ const maxPrefixBytes = 4096
 // largest weight (fewer, in proportion, for smaller weights).
 const ringPointsPerUpstream = 160
 
-// affinityWindow is the memory of an upstream's load, in the route's
-// requests: each one sent decays every load by 1 − 1/affinityWindow, so
-// that a load is a share of the route's last few hundred requests,
-// whatever their rate (and whatever the machine's speed).
-const affinityWindow = 256
-
 // ringPoint is one place on the ring and the index of the upstream it
 // belongs to.
 type ringPoint struct {
@@ -45,15 +43,14 @@ type ringPoint struct {
 	at   int
 }
 
-// affinity is a sticky: prefix route's ring, the load each upstream was
-// given lately (requests, decaying), by member index, and where each key
-// seen lately was sent: a key stays on its upstream until that one passes
-// its bound, and then moves, as a whole, to the next on the ring with
-// room, so that each prompt is cached on one upstream rather than spread.
+// affinity is a sticky: prefix route's ring and where each key seen
+// lately was sent: a key stays on its upstream until that one passes its
+// bound, and then moves, as a whole, to the next on the ring with room,
+// so that each prompt is cached on one upstream rather than spread.
 type affinity struct {
 	ring []ringPoint
 	mu   sync.Mutex
-	load []float64
+	load []int64 // each upstream's requests in flight, read as a pick begins
 	keys map[uint64]placed
 }
 
@@ -78,7 +75,7 @@ func newAffinity(members []*member) *affinity {
 	for _, m := range members {
 		most = max(most, m.weight)
 	}
-	a := &affinity{load: make([]float64, len(members)), keys: map[uint64]placed{}}
+	a := &affinity{load: make([]int64, len(members)), keys: map[uint64]placed{}}
 	for i, m := range members {
 		if m.weight == 0 {
 			continue
@@ -96,30 +93,32 @@ func newAffinity(members []*member) *affinity {
 }
 
 // byPrefix returns the upstream for a prompt key at now: where the key
-// was sent before while that upstream's recent load, with this request,
-// stays within affinityLoad times its weight's share (and one request
-// more, so that a quiet route keeps its keys in place); else the first on
-// the ring from the key within its bound, where the key then stays; else
-// the least loaded.
+// was sent before while that upstream's requests in flight, with this
+// one, stay within affinityLoad times its weight's share (and one request
+// more, so that a quiet route keeps its keys in place), or where its
+// model says one more request there waits for no other (waitsForNone:
+// its batch has room, and its cached prefix saves it the prefill); else
+// the first on the ring from the key within its bound, where the key then
+// stays; else the least loaded.
 func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
 	a := r.aff
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	const decay = 1 - 1.0/affinityWindow
-	total, weights := 0.0, 0
+	var total int64
+	weights := 0
 	for i, m := range r.members {
-		a.load[i] *= decay
+		a.load[i] = m.up.inflight.Load()
 		if w := r.weight(m); w > 0 {
 			total += a.load[i]
 			weights += w
 		}
 	}
 	fits := func(i int) bool {
-		w := r.weight(r.members[i])
-		return w > 0 && a.load[i]+1 <= affinityLoad*(total+1)*float64(w)/float64(weights)+1
+		m := r.members[i]
+		w := r.weight(m)
+		return w > 0 && (float64(a.load[i]+1) <= affinityLoad*float64(total+1)*float64(w)/float64(weights)+1 || waitsForNone(m, a.load[i]))
 	}
 	send := func(i int) *member {
-		a.load[i]++
 		a.place(key, i, now)
 		return r.members[i]
 	}
@@ -144,8 +143,20 @@ func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
 	if least < 0 {
 		return r.byWeight(0), pickSpill
 	}
-	a.load[least]++
 	return r.members[least], pickSpill
+}
+
+// waitsForNone reports that m's model predicts a request sent with k in
+// flight there a first token within a tenth (and a millisecond) of an idle
+// upstream's: the batch has room for it. Nothing believed: false.
+func waitsForNone(m *member, k int64) bool {
+	model := m.up.gate.Model
+	idle, _, ok := model.Predict(0, -1)
+	if !ok {
+		return false
+	}
+	at, _, _ := model.Predict(int(k)+1, -1)
+	return at <= idle+max(idle/10, time.Millisecond)
 }
 
 // place remembers that key was sent to upstream i at now, within the

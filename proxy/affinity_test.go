@@ -105,34 +105,32 @@ func affinityRun(t *testing.T, balance, sticky string, n, workers int) (hits flo
 // TestStickyPrefixKeepsCachesWarm: four upstreams whose prefix caches
 // hold 4 prompts each, 16 system prompts (one hot at 30%). Sent by fewest
 // in flight (8 at a time), a prompt lands anywhere and the caches thrash;
-// sent by its prefix (sticky: prefix), at least 85% of requests hit their
-// upstream's cache, with the busiest upstream at most 1.25 times the mean.
-// The sticky run sends one request at a time: its choices depend on the
-// order of requests alone (the load is counted in requests, not time), so
-// its figure is the same on any machine; with 8 at a time the order, and
-// the figure, move with the machine's timing (86–92% here, 84% on a
-// loaded one), two requests of a prompt new to an upstream both missing.
+// sent by its prefix (sticky: prefix) one at a time, at least 85% of
+// requests hit their upstream's cache: with one request in flight every
+// upstream is within its bound, and the hot prompt stays on its home
+// however many of it come (it was spread over all four before, each
+// spill a miss), so that run's choices depend on the order of requests
+// alone and its figure is the same on any machine. Eight at a time, these
+// backends' first tokens come no later with more in flight (no batch to
+// fill): a request waits for none where its prompt is cached, and the hot
+// prompt stays there too; 75% hit (83-87% here). The load bound that
+// spreads a key from a busy upstream is TestRingBoundsLoad's.
 func TestStickyPrefixKeepsCachesWarm(t *testing.T) {
 	const n = 1200
-	var base, aff float64
-	var baseBy, affBy map[string]int
+	var base, aff, aff8 float64
+	var baseBy, affBy, aff8By map[string]int
 	var wg sync.WaitGroup
 	wg.Go(func() { base, baseBy = affinityRun(t, BalanceLeastInflight, "", n, 8) })
 	wg.Go(func() { aff, affBy = affinityRun(t, BalanceLeastInflight, StickyPrefix, n, 1) })
+	wg.Go(func() { aff8, aff8By = affinityRun(t, BalanceLeastInflight, StickyPrefix, n, 8) })
 	wg.Wait()
-	t.Logf("least_inflight: %.0f%% cache hits, split %v; sticky prefix: %.0f%% hits, split %v", 100*base, baseBy, 100*aff, affBy)
+	t.Logf("least_inflight: %.0f%% cache hits, split %v; sticky prefix: %.0f%% hits, split %v; 8 at a time %.0f%%, split %v",
+		100*base, baseBy, 100*aff, affBy, 100*aff8, aff8By)
 	if aff < 0.85 {
 		t.Errorf("sticky prefix: %.0f%% cache hits, want at least 85%%", 100*aff)
 	}
-	if aff <= base {
-		t.Errorf("sticky prefix: %.0f%% cache hits, no better than least_inflight's %.0f%%", 100*aff, 100*base)
-	}
-	busiest := 0
-	for _, c := range affBy {
-		busiest = max(busiest, c)
-	}
-	if float64(busiest) > 1.25*n/4 {
-		t.Errorf("sticky prefix: the busiest upstream took %d of %d requests, over 1.25 times the mean", busiest, n)
+	if aff <= base || aff8 <= base || aff8 < 0.75 {
+		t.Errorf("sticky prefix: %.0f%% cache hits, 8 at a time %.0f%%; least_inflight's %.0f%%", 100*aff, 100*aff8, 100*base)
 	}
 }
 
@@ -172,10 +170,7 @@ func TestPromptKey(t *testing.T) {
 // while the loads stay in bounds; one key sent again and again takes its
 // home upstream's bound there, and spills.
 func TestRingBoundsLoad(t *testing.T) {
-	var members []*member
-	for i := range 4 {
-		members = append(members, &member{name: fmt.Sprintf("u%d", i), weight: 1})
-	}
+	members := affinityMembers(t, 4)
 	r := &route{members: members}
 	r.aff = newAffinity(members)
 	now := time.Unix(1000, 0)
@@ -183,7 +178,6 @@ func TestRingBoundsLoad(t *testing.T) {
 	seen := map[*member]int{}
 	for k := range uint64(1000) {
 		key := k * 0x9e3779b97f4a7c15
-		now = now.Add(time.Minute) // every load forgotten between keys
 		home[key], _ = r.byPrefix(key, now)
 		seen[home[key]]++
 	}
@@ -192,34 +186,55 @@ func TestRingBoundsLoad(t *testing.T) {
 			t.Errorf("upstream %s is home to %d of 1000 keys", m.name, seen[m])
 		}
 	}
-	moved := 0
 	for k := range uint64(400) {
 		key := (k % 100) * 0x9e3779b97f4a7c15
-		now = now.Add(10 * time.Millisecond)
 		if m, _ := r.byPrefix(key, now); m != home[key] {
-			moved++
+			t.Fatalf("key %d left its home with nothing in flight", k%100)
 		}
 	}
-	if moved > 80 {
-		t.Errorf("%d of 400 requests of 100 spread keys left their home upstream", moved)
-	}
-	var seven uint64 = 7
+	// A hot key, one request at a time: it stays where it is cached.
+	seven := uint64(7)
 	hot := seven * 0x9e3779b97f4a7c15 // a key of the spread above
-	got := map[*member]int{}
 	for range 400 {
-		now = now.Add(10 * time.Millisecond)
-		m, _ := r.byPrefix(hot, now)
-		got[m]++
+		if m, _ := r.byPrefix(hot, now); m != home[hot] {
+			t.Fatal("a hot key sent one at a time left its home")
+		}
 	}
-	if got[home[hot]] == 400 || got[home[hot]] < 100 {
-		t.Errorf("a hot key: its home took %d of 400", got[home[hot]])
+	// Its home holding 4 in flight, the others none: past its bound
+	// (1.25 x 5/4 + 1), the key moves to the next on the ring, and stays
+	// there while its home is over it; back once it is not.
+	home[hot].up.inflight.Store(4)
+	next, why := r.byPrefix(hot, now)
+	if next == home[hot] || why != pickSpill {
+		t.Fatalf("over its bound the hot key's home still got it (%s)", pickReasonNames[why])
 	}
+	if again, _ := r.byPrefix(hot, now); again != next {
+		t.Errorf("the spilled key moved again: %s then %s", next.name, again.name)
+	}
+	next.up.inflight.Store(2)
+	if m, _ := r.byPrefix(hot, now); m != next {
+		t.Errorf("within its bound (2 of 6 in flight) the key left %s for %s", next.name, m.name)
+	}
+}
+
+// affinityMembers are n upstreams of weight 1, their in-flight counts
+// the test's to set.
+func affinityMembers(t *testing.T, n int) []*member {
+	var members []*member
+	for i := range n {
+		up, err := newUpstream("http://127.0.0.1:1", DefaultTimeouts, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		members = append(members, &member{name: fmt.Sprintf("u%d", i), up: up, weight: 1})
+	}
+	return members
 }
 
 // TestAffinityTableBounded: the key table never holds more than
 // maxAffinityKeys; idle keys make room for new ones.
 func TestAffinityTableBounded(t *testing.T) {
-	members := []*member{{name: "a", weight: 1}, {name: "b", weight: 1}}
+	members := affinityMembers(t, 2)
 	r := &route{members: members}
 	r.aff = newAffinity(members)
 	now := time.Unix(1000, 0)

@@ -423,6 +423,8 @@ func (r *Route) validSplit(field func(string) string, names map[string]bool) err
 			return fieldErr(field("shadow.sample"), "must be a share above 0 and at most 1")
 		case sh.MaxInflight < 0:
 			return fieldErr(field("shadow.max_inflight"), "must not be negative")
+		case sh.Timeout < 0:
+			return fieldErr(field("shadow.timeout"), "must not be negative")
 		}
 	}
 	if fo := r.Failover; fo != nil {

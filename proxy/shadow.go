@@ -3,6 +3,7 @@ package proxy
 import (
 	"math/rand/v2"
 	"sync/atomic"
+	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/valyala/fasthttp"
@@ -20,12 +21,24 @@ type Shadow struct {
 	// MaxInflight bounds the copies in flight; beyond it a copy is
 	// skipped and counted (tokentap_shadow_skipped_total).
 	MaxInflight int
+	// Timeout bounds a copy's whole life, from its send to its response's
+	// end (default DefaultShadowTimeout): a stalled shadow upstream holds
+	// its copy of the body against max_buffered_bodies, and a place among
+	// MaxInflight, no longer, where the route's first-byte timeout (10
+	// minutes) would hold them.
+	Timeout time.Duration
 }
+
+// DefaultShadowTimeout is a shadow copy's life when Shadow.Timeout is 0.
+const DefaultShadowTimeout = time.Minute
 
 // withDefaults returns s with its zero fields set to their defaults.
 func (s Shadow) withDefaults() Shadow {
 	if s.MaxInflight == 0 {
 		s.MaxInflight = 16
+	}
+	if s.Timeout == 0 {
+		s.Timeout = DefaultShadowTimeout
 	}
 	return s
 }
@@ -84,9 +97,22 @@ func (sh *shadowState) run(x *exchange) {
 	defer sh.inflight.Add(-1)
 	x.att.attemptAt = x.p.now()
 	x.rec.Attempts = 1
+	// At its timeout the copy is cut as a client that left cuts its
+	// request (its connection closed); the cut is over before the copy
+	// finishes, so nothing reaches an exchange given back.
+	expired := make(chan struct{})
+	cut := time.AfterFunc(sh.Timeout, func() { x.fire(); close(expired) })
+	stop := func() {
+		if !cut.Stop() {
+			<-expired
+			x.rec.Outcome, x.rec.Error = metrics.OutcomeUpstreamTimeout, "shadow copy cut at its timeout (shadow.timeout)"
+		}
+	}
+	x.att.firstByteLimit = sh.Timeout
 	if err := x.att.roundTrip(false); err != nil {
 		r := x.att.forwardResult(err)
 		x.rec.Status, x.rec.Outcome, x.rec.Error = r.status, r.outcome, r.msg
+		stop()
 		x.finish(nil)
 		return
 	}
@@ -95,6 +121,7 @@ func (sh *shadowState) run(x *exchange) {
 	body := x.att.resp.BodyStream()
 	if body == nil {
 		x.relay.upDone = true
+		stop()
 		x.finish(nil)
 		return
 	}
@@ -110,5 +137,6 @@ func (sh *shadowState) run(x *exchange) {
 			break
 		}
 	}
+	stop()
 	x.finish(nil)
 }

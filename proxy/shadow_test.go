@@ -225,3 +225,38 @@ func TestShadowCopiesInTheBodyBudget(t *testing.T) {
 	}
 	unblock()
 }
+
+// TestStalledShadowLetsItsBodyGo: a shadow upstream that never answers,
+// and a copy's timeout of 300 ms: the copy is cut then, its record says
+// so, and its copy of the body leaves the budget of buffered bodies,
+// where before it stayed until the route's first-byte timeout (10
+// minutes).
+func TestStalledShadowLetsItsBodyGo(t *testing.T) {
+	primary := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
+	stalled := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		<-r.Context().Done()
+	})
+	tp := startProxy(t, "", func(c *Config) {
+		c.Routes = []Route{{Name: "shadowed", Prefix: "/", Timeouts: DefaultTimeouts,
+			Upstreams: []Upstream{{Name: "live", URL: primary, Weight: 1}, {Name: "next", URL: stalled.URL, Weight: 0}},
+			Shadow:    &Shadow{Upstream: "next", Sample: 1, Timeout: 300 * time.Millisecond}}}
+	})
+	big := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 100_000) + `"}]}`
+	if status, _ := ask(t, tp.url, "/v1/chat/completions", big); status != 200 {
+		t.Fatalf("primary: %d", status)
+	}
+	r := tp.rec.next(t) // the two records in either order
+	if !r.Shadow {
+		r = tp.rec.next(t)
+	}
+	if !r.Shadow || r.Outcome != metrics.OutcomeUpstreamTimeout || !strings.Contains(r.Error, "shadow.timeout") {
+		t.Errorf("the stalled copy's record: shadow %v, %s %q", r.Shadow, r.Outcome, r.Error)
+	}
+	waitFor(t, func() error {
+		if n := tp.p.bodies.Load(); n != 0 {
+			return fmt.Errorf("%d body bytes still held", n)
+		}
+		return nil
+	})
+}

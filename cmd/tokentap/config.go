@@ -211,7 +211,7 @@ func (f *fileShadow) shadow() *proxy.Shadow {
 	if f == nil {
 		return nil
 	}
-	return &proxy.Shadow{Upstream: f.Upstream, Sample: float64(f.Sample), MaxInflight: f.MaxInflight}
+	return &proxy.Shadow{Upstream: f.Upstream, Sample: float64(f.Sample), MaxInflight: f.MaxInflight, Timeout: f.Timeout.d}
 }
 
 func (f *fileFailover) failover() *proxy.Failover {
@@ -249,7 +249,8 @@ func (f *fileOverload) overload() *proxy.Overload {
 type fileShadow struct {
 	Upstream    string `yaml:"upstream"`
 	Sample      share  `yaml:"sample"`
-	MaxInflight int    `yaml:"max_inflight"`
+	MaxInflight int      `yaml:"max_inflight"`
+	Timeout     duration `yaml:"timeout"`
 }
 
 // fileFailover is a route's failover.
