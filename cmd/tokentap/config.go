@@ -247,8 +247,8 @@ func (f *fileOverload) overload() *proxy.Overload {
 
 // fileShadow is a route's shadow traffic.
 type fileShadow struct {
-	Upstream    string `yaml:"upstream"`
-	Sample      share  `yaml:"sample"`
+	Upstream    string   `yaml:"upstream"`
+	Sample      share    `yaml:"sample"`
 	MaxInflight int      `yaml:"max_inflight"`
 	Timeout     duration `yaml:"timeout"`
 }
