@@ -25,6 +25,9 @@ type Upstream struct {
 	// for the requests it runs and holds waiting and its KV cache's use
 	// (scrape.go); empty: none.
 	MetricsURL string
+	// Headers are set on every request sent to it, over the route's of
+	// the same name (credentials.go).
+	Headers []Header
 }
 
 // Balance policies.

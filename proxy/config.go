@@ -132,6 +132,12 @@ type Route struct {
 	// Overload refuses requests that the upstream would serve too late
 	// (nil: every request is forwarded). See Overload.
 	Overload *Overload
+	// Headers are set on every request sent to the route's upstreams:
+	// the backend's credentials (credentials.go). ForwardClientKey sends
+	// the client's key headers on where tenants are known by key, which
+	// drops them otherwise (they are tokentap's keys, not the backend's).
+	Headers          []Header
+	ForwardClientKey bool
 }
 
 // Config is one generation of the proxy's configuration.
@@ -365,6 +371,9 @@ func (r *Route) validUpstreams(field func(string) string) error {
 			return fieldErr(field("tls"), "the route has no https upstream")
 		}
 	}
+	if err := validHeaders(r.Headers, field("headers")); err != nil {
+		return err
+	}
 	if len(r.Upstreams) == 0 {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil, r.TLS); err != nil {
 			return fieldErr(field("upstream"), "%q: %v", redactURL(r.Upstream), err)
@@ -389,6 +398,9 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		}
 		if _, err := newUpstream(u.URL, r.Timeouts, nil, r.TLS); err != nil {
 			return fieldErr(f("url"), "%q: %v", redactURL(u.URL), err)
+		}
+		if err := validHeaders(u.Headers, f("headers")); err != nil {
+			return err
 		}
 		if m := u.MetricsURL; m != "" {
 			if pu, err := url.Parse(m); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {

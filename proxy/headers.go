@@ -156,6 +156,7 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, u
 	uri = append(append(uri, path...), query...)
 	req.Header.SetRequestURIBytes(uri)
 	req.Header.SetHost(up.host)
+	setCredentials(&req.Header, up, r.stripKey)
 	if up.auth != "" {
 		// The upstream's own credentials, from its URL, replace the
 		// client's (which named the client to tokentap).

@@ -245,6 +245,9 @@ func (p *Proxy) Apply(cfg Config) error {
 // metric row, appended to rows), shadow and guard.
 func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow) (*route, error) {
 	rt := &route{Route: r, slo: s.cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect), prices: routePrices(s.cfg.Prices, r.Models)}
+	// Where tenants are known by the keys clients present, those keys are
+	// tokentap's: they go no further unless the route says.
+	rt.stripKey = s.cfg.Admission != nil && s.cfg.Admission.TrustedTenantHeader == "" && !r.ForwardClientKey
 	specs := r.Upstreams
 	if len(specs) == 0 {
 		specs = []Upstream{{URL: r.Upstream, Weight: 1}} // no name: no upstream label
@@ -257,6 +260,7 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 		if err != nil {
 			return nil, fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}
+		up.headers = mergeHeaders(r.Headers, u.Headers)
 		// The connections of an earlier configuration's upstream that
 		// reaches the backend the same way carry on, with their count.
 		k := r.Name + "|" + u.Name + "|" + up.poolKey(r.TLS)

@@ -33,6 +33,9 @@ type route struct {
 	dialect dialect.Dialect // nil: chosen per request from the path
 	aff     *affinity       // sticky: prefix: the hash ring and the loads (affinity.go)
 	prices  []*Price        // the prices its requests may be at (routePrices)
+	// stripKey: the client's key headers are not sent upstream
+	// (credentials.go).
+	stripKey bool
 }
 
 // scrapers calls f with each scraper of the generation's upstreams.

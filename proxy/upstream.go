@@ -38,7 +38,10 @@ type upstream struct {
 	// upstream's Authorization instead of the client's ("": none). It is
 	// never logged: errors and logs show the URL redacted (redactURL).
 	auth string
-	tls  *tls.Config
+	// headers are set on every request sent to it (credentials.go):
+	// never logged.
+	headers []Header
+	tls     *tls.Config
 	// fwd is the forward proxy the environment names for this upstream
 	// (HTTPS_PROXY, HTTP_PROXY, NO_PROXY), reached at fwdAddr: the
 	// upstream is reached through a CONNECT tunnel. Nil: directly.

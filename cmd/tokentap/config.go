@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
+	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -192,19 +195,29 @@ type fileRoute struct {
 	// TLS is how the route's https upstreams are trusted, and the client
 	// certificate tokentap presents to them.
 	TLS *fileUpstreamTLS `yaml:"tls"`
+	// Headers are set on every request to the route's upstreams (the
+	// backend's credentials: ${env:NAME}, ${file:PATH}); ForwardClientKey
+	// sends on the client's key where tenants are known by it.
+	Headers          map[string]string `yaml:"headers"`
+	ForwardClientKey bool              `yaml:"forward_client_key"`
 }
 
-// upstreams returns the route's several upstreams (weight 1 when unset).
-func (r *fileRoute) upstreams() []proxy.Upstream {
+// upstreams returns the route's several upstreams (weight 1 when unset),
+// route i's, their headers read.
+func (r *fileRoute) upstreams(i int) ([]proxy.Upstream, error) {
 	var out []proxy.Upstream
-	for _, u := range r.Upstreams {
+	for j, u := range r.Upstreams {
 		w := 1
 		if u.Weight != nil {
 			w = *u.Weight
 		}
-		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w, MetricsURL: u.MetricsURL})
+		hs, err := headers(u.Headers, fmt.Sprintf("routes[%d].upstreams[%d].headers", i, j))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w, MetricsURL: u.MetricsURL, Headers: hs})
 	}
-	return out
+	return out, nil
 }
 
 func (f *fileShadow) shadow() *proxy.Shadow {
@@ -280,10 +293,11 @@ type fileGuard struct {
 
 // fileUpstream is one of a route's upstreams; weight defaults to 1.
 type fileUpstream struct {
-	Name       string `yaml:"name"`
-	URL        string `yaml:"url"`
-	Weight     *int   `yaml:"weight"`
-	MetricsURL string `yaml:"metrics_url"`
+	Name       string            `yaml:"name"`
+	URL        string            `yaml:"url"`
+	Weight     *int              `yaml:"weight"`
+	MetricsURL string            `yaml:"metrics_url"`
+	Headers    map[string]string `yaml:"headers"`
 }
 
 // filePrice is one model's prices, in dollars per million tokens;
@@ -527,4 +541,47 @@ func applyTimeouts(t proxy.Timeouts, ft *fileTimeouts) proxy.Timeouts {
 		t.MaxConns = *ft.MaxConns
 	}
 	return t
+}
+
+// secretRef is a reference to a secret in a header's value: ${env:NAME}
+// or ${file:PATH}.
+var secretRef = regexp.MustCompile(`\$\{(env|file):([^}]*)\}`)
+
+// headers reads a headers mapping of field (routes[0].headers), its values'
+// ${env:NAME} and ${file:PATH} replaced by the variable's value or the
+// file's content (trailing line breaks and spaces trimmed). Read at start
+// and at every reload; an error names the field and the variable or file,
+// never a value.
+func headers(m map[string]string, field string) ([]proxy.Header, error) {
+	names := slices.Sorted(maps.Keys(m))
+	var out []proxy.Header
+	for _, name := range names {
+		var err error
+		v := secretRef.ReplaceAllStringFunc(m[name], func(ref string) string {
+			parts := secretRef.FindStringSubmatch(ref)
+			switch {
+			case err != nil:
+				return ""
+			case parts[2] == "":
+				err = fmt.Errorf("%s.%s: %s names no %s", field, name, ref, parts[1])
+				return ""
+			case parts[1] == "env":
+				val, ok := os.LookupEnv(parts[2])
+				if !ok {
+					err = fmt.Errorf("%s.%s: the environment variable %s is not set", field, name, parts[2])
+				}
+				return val
+			}
+			b, rerr := os.ReadFile(parts[2])
+			if rerr != nil {
+				err = fmt.Errorf("%s.%s: cannot read %s: %v", field, name, parts[2], errors.Unwrap(rerr))
+			}
+			return strings.TrimRight(string(b), " \t\r\n")
+		})
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, proxy.Header{Name: name, Value: v})
+	}
+	return out, nil
 }

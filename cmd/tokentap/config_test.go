@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -164,7 +165,7 @@ func TestRouteWithSeveralUpstreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := s.proxy.Routes[0]
-	if len(r.Upstreams) != 3 || r.Upstreams[0] != (proxy.Upstream{Name: "stable", URL: "http://10.0.0.1:8000", Weight: 90}) ||
+	if len(r.Upstreams) != 3 || !reflect.DeepEqual(r.Upstreams[0], proxy.Upstream{Name: "stable", URL: "http://10.0.0.1:8000", Weight: 90}) ||
 		r.Upstreams[1].Weight != 10 || r.Upstreams[2].Weight != 1 || r.Balance != "least_inflight" || r.Sticky != "header:X-User" ||
 		r.Guard == nil || *r.Guard != (proxy.Guard{Candidate: "canary", Baseline: "stable", Window: "1m", MinRequests: 50, MaxTTFTP95Increase: 0.1, MaxErrorRateIncrease: 0.01}) ||
 		r.Failover == nil || len(r.Failover.On) != 3 || r.Failover.FirstTokenTimeout != 2*time.Second ||

@@ -321,7 +321,7 @@ routes:
 	var got map[string]*metricspb.Metric
 	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		rcv.mu.Lock()
-		got = maps(rcv.metrics)
+		got = copyMetrics(rcv.metrics)
 		rcv.mu.Unlock()
 		if len(got) >= len(buckets) && count(got["gen_ai.client.operation.duration"]) >= 2 {
 			break
@@ -398,7 +398,7 @@ func TestOTelSemconvSwitch(t *testing.T) {
 			var got map[string]*metricspb.Metric
 			for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 				rcv.mu.Lock()
-				got = maps(rcv.metrics)
+				got = copyMetrics(rcv.metrics)
 				rcv.mu.Unlock()
 				if got[c.want[0]] != nil && got[c.want[len(c.want)-1]] != nil {
 					break
@@ -423,7 +423,7 @@ func TestOTelSemconvSwitch(t *testing.T) {
 	}
 }
 
-func maps(m map[string]*metricspb.Metric) map[string]*metricspb.Metric {
+func copyMetrics(m map[string]*metricspb.Metric) map[string]*metricspb.Metric {
 	out := make(map[string]*metricspb.Metric, len(m))
 	for k, v := range m {
 		out[k] = v

@@ -59,6 +59,28 @@ func (b *settingsBuilder) where(field string) string {
 	return field
 }
 
+// located gives an error that begins with a field's path
+// ("routes[0].headers.Authorization: ...") the file line of that field, or
+// of the nearest enclosing one the file records.
+func (b *settingsBuilder) located(err error) error {
+	msg := err.Error()
+	field, _, ok := strings.Cut(msg, ": ")
+	if !ok || b.f.config == "" {
+		return err
+	}
+	for f := field; f != ""; {
+		if line, ok := b.fc.lines[f]; ok {
+			return fmt.Errorf("%s:%d: %w", b.f.config, line, err)
+		}
+		i := strings.LastIndexAny(f, ".[")
+		if i < 0 {
+			break
+		}
+		f = f[:i]
+	}
+	return err
+}
+
 // fileErr gives a *FieldError the file line of its field.
 func (b *settingsBuilder) fileErr(err error) error {
 	var fe interface{ Field() string }
@@ -161,11 +183,19 @@ func (b *settingsBuilder) routes() error {
 				return b.fileErr(err)
 			}
 		}
+		ups, err := r.upstreams(i)
+		if err != nil {
+			return b.located(err)
+		}
+		hs, err := headers(r.Headers, fmt.Sprintf("routes[%d].headers", i))
+		if err != nil {
+			return b.located(err)
+		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
 			Name: r.Name, Prefix: r.Prefix, Models: r.Models, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, WebSocket: r.WebSocket, Timeouts: t,
-			SLO: r.SLO.slo(), Upstreams: r.upstreams(), Balance: r.Balance, Sticky: r.Sticky,
+			SLO: r.SLO.slo(), Upstreams: ups, Balance: r.Balance, Sticky: r.Sticky,
 			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(), TLS: r.TLS.upstreamTLS(),
-			Overload: r.Overload.overload(),
+			Overload: r.Overload.overload(), Headers: hs, ForwardClientKey: r.ForwardClientKey,
 		})
 	}
 	return b.catchAll()
