@@ -67,6 +67,7 @@ var help = map[string]string{
 	"tokentap_client_conns_closed_idle_total":    "Client connections closed before any byte of a request came (since they opened or since their last response), by reason: reset by the client, timeout (idle past idle_timeout, or request_read_timeout on a new connection), error. They have no record.",
 	"tokentap_backend_scrapes_total":             "Scrapes of upstreams' metrics_url, by result (ok: a metric tokentap reads was in it; failed: no answer, an error status or nothing it reads).",
 	"tokentap_cost_usd_total":                    "What requests cost at their model's price (prices), in dollars, by route, model and tenant.",
+	"tokentap_models_folded_total":               "Requests whose model was labelled other on their route: past the allowlist, the route's literal models and the first models.per_route it labelled (or not a plain model name).",
 	"tokentap_usage_rejected_total":              "Responses whose usage could not be true (a count negative, fractional, not a number, or past what the request's and response's bytes and time could carry), set aside for tokentap's own count, by route.",
 	"tokentap_unpriced_requests_total":           "Requests whose served model has no price (prices), by route; charged=route_max: charged at the route's dearest price (the tenant has a dollar budget), charged=no: no cost recorded.",
 	"tokentap_cached_tokens_total":               "Input tokens the backends served from their prompt caches, as their usage reported, by route and model.",

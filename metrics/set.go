@@ -2,6 +2,7 @@ package metrics
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -85,10 +86,20 @@ var durable = func() *vm.Set {
 type Set struct {
 	set    *vm.Set // gauges of this generation
 	models map[string]int
-	series [][]*Series // [route][model]; the last model is "other"
+	series [][]*Series // [row][model]; the last model is "other"
 	// unmatched counts requests that matched no route or could not be parsed.
 	unmatched *Series
 	tenants   map[string]*TenantSeries
+
+	// What each route learned (learn.go): its models past the allowlist,
+	// their series by row and slot.
+	byRoute   []*routeModels
+	rowRoute  []*routeModels // by row
+	learned   [][]atomic.Pointer[Series]
+	upstreams []string // by row
+	buckets   func(string) []float64
+	slo       bool
+	noSeries  bool
 }
 
 // SetOptions are what a Set is built with besides its labels.
@@ -102,6 +113,12 @@ type SetOptions struct {
 	// counter is made or fed (measurement.series: false). The tenants'
 	// series and the gauges stay.
 	NoSeries bool
+	// PerRoute is how many models past the allowlist and its own literals
+	// each route labels, the first it sees (0: DefaultPerRoute; -1: none).
+	PerRoute int
+	// Carry is the Set of the configuration being replaced: each route
+	// keeps the models it learned there.
+	Carry *Set
 }
 
 // UnmatchedRoute is the route label of requests that matched no route.
@@ -136,8 +153,12 @@ func (s *Series) Model() string {
 }
 
 // RouteRow is one row of a Set's series: a route, or one upstream of a
-// route with several (Upstream "" otherwise: no upstream label).
-type RouteRow struct{ Route, Upstream string }
+// route with several (Upstream "" otherwise: no upstream label). Models
+// are the model names the route's globs give literally: its own labels.
+type RouteRow struct {
+	Route, Upstream string
+	Models          []string
+}
 
 // NewSet builds every series for the given rows and model allowlist.
 func NewSet(routes []RouteRow, models []string, o SetOptions) *Set {
@@ -160,7 +181,67 @@ func NewSet(routes []RouteRow, models []string, o SetOptions) *Set {
 		s.series = append(s.series, row)
 	}
 	s.unmatched = newSeries(UnmatchedRoute, "", OtherModel, buckets, false, o.NoSeries)
+	s.learnRoutes(routes, o)
 	return s
+}
+
+// learnRoutes sets up what each route learns (learn.go): its literals
+// first, then what it learned in o.Carry.
+func (s *Set) learnRoutes(routes []RouteRow, o SetOptions) {
+	s.buckets, s.slo, s.noSeries = func(m string) []float64 {
+		if b, ok := o.Buckets[m]; ok {
+			return b
+		}
+		return DefaultBuckets[m]
+	}, o.SLO, o.NoSeries
+	per := o.PerRoute
+	if per == 0 {
+		per = DefaultPerRoute
+	}
+	per = max(per, 0)
+	for i, r := range routes {
+		s.upstreams = append(s.upstreams, r.Upstream)
+		var rm *routeModels
+		for _, x := range s.byRoute {
+			if x.route == r.Route {
+				rm = x
+			}
+		}
+		if rm == nil {
+			rm = &routeModels{route: r.Route, folded: durable.GetOrCreateCounter(`tokentap_models_folded_total{route="` + r.Route + `"}`)}
+			for _, m := range r.Models {
+				if _, static := s.models[m]; !static && learnable([]byte(m)) && !slices.Contains(rm.order, m) {
+					rm.order = append(rm.order, m)
+				}
+			}
+			rm.limit = len(rm.order) + per
+			s.byRoute = append(s.byRoute, rm)
+		}
+		rm.rows = append(rm.rows, i)
+		s.rowRoute = append(s.rowRoute, rm)
+	}
+	for _, rm := range s.byRoute {
+		if o.Carry != nil {
+			for _, m := range o.Carry.LearnedModels(rm.route) {
+				if _, static := s.models[m]; !static && !slices.Contains(rm.order, m) && len(rm.order) < rm.limit {
+					rm.order = append(rm.order, m)
+				}
+			}
+		}
+		names := map[string]int{}
+		for slot, m := range rm.order {
+			names[m] = s.OtherIndex() + 1 + slot
+		}
+		rm.names.Store(&names)
+	}
+	s.learned = make([][]atomic.Pointer[Series], len(routes))
+	for row := range routes {
+		rm := s.rowRoute[row]
+		s.learned[row] = make([]atomic.Pointer[Series], rm.limit)
+		for slot, m := range rm.order {
+			s.learned[row][slot].Store(newSeries(rm.route, s.upstreams[row], m, s.buckets, s.slo, s.noSeries))
+		}
+	}
 }
 
 // Unmatched returns the series of requests that matched no route.
@@ -225,13 +306,22 @@ func (x *Series) requestCounter(o, c int) *vm.Counter {
 	return x.requests[o][c].Load()
 }
 
-// ModelIndex returns the allowlist index of model, or the index of "other".
-// It does not allocate.
-func (s *Set) ModelIndex(model []byte) int {
+// ModelIndex returns the index of model on row: the allowlist's, or one
+// the row's route labels (its literals, or one it learned now or before:
+// learn.go), or that of "other". It allocates only as a route learns a
+// model.
+func (s *Set) ModelIndex(row int, model []byte) int {
 	if i, ok := s.models[string(model)]; ok {
 		return i
 	}
-	return len(s.models)
+	if len(model) == 0 || row < 0 || row >= len(s.rowRoute) {
+		return len(s.models)
+	}
+	rm := s.rowRoute[row]
+	if i, ok := (*rm.names.Load())[string(model)]; ok {
+		return i
+	}
+	return s.learn(rm, model)
 }
 
 // OtherIndex returns the index of the "other" model, for a request whose
@@ -245,8 +335,13 @@ func (s *Set) Allowed(model []byte) bool {
 }
 
 // Series returns the handles for a row index (as given to NewSet) and a
-// model index from ModelIndex.
-func (s *Set) Series(route, model int) *Series { return s.series[route][model] }
+// model index from ModelIndex on a row of the same route.
+func (s *Set) Series(row, model int) *Series {
+	if model <= len(s.models) {
+		return s.series[row][model]
+	}
+	return s.learned[row][model-len(s.models)-1].Load()
+}
 
 // AddGauge adds a gauge of this generation, read at scrape time. name
 // carries its labels, from the config only.

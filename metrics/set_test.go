@@ -3,7 +3,9 @@ package metrics
 import (
 	"bytes"
 	"fmt"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -106,5 +108,58 @@ func TestSLOJudge(t *testing.T) {
 	over := SLO{TTFT: time.Second, E2E: time.Minute, Target: 0.99}.Over(SLO{TTFT: 200 * time.Millisecond})
 	if over != (SLO{TTFT: 200 * time.Millisecond, E2E: time.Minute, Target: 0.99}) {
 		t.Errorf("Over: %+v", over)
+	}
+}
+
+// TestRoutesLearnModelsBounded: two rows of one route (two upstreams) and
+// a route with a literal model; 8 goroutines ask for 20 model names each.
+// The route labels its literal and exactly PerRoute of the others, the
+// same index on both rows, each series with its route, upstream and
+// model; every other name is "other"; a name that is no plain model name
+// is never learned; the next Set keeps what was learned.
+func TestRoutesLearnModelsBounded(t *testing.T) {
+	route := fmt.Sprintf("learn-%d", idleRuns.Add(1))
+	rows := []RouteRow{{Route: route, Upstream: "a"}, {Route: route, Upstream: "b"}, {Route: route + "-lit", Models: []string{"lit-1"}}}
+	s := NewSet(rows, []string{"allowed"}, SetOptions{PerRoute: 3})
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 20 {
+				row := (g + i) % 2
+				s.ModelIndex(row, []byte(fmt.Sprintf("m-%d", (g*7+i)%20)))
+			}
+		})
+	}
+	wg.Wait()
+	learned := s.LearnedModels(route)
+	if len(learned) != 3 {
+		t.Fatalf("learned %v, want 3", learned)
+	}
+	for _, m := range learned {
+		i0, i1 := s.ModelIndex(0, []byte(m)), s.ModelIndex(1, []byte(m))
+		if i0 != i1 || i0 == s.OtherIndex() {
+			t.Errorf("%s: index %d on a, %d on b", m, i0, i1)
+		}
+		for row, up := range []string{"a", "b"} {
+			if r, u, mm := s.Series(row, i0).Labels(); r != route || u != up || mm != m {
+				t.Errorf("%s on row %d: labels %s %s %s", m, row, r, u, mm)
+			}
+		}
+	}
+	if i := s.ModelIndex(0, []byte("m-new")); i != s.OtherIndex() {
+		t.Errorf("a fourth model: index %d, want other's", i)
+	}
+	if i := s.ModelIndex(0, []byte("allowed")); i != 0 {
+		t.Errorf("the allowlist's model: %d", i)
+	}
+	if _, _, m := s.Series(2, s.ModelIndex(2, []byte("lit-1"))).Labels(); m != "lit-1" {
+		t.Errorf("the literal model's label %q", m)
+	}
+	if i := s.ModelIndex(2, []byte("has space")); i != s.OtherIndex() {
+		t.Error("a name with a space was learned")
+	}
+	next := NewSet(rows, []string{"allowed"}, SetOptions{PerRoute: 3, Carry: s})
+	if got := next.LearnedModels(route); !slices.Equal(got, learned) {
+		t.Errorf("the next Set learned %v, want %v kept", got, learned)
 	}
 }

@@ -146,9 +146,13 @@ type Config struct {
 	// Prices are the models' prices (the first whose glob matches): each
 	// record's CostUSD.
 	Prices []Price
-	// Models is the model allowlist: metric label values for models. Every
-	// other model is labelled "other".
-	Models []string
+	// Models is the model allowlist: metric label values for models, on
+	// every route. Each route also labels the models its globs name
+	// literally, and the first ModelsPerRoute others it sees
+	// (metrics.SetOptions.PerRoute: 0 the default, 8; -1 none); every
+	// other model is labelled "other", and counted.
+	Models         []string
+	ModelsPerRoute int
 	// EnforceModels refuses (400) requests naming a model not in Models.
 	EnforceModels bool
 	// MaxEventBytes bounds the bytes kept of one SSE event or NDJSON line, and

@@ -183,12 +183,12 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 		return x.duplicateMember(req.Dup)
 	}
 	model := req.Model
+	rec.Model = boundedString(model, maxLoggedModel)
 	if x.in.late {
 		if r := x.pickLate(string(model), &ctx.Request.Header); r != nil {
 			return r
 		}
 	}
-	rec.Model = boundedString(model, maxLoggedModel)
 	x.charge = x.chargeFor(rec.Model)
 	rec.Stream = req.Stream
 	x.in.stream = req.Stream
@@ -196,7 +196,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	if x.tap.details {
 		rec.MaxTokens = dialect.MaxOutputTokens(body)
 	}
-	x.modelIdx = snap.metrics.ModelIndex(model)
+	x.modelIdx = snap.metrics.ModelIndex(x.att.mem.row, model)
 	rec.Series = snap.metrics.Series(x.att.mem.row, x.modelIdx)
 	x.tap.m.live = rec.Series
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"strings"
 )
 
 // Routing by model. Several routes may share a path prefix when they name
@@ -75,6 +76,18 @@ func (s *snapshot) matchModel(path []byte, model string) *route {
 		return first
 	}
 	return nil
+}
+
+// literalModels returns the globs of models that are plain names (no * or
+// ?): each its own metric label on its route.
+func literalModels(models []string) []string {
+	var out []string
+	for _, g := range models {
+		if !strings.ContainsAny(g, "*?") {
+			out = append(out, g)
+		}
+	}
+	return out
 }
 
 // byModelOrder sorts routes for matching: longest prefix first and, at one

@@ -8,6 +8,9 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+
+	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/metrics/stats"
 )
 
 // deployment is a backend that answers with its name, counting what it got.
@@ -87,12 +90,22 @@ func TestRoutesByModel(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &openai); err != nil || status != 404 || openai.Error.Code != "model_not_found" || openai.Error.Type != "invalid_request_error" {
 		t.Errorf("unknown model: %d %s, want 404 model_not_found", status, body)
 	}
-	if strings.Contains(body, "beta-8b") {
-		t.Errorf("the error body echoes the client's model: %s", body)
+	var named struct{ Error struct{ Message string } }
+	json.Unmarshal([]byte(body), &named)
+	if named.Error.Message != `the model "beta-8b" is not served here` {
+		t.Errorf("the 404 does not name the model: %s", body)
 	}
-	if rec := tp.rec.next(t); rec.Route != "unmatched" || rec.Status != 404 || rec.Upstream != "" {
-		t.Errorf("unknown model's record: route %q status %d upstream %q", rec.Route, rec.Status, rec.Upstream)
+	if rec := tp.rec.next(t); rec.Route != "unmatched" || rec.Status != 404 || rec.Upstream != "" || rec.Model != "beta-8b" {
+		t.Errorf("unknown model's record: route %q status %d upstream %q model %q", rec.Route, rec.Status, rec.Upstream, rec.Model)
 	}
+	// A name that is no plain one is named escaped, in a body that is
+	// still JSON, bounded as the record keeps it.
+	hostile := `x\"}\u0000\n` + strings.Repeat("y", 300) // JSON escapes: x"}, NUL, a line break
+	status, body = ask(t, tp.url, "/v1/chat/completions", `{"model":"`+hostile+`","messages":[]}`)
+	if err := json.Unmarshal([]byte(body), &named); err != nil || status != 404 || len(named.Error.Message) > 200 || !strings.Contains(named.Error.Message, `x\"}\x00\n`) {
+		t.Errorf("a hostile model's 404: %d %s", status, body)
+	}
+	tp.rec.next(t)
 	status, body = ask(t, tp.url, "/v1/messages", `{"model":"claude-x","messages":[]}`)
 	var anth struct {
 		Type  string
@@ -240,4 +253,71 @@ func FuzzGlobMatch(f *testing.F) {
 			t.Fatalf("globMatch(%q, %q) = %v, the oracle says %v", pattern, name, got, want)
 		}
 	})
+}
+
+// TestModelsByName: with no allowlist, a model a route's globs name
+// literally is its own label on tokentap_requests_total and in /stats;
+// on a route without models, the first two others it sees (per_route 2)
+// are too, and the third, and a name that is no plain model name, are
+// "other", counted as folded; a reload keeps what the route learned.
+func TestModelsByName(t *testing.T) {
+	named, any := startDeployment(t, "named"), startDeployment(t, "any")
+	tp := startProxy(t, "", func(c *Config) {
+		c.Routes = []Route{
+			{Name: "byname", Prefix: "/v1/", Models: []string{"llama-3-70b", "qwen*"}, Upstream: named.url, Timeouts: DefaultTimeouts},
+			{Name: "learns", Prefix: "/learn/", Upstream: any.url, Timeouts: DefaultTimeouts},
+		}
+		c.ModelsPerRoute = 2
+	})
+	label := func(path, model string) string {
+		t.Helper()
+		if status, body := ask(t, tp.url, path, `{"model":"`+model+`","messages":[]}`); status != 200 {
+			t.Fatalf("%s %s: %d %s", path, model, status, body)
+		}
+		return tp.rec.next(t).Series.Model()
+	}
+	count := func(route, model string) float64 {
+		return promFloat(t, `tokentap_requests_total{route="`+route+`",model="`+model+`",outcome="ok",status_class="2xx"}`)
+	}
+	folded0 := promFloat(t, `tokentap_models_folded_total{route="learns"}`)
+	before := count("byname", "llama-3-70b")
+	for _, c := range []struct{ path, model, want string }{
+		{"/v1/chat/completions", "llama-3-70b", "llama-3-70b"},
+		{"/v1/chat/completions", "qwen-7b", "qwen-7b"}, // learned: the route has room
+		{"/learn/v1/chat/completions", "m-one", "m-one"},
+		{"/learn/v1/chat/completions", "m-two", "m-two"},
+		{"/learn/v1/chat/completions", "m-three", metrics.OtherModel},
+		{"/learn/v1/chat/completions", "m-one", "m-one"},
+		{"/learn/v1/chat/completions", "bad name", metrics.OtherModel},
+	} {
+		if got := label(c.path, c.model); got != c.want {
+			t.Errorf("%s %s: label %q, want %q", c.path, c.model, got, c.want)
+		}
+	}
+	if d := count("byname", "llama-3-70b") - before; d != 1 {
+		t.Errorf("tokentap_requests_total for llama-3-70b moved by %v, want 1", d)
+	}
+	if d := promFloat(t, `tokentap_models_folded_total{route="learns"}`) - folded0; d != 2 {
+		t.Errorf("tokentap_models_folded_total moved by %v, want 2", d)
+	}
+	rep := tp.p.Stats().Query(stats.Query{Window: "all", GroupBy: []string{"route", "model"}})
+	found := map[string]bool{}
+	for _, g := range rep.Groups {
+		found[g.Route+"/"+g.Model] = true
+	}
+	for _, k := range []string{"byname/llama-3-70b", "byname/qwen-7b", "learns/m-one", "learns/m-two", "learns/" + metrics.OtherModel} {
+		if !found[k] {
+			t.Errorf("/stats has no group %s: %v", k, found)
+		}
+	}
+	// A reload keeps what the route learned.
+	if err := tp.p.Apply(tp.p.snap.Load().cfg); err != nil {
+		t.Fatal(err)
+	}
+	if got := label("/learn/v1/chat/completions", "m-two"); got != "m-two" {
+		t.Errorf("after a reload, m-two is %q", got)
+	}
+	if got := label("/learn/v1/chat/completions", "m-four"); got != metrics.OtherModel {
+		t.Errorf("after a reload, a third model is %q", got)
+	}
 }

@@ -193,7 +193,12 @@ func (p *Proxy) Apply(cfg Config) error {
 		s.routes = append(s.routes, rt)
 	}
 	sort.SliceStable(s.routes, func(i, j int) bool { return byModelOrder(s.routes[i], s.routes[j]) })
-	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO(), NoSeries: p.opts.NoSeries})
+	var carry *metrics.Set
+	if prev := p.snap.Load(); prev != nil {
+		carry = prev.metrics
+	}
+	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO(), NoSeries: p.opts.NoSeries,
+		PerRoute: cfg.ModelsPerRoute, Carry: carry})
 	for _, rt := range s.routes {
 		if g := rt.guard; g != nil {
 			s.metrics.AddGauge(fmt.Sprintf(`tokentap_guard_tripped{route=%q,upstream=%q}`, rt.Name, g.Candidate), func() float64 {
@@ -274,7 +279,7 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 		}
 		rt.members = append(rt.members, mem)
 		rt.weights += u.Weight
-		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name})
+		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name, Models: literalModels(r.Models)})
 	}
 	if r.Sticky == StickyPrefix {
 		rt.aff = newAffinity(rt.members)

@@ -20,10 +20,11 @@ import (
 
 // modelNotFound is the refusal of a request whose model no route serves,
 // in the dialect's words: a 404 as the provider gives for a model it does
-// not have (the model's name is not echoed: it is the client's input).
+// not have, naming it as the record keeps it (at most 128 bytes, escaped
+// in the JSON body).
 func (x *exchange) modelNotFound() *refusal {
 	r := &refusal{status: fasthttp.StatusNotFound, outcome: metrics.OutcomeBadRequest, code: "model_not_found",
-		errType: "invalid_request_error", msg: "the model this request names is not served here"}
+		errType: "invalid_request_error", msg: "the model " + strconv.Quote(x.rec.Model) + " is not served here"}
 	if x.dialect != nil && x.dialect.Name() == "anthropic" {
 		r.errType, r.anthropic = "not_found_error", true
 	}

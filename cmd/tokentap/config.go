@@ -414,8 +414,9 @@ type fileStore struct {
 }
 
 type fileModels struct {
-	Allow   []string `yaml:"allow"`
-	Enforce bool     `yaml:"enforce"`
+	Allow    []string `yaml:"allow"`
+	Enforce  bool     `yaml:"enforce"`
+	PerRoute *int     `yaml:"per_route"`
 }
 
 type fileTimeouts struct {

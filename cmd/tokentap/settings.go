@@ -245,6 +245,15 @@ func (b *settingsBuilder) observing() error {
 		TrendThroughput: w.TrendThroughput, TrendTTFT: w.TrendTTFT}
 	s.proxy.Models = fc.Models.Allow
 	s.proxy.EnforceModels = fc.Models.Enforce
+	if n := fc.Models.PerRoute; n != nil {
+		if *n < 0 {
+			return fmt.Errorf("%s: must be 0 or more", b.where("models.per_route"))
+		}
+		s.proxy.ModelsPerRoute = *n
+		if *n == 0 {
+			s.proxy.ModelsPerRoute = -1 // none learned
+		}
+	}
 	switch in := fc.Classes.InputTokens; len(in) {
 	case 0:
 	case 2:
