@@ -103,6 +103,9 @@ func byModelOrder(a, b *route) bool {
 // are told apart by them: at most one of them takes every model.
 func validModels(routes []Route, i int, field func(string) string) error {
 	r := routes[i]
+	if r.Models != nil && len(r.Models) == 0 {
+		return fieldErr(field("models"), "is empty: list the models the route serves (globs), or leave the key out for every model")
+	}
 	for j, g := range r.Models {
 		if g == "" {
 			return fieldErr(field(fmt.Sprintf("models[%d]", j)), "must not be empty")

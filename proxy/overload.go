@@ -81,10 +81,39 @@ func (c *Config) validOverload(r Route, field func(string) string) error {
 // configuration is applied.
 func (c *Config) Warnings() []string {
 	var ws []string
+	warn := func(field, format string, args ...any) { ws = append(ws, field+": "+fmt.Sprintf(format, args...)) }
 	tenants := c.Admission != nil && len(c.Admission.Tenants) > 0
+	keyed := tenants && c.Admission.TrustedTenantHeader == ""
+	anyModel := false
 	for i, r := range c.Routes {
-		if o := r.Overload; o != nil && o.PriorityHeader != "" && !tenants && !o.TrustPriorityHeader {
-			ws = append(ws, fmt.Sprintf("routes[%d].overload.priority_header: with no tenants to cap it, the header claims at most standard (any client could claim critical); set overload.trust_priority_header: true where every client may be believed", i))
+		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
+		anyModel = anyModel || len(r.Models) == 0
+		if o := r.Overload; o != nil {
+			switch {
+			case o.PriorityHeader != "" && !tenants && !o.TrustPriorityHeader:
+				warn(field("overload.priority_header"), "with no tenants to cap it, the header claims at most standard (any client could claim critical); set overload.trust_priority_header: true where every client may be believed")
+			case o.TrustPriorityHeader && o.PriorityHeader == "":
+				warn(field("overload.trust_priority_header"), "takes no effect without overload.priority_header")
+			case o.TrustPriorityHeader && tenants:
+				warn(field("overload.trust_priority_header"), "takes no effect with tenants: each tenant's priority caps its requests")
+			}
+		}
+		if r.ForwardClientKey && !keyed {
+			warn(field("forward_client_key"), "takes no effect: the client's key headers are dropped only where tenants are known by key")
+		}
+	}
+	// A price whose glob meets no route's models (all routes name theirs)
+	// prices nothing a route serves by name (a response may still name
+	// another model: hence a warning).
+	for i, p := range c.Prices {
+		used := anyModel
+		for _, r := range c.Routes {
+			for _, g := range r.Models {
+				used = used || globMatch(p.Model, g) || globMatch(g, p.Model)
+			}
+		}
+		if !used {
+			warn(fmt.Sprintf("prices[%d].model", i), "%q meets no model a route names: no request is priced by it unless its response names such a model", p.Model)
 		}
 	}
 	return ws

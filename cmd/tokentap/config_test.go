@@ -471,3 +471,36 @@ func TestCheckWarnsOfAnUncappedPriorityHeader(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckCatchesWhatCannotTakeEffect: -check refuses an empty models
+// list with its field and line, and warns, naming each, of a price no
+// route's models meet, forward_client_key without tenants known by key
+// and trust_priority_header without a priority header.
+func TestCheckCatchesWhatCannotTakeEffect(t *testing.T) {
+	check := func(conf string) (string, error) {
+		path := filepath.Join(t.TempDir(), "tokentap.yaml")
+		if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command(os.Args[0], "-config", path, "-check")
+		cmd.Env = append(os.Environ(), "TOKENTAP_TEST_MAIN=1")
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	out, err := check("routes:\n  - name: a\n    prefix: /\n    models: []\n    upstream: http://127.0.0.1:1\n")
+	if err == nil || !strings.Contains(out, ":4: routes[0].models: is empty") {
+		t.Errorf("models: []: %v\n%s", err, out)
+	}
+	out, err = check("routes:\n  - name: a\n    prefix: /\n    models: [llama-*]\n    upstream: http://127.0.0.1:1\n    forward_client_key: true\n" +
+		"    slo: {ttft: 1s}\n    overload: {trust_priority_header: true}\n" +
+		"prices:\n  - {model: llama-3*, input: 1, output: 2}\n  - {model: gpt-4o*, input: 2.5, output: 10}\n")
+	for _, want := range []string{`warning: prices[1].model: "gpt-4o*" meets no model a route names`, "warning: routes[0].forward_client_key: takes no effect",
+		"warning: routes[0].overload.trust_priority_header: takes no effect without overload.priority_header", "config ok"} {
+		if err != nil || !strings.Contains(out, want) {
+			t.Errorf("want %q: %v\n%s", want, err, out)
+		}
+	}
+	if strings.Contains(out, "prices[0]") {
+		t.Errorf("a price a route's models meet was named:\n%s", out)
+	}
+}
