@@ -72,6 +72,11 @@ func main() {
 	}
 }
 
+// otelShutdown bounds the wait at exit for the OTel export's last batch:
+// with the clients' half second to close, a collector that does not answer
+// holds the exit 2 s at most.
+const otelShutdown = 1500 * time.Millisecond
+
 // errPrinted ends a run that only printed something: the version, or
 // "config ok" for -check.
 var errPrinted = errors.New("version printed")
@@ -269,7 +274,9 @@ func stopSinks(alog *metrics.AccessLog, otel *telemetry.Exporter, logger *zap.Lo
 		alog.Close()
 	}
 	if otel != nil {
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		// At most otelShutdown (and the clients' half second to close) for
+		// a collector that does not answer: the exit never waits on it.
+		sctx, cancel := context.WithTimeout(context.Background(), otelShutdown)
 		if err := otel.Shutdown(sctx); err != nil {
 			logger.Warn("otel: export at shutdown incomplete", zap.Error(err))
 		}

@@ -186,6 +186,7 @@ func (s *spanBatch) send(b sentSpans) {
 	ss.Scope = s.scope
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
+	defer watchStall("traces")()
 	err := s.client.UploadTraces(ctx, []*tracepb.ResourceSpans{{Resource: s.res, ScopeSpans: []*tracepb.ScopeSpans{ss}}})
 	if err != nil {
 		metrics.OTelExportError("traces")

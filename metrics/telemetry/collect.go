@@ -130,10 +130,12 @@ func (m *metricSend) send() {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(m.ctx, m.timeout)
+		stopWatch := watchStall("metrics")
 		if err := m.exp.Export(ctx, rm); err != nil {
 			metrics.OTelExportError("metrics")
 			otel.Handle(err)
 		}
+		stopWatch()
 		cancel()
 	}
 }

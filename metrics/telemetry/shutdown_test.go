@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -82,5 +83,51 @@ func TestShutdownStopsExportsWhenCollectorHangs(t *testing.T) {
 	time.Sleep(time.Second) // twenty metric intervals
 	if m := next.Load(); m != n {
 		t.Errorf("%d exports reached the next server at the collector's address, a second after Shutdown", m-n)
+	}
+}
+
+// TestAHungCollectorIsToldAndShutdownIsShort: a collector that takes every
+// export and never answers. Its silence is told (OnError) once an export
+// has waited stallAfter (shortened here), long before the SDK's retries
+// give up; Shutdown with a context of 300 ms returns within it and the
+// clients' closeGrace.
+func TestAHungCollectorIsToldAndShutdownIsShort(t *testing.T) {
+	defer func(d time.Duration) { stallAfter = d }(stallAfter)
+	stallAfter = 200 * time.Millisecond
+	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, closeHung := collector(t, ln, true)
+	defer closeHung()
+	told := make(chan error, 8)
+	e, err := New(context.Background(), Config{Endpoint: "http://" + ln.Addr().String(), Traces: true, Sample: 1,
+		OnError: func(err error) {
+			select {
+			case told <- err:
+			default:
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := metrics.Record{Route: "r", E2E: 20 * time.Millisecond, ClientE2E: -1}
+	r.Trace.TraceID[0], r.Trace.SpanID[0], r.Trace.Sampled = 1, 1, true
+	e.Observe(&r)
+	select {
+	case err := <-told:
+		if !strings.Contains(err.Error(), "has not answered a traces export") {
+			t.Errorf("told %v", err)
+		}
+	case <-time.After(time.Minute): // a hang, not a slow machine
+		t.Fatal("a hung collector was never told")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	e.Shutdown(ctx)
+	if d := time.Since(start); d > 300*time.Millisecond+closeGrace+3*time.Second { // bounded from above generously: a busy machine
+		t.Errorf("Shutdown took %v with a context of 300 ms", d)
 	}
 }

@@ -23,6 +23,7 @@ package telemetry
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"strings"
@@ -315,12 +316,12 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		// finish in time (a collector that hangs): the spans' client
 		// cancels its uploads and takes no more, the metrics' export on
 		// its way is cancelled and none follows, so nothing is exported
-		// after Shutdown returns. Past ctx the clients get a second to
+		// after Shutdown returns. Past ctx the clients get closeGrace to
 		// close.
 		sctx := ctx
 		if ctx.Err() != nil {
 			var cancel context.CancelFunc
-			sctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			sctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), closeGrace)
 			defer cancel()
 		}
 		if e.spans != nil {
@@ -332,6 +333,27 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 		}
 	})
 	return err
+}
+
+// closeGrace is what the export clients get to close once Shutdown's
+// context is done: the most Shutdown takes past it.
+const closeGrace = 500 * time.Millisecond
+
+// stallAfter is how long an export may go unanswered before the
+// collector's silence is told (Config.OnError, within ErrorEvery's bound):
+// the SDK's client retries a collector that does not answer for up to a
+// minute before it fails the export, and a collector that hung said
+// nothing for 36 s.
+var stallAfter = 10 * time.Second
+
+// watchStall tells, once stallAfter has passed, that an export of signal
+// is not answered; the returned function ends the watch (the export
+// returned).
+func watchStall(signal string) func() {
+	t := time.AfterFunc(stallAfter, func() {
+		otel.Handle(fmt.Errorf("the collector has not answered a %s export for %v (still trying; what does not fit is dropped and counted)", signal, stallAfter))
+	})
+	return func() { t.Stop() }
 }
 
 // errorHandler passes the SDK's errors on, at most one per every (the
