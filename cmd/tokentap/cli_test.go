@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"debug/elf"
 	"bytes"
 	"encoding/json"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -30,7 +32,7 @@ func buildAsTheDockerfile(t *testing.T, version string) string {
 			line = strings.TrimPrefix(l, "RUN ")
 		}
 	}
-	if !strings.HasPrefix(line, "CGO_ENABLED=0 go build ") {
+	if !strings.HasPrefix(line, "CGO_ENABLED=0 ") || !strings.Contains(line, " go build ") {
 		t.Fatalf("the Dockerfile's tokentap build line is %q", line)
 	}
 	bin := filepath.Join(t.TempDir(), "tokentap")
@@ -179,4 +181,64 @@ func exitCode(err error) int {
 		return -1
 	}
 	return 0
+}
+
+// TestReleaseScript runs examples/release/release.sh as a release is made
+// (for this machine's architecture alone, without the image: the script's
+// default is amd64 and arm64, and the image with docker buildx): its
+// archive holds a static binary that says the version given, the README
+// and the example config; the chart's archive names the version as its
+// appVersion; the sums cover both.
+func TestReleaseScript(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds tokentap once more (-short)")
+	}
+	script, err := os.ReadFile("../../examples/release/release.sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(script), `archs=${ARCHS:-amd64 arm64}`) {
+		t.Error("the release's architectures are not amd64 and arm64 by default")
+	}
+	dist := t.TempDir()
+	cmd := exec.Command("bash", "examples/release/release.sh", "v9.9.9-rel")
+	cmd.Dir = "../.."
+	cmd.Env = append(os.Environ(), "DIST="+dist, "ARCHS="+runtime.GOARCH, "NO_IMAGE=1")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("release.sh: %v\n%s", err, out)
+	}
+	name := "tokentap_v9.9.9-rel_linux_" + runtime.GOARCH
+	x := t.TempDir()
+	for _, a := range []string{name + ".tar.gz", "tokentap-chart_v9.9.9-rel.tgz"} {
+		if out, err := exec.Command("tar", "-C", x, "-xzf", filepath.Join(dist, a)).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", a, err, out)
+		}
+	}
+	bin := filepath.Join(x, name, "tokentap")
+	f, err := elf.Open(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			t.Error("the released binary is dynamically linked")
+		}
+	}
+	f.Close()
+	if out, err := exec.Command(bin, "-version").CombinedOutput(); err != nil || !strings.HasPrefix(string(out), "tokentap v9.9.9-rel ") {
+		t.Errorf("-version: %v %q", err, out)
+	}
+	for _, p := range []string{filepath.Join(x, name, "README.md"), filepath.Join(x, name, "tokentap.yaml")} {
+		if _, err := os.Stat(p); err != nil {
+			t.Error(err)
+		}
+	}
+	chart, _ := os.ReadFile(filepath.Join(x, "tokentap", "Chart.yaml"))
+	if !strings.Contains(string(chart), `appVersion: "v9.9.9-rel"`) {
+		t.Errorf("the chart's archive:\n%s", chart)
+	}
+	sums, _ := os.ReadFile(filepath.Join(dist, "tokentap_v9.9.9-rel_SHA256SUMS"))
+	if !strings.Contains(string(sums), name+".tar.gz") || !strings.Contains(string(sums), "tokentap-chart_v9.9.9-rel.tgz") {
+		t.Errorf("sums:\n%s", sums)
+	}
 }

@@ -171,36 +171,49 @@ func tokentapCheck(t *testing.T, config string, dir string) {
 	}
 }
 
-// The chart names no image of its own (the one it named was never
-// published: an install ended in ImagePullBackOff): without
-// image.repository it refuses to render, saying how to make one; the
-// script that makes one stamps the version and prints the values.
+// The chart's image is the one examples/release/release.sh builds: a
+// release's chart (its appVersion the release's) installs that version
+// from ghcr.io/tokentap/tokentap; the checkout's chart (appVersion dev)
+// refuses to render until image.tag names a version, saying how to build
+// one; a registry of one's own (push-image.sh, which stamps the version
+// and prints the values) is image.repository.
 func TestImageIsTheOnePushed(t *testing.T) {
 	ch, err := loader.Load(chartDir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rv, err := chartutil.ToRenderValues(ch, map[string]any{}, chartutil.ReleaseOptions{Name: "tt", Namespace: "inference", IsInstall: true}, chartutil.DefaultCapabilities)
-	if err != nil {
-		t.Fatal(err)
+	renderWith := func(vals map[string]any) (map[string]string, error) {
+		rv, err := chartutil.ToRenderValues(ch, vals, chartutil.ReleaseOptions{Name: "tt", Namespace: "inference", IsInstall: true}, chartutil.DefaultCapabilities)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return engine.Render(ch, rv)
 	}
-	if _, err := engine.Render(ch, rv); err == nil || !strings.Contains(err.Error(), "push-image.sh") {
-		t.Fatalf("rendered without an image: %v", err)
+	if _, err := renderWith(map[string]any{}); err == nil || !strings.Contains(err.Error(), "release.sh") {
+		t.Fatalf("the checkout's chart rendered without an image tag: %v", err)
 	}
 	d := typed[appsv1.Deployment](t, render(t, values(t, "")), "Deployment")
 	if img := d.Spec.Template.Spec.Containers[0].Image; img != "registry.example/platform/tokentap:v1.2.3" {
 		t.Fatalf("image %q", img)
 	}
+	ch.Metadata.AppVersion = "v2.0.0" // as release.sh packs it
+	out, err := renderWith(map[string]any{})
+	if err != nil {
+		t.Fatalf("a release's chart: %v", err)
+	}
+	if dep := out["tokentap/templates/deployment.yaml"]; !strings.Contains(dep, "image: \"ghcr.io/tokentap/tokentap:v2.0.0\"") {
+		t.Errorf("a release's chart does not install its release's image:\n%s", dep)
+	}
 	cmd := exec.Command("bash", "push-image.sh", "registry.example/platform/tokentap", "v1.2.3")
 	cmd.Env = append(os.Environ(), "DRY_RUN=1")
-	out, err := cmd.CombinedOutput()
+	o, err := cmd.CombinedOutput()
 	if err != nil {
-		t.Fatalf("%v\n%s", err, out)
+		t.Fatalf("%v\n%s", err, o)
 	}
 	for _, want := range []string{"+ docker build --build-arg VERSION=v1.2.3 -t registry.example/platform/tokentap:v1.2.3 .",
 		"+ docker push registry.example/platform/tokentap:v1.2.3", "--set image.repository=registry.example/platform/tokentap --set image.tag=v1.2.3", "helm template"} {
-		if !strings.Contains(string(out), want) {
-			t.Errorf("push-image.sh lacks %q:\n%s", want, out)
+		if !strings.Contains(string(o), want) {
+			t.Errorf("push-image.sh lacks %q:\n%s", want, o)
 		}
 	}
 }
