@@ -31,6 +31,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	rec.Cost.USD, rec.CachedTokens, rec.CacheWriteTokens, rec.Tenant = 0.001, 10, 5, "t-"+route
 	rec.UsageSource, rec.Stream = UsageProvider, true
 	s.Observe(&rec)
+	s.ModelIndex(0, []byte("a name that is folded"))
 	rec.Cost.Basis, rec.UsageSource = CostUnpriced, UsageRejected
 	s.Observe(&rec)
 	BackendScrape(true)

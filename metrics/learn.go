@@ -33,7 +33,7 @@ type routeModels struct {
 	mu     sync.Mutex
 	names  atomic.Pointer[map[string]int] // copied on write
 	order  []string                       // in the order learned
-	folded *vm.Counter
+	folded *vm.Counter // made at the first model folded
 }
 
 // learnable reports a model name that may become a label value.
@@ -59,7 +59,12 @@ func (s *Set) learn(rm *routeModels, model []byte) int {
 		return i
 	}
 	if !learnable(model) || len(rm.order) >= rm.limit {
-		rm.folded.Inc()
+		if !s.noSeries {
+			if rm.folded == nil { // made at its first use: an idle route has none
+				rm.folded = durable.GetOrCreateCounter(`tokentap_models_folded_total{route="` + rm.route + `"}`)
+			}
+			rm.folded.Inc()
+		}
 		return s.OtherIndex()
 	}
 	name := string(model)

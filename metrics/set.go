@@ -208,7 +208,7 @@ func (s *Set) learnRoutes(routes []RouteRow, o SetOptions) {
 			}
 		}
 		if rm == nil {
-			rm = &routeModels{route: r.Route, folded: durable.GetOrCreateCounter(`tokentap_models_folded_total{route="` + r.Route + `"}`)}
+			rm = &routeModels{route: r.Route}
 			for _, m := range r.Models {
 				if _, static := s.models[m]; !static && learnable([]byte(m)) && !slices.Contains(rm.order, m) {
 					rm.order = append(rm.order, m)

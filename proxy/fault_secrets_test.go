@@ -27,7 +27,7 @@ func TestFaultSecretsNeverInBodiesOrLogs(t *testing.T) {
 	})
 	reset := startRawUpstream(t, func(c net.Conn, r *http.Request) bool {
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-		io.WriteString(c, "20\r\ndata: {\"choices\":[]}\n\n"+r.Header.Get("Authorization")[:5])
+		io.WriteString(c, "20\r\ndata: {\"choices\":[]}\n\n"+(r.Header.Get("Authorization") + "     ")[:5])
 		c.(*net.TCPConn).SetLinger(0)
 		return false
 	})
@@ -43,11 +43,14 @@ func TestFaultSecretsNeverInBodiesOrLogs(t *testing.T) {
 	short := DefaultTimeouts
 	short.FirstByte = 100 * time.Millisecond
 	tp := startProxyOpts(t, garbage.url, func(c *Config) {
+		// The client's key goes upstream on these routes (forward_client_key):
+		// the upstreams quote it back, and it must go no further.
+		c.Routes[0].ForwardClientKey = true
 		c.Routes = append(c.Routes,
-			Route{Name: "reset", Prefix: "/reset/", Upstream: reset.url, Timeouts: DefaultTimeouts},
+			Route{Name: "reset", Prefix: "/reset/", Upstream: reset.url, Timeouts: DefaultTimeouts, ForwardClientKey: true},
 			Route{Name: "slow", Prefix: "/slow/", Upstream: slow.url, Timeouts: short},
 			Route{Name: "dead", Prefix: "/dead/", Upstream: "http://" + deadAddr, Timeouts: DefaultTimeouts},
-			Route{Name: "keyed", Prefix: "/keyed/", Upstream: garbage.url, Timeouts: DefaultTimeouts},
+			Route{Name: "keyed", Prefix: "/keyed/", Upstream: garbage.url, Timeouts: DefaultTimeouts, ForwardClientKey: true},
 		)
 		c.Admission = &ratelimit.Config{Mode: ratelimit.ModeReject, UnknownKey: "guests",
 			Tenants: []ratelimit.Tenant{{Name: "acme", Keys: []string{"sk-acme-not-the-canary"}}, {Name: "guests"}}}

@@ -180,7 +180,7 @@ func TestHostileUsageSetAside(t *testing.T) {
 	body := `{"model":"m","stream":true,"max_tokens":3,"messages":[]}`
 	counted := (float64(len(body)/4)*1 + 3*10) / 1e6
 	rejectedBefore := promFloat(t, `tokentap_usage_rejected_total{route="hostile"}`)
-	costBefore := promFloat(t, `tokentap_cost_usd_total{route="hostile",model="other",tenant="payer"}`)
+	costBefore := promFloat(t, `tokentap_cost_usd_total{route="hostile",model="m",tenant="payer"}`)
 	hostile := []string{
 		`{"prompt_tokens":1e30,"completion_tokens":1e30}`,
 		`{"prompt_tokens":NaN,"completion_tokens":3}`,
@@ -211,7 +211,7 @@ func TestHostileUsageSetAside(t *testing.T) {
 	if d := promFloat(t, `tokentap_usage_rejected_total{route="hostile"}`) - rejectedBefore; d != float64(len(hostile)) {
 		t.Errorf("tokentap_usage_rejected_total moved by %v, want %d", d, len(hostile))
 	}
-	if d := promFloat(t, `tokentap_cost_usd_total{route="hostile",model="other",tenant="payer"}`) - costBefore; math.Abs(d-spent) > 1e-12 {
+	if d := promFloat(t, `tokentap_cost_usd_total{route="hostile",model="m",tenant="payer"}`) - costBefore; math.Abs(d-spent) > 1e-12 {
 		t.Errorf("tokentap_cost_usd_total moved by %v, the records by %v", d, spent)
 	}
 	// The budget ($0.001) holds 22 requests' counted cost: the claims

@@ -105,6 +105,9 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 		},
 		Models:        []string{"llama"},
 		EnforceModels: false,
+		// The allowlist alone: no model learned by name (TestModelsByName
+		// tests the bounded learning).
+		ModelsPerRoute: -1,
 	}
 	p, err := New(cfg, Options{Sinks: []metrics.Sink{alog}, MaxRequestBodySize: 1024})
 	if err != nil {
@@ -203,7 +206,8 @@ func TestOneLogLineAndOneCountPerRequest(t *testing.T) {
 	if got := requestsTotal(t) - before; got != len(cases) {
 		t.Fatalf("tokentap_requests_total grew by %d, want %d", got, len(cases))
 	}
-	// Label values come from the config only: the invented model is "other".
+	// With no model learned, label values come from the config only: the
+	// invented model is "other".
 	var b bytes.Buffer
 	vm.WritePrometheus(&b, false)
 	if strings.Contains(b.String(), "client-invented-model") {

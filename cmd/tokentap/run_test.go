@@ -53,9 +53,9 @@ func TestRunEndToEnd(t *testing.T) {
 	// Series live for the process (they survive reloads): other tests in
 	// it counted on the same ones.
 	watched := []string{
-		`tokentap_ttft_seconds_count{route="default",model="other"}`,
-		`tokentap_requests_total{route="default",model="other",outcome="ok",status_class="2xx"}`,
-		`tokentap_output_tokens_total{route="default",model="other"}`,
+		`tokentap_ttft_seconds_count{route="default",model="m"}`,
+		`tokentap_requests_total{route="default",model="m",outcome="ok",status_class="2xx"}`,
+		`tokentap_output_tokens_total{route="default",model="m"}`,
 	}
 	before := make([]int, len(watched))
 	for i, series := range watched {
