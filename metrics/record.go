@@ -225,6 +225,12 @@ type Record struct {
 	TenantSeries *TenantSeries
 }
 
+// Refused reports a request tokentap answered itself and never sent
+// upstream (shed, limited, rejected, malformed, or its client gone before
+// it was sent): it is counted, and timed in no latency distribution, which
+// hold the requests served.
+func (r *Record) Refused() bool { return r.Attempts == 0 && r.Outcome != OutcomeOK }
+
 // The sources of a record's token counts (Record.UsageSource).
 const (
 	UsageProvider  = "provider"

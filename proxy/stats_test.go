@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"io"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
@@ -216,5 +218,52 @@ func TestBatchingWarning(t *testing.T) {
 			w.Values["ttft_p95_ms_recent"] < 1.2*w.Values["ttft_p95_ms_before"] || w.Route != "default") {
 			t.Errorf("warning %+v", w)
 		}
+	}
+}
+
+// TestRefusalsAreNotLatencies: a tenant allowed one request a second sends
+// three at once: one served, two refused (429). /stats counts the three
+// and the two refused apart, and times the one served alone: its E2E
+// distribution holds one request, where the refusals' answers (a fraction
+// of a millisecond) once read as the route's E2E; tokentap_e2e_seconds
+// grows by one, tokentap_requests_total by three.
+func TestRefusalsAreNotLatencies(t *testing.T) {
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		time.Sleep(20 * time.Millisecond)
+		io.WriteString(w, `{"choices":[{"message":{"content":"hi"}}]}`)
+	})
+	tp := startProxy(t, up.URL, func(c *Config) {
+		c.Routes[0].Name = "refusals"
+		withTenants(ratelimit.ModeReject, ratelimit.Tenant{Name: "slowpoke", Keys: []string{"ks"}, Limits: ratelimit.Limits{RequestsPerSecond: 0.01, Burst: 1}})(c)
+	})
+	e2e := func() float64 { return promFloat(t, `tokentap_e2e_seconds_count{route="refusals",model="m"}`) }
+	reqs := func() float64 {
+		return promFloat(t, `tokentap_requests_total{route="refusals",model="m",outcome="ok",status_class="2xx"}`) +
+			promFloat(t, `tokentap_requests_total{route="refusals",model="m",outcome="limited",status_class="4xx"}`)
+	}
+	e2e0, reqs0 := e2e(), reqs()
+	var statuses []int
+	for range 3 {
+		resp, _ := postKey(t, tp.url+"/v1/chat/completions", "ks", `{"model":"m","messages":[]}`)
+		statuses = append(statuses, resp.StatusCode)
+		tp.rec.next(t)
+	}
+	if !slicesEqual(statuses, []int{200, 429, 429}) {
+		t.Fatalf("statuses %v", statuses)
+	}
+	rep := tp.p.Stats().Query(stats.Query{Window: "all", Route: "refusals"})
+	if len(rep.Groups) != 1 {
+		t.Fatalf("%d groups", len(rep.Groups))
+	}
+	g := rep.Groups[0]
+	if g.Count != 3 || g.Refused != 2 || g.Limited != 2 || g.E2E.Count != 1 || g.E2E.P50 < 15 {
+		t.Errorf("count %d, refused %d, limited %d; E2E of %d requests, p50 %.2f ms: want 3, 2, 2 and one of at least 15 ms", g.Count, g.Refused, g.Limited, g.E2E.Count, g.E2E.P50)
+	}
+	if d := e2e() - e2e0; d != 1 {
+		t.Errorf("tokentap_e2e_seconds_count grew by %v, want 1", d)
+	}
+	if d := reqs() - reqs0; d != 3 {
+		t.Errorf("tokentap_requests_total grew by %v, want 3", d)
 	}
 }

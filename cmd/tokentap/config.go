@@ -486,8 +486,46 @@ func cleanYAMLError(err error) string {
 // flags are the command-line settings that override the file.
 type flags struct {
 	listen, admin, upstream, accessLog, config string
+	slo                                        string // -slo ttft=500ms,tpot=50ms
 	watchConfig                                bool
 	set                                        map[string]bool
+}
+
+// parseSLO reads -slo's objectives: key=duration pairs of ttft, ttfa,
+// tpot and e2e, and target=0.99, comma-separated.
+func parseSLO(s string) (metrics.SLO, error) {
+	var slo metrics.SLO
+	for _, kv := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(kv), "=")
+		if !ok {
+			return slo, fmt.Errorf("-slo: %q is not key=value (ttft=500ms,tpot=50ms)", kv)
+		}
+		if k == "target" {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || f <= 0 || f > 1 {
+				return slo, fmt.Errorf("-slo: target %q is not a share above 0 and at most 1", v)
+			}
+			slo.Target = f
+			continue
+		}
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return slo, fmt.Errorf("-slo: %s=%q is not a positive duration (500ms)", k, v)
+		}
+		switch k {
+		case "ttft":
+			slo.TTFT = d
+		case "ttfa":
+			slo.TTFA = d
+		case "tpot":
+			slo.TPOT = d
+		case "e2e":
+			slo.E2E = d
+		default:
+			return slo, fmt.Errorf("-slo: unknown objective %q (ttft, ttfa, tpot, e2e, target)", k)
+		}
+	}
+	return slo, nil
 }
 
 // settings is everything main needs, after file and flags are merged.

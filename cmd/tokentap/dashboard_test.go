@@ -309,7 +309,18 @@ func TestDashboardInBrowser(t *testing.T) {
 	if len(shown) != len(byRoute.Groups) || len(shown) != 4 {
 		t.Fatalf("page shows %d routes, /stats has %d", len(shown), len(byRoute.Groups))
 	}
-	q := func(d stats.Dist) string { return fmtJS(d.P50) + " / " + fmtJS(d.P95) + " / " + fmtJS(d.P99) }
+	q := func(d stats.Dist) string {
+		if d.Count == 0 {
+			return "–" // not measured: never a 0
+		}
+		return fmtJS(d.P50) + " / " + fmtJS(d.P95) + " / " + fmtJS(d.P99)
+	}
+	at := func(d stats.Dist, v float64) string {
+		if d.Count == 0 {
+			return "–"
+		}
+		return fmtJS(v)
+	}
 	pct := func(v *float64) string {
 		if v == nil {
 			return "–"
@@ -331,9 +342,12 @@ func TestDashboardInBrowser(t *testing.T) {
 		if g.Goodput.Target != nil {
 			good += " (target " + pct(g.Goodput.Target) + ")"
 		}
+		if g.Goodput.Judged == 0 {
+			good = "– (no SLO: set slo: {ttft: 500ms} in the config, or -slo ttft=500ms)"
+		}
 		want := tiles{Route: g.Route, TTFT: q(g.TTFT), ITL: q(g.ITL), E2E: q(g.E2E), Goodput: good,
-			Queue: fmtJS(g.Queue.P50) + " / " + fmtJS(g.Queue.P95), Overhead: fmtJS(g.Overhead.P50) + " / " + fmtJS(g.Overhead.P95),
-			Count: fmt.Sprintf("%d (%d, %d)", g.Count, g.Errors, g.Limited), ClientTTFT: q(g.ClientTTFT),
+			Queue: at(g.Queue, g.Queue.P50) + " / " + at(g.Queue, g.Queue.P95), Overhead: at(g.Overhead, g.Overhead.P50) + " / " + at(g.Overhead, g.Overhead.P95),
+			Count: fmt.Sprintf("%d (%d, %d, %d)", g.Count, g.Errors, g.Limited, g.Refused), ClientTTFT: q(g.ClientTTFT),
 			Split: fmt.Sprintf("Users waited %s ms for the first token (p50): %s in the network, %s in tokentap, the rest in the queue (%s) and the backend.",
 				fmtJS(g.ClientTTFT.P50), fmtJS(max(g.ClientTTFT.P50-g.TTFT.P50, 0)), fmtJS(g.Overhead.P50), fmtJS(g.Queue.P50))}
 		if *got != want {

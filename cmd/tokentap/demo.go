@@ -366,8 +366,11 @@ func (c *counter) wait(n int) {
 // printStats prints a /stats report as a table, then its warnings.
 func printStats(out io.Writer, rep stats.Report) {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "route\tmodel\ttenant\tcount\terrors\tlimited\tgoodput\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\tqueue p95\toverhead p95\ttokens/s\t")
+	ups := byUpstream(rep.Groups)
+	fmt.Fprintln(tw, "route\tmodel\ttenant\t"+ups.head+"count\terrors\tlimited\trefused\tgoodput\tTTFT p50\tp95\tp99\tTTFA p50\tp99\tITL p50\tp95\tp99\tE2E p50\tp95\tp99\tqueue p95\toverhead p95\ttokens/s\t")
+	judged := false
 	for _, g := range rep.Groups {
+		judged = judged || g.Goodput.Judged > 0
 		good := "-"
 		if g.Goodput.Ratio != nil {
 			good = fmt.Sprintf("%.1f%%", 100**g.Goodput.Ratio)
@@ -378,13 +381,16 @@ func printStats(out io.Writer, rep stats.Report) {
 			}
 			return fmt.Sprintf("%.1f", v)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n",
-			dash(g.Route), dash(g.Model), dash(g.Tenant), g.Count, g.Errors, g.Limited, good,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t\n",
+			dash(g.Route), dash(g.Model), dash(g.Tenant), ups.cell(g), g.Count, g.Errors, g.Limited, g.Refused, good,
 			f(g.TTFT, g.TTFT.P50), f(g.TTFT, g.TTFT.P95), f(g.TTFT, g.TTFT.P99), f(g.TTFA, g.TTFA.P50), f(g.TTFA, g.TTFA.P99),
 			f(g.ITL, g.ITL.P50), f(g.ITL, g.ITL.P95), f(g.ITL, g.ITL.P99), f(g.E2E, g.E2E.P50), f(g.E2E, g.E2E.P95), f(g.E2E, g.E2E.P99),
 			f(g.Queue, g.Queue.P95), f(g.Overhead, g.Overhead.P95), g.OutputTokensPerS)
 	}
 	_ = tw.Flush()
+	if !judged && len(rep.Groups) > 0 {
+		fmt.Fprintln(out, "goodput: no SLO set, nothing judged; -slo ttft=500ms,tpot=50ms or slo: {ttft: 500ms} in the config turns it on")
+	}
 	printCost(out, rep.Groups)
 	printOverload(out, rep.Overload)
 	for _, g := range rep.Groups {
@@ -416,7 +422,8 @@ func printCost(out io.Writer, groups []stats.Group) {
 	}
 	fmt.Fprintln(out, "\ncost and prompt cache:")
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "route\tmodel\ttenant\tpriced\tcost $\t$ per good\tcache hits\t")
+	ups := byUpstream(rows)
+	fmt.Fprintln(tw, "route\tmodel\ttenant\t"+ups.head+"priced\tcost $\t$ per good\tcache hits\t")
 	for _, g := range rows {
 		per, hits := "-", "-"
 		if g.CostPerGoodUSD != nil {
@@ -425,7 +432,7 @@ func printCost(out io.Writer, groups []stats.Group) {
 		if g.CacheHitShare != nil {
 			hits = fmt.Sprintf("%.1f%% of %d", 100**g.CacheHitShare, g.CacheReported)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.6f\t%s\t%s\t\n", dash(g.Route), dash(g.Model), dash(g.Tenant), g.Priced, g.CostUSD, per, hits)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s%d\t%.6f\t%s\t%s\t\n", dash(g.Route), dash(g.Model), dash(g.Tenant), ups.cell(g), g.Priced, g.CostUSD, per, hits)
 	}
 	_ = tw.Flush()
 }
@@ -464,6 +471,27 @@ func printOverload(out io.Writer, os []stats.Overload) {
 			o.Route, dash(o.Upstream), mode, o.InFlight, limit, ttft, tpot, errs, o.ArrivalsPerS, o.CompletionsPerS, o.Shed, o.ShedPerS)
 	}
 	_ = tw.Flush()
+}
+
+// upstreamColumn is a table's upstream column: there where rows differ
+// by upstream (two rows of one route, model and tenant would read alike
+// without it), absent where none does.
+type upstreamColumn struct{ head string }
+
+func byUpstream(groups []stats.Group) upstreamColumn {
+	for _, g := range groups {
+		if g.Upstream != "" {
+			return upstreamColumn{head: "upstream\t"}
+		}
+	}
+	return upstreamColumn{}
+}
+
+func (c upstreamColumn) cell(g stats.Group) string {
+	if c.head == "" {
+		return ""
+	}
+	return dash(g.Upstream) + "\t"
 }
 
 func dash(s string) string {

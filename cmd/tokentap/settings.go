@@ -236,6 +236,13 @@ func (b *settingsBuilder) catchAll() error {
 func (b *settingsBuilder) observing() error {
 	fc, s := b.fc, b.s
 	s.proxy.SLO = fc.SLO.slo()
+	if b.f.slo != "" {
+		slo, err := parseSLO(b.f.slo)
+		if err != nil {
+			return err
+		}
+		s.proxy.SLO = s.proxy.SLO.Over(slo)
+	}
 	s.proxy.Buckets = fc.Metrics.Buckets
 	w := fc.Warnings
 	if w.MinRequests < 0 || w.TrendThroughput < 0 || w.TrendTTFT < 0 {

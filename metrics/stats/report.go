@@ -42,9 +42,13 @@ type Group struct {
 	// shutdown); Limited those refused for their client's own limits (an
 	// unknown key, the tenant's limits), which are not judged against the
 	// SLO.
-	Count            int64   `json:"count"`
-	Errors           int64   `json:"errors"`
-	Limited          int64   `json:"limited"`
+	Count   int64 `json:"count"`
+	Errors  int64 `json:"errors"`
+	Limited int64 `json:"limited"`
+	// Refused is the requests tokentap answered itself, never sent
+	// upstream (shed, limited, rejected, malformed): counted here and in
+	// Count, and timed in no distribution, which hold the requests served.
+	Refused          int64   `json:"refused"`
 	RequestsPerS     float64 `json:"requests_per_s"`
 	OutputTokensPerS float64 `json:"output_tokens_per_s"`
 	Goodput          Goodput `json:"goodput"`
@@ -136,7 +140,7 @@ func makeGoodput(a *agg, target float64) Goodput {
 // group_ renders a group's merged agg over span.
 func group_(k Key, a *agg, span time.Duration, target float64) Group {
 	g := Group{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
-		Count: a.count, Errors: a.errors, Limited: a.limited,
+		Count: a.count, Errors: a.errors, Limited: a.limited, Refused: a.refused,
 		RequestsPerS:     round3(float64(a.count) / span.Seconds()),
 		OutputTokensPerS: round3(float64(a.outTokens) / span.Seconds()),
 		Goodput:          makeGoodput(a, target),

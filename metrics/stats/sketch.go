@@ -45,6 +45,7 @@ type SketchGroup struct {
 	Count     int64  `json:"count"`
 	Errors    int64  `json:"errors"`
 	Limited   int64  `json:"limited"`
+	Refused   int64  `json:"refused,omitempty"`
 	OutTokens int64  `json:"output_tokens"`
 	Judged    int64  `json:"slo_judged"`
 	Good      int64  `json:"slo_good"`
@@ -86,7 +87,7 @@ func MeasureNames() []string {
 
 func sketchGroup(k Key, a *agg, target float64) SketchGroup {
 	g := SketchGroup{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
-		Count: a.count, Errors: a.errors, Limited: a.limited, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
+		Count: a.count, Errors: a.errors, Limited: a.limited, Refused: a.refused, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
 		CostMicro: a.costMicro, Priced: a.priced, CacheReported: a.cacheReported, CacheHits: a.cacheHits,
 		Missed: slices.Clone(a.missed[:]), Target: target, Measures: make([]SketchDist, numMeasures)}
 	for i := range a.d {
@@ -240,6 +241,7 @@ func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float6
 			a.count += g.Count
 			a.errors += g.Errors
 			a.limited += g.Limited
+			a.refused += g.Refused
 			a.outTokens += g.OutTokens
 			a.costMicro += g.CostMicro
 			a.priced += g.Priced

@@ -32,6 +32,7 @@ const (
 type agg struct {
 	id                                              int64 // the slot, minute or block it holds; -1: none
 	count, errors, limited, outTokens, judged, good int64
+	refused                                         int64 // answered by tokentap, never sent upstream
 	// What the requests cost (micro-dollars, of priced ones) and what the
 	// backends said of their prompt caches (requests that reported, those
 	// with cached tokens).
@@ -64,6 +65,10 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 	if r.Outcome == metrics.OutcomeLimited {
 		a.limited++
 	}
+	served := !r.Refused()
+	if !served {
+		a.refused++
+	}
 	a.outTokens += int64(r.OutputTokens)
 	if r.Cost.USD >= 0 {
 		a.priced++
@@ -87,7 +92,9 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 		}
 	}
 	put := func(m int, d time.Duration) {
-		if d >= 0 {
+		// Only requests sent upstream are timed: a refusal's time is
+		// tokentap's answer, never a latency of the route.
+		if d >= 0 && served {
 			a.d[m].add(ms(d))
 		}
 	}
@@ -114,6 +121,7 @@ func (a *agg) merge(o *agg) {
 	a.count += o.count
 	a.errors += o.errors
 	a.limited += o.limited
+	a.refused += o.refused
 	a.outTokens += o.outTokens
 	a.costMicro += o.costMicro
 	a.priced += o.priced
@@ -131,7 +139,7 @@ func (a *agg) merge(o *agg) {
 
 func (a *agg) clear() {
 	a.id = -1
-	a.count, a.errors, a.limited, a.outTokens, a.judged, a.good = 0, 0, 0, 0, 0, 0
+	a.count, a.errors, a.limited, a.outTokens, a.judged, a.good, a.refused = 0, 0, 0, 0, 0, 0, 0
 	a.costMicro, a.priced, a.cacheReported, a.cacheHits = 0, 0, 0, 0
 	a.missed = [metrics.NumSLO]int64{}
 	for i := range a.d {

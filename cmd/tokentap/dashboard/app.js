@@ -25,6 +25,13 @@ function fmt(v, digits) {
 
 function pct(v) { return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%"; }
 
+// at is a distribution's quantile, "–" where nothing was measured (a route
+// of whole responses has no TTFT: never a 0).
+function at(d, p) { return d && d.count ? fmt(d[p]) : "–"; }
+
+// noSLO is what the goodput tile says where no request was judged.
+const noSLO = "– (no SLO: set slo: {ttft: 500ms} in the config, or -slo ttft=500ms)";
+
 function el(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
@@ -53,17 +60,17 @@ function routeBox(route) {
 function renderTiles(g) {
   const box = routeBox(g.route);
   const tiles = box.querySelector(".tiles");
-  const q = (d) => `${fmt(d.p50)} / ${fmt(d.p95)} / ${fmt(d.p99)}`;
+  const q = (d) => (d.count ? `${fmt(d.p50)} / ${fmt(d.p95)} / ${fmt(d.p99)}` : "–");
   tiles.replaceChildren(
     tile("ttft", "TTFT p50/p95/p99 ms", q(g.ttft_ms)),
     tile("itl", "ITL p50/p95/p99 ms", q(g.itl_ms)),
     tile("e2e", "E2E p50/p95/p99 ms", q(g.e2e_ms)),
     tile("output_tokens_per_s", "output tokens/s", fmt(g.output_tokens_per_s)),
     tile("requests_per_s", "requests/s", fmt(g.requests_per_s)),
-    tile("goodput", "goodput", pct(g.goodput.ratio) + (g.goodput.target ? " (target " + pct(g.goodput.target) + ")" : "")),
-    tile("queue", "queue p50/p95 ms", `${fmt(g.queue_ms.p50)} / ${fmt(g.queue_ms.p95)}`),
-    tile("overhead", "overhead p50/p95 ms", `${fmt(g.overhead_ms.p50)} / ${fmt(g.overhead_ms.p95)}`),
-    tile("count", "requests (errors, limited)", `${g.count} (${g.errors}, ${g.limited || 0})`),
+    tile("goodput", "goodput", g.goodput.judged ? pct(g.goodput.ratio) + (g.goodput.target ? " (target " + pct(g.goodput.target) + ")" : "") : noSLO),
+    tile("queue", "queue p50/p95 ms", `${at(g.queue_ms, "p50")} / ${at(g.queue_ms, "p95")}`),
+    tile("overhead", "overhead p50/p95 ms", `${at(g.overhead_ms, "p50")} / ${at(g.overhead_ms, "p95")}`),
+    tile("count", "requests (errors, limited, refused)", `${g.count} (${g.errors}, ${g.limited || 0}, ${g.refused || 0})`),
     tile("client_ttft", "client TTFT p50/p95/p99 ms", g.client_ttft_ms.count ? q(g.client_ttft_ms) : "–"));
   let split = box.querySelector(".split");
   if (!split) {
@@ -90,8 +97,8 @@ function renderTable(groups) {
   const body = document.querySelector("#groups tbody");
   body.replaceChildren(...groups.map((g) => el("tr", {},
     ...[g.route, g.model, g.tenant, g.upstream || "–", g.count, g.errors, g.limited || 0, fmt(g.requests_per_s), fmt(g.output_tokens_per_s), pct(g.goodput.ratio),
-      fmt(g.ttft_ms.p50), fmt(g.ttft_ms.p95), fmt(g.ttft_ms.p99), fmt(g.itl_ms.p50), fmt(g.itl_ms.p95), fmt(g.e2e_ms.p50), fmt(g.e2e_ms.p95),
-      fmt(g.queue_ms.p95), fmt(g.overhead_ms.p95)].map((v) => el("td", {}, String(v))))));
+      at(g.ttft_ms, "p50"), at(g.ttft_ms, "p95"), at(g.ttft_ms, "p99"), at(g.itl_ms, "p50"), at(g.itl_ms, "p95"), at(g.e2e_ms, "p50"), at(g.e2e_ms, "p95"),
+      at(g.queue_ms, "p95"), at(g.overhead_ms, "p95")].map((v) => el("td", {}, String(v))))));
 }
 
 // renderOverload shows each overload-controlled upstream's gate: what its
