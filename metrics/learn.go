@@ -33,7 +33,7 @@ type routeModels struct {
 	mu     sync.Mutex
 	names  atomic.Pointer[map[string]int] // copied on write
 	order  []string                       // in the order learned
-	folded *vm.Counter // made at the first model folded
+	folded *vm.Counter                    // made at the first model folded
 }
 
 // learnable reports a model name that may become a label value.
