@@ -372,14 +372,12 @@ func (s *Set) Observe(r *Record) {
 	if x == nil || x.ttft == nil { // labels only: NoSeries
 		return
 	}
-	if r.Refused() {
-		// Answered by tokentap, never sent upstream: counted by outcome,
-		// timed in no histogram (a refusal is no latency of the route).
-		x.requestCounter(outcomeIndex(r.Outcome), classIndex(r.Status)).Inc()
-		return
-	}
+	// A request answered by tokentap, never sent upstream, is counted by
+	// outcome and judged, and timed in no histogram: a refusal is no
+	// latency of the route.
+	served := !r.Refused()
 	update := func(h *vm.PrometheusHistogram, d time.Duration) {
-		if d >= 0 {
+		if d >= 0 && served {
 			h.Update(d.Seconds())
 		}
 	}

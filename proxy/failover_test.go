@@ -38,6 +38,7 @@ func failoverCountName(name string) int {
 // gets one clean answer, the record one line with attempts 2, the final
 // upstream and the time lost, and the counter its reason.
 func TestFailover(t *testing.T) {
+	long(t, "failovers over loopback")
 	healthy := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
 	closed := func() string { // a port nothing listens on
 		ln, _ := net.Listen("tcp", "127.0.0.1:0")

@@ -103,6 +103,7 @@ func waitMonitorAsleep(pid int) {
 // waits for the whole second: the monitor sleeps through it. The ticks'
 // rhythm is TestMonitorTickTicksWhileBusy's.
 func TestMonitorTickPreemptsLongWork(t *testing.T) {
+	long(t, "a second of spinning, twice")
 	for _, early := range []bool{false, true} {
 		name := map[bool]string{false: "first", true: "earlier"}[early]
 		t.Run(name, func(t *testing.T) {

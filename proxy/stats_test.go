@@ -230,7 +230,6 @@ func TestBatchingWarning(t *testing.T) {
 func TestRefusalsAreNotLatencies(t *testing.T) {
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
-		time.Sleep(20 * time.Millisecond)
 		io.WriteString(w, `{"choices":[{"message":{"content":"hi"}}]}`)
 	})
 	tp := startProxy(t, up.URL, func(c *Config) {
@@ -257,8 +256,8 @@ func TestRefusalsAreNotLatencies(t *testing.T) {
 		t.Fatalf("%d groups", len(rep.Groups))
 	}
 	g := rep.Groups[0]
-	if g.Count != 3 || g.Refused != 2 || g.Limited != 2 || g.E2E.Count != 1 || g.E2E.P50 < 15 {
-		t.Errorf("count %d, refused %d, limited %d; E2E of %d requests, p50 %.2f ms: want 3, 2, 2 and one of at least 15 ms", g.Count, g.Refused, g.Limited, g.E2E.Count, g.E2E.P50)
+	if g.Count != 3 || g.Refused != 2 || g.Limited != 2 || g.E2E.Count != 1 {
+		t.Errorf("count %d, refused %d, limited %d; E2E of %d requests: want 3, 2, 2 and one", g.Count, g.Refused, g.Limited, g.E2E.Count)
 	}
 	if d := e2e() - e2e0; d != 1 {
 		t.Errorf("tokentap_e2e_seconds_count grew by %v, want 1", d)

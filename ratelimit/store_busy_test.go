@@ -19,6 +19,7 @@ import (
 // was slow to ask. Before, 59-135 of ~2,800 calls failed on this machine
 // and the breaker tripped (118,000-577,000 refusals in 5 s).
 func TestHealthyStoreOnABusyMachine(t *testing.T) {
+	long(t, "3 s of load beside spinning goroutines")
 	r := redistest.Start(t)
 	cfg := Config{Tenants: []Tenant{{Name: "a", Limits: Limits{RequestsPerSecond: 1e6, Burst: 1e6, MaxConcurrent: 1000, TokensPerMinute: 1e9}}}}
 	cfg.Store = &StoreConfig{Redis: RedisConfig{Addr: r.Addr, KeyPrefix: fmt.Sprintf("busy%d:", time.Now().UnixNano())}, Fail: FailClosed}

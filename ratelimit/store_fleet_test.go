@@ -25,6 +25,7 @@ func storeAt(addr string, timeout time.Duration, fail FailMode) *StoreConfig {
 // for the store, and a kept-alive client's next request does not find
 // its last one's slot still taken (max_concurrent 1).
 func TestSharedDecisionsRunSideBySide(t *testing.T) {
+	long(t, "decisions against a delayed Redis")
 	r := redistest.Start(t)
 	const oneWay = 50 * time.Millisecond
 	addr := r.Delayed(oneWay)
@@ -89,6 +90,7 @@ func TestSharedDecisionsRunSideBySide(t *testing.T) {
 // breaker answers at once, closed with 503s and open from this replica's
 // share, until a probe is answered after Redis resumes.
 func TestSharedStoreHung(t *testing.T) {
+	long(t, "Redis paused under load")
 	for _, fail := range []FailMode{FailClosed, FailOpen} {
 		t.Run(string(fail), func(t *testing.T) {
 			r := redistest.Start(t)

@@ -35,6 +35,7 @@ func replicas(t *testing.T, n int, cfg Config, addr string, fail FailMode) []*Ad
 // through all three is admitted at its rate in total (within a burst),
 // where three local limiters would admit three times as much.
 func TestSharedRateAcrossReplicas(t *testing.T) {
+	long(t, "3 s of requests at a shared rate")
 	r := redistest.Start(t)
 	cfg := Config{Tenants: []Tenant{{Name: "a", Limits: Limits{RequestsPerSecond: 20, Burst: 5}}}}
 	reps := replicas(t, 3, cfg, r.Addr, FailClosed)
@@ -100,6 +101,7 @@ func TestSharedTokenBudgetWithRefunds(t *testing.T) {
 // holds it no longer than the lease time, while a live one keeps its slot
 // past it (it renews its leases).
 func TestSharedConcurrencyAndLeases(t *testing.T) {
+	long(t, "a replica's lease running out (2.5 s)")
 	r := redistest.Start(t)
 	cfg := Config{Tenants: []Tenant{{Name: "a", Limits: Limits{MaxConcurrent: 3}}}}
 	reps := replicas(t, 3, cfg, r.Addr, FailClosed)
@@ -190,6 +192,7 @@ func TestRequestsPerDay(t *testing.T) {
 // third with three live replicas); once Redis is back, the shared counts
 // decide again.
 func TestSharedStoreDown(t *testing.T) {
+	long(t, "Redis stopped and restarted")
 	r := redistest.Start(t)
 	cfg := Config{Tenants: []Tenant{{Name: "a", Limits: Limits{MaxConcurrent: 6}}}}
 	closed := replicas(t, 1, cfg, r.Addr, FailClosed)[0]
@@ -242,6 +245,7 @@ func TestSharedStoreDown(t *testing.T) {
 // requests, the store holds the keys their limits need, each with a time
 // to live.
 func TestSharedKeysExpire(t *testing.T) {
+	long(t, "10,000 tenants' keys in Redis")
 	r := redistest.Start(t)
 	var tenants []Tenant
 	for i := range 10000 {

@@ -208,6 +208,7 @@ func TestAdminSection(t *testing.T) {
 }
 
 func TestDemoRuns(t *testing.T) {
+	long(t, "the demo's burst")
 	var out strings.Builder
 	if err := runDemo(context.Background(), []string{"-requests", "20", "-concurrency", "4"}, &out); err != nil {
 		t.Fatal(err)
@@ -222,6 +223,7 @@ func TestDemoRuns(t *testing.T) {
 }
 
 func TestDemoCanary(t *testing.T) {
+	long(t, "the canary demo")
 	var out strings.Builder
 	if err := runDemo(context.Background(), []string{"-canary", "-requests", "160", "-concurrency", "8"}, &out); err != nil {
 		t.Fatal(err)

@@ -79,6 +79,7 @@ func toFixed(v float64, d int) string {
 // running for TOKENTAP_SCREENSHOT_AFTER (default 0) first and saves a
 // screenshot of the page (the README's).
 func TestDashboardInBrowser(t *testing.T) {
+	long(t, "headless chromium over the demo")
 	ctx, cancel := browser(t)
 	defer cancel()
 	shot := os.Getenv("TOKENTAP_SCREENSHOT")
@@ -392,6 +393,7 @@ func TestFmtJS(t *testing.T) {
 // tripped with its reason; its reset button clears it, and the page then
 // shows it armed again.
 func TestDashboardComparisonInBrowser(t *testing.T) {
+	long(t, "headless chromium over the demo")
 	ctx, cancel := browser(t)
 	defer cancel()
 	stable := startMockllm(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})

@@ -328,6 +328,7 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 // 3,000 in tokentap_requests_total and 3,000 access-log lines, including
 // the requests in flight at each reload.
 func TestReloadUnderLoadCountsExactly(t *testing.T) {
+	long(t, "reloads under load")
 	up := startBackend(t, time.Millisecond)
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")

@@ -352,6 +352,7 @@ func TestPrometheusRules(t *testing.T) {
 // to hide it, once in about 40 runs; the verdict's power on small
 // differences is measured in metrics/stats, without a machine's load.)
 func TestCompareEndToEnd(t *testing.T) {
+	long(t, "two upstreams compared through the binary")
 	start := func(prefill time.Duration) string {
 		return startMockllm(t, mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond, Jitter: 0.05})
 	}
@@ -406,6 +407,7 @@ func TestCompareEndToEnd(t *testing.T) {
 // (The merged verdict of `tokentap compare` is the one over all requests:
 // TestMergeSketchesEqualsOneEngine.)
 func TestStatsAcrossReplicas(t *testing.T) {
+	long(t, "three replicas' statistics merged")
 	var admins, logs []string
 	var progs []*runner
 	const perReplica = 60

@@ -164,6 +164,7 @@ var verdictDists = []struct {
 // the bound allows the runs' binomial spread above 5%). Rows whose
 // quantile the requests cannot bound say so, with the count they need.
 func TestVerdictFalseAlarmsAtEverySize(t *testing.T) {
+	long(t, "thousands of simulated verdicts")
 	sizes := []struct{ n, runs int }{{5, 100}, {20, 100}, {100, 100}, {1000, 40}}
 	for _, d := range verdictDists {
 		for _, sz := range sizes {
@@ -224,6 +225,7 @@ func TestVerdictFalseAlarmsAtEverySize(t *testing.T) {
 // whole verdict (Holm). A 50% difference is found at 100 a side in most
 // runs and at 1,000 in every run; 10% at 1,000 in most.
 func TestVerdictPower(t *testing.T) {
+	long(t, "hundreds of simulated verdicts")
 	for _, c := range []struct {
 		n     int
 		scale float64

@@ -100,6 +100,7 @@ func trips(ts []int) (n int, median int) {
 // by 1%. With the limits a team would set (10%, one point), an equal
 // canary is far inside them.
 func TestGuardEqualCanaryNotStopped(t *testing.T) {
+	long(t, "thousands of simulated guard runs")
 	runs, seconds := guardSimScale()
 	boundary := guardSim{rps: 20, minRequests: 200, slower: 1,
 		lim: GuardLimits{TTFTP95: 1e-9, E2EP95: 1e-9, ErrorRate: 1e-9}, failRate: 0.02, baseFail: 0.02}
@@ -163,6 +164,7 @@ func TestGuardStopsWorseCanaries(t *testing.T) {
 // The level spent over all looks sums to GuardAlpha, and the one-sided
 // tests hold their level on one distribution at small and large n.
 func TestGuardLevels(t *testing.T) {
+	long(t, "hundreds of simulated guard runs")
 	var sum float64
 	for k := 1; k <= 1_000_000; k++ {
 		sum += lookAlpha(k)

@@ -40,6 +40,7 @@ func collector(t testing.TB, ln net.Listener, hang bool) (*atomic.Int64, func())
 // Shutdown and exported to whatever listened there next, for the life of
 // the process.)
 func TestShutdownStopsExportsWhenCollectorHangs(t *testing.T) {
+	long(t, "a hung collector's exports")
 	t.Setenv("OTEL_METRIC_EXPORT_INTERVAL", "50")
 	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
 	// A span queue this small fills at once (the rest is dropped), and
