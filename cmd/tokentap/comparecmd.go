@@ -25,6 +25,7 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	var ac adminClient
 	ac.flags(fs)
 	asJSON := fs.Bool("json", false, "print the JSON as it came")
+	all := fs.Bool("v", false, "every row, each class's table and how the intervals were made (default: the verdict, the rows outside the noise and the headline ones)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -39,7 +40,7 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 		return fmt.Errorf("give two upstreams, or none")
 	}
 	if admins := strings.Split(*adminURL, ","); len(admins) > 1 {
-		return compareReplicas(ctx, admins, ac, *route, *window, *class, a, b, *asJSON, out)
+		return compareReplicas(ctx, admins, ac, *route, *window, *class, a, b, *asJSON, *all, out)
 	}
 	pair := a + "," + b
 	if a == "" {
@@ -61,13 +62,13 @@ func runCompare(ctx context.Context, args []string, out io.Writer) error {
 	if err := json.Unmarshal(body, &c); err != nil {
 		return fmt.Errorf("/stats: %w", err)
 	}
-	printComparison(out, c)
+	printComparison(out, c, *all)
 	return nil
 }
 
 // compareReplicas is `tokentap compare` over several replicas: their
 // sketches merged, then the verdict over all their requests.
-func compareReplicas(ctx context.Context, admins []string, ac adminClient, route, window, class, a, b string, asJSON bool, out io.Writer) error {
+func compareReplicas(ctx context.Context, admins []string, ac adminClient, route, window, class, a, b string, asJSON, all bool, out io.Writer) error {
 	reps, err := sketchesOf(ctx, admins, ac, url.Values{"window": {window}, "route": {route}, "group_by": {"route,upstream,class"}})
 	if err != nil {
 		return err
@@ -88,13 +89,19 @@ func compareReplicas(ctx context.Context, admins []string, ac adminClient, route
 		return json.NewEncoder(out).Encode(c)
 	}
 	fmt.Fprintf(out, "%d replicas merged\n", len(reps))
-	printComparison(out, c)
+	printComparison(out, c, all)
 	return nil
 }
 
-// printComparison prints a verdict as a table: per figure, both sides, the
-// difference with its 95% interval, and whether it is outside the noise.
-func printComparison(out io.Writer, c stats.Comparison) {
+// headline are the rows shown without -v: what a user feels first, and
+// last ("" is tokens/s per request).
+var headline = map[string]bool{"": true, "ttft_ms p50": true, "ttft_ms p95": true, "tpot_ms p50": true, "e2e_ms p50": true, "e2e_ms p95": true}
+
+// printComparison prints a verdict: one line that says it, then a table
+// of the rows outside the noise and the headline ones (with all, every
+// row), goodput and the error rate, a line per class (with all, each
+// class's table) and, with all, how the intervals were made.
+func printComparison(out io.Writer, c stats.Comparison, all bool) {
 	of := ""
 	if c.Class != "" {
 		of = ", class " + c.Class
@@ -103,16 +110,22 @@ func printComparison(out io.Writer, c stats.Comparison) {
 	if c.Sides != "" {
 		fmt.Fprintf(out, "A = %s, B = %s: %s\n", c.A, c.B, c.Sides)
 	}
+	fmt.Fprintln(out, verdictLine(c))
 	if len(c.Classes) > 1 {
 		var cls []string
 		for _, k := range c.Classes {
 			cls = append(cls, fmt.Sprintf("%s %d/%d", k.Class, k.CountA, k.CountB))
 		}
-		fmt.Fprintf(out, "compared within classes (%s), each weighing the same on both sides; each class alone below\n", strings.Join(cls, ", "))
+		fmt.Fprintf(out, "compared within classes (%s), each weighing the same on both sides\n", strings.Join(cls, ", "))
 	}
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "measure\t%s\t%s\tdifference (95%% interval)\tverdict\twhy\n", c.A, c.B)
-	row := func(name string, d stats.Diff) {
+	hidden := 0
+	row := func(name, key string, d stats.Diff) {
+		if !all && !headline[key] {
+			hidden++
+			return
+		}
 		if d.TooFew {
 			fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t\t\n", name, d.A, d.B, tooFewText(d, c))
 			return
@@ -120,12 +133,15 @@ func printComparison(out io.Writer, c stats.Comparison) {
 		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%s\t%s\t%s\n", name, d.A, d.B, diffText(d), verdictText(d, c), d.Why)
 	}
 	if c.Through.Name != "" {
-		row("tokens/s per request", c.Through)
+		row("tokens/s per request", "", c.Through)
 	}
 	for _, d := range c.Measures {
-		row(strings.TrimSuffix(d.Name, "_ms")+" "+d.Quantile+" (ms)", d)
+		row(strings.TrimSuffix(d.Name, "_ms")+" "+d.Quantile+" (ms)", d.Name+" "+d.Quantile, d)
 	}
 	_ = tw.Flush()
+	if hidden > 0 {
+		fmt.Fprintf(out, "(%d more rows, counted in the verdict: -v shows them)\n", hidden)
+	}
 	pct := func(v *float64) string {
 		if v == nil {
 			return "-"
@@ -134,13 +150,65 @@ func printComparison(out io.Writer, c stats.Comparison) {
 	}
 	fmt.Fprintf(out, "goodput %s → %s; error rate %s → %s\n", pct(c.Goodput.A), pct(c.Goodput.B), pct(c.Errors.A), pct(c.Errors.B))
 	for _, one := range c.ByClass {
-		fmt.Fprintln(out)
-		one.Method = ""
-		printComparison(out, one)
+		if all {
+			fmt.Fprintln(out)
+			one.Method = ""
+			printComparison(out, one, true)
+			continue
+		}
+		fmt.Fprintf(out, "class %s (%d/%d): %s\n", one.Class, one.CountA, one.CountB, verdictLine(one))
 	}
-	if c.Method != "" {
+	if c.Method != "" && all {
 		fmt.Fprintf(out, "intervals: %s\n", c.Method)
 	}
+}
+
+// verdictLine says a comparison's verdict in a line: the rows outside
+// the noise, B's way, or that none is.
+func verdictLine(c stats.Comparison) string {
+	var worse, better []string
+	tested := 0
+	for _, d := range append([]stats.Diff{c.Through}, c.Measures...) {
+		if d.Name == "" || d.TooFew {
+			continue
+		}
+		tested++
+		if !d.Significant {
+			continue
+		}
+		name := strings.TrimSuffix(d.Name, "_ms") + " " + d.Quantile
+		if d.Name == c.Through.Name {
+			name = "tokens/s"
+		}
+		txt := fmt.Sprintf("%s %+.0f%%", strings.TrimSpace(name), 100*d.RelativeDiff)
+		if d.Better == "b" {
+			better = append(better, txt)
+		} else {
+			worse = append(worse, txt)
+		}
+	}
+	// The first few of each side, in the rows' order (tokens/s, TTFT,
+	// then the rest), and how many more.
+	few := func(rows []string) string {
+		if len(rows) <= 3 {
+			return strings.Join(rows, ", ")
+		}
+		return strings.Join(rows[:3], ", ") + fmt.Sprintf(" and %d more", len(rows)-3)
+	}
+	switch {
+	case tested == 0:
+		return "verdict: too few requests to weigh"
+	case len(worse)+len(better) == 0:
+		return fmt.Sprintf("verdict: %s within the noise of %s (%d rows weighed)", c.B, c.A, tested)
+	}
+	parts := []string{}
+	if len(worse) > 0 {
+		parts = append(parts, c.B+" worse: "+few(worse))
+	}
+	if len(better) > 0 {
+		parts = append(parts, c.B+" better: "+few(better))
+	}
+	return "verdict: " + strings.Join(parts, "; ") + fmt.Sprintf(" (of %d rows weighed)", tested)
 }
 
 // tooFewText reads "too few requests (needs 66 more on canary)".

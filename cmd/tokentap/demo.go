@@ -306,7 +306,7 @@ func (d *demo) report() {
 		if err != nil {
 			fmt.Fprintln(out, "no verdict:", err)
 		} else {
-			printComparison(out, c)
+			printComparison(out, c, false)
 		}
 		fmt.Fprintln(out, "guard: stops the canary when its TTFT or E2E p95 is 20% above stable's with confidence; it weighs once a second from 100 requests a side on (keep it running with -serve, and watch /stats)")
 	}

@@ -388,8 +388,20 @@ func TestCompareEndToEnd(t *testing.T) {
 	if err := runCompare(context.Background(), []string{"-admin", base, "-route", route, "-window", "all", "stable", "canary"}, &out); err != nil {
 		t.Fatal(err)
 	}
-	if s := out.String(); !strings.Contains(s, "ttft p50 (ms)") || !strings.Contains(s, "outside the noise") || !strings.Contains(s, "canary") {
+	s := out.String()
+	if !strings.Contains(s, "ttft p50 (ms)") || !strings.Contains(s, "outside the noise") || !strings.Contains(s, "verdict: canary worse:") || !strings.Contains(s, "ttft p50 +") {
 		t.Errorf("tokentap compare printed:\n%s", s)
+	}
+	// The verdict first, the rows that matter, a line a class: short.
+	if n := strings.Count(s, "\n"); n > 16 || strings.Contains(s, "intervals:") {
+		t.Errorf("tokentap compare printed %d lines (want the verdict, not every row):\n%s", n, s)
+	}
+	out.Reset()
+	if err := runCompare(context.Background(), []string{"-admin", base, "-route", route, "-window", "all", "-v", "stable", "canary"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if v := out.String(); strings.Count(v, "\n") <= strings.Count(s, "\n") || !strings.Contains(v, "intervals:") {
+		t.Errorf("tokentap compare -v printed no more than without it:\n%s", v)
 	}
 	for _, q := range []string{"compare=stable", "compare=stable,nope", "compare=a,b&route="} {
 		var e map[string]any
