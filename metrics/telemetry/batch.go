@@ -48,6 +48,7 @@ type spanBatch struct {
 	max     int
 	delay   time.Duration
 	timeout time.Duration
+	stall   time.Duration // an export unanswered this long is told (watchStall)
 	// json: the client sends OTLP/HTTP's JSON (OTEL_EXPORTER_OTLP_PROTOCOL
 	// or _TRACES_PROTOCOL http/json), which writes known fields only: a
 	// batch is decoded into the generated messages before it goes.
@@ -186,7 +187,7 @@ func (s *spanBatch) send(b sentSpans) {
 	ss.Scope = s.scope
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
-	defer watchStall("traces")()
+	defer watchStall("traces", s.stall)()
 	err := s.client.UploadTraces(ctx, []*tracepb.ResourceSpans{{Resource: s.res, ScopeSpans: []*tracepb.ScopeSpans{ss}}})
 	if err != nil {
 		metrics.OTelExportError("traces")

@@ -77,6 +77,7 @@ type metricSend struct {
 	res     *resource.Resource
 	scope   string
 	timeout time.Duration
+	stall   time.Duration // an export unanswered this long is told (watchStall)
 	tick    *time.Ticker
 	out     chan *metricdata.ResourceMetrics
 	ctx     context.Context // cancelled by Shutdown
@@ -130,7 +131,7 @@ func (m *metricSend) send() {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(m.ctx, m.timeout)
-		stopWatch := watchStall("metrics")
+		stopWatch := watchStall("metrics", m.stall)
 		if err := m.exp.Export(ctx, rm); err != nil {
 			metrics.OTelExportError("metrics")
 			otel.Handle(err)

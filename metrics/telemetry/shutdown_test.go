@@ -89,12 +89,10 @@ func TestShutdownStopsExportsWhenCollectorHangs(t *testing.T) {
 
 // TestAHungCollectorIsToldAndShutdownIsShort: a collector that takes every
 // export and never answers. Its silence is told (OnError) once an export
-// has waited stallAfter (shortened here), long before the SDK's retries
+// has waited StallAfter (200 ms here), long before the SDK's retries
 // give up; Shutdown with a context of 300 ms returns within it and the
 // clients' closeGrace.
 func TestAHungCollectorIsToldAndShutdownIsShort(t *testing.T) {
-	defer func(d time.Duration) { stallAfter = d }(stallAfter)
-	stallAfter = 200 * time.Millisecond
 	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -103,7 +101,7 @@ func TestAHungCollectorIsToldAndShutdownIsShort(t *testing.T) {
 	_, closeHung := collector(t, ln, true)
 	defer closeHung()
 	told := make(chan error, 8)
-	e, err := New(context.Background(), Config{Endpoint: "http://" + ln.Addr().String(), Traces: true, Sample: 1,
+	e, err := New(context.Background(), Config{Endpoint: "http://" + ln.Addr().String(), Traces: true, Sample: 1, StallAfter: 200 * time.Millisecond,
 		OnError: func(err error) {
 			select {
 			case told <- err:

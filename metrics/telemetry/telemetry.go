@@ -72,6 +72,10 @@ type Config struct {
 	// are only counted. Nil: not told.
 	OnError    func(error)
 	ErrorEvery time.Duration
+	// StallAfter is how long an export may go unanswered before the
+	// collector's silence is told to OnError (default DefaultStallAfter):
+	// the SDK's client retries for up to a minute before it fails one.
+	StallAfter time.Duration
 	// Semconv chooses the GenAI client metrics' names: SemconvDefault
 	// (today's; "" too), SemconvLatest (semantic-conventions-genai
 	// v0.1.0's) or SemconvBoth. Left empty, OTEL_SEMCONV_STABILITY_OPT_IN
@@ -130,6 +134,9 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 	if cfg.ErrorEvery <= 0 {
 		cfg.ErrorEvery = time.Minute
 	}
+	if cfg.StallAfter <= 0 {
+		cfg.StallAfter = DefaultStallAfter
+	}
 	otel.SetErrorHandler(&errorHandler{tell: cfg.OnError, every: cfg.ErrorEvery})
 	res, err := resource.New(ctx,
 		resource.WithAttributes(semconv.ServiceName(cfg.ServiceName), semconv.ServiceVersion(cfg.ServiceVersion)),
@@ -154,6 +161,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 			return nil, err
 		}
 		e.spans = newSpanBatch(client, res, scope)
+		e.spans.stall = cfg.StallAfter
 	}
 	if cfg.Metrics {
 		opts := []otlpmetrichttp.Option{}
@@ -169,6 +177,7 @@ func New(ctx context.Context, cfg Config) (*Exporter, error) {
 		}
 		e.inst = newInstruments(semconvMode(cfg), exp.Temporality(sdkmetric.InstrumentKindHistogram))
 		e.metricSend = newMetricSend(exp, res, scope)
+		e.metricSend.stall = cfg.StallAfter
 	}
 	go e.run()
 	return e, nil
@@ -339,19 +348,16 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 // context is done: the most Shutdown takes past it.
 const closeGrace = 500 * time.Millisecond
 
-// stallAfter is how long an export may go unanswered before the
-// collector's silence is told (Config.OnError, within ErrorEvery's bound):
-// the SDK's client retries a collector that does not answer for up to a
-// minute before it fails the export, and a collector that hung said
-// nothing for 36 s.
-var stallAfter = 10 * time.Second
+// DefaultStallAfter is Config.StallAfter's default: a collector that hung
+// said nothing for 36 s before (the SDK's retries give up after a minute).
+const DefaultStallAfter = 10 * time.Second
 
-// watchStall tells, once stallAfter has passed, that an export of signal
-// is not answered; the returned function ends the watch (the export
+// watchStall tells, once after has passed, that an export of signal is
+// not answered; the returned function ends the watch (the export
 // returned).
-func watchStall(signal string) func() {
-	t := time.AfterFunc(stallAfter, func() {
-		otel.Handle(fmt.Errorf("the collector has not answered a %s export for %v (still trying; what does not fit is dropped and counted)", signal, stallAfter))
+func watchStall(signal string, after time.Duration) func() {
+	t := time.AfterFunc(after, func() {
+		otel.Handle(fmt.Errorf("the collector has not answered a %s export for %v (still trying; what does not fit is dropped and counted)", signal, after))
 	})
 	return func() { t.Stop() }
 }
