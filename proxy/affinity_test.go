@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 // cachedBackend is a simulated server whose prefix cache holds 4 prompts,

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 // Every dialect end to end: the simulated backend speaks it, tokentap

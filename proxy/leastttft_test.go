@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 // The least_ttft tests' simulated servers: 4 slots each, 20 tokens 5 ms

@@ -6,7 +6,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/tokentap/tokentap/proxy/internal/netsim"
+	"github.com/tokentap/tokentap/proxy/testkit/netsim"
 )
 
 // TestMain lets this test binary serve as a netsim link's forwarder, and

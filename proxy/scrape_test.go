@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 func TestParseBackendMetrics(t *testing.T) {

@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
 )
 
 // startTLSProxy runs the proxy with TLS on its listener.

@@ -11,7 +11,7 @@ import (
 
 	"github.com/coder/websocket"
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
 )
 
 // echoServer is a WebSocket server that answers each message with

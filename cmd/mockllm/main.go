@@ -1,5 +1,5 @@
 // Command mockllm serves the simulated OpenAI-compatible backend of
-// proxy/mockllm.
+// proxy/testkit/mockllm.
 //
 //	go run ./cmd/mockllm -listen 127.0.0.1:8000 -token-gap 20ms
 package main
@@ -10,7 +10,7 @@ import (
 	"net/http"
 	"os"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 func main() {

@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 func TestDistPercentiles(t *testing.T) {

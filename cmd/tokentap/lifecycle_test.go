@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 func startBackend(t *testing.T, gap time.Duration) string {

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 // TestOverloadEndToEnd runs the program with overload control on a route

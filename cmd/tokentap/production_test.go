@@ -16,8 +16,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
-	"github.com/tokentap/tokentap/proxy/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
 	"github.com/tokentap/tokentap/ratelimit/redistest"
 )
 

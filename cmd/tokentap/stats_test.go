@@ -20,7 +20,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
-	"github.com/tokentap/tokentap/proxy/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
 const statsConfig = `

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/mockllm"
-	"github.com/tokentap/tokentap/proxy/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
 )
 
 // TLS both ways from the config: clients reach the proxy listener over

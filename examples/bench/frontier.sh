@@ -7,7 +7,7 @@
 # stream ceiling, the added TTFT p99 with 512 streams in flight, memory per
 # 1,000 idle streams and CPU per request; then what each of tokentap's
 # measuring features costs (A/B of tokentap variants). Writes
-# examples/bench/frontier/{results.json,results.md,frontier.svg} and the
+# docs/bench/frontier/{results.json,results.md,frontier.svg} and the
 # processes' logs. About 35 minutes with the default 3 rounds.
 #
 #   examples/bench/frontier.sh                      # everything
@@ -36,5 +36,5 @@ else
 fi
 command -v nginx >/dev/null || echo "nginx not installed: skipping its arm" >&2
 command -v haproxy >/dev/null || echo "haproxy not installed: skipping its arm" >&2
-exec go run ./cmd/tokentap-bench frontier -out examples/bench/frontier \
+exec go run ./cmd/tokentap-bench frontier -out docs/bench/frontier \
   -nginx "$(command -v nginx || true)" -haproxy "$(command -v haproxy || true)" "${args[@]}" "$@"

@@ -2,7 +2,7 @@
 # The side-by-side proxy bench: the same workload, on loopback, straight to
 # the simulated backend, through tokentap, through nginx, through HAProxy and
 # through a bare Go TCP relay (the floor for a Go proxy), in interleaved
-# rounds. Writes examples/bench/results/{results.json,
+# rounds. Writes docs/bench/results/{results.json,
 # results.md,ttft.svg} and the processes' logs. Takes about 10 minutes.
 #
 #   examples/bench/run.sh                 # everything
@@ -16,5 +16,5 @@ cd "$(dirname "$0")/../.."
 args=()
 command -v nginx >/dev/null || { echo "nginx not installed: skipping its arm" >&2; args+=(-nginx ""); }
 command -v haproxy >/dev/null || { echo "haproxy not installed: skipping its arm" >&2; args+=(-haproxy ""); }
-exec go run ./cmd/tokentap-bench proxies -out examples/bench/results \
+exec go run ./cmd/tokentap-bench proxies -out docs/bench/results \
   -nginx "$(command -v nginx || true)" -haproxy "$(command -v haproxy || true)" "${args[@]}" "$@"

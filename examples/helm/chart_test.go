@@ -13,7 +13,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/tokentap/tokentap/proxy/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	"helm.sh/helm/v3/pkg/engine"
