@@ -3,6 +3,8 @@ package proxy
 import (
 	"net"
 	"sync"
+
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
 // cancelState ties the exchange's upstream connection to the peer watch:
@@ -93,7 +95,7 @@ func (c *cancelState) fire() {
 	switch {
 	case c.conn == nil:
 	case c.looped:
-		shutdownConn(c.conn) // the loop ends the stream; finish closes the connection
+		sock.Shutdown(c.conn) // the loop ends the stream; finish closes the connection
 	default:
 		_ = c.conn.Close()
 	}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"golang.org/x/sys/unix"
 )
 
@@ -226,14 +227,14 @@ func (cs *clientSide) stalled() time.Duration {
 // client's acknowledgement of the last bytes (watch: the connection is
 // healthy, so the wait can tell). With on false (Options.NoClientSide) it
 // reads nothing: only the client's stalls are kept.
-func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on bool, ti *tcpInfo) (wait bool) {
+func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on bool, ti *sock.TCPInfo) (wait bool) {
 	cc := cs.cc
 	d := &cs.deliv
 	*d = delivery{stall: cs.stalled()}
-	if !on || cc == nil || cc.ackBase < 0 || !ti.read(cc.sys) {
+	if !on || cc == nil || cc.ackBase < 0 || !ti.Read(cc.sys) {
 		return false
 	}
-	in := &ti.info
+	in := &ti.Info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
 	if d.minRTT != cc.floorNoted {
@@ -269,7 +270,7 @@ func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on boo
 // for a record that waits on its own goroutine anyway (a compressed body's
 // side decoder); the others wait on the proxy's ackWatch.
 func (cs *clientSide) await(now func() time.Time) {
-	var ti tcpInfo
+	var ti sock.TCPInfo
 	for !cs.schedule(now()) {
 		time.Sleep(cs.deliv.next.Sub(now()))
 		if cs.look(now(), &ti) {
@@ -312,9 +313,9 @@ func (cs *clientSide) schedule(now time.Time) (over bool) {
 // look reads TCP_INFO once, into ti; true when the client acknowledged
 // all or the connection closed meanwhile (it left its last count in
 // closedAcked).
-func (cs *clientSide) look(now time.Time, ti *tcpInfo) (over bool) {
+func (cs *clientSide) look(now time.Time, ti *sock.TCPInfo) (over bool) {
 	d := &cs.deliv
-	if !ti.read(cs.cc.sys) {
+	if !ti.Read(cs.cc.sys) {
 		if acked := cs.cc.closedAcked.Load(); acked > 0 {
 			d.ackedAt, d.watched = acked-cs.cc.ackBase, true
 			if d.departed.IsZero() && d.ackedAt >= d.total {
@@ -325,7 +326,7 @@ func (cs *clientSide) look(now time.Time, ti *tcpInfo) (over bool) {
 		}
 		return true
 	}
-	d.note(&ti.info, cs.cc.ackBase, now)
+	d.note(&ti.Info, cs.cc.ackBase, now)
 	if d.ackedAt >= d.total {
 		d.watched = true
 		return true
@@ -350,7 +351,7 @@ func (w *ackWatch) add(x *exchange) {
 // nextLook and lookNow make a waiting record a looker of ackWatch.
 func (x *exchange) nextLook() time.Time { return x.cs.deliv.next }
 
-func (x *exchange) lookNow(now time.Time, ti *tcpInfo) bool {
+func (x *exchange) lookNow(now time.Time, ti *sock.TCPInfo) bool {
 	if x.cs.look(now, ti) || x.cs.schedule(now) {
 		x.recordEnd()
 		return true

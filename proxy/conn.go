@@ -15,6 +15,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"go.uber.org/zap"
 )
 
@@ -64,12 +65,12 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuseConn(tc)
 			continue
 		}
-		cc := &clientConn{rxConn: newRxConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
+		cc := &clientConn{Conn: sock.NewConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
 		cc.sys, _ = tc.SyscallConn()
-		var ti tcpInfo
-		if ti.read(cc.sys) {
-			cc.ackBase, cc.retrans = int64(ti.info.Bytes_acked), ti.info.Total_retrans
-			cc.synRTT = time.Duration(ti.info.Min_rtt) * time.Microsecond
+		var ti sock.TCPInfo
+		if ti.Read(cc.sys) {
+			cc.ackBase, cc.retrans = int64(ti.Info.Bytes_acked), ti.Info.Total_retrans
+			cc.synRTT = time.Duration(ti.Info.Min_rtt) * time.Microsecond
 		}
 		l.caps.track(cc)
 		if l.tls != nil {
@@ -167,11 +168,11 @@ func (cc *connCaps) count() int {
 
 // clientConn is a client connection with a sliding write deadline (every
 // Write must finish within d of its start) and the kernel's receive time of
-// the request being read. It embeds *net.TCPConn (through rxConn) so that
+// the request being read. It embeds *net.TCPConn (through sock.Conn) so that
 // SyscallConn, used to watch for a closed peer and to read TCP_INFO, stays
 // available.
 type clientConn struct {
-	*rxConn
+	*sock.Conn
 	d     time.Duration
 	setAt time.Time // when the deadline was last moved
 	// idle is how long a connection given back to the server (resumedIdle)
@@ -274,7 +275,7 @@ func (c *clientConn) Close() error {
 	if c.looped {
 		c.closeLater = true
 		c.loopMu.Unlock()
-		shutdownConn(c)
+		sock.Shutdown(c)
 		return nil
 	}
 	c.loopMu.Unlock()
@@ -282,11 +283,11 @@ func (c *clientConn) Close() error {
 		return nil
 	}
 	c.seat.Leave() // before the descriptor's number can name another socket
-	var ti tcpInfo
-	if ti.read(c.sys) {
-		c.closedAcked.Store(int64(ti.info.Bytes_acked))
+	var ti sock.TCPInfo
+	if ti.Read(c.sys) {
+		c.closedAcked.Store(int64(ti.Info.Bytes_acked))
 	}
-	err := c.rxConn.Close()
+	err := c.Conn.Close()
 	if c.caps != nil {
 		c.caps.release(c)
 	}
@@ -332,9 +333,9 @@ type socketSide clientConn
 
 func (s *socketSide) Read(b []byte) (int, error) {
 	c := (*clientConn)(s)
-	n, err := c.rxConn.Read(b)
+	n, err := c.Conn.Read(b)
 	if n > 0 && c.reqRx == 0 {
-		c.reqRx = c.rx
+		c.reqRx = c.Rx()
 	}
 	return n, err
 }
@@ -403,7 +404,7 @@ func (c *clientConn) expectHead() { c.inHead, c.headN = true, 0 }
 func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
 	rx := c.reqRx
 	c.reqRx = 0
-	return received(rx, now, maxAge)
+	return sock.Received(rx, now, maxAge)
 }
 
 // Write moves the deadline to d from now, unless it was moved less than
@@ -417,7 +418,7 @@ func (c *clientConn) Write(b []byte) (int, error) {
 		}
 		c.setAt = now
 	}
-	n, err := c.rxConn.Write(b)
+	n, err := c.Conn.Write(b)
 	c.sent += int64(n)
 	if d := time.Since(now); d > stallMin {
 		c.stall += d

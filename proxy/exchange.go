@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -171,8 +172,8 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	// A request whose bytes came in over time (a slow upload, a large
 	// body) kept tokentap waiting for the client: that is not overhead.
-	if cc := clientOf(ctx.Conn()); cc != nil && cc.rx != 0 {
-		if last := received(cc.rx, x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.tap.m.arrival) {
+	if cc := clientOf(ctx.Conn()); cc != nil && cc.Rx() != 0 {
+		if last := sock.Received(cc.Rx(), x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.tap.m.arrival) {
 			x.tap.m.upload = last.Sub(x.tap.m.arrival)
 		}
 	}

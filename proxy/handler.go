@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
 
@@ -348,11 +349,11 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 // takeInfo takes a TCP_INFO buffer for one reading, given back to
 // p.infos after it: a response's end reads one on its goroutine, and an
 // exchange that waits (an open stream) holds none.
-func (p *Proxy) takeInfo() *tcpInfo {
-	if ti, _ := p.infos.Get().(*tcpInfo); ti != nil {
+func (p *Proxy) takeInfo() *sock.TCPInfo {
+	if ti, _ := p.infos.Get().(*sock.TCPInfo); ti != nil {
 		return ti
 	}
-	return new(tcpInfo)
+	return new(sock.TCPInfo)
 }
 
 func (p *Proxy) releaseExchange(x *exchange) {

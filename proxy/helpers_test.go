@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // recorder is a sink that hands finished records to next, up to 1000
@@ -53,33 +55,10 @@ func (r *recorder) none(t *testing.T) {
 	}
 }
 
-// waitFor polls cond until it returns nil. It waits for an event, not a
-// time: its one limit is a hang's (a minute), never a slow machine's, and
-// on a hang the test fails with cond's last word on what it saw. Every
-// wait for a state the proxy reaches on its own goes through here.
-func waitFor(t testing.TB, cond func() error) {
-	t.Helper()
-	var err error
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(2 * time.Millisecond) {
-		if err = cond(); err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not within a minute: %v", err)
-		}
-	}
-}
+// waitFor and waitUntil wait for an event (wait.For, wait.Until).
+func waitFor(t testing.TB, cond func() error) { t.Helper(); wait.For(t, cond) }
 
-// waitUntil is waitFor for a condition with nothing to say.
-func waitUntil(t testing.TB, cond func() bool) {
-	t.Helper()
-	waitFor(t, func() error {
-		if cond() {
-			return nil
-		}
-		return errors.New("the condition still does not hold")
-	})
-}
+func waitUntil(t testing.TB, cond func() bool) { t.Helper(); wait.Until(t, cond) }
 
 type testProxy struct {
 	p    *Proxy
@@ -230,4 +209,47 @@ func (up *upstream) counts() (open, idle int) {
 	up.mu.Lock()
 	defer up.mu.Unlock()
 	return up.open, len(up.idle)
+}
+
+// tcpPair returns a connected client and the accepted side wrapped in a
+// stamped sock.Conn.
+func tcpPair(t testing.TB) (client net.Conn, server *sock.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	if raw, err := ln.(*net.TCPListener).SyscallConn(); err != nil || sock.EnableRxStamps(raw) != nil {
+		t.Fatal("receive timestamps could not be enabled")
+	}
+	client, err = net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close(); sc.Close() })
+	return client, sock.NewConn(sc.(*net.TCPConn), true)
+}
+
+// stampsOn holds a stamped socket open for the rest of the test and waits
+// until the kernel stamps what it receives: the first socket to ask turns a
+// global switch on asynchronously, and closing the last turns it off.
+func stampsOn(t testing.TB) {
+	t.Helper()
+	client, c := tcpPair(t)
+	buf := make([]byte, 8)
+	waitFor(t, func() error {
+		client.Write([]byte("x"))
+		if _, err := c.Read(buf); err != nil {
+			t.Fatal(err)
+		}
+		if !c.KernelStamped() {
+			return errors.New("the kernel does not stamp received packets")
+		}
+		return nil
+	})
 }

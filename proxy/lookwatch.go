@@ -3,6 +3,8 @@ package proxy
 import (
 	"sync"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
 // looker is what a lookWatch looks at: a socket whose TCP_INFO is read at
@@ -13,7 +15,7 @@ type looker interface {
 	// lookNow looks once at now and reports whether the watch of it is
 	// over (it then does what its end asks). ti is the watch's own buffer
 	// for the reading, the looker's to use during the call.
-	lookNow(now time.Time, ti *tcpInfo) bool
+	lookNow(now time.Time, ti *sock.TCPInfo) bool
 }
 
 // lookWatch looks at every looker due, from one goroutine that runs while
@@ -31,7 +33,7 @@ type lookWatch struct {
 	wake    chan struct{} // an earlier look is due than wakeAt
 	due     []looker      // the goroutine's own: looks due, and those to
 	again   []looker      // look at again,
-	ti      tcpInfo       // and the buffer its looks read TCP_INFO into
+	ti      sock.TCPInfo  // and the buffer its looks read TCP_INFO into
 }
 
 // add watches l; now is the clock the looks are timed by.

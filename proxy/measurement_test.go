@@ -74,3 +74,50 @@ func TestMeasurementSwitches(t *testing.T) {
 		})
 	}
 }
+
+// A request whose first bytes came in well before its last is timed from its
+// first byte, as its client times it: the arrival is the kernel's, not the
+// moment tokentap had the whole request.
+func TestArrivalIsFirstByte(t *testing.T) {
+	stampsOn(t)
+	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, chatChunk("hi"))
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	tp := startProxy(t, up.URL, nil)
+	body := `{"model":"m","stream":true}`
+	req := postJSON("/v1/chat/completions", body)
+	head := req[:len(req)-len(body)]
+	c, br := rawRequest(t, tp.addr, head)
+	const hold = 80 * time.Millisecond
+	time.Sleep(hold)
+	io.WriteString(c, body)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	if !strings.Contains(string(b), "[DONE]") {
+		t.Fatalf("body %q", b)
+	}
+	rec := tp.rec.next(t)
+	// The client lived the wait (TTFT, E2E); it was the client's own, so
+	// it is reported as the upload, not as tokentap's overhead.
+	if rec.TTFT < hold || rec.E2E < hold || rec.Upload < hold || rec.Overhead >= hold {
+		t.Fatalf("ttft=%v e2e=%v upload=%v overhead=%v: the %v between the first and last byte of the request are misplaced",
+			rec.TTFT, rec.E2E, rec.Upload, rec.Overhead, hold)
+	}
+
+	// The next request on the same connection is timed from its own bytes.
+	io.WriteString(c, req)
+	resp, err = http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.ReadAll(resp.Body)
+	if rec := tp.rec.next(t); rec.TTFT >= hold {
+		t.Fatalf("second request ttft=%v: timed from the first request's bytes", rec.TTFT)
+	}
+}

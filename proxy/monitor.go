@@ -17,7 +17,7 @@ const monitorEvery = 50 * time.Millisecond
 // network when no processor has for 10 ms. While every processor is idle
 // it sleeps until the next timer is due (at most a minute), and only a
 // system call made through the runtime's bookkeeping wakes it earlier.
-// tokentap's socket calls skip that bookkeeping (rxConn.recvmsg, sendRaw:
+// tokentap's socket calls skip that bookkeeping (sock.Conn.recvmsg, sendRaw:
 // it cost more than the calls), so a request that arrives after an idle
 // spell and runs long on the processor (a large body's parse, a decode)
 // would not be preempted: measured with one processor, a goroutine woken

@@ -15,6 +15,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"golang.org/x/sys/unix"
 )
 
@@ -129,13 +130,13 @@ func longWorkDelay(t *testing.T, early bool) time.Duration {
 		t.Fatal(err)
 	}
 	defer func() { _ = child.Wait() }()
-	accept := func() *rxConn {
+	accept := func() *sock.Conn {
 		c, err := ln.Accept()
 		if err != nil {
 			t.Fatal(err)
 		}
-		rc := newRxConn(c.(*net.TCPConn), true)
-		if rc.raw == nil {
+		rc := sock.NewConn(c.(*net.TCPConn), true)
+		if rc.Raw() == nil {
 			t.Fatal("no raw access: the raw read is not under test")
 		}
 		return rc

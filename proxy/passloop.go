@@ -6,6 +6,7 @@ import (
 	"os"
 
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"golang.org/x/sys/unix"
 )
 
@@ -30,7 +31,7 @@ type passTurn struct {
 // up).
 func (r *bodyRelay) loopable() bool {
 	cc, _ := r.client.(*clientConn)
-	return !r.server.opts.GoroutineRelay && cc != nil && cc.raw != nil && r.up.loopable() && r.tap.dec == nil
+	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.loopable() && r.tap.dec == nil
 }
 
 // passLoop moves the rest of a passChunks stream onto a relay loop, and
@@ -46,7 +47,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	if l == nil {
 		return false
 	}
-	upFd, clFd := c.loopFd(), relayplane.Fd(cc.raw)
+	upFd, clFd := c.loopFd(), sock.Fd(cc.Raw())
 	if upFd < 0 || clFd < 0 || !r.cancel.enterLoop() {
 		return false
 	}
@@ -93,7 +94,7 @@ func (r *bodyRelay) leftLoop() {
 // without a read buffer takes one when it needs one again
 // (relayplane.NewBuf).
 func (r *bodyRelay) afterLoop(err error) {
-	growStack()
+	relayplane.GrowStack()
 	r.leftLoop()
 	if err == relayplane.ErrNoLoop {
 		// The loop never took it: its read buffer is still its own.
@@ -185,13 +186,5 @@ func (l *looped) Note(e relayplane.Event) {
 		r.readErr = err
 	case relayplane.Ended:
 		go r.afterLoop(e.Err)
-	}
-}
-
-// shutdownConn shuts conn's socket down in both directions, which ends
-// a relay loop's stream on it as a close would.
-func shutdownConn(conn net.Conn) {
-	if raw := rawConn(conn); raw != nil {
-		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
 	}
 }

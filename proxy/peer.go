@@ -7,26 +7,8 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
-
-// rawConn returns conn's file descriptor access, or nil when conn is not
-// backed by a socket.
-func rawConn(conn net.Conn) syscall.RawConn {
-	if c, ok := conn.(interface{ rawConn() syscall.RawConn }); ok {
-		if raw := c.rawConn(); raw != nil {
-			return raw // kept by the connection: no allocation
-		}
-	}
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
-		return nil
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return nil
-	}
-	return raw
-}
 
 // peerWatch detects a client that closed its connection while tokentap
 // still waits on the upstream, without consuming any byte of the client's.
@@ -60,7 +42,7 @@ type peerWatch struct {
 	timer   *time.Timer
 	active  bool // started and not yet stopped (owner goroutine only)
 	stopped atomic.Bool
-	state   relayplane.PeerState
+	state   sock.PeerState
 	peekFn  func(fd uintptr) bool
 	// tls: a TLS connection, whose waiting bytes may be the close_notify
 	// alert a leaving client sends before its FIN: they do not end the
@@ -79,7 +61,7 @@ const watchDelay = 10 * time.Millisecond
 // socket. gone is called at most once, from the loop or the watch
 // goroutine. Every start must be followed by a stop before the next.
 func (w *peerWatch) start(conn net.Conn, gone func(), loops *relayplane.Set) {
-	raw := rawConn(conn)
+	raw := sock.Raw(conn)
 	if raw == nil {
 		return
 	}
@@ -117,25 +99,25 @@ func (w *peerWatch) run() {
 	if w.conn.SetReadDeadline(time.Time{}) != nil || w.stopped.Load() {
 		return
 	}
-	w.state = relayplane.PeerIdle
+	w.state = sock.PeerIdle
 	// Read calls the function again each time the socket becomes readable
 	// for as long as it returns false; a read deadline in the past ends it.
 	err := w.raw.Read(w.peekFn)
-	if err == nil && w.state == relayplane.PeerClosed {
+	if err == nil && w.state == sock.PeerClosed {
 		w.gone()
 	}
 }
 
 func (w *peerWatch) peekOnce(fd uintptr) bool {
-	w.state = relayplane.Peek(fd)
-	if w.state == relayplane.PeerData && w.tls {
-		if !relayplane.HungUp(fd) {
-			w.state = relayplane.PeerIdle
+	w.state = sock.Peek(fd)
+	if w.state == sock.PeerData && w.tls {
+		if !sock.HungUp(fd) {
+			w.state = sock.PeerIdle
 			return false // wait for the next bytes or the FIN
 		}
-		w.state = relayplane.PeerClosed
+		w.state = sock.PeerClosed
 	}
-	return w.state != relayplane.PeerIdle
+	return w.state != sock.PeerIdle
 }
 
 // Look is the loop watch's look at a socket that reported its
@@ -146,16 +128,16 @@ func (w *peerWatch) peekOnce(fd uintptr) bool {
 // its FIN, so the close decides. Nothing waiting and no close (a stale
 // report) leaves the socket watched.
 func (w *peerWatch) Look() (end, gone bool) {
-	state := relayplane.PeerUnknown
-	if w.raw.Control(func(fd uintptr) { state = relayplane.Peek(fd) }) != nil {
+	state := sock.PeerUnknown
+	if w.raw.Control(func(fd uintptr) { state = sock.Peek(fd) }) != nil {
 		return true, false // closed under the watch: its owner knows
 	}
 	switch state {
-	case relayplane.PeerIdle:
+	case sock.PeerIdle:
 		return false, false
-	case relayplane.PeerClosed:
+	case sock.PeerClosed:
 		return true, true
-	case relayplane.PeerData:
+	case sock.PeerData:
 		return true, w.tls
 	}
 	return true, false

@@ -13,7 +13,7 @@
 //
 // The journey of one request (docs/ARCHITECTURE.md draws it): ServeHTTP
 // begins the exchange (arrival: when the kernel received the request's
-// first bytes, rx.go; the request id) and runs its steps in order
+// first bytes, internal/sock; the request id) and runs its steps in order
 // (exchange.go): route (method, framing, normalised path, longest-prefix
 // route on segment boundaries, dialect, tenant from the key), readRequest
 // (the body in bounded pieces, the model), admit (admission control),
@@ -43,6 +43,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -140,7 +141,7 @@ type Proxy struct {
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool      // *exchange
-	infos    sync.Pool      // *tcpInfo: the readings at a response's end (takeInfo)
+	infos    sync.Pool      // *sock.TCPInfo: the readings at a response's end (takeInfo)
 	acks     ackWatch       // records waiting for the client's acknowledgement
 	marks    lookWatch      // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
 	loops    relayplane.Set // the relay loops: started by Serve, stopped by Shutdown and Close
@@ -429,7 +430,7 @@ func (p *Proxy) resume(cc *clientConn) {
 // resumeApart is resume on a goroutine of its own (go p.resumeApart),
 // whose stack it grows first.
 func (p *Proxy) resumeApart(cc *clientConn) {
-	growStack()
+	relayplane.GrowStack()
 	p.resume(cc)
 }
 
@@ -554,7 +555,7 @@ func (p *Proxy) ListenTLS(addr string, cfg *tls.Config) (net.Listener, error) {
 func (p *Proxy) wrap(ln net.Listener) *clientListener {
 	l := &clientListener{Listener: ln, d: p.opts.ClientWriteTimeout, idle: p.idleWait(), read: p.opts.RequestReadTimeout, caps: p.caps, log: p.log}
 	if tl, ok := ln.(*net.TCPListener); ok {
-		if raw, err := tl.SyscallConn(); err == nil && enableRxStamps(raw) == nil {
+		if raw, err := tl.SyscallConn(); err == nil && sock.EnableRxStamps(raw) == nil {
 			l.stamped = true
 		}
 	}

@@ -450,7 +450,7 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 // returns, and the server lets go of its read buffer and the request's
 // context.
 func (r *bodyRelay) relayPass(hj net.Conn) {
-	growStack()
+	relayplane.GrowStack()
 	if moved, err := r.passChunks(hj); !moved {
 		r.endPass(hj, err)
 	}

@@ -200,7 +200,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.att.up = x.rt.members[0].up
 	x.att.conn = &upConn{Conn: upRead, up: x.att.up, rx: upRead, timeout: time.Minute}
 	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
-	x.client = &clientConn{rxConn: cl, d: time.Minute, ackBase: -1}
+	x.client = &clientConn{Conn: cl, d: time.Minute, ackBase: -1}
 	x.relay.pass = true
 	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)

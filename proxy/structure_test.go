@@ -61,7 +61,7 @@ func TestStructureBounds(t *testing.T) {
 				t.Errorf("%s imports %s: the product imports no example", rel, im.Path.Value)
 			}
 		}
-		if pkg == "proxy" || pkg == "proxy/predict" || pkg == "proxy/shed" || pkg == "proxy/internal/relayplane" { // the relay's, not its tests' helpers
+		if pkg == "proxy" || strings.HasPrefix(pkg, "proxy/") && !strings.HasPrefix(pkg, "proxy/testkit") { // the relay's, not its tests' kits
 			for _, name := range packageState(f) {
 				t.Errorf("%s: package-level state %s (it belongs to a Proxy or a part of one)", rel, name)
 			}

@@ -52,8 +52,8 @@ func (t *tlsClient) Read(b []byte) (int, error) {
 	return t.cc.readPlain(b, t.Conn)
 }
 
-// rawConn gives the peer watch and TCP_INFO the socket.
-func (t *tlsClient) rawConn() syscall.RawConn { return t.cc.sys }
+// Raw gives the peer watch and TCP_INFO the socket.
+func (t *tlsClient) Raw() syscall.RawConn { return t.cc.sys }
 
 // clientOf returns the clientConn under c (plain or TLS), or nil.
 func clientOf(c net.Conn) *clientConn {

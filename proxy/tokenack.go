@@ -5,6 +5,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
 // The client's acknowledgement of a token. client_ttft_ms estimated as
@@ -117,18 +119,18 @@ func (m *ackMark) pastAgreed(next time.Time) time.Time {
 // every mark it looks at: a mark holds none of its own while it waits); it
 // reports whether the watch is over. The watch's goroutine calls it with
 // m.mu held.
-func (m *ackMark) look(now time.Time, ti *tcpInfo) bool {
+func (m *ackMark) look(now time.Time, ti *sock.TCPInfo) bool {
 	if m.over {
 		return true
 	}
-	if !ti.read(m.sys) {
+	if !ti.Read(m.sys) {
 		m.over = true
 		return true
 	}
-	acked := int64(ti.info.Bytes_acked)
+	acked := int64(ti.Info.Bytes_acked)
 	switch {
 	case acked >= m.target:
-		m.found(acked, now, ti.info.Delivery_rate)
+		m.found(acked, now, ti.Info.Delivery_rate)
 	case !now.Before(m.until):
 		m.over = true
 	default:
@@ -321,7 +323,7 @@ func (m *ackMark) take() time.Time {
 // (lookWatch).
 func (m *ackMark) nextLook() time.Time { return m.next }
 
-func (m *ackMark) lookNow(now time.Time, ti *tcpInfo) bool {
+func (m *ackMark) lookNow(now time.Time, ti *sock.TCPInfo) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.look(now, ti)

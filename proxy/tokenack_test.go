@@ -6,6 +6,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
 // loopPair returns both ends of a loopback TCP connection: the server's
@@ -30,14 +32,14 @@ func loopPair(t *testing.T) (server *net.TCPConn, client net.Conn) {
 }
 
 // ackedBase is what tcpi_bytes_acked counts before any byte is written.
-func ackedBase(t *testing.T, s *net.TCPConn) (int64, *tcpInfo) {
+func ackedBase(t *testing.T, s *net.TCPConn) (int64, *sock.TCPInfo) {
 	t.Helper()
 	sys, _ := s.SyscallConn()
-	var ti tcpInfo
-	if !ti.read(sys) {
+	var ti sock.TCPInfo
+	if !ti.Read(sys) {
 		t.Skip("no TCP_INFO here")
 	}
-	return int64(ti.info.Bytes_acked), &ti
+	return int64(ti.Info.Bytes_acked), &ti
 }
 
 // readConn is the server's end of a loopback connection whose client reads
@@ -67,8 +69,8 @@ func (r *readConn) write(t *testing.T, n int) {
 // acked waits until the client acknowledged the first n bytes written.
 func (r *readConn) acked(t *testing.T, n int64) {
 	t.Helper()
-	var ti tcpInfo
-	waitUntil(t, func() bool { return ti.read(r.sys) && int64(ti.info.Bytes_acked) >= r.base+n })
+	var ti sock.TCPInfo
+	waitUntil(t, func() bool { return ti.Read(r.sys) && int64(ti.Info.Bytes_acked) >= r.base+n })
 }
 
 // TestAckMarkSeesTheAcknowledgement: a look before the client's kernel
@@ -80,7 +82,7 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 	sys, base := r.sys, r.base
 	flush := time.Now()
 	m := newAckMark(sys, base+300, flush, 50*time.Microsecond)
-	var ti tcpInfo
+	var ti sock.TCPInfo
 	if m.look(flush, &ti) { // nothing written yet
 		t.Fatal("the watch ended before the bytes were written")
 	}
@@ -117,7 +119,7 @@ func TestAckMarkUnusableWhenLookedAtLate(t *testing.T) {
 	r.write(t, 100)
 	flush := time.Now()
 	m := newAckMark(sys, base+100, flush, 100*time.Millisecond)
-	var ti tcpInfo
+	var ti sock.TCPInfo
 	if !m.look(flush.Add(75*time.Millisecond), &ti) {
 		t.Fatal("the first look did not end the watch")
 	}
@@ -180,7 +182,7 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 			t.Errorf("rtt %v: first look %v after the write, want %v", c.rtt, got, c.first)
 		}
 		est := flush.Add(c.rtt)
-		var ti tcpInfo
+		var ti sock.TCPInfo
 		prev, looks := flush, 0
 		for at := m.nextLook(); at.Before(flush.Add(c.horizon)); at = m.nextLook() {
 			if looks > 0 && at.After(est.Add(-ackAgree)) && at.Before(est.Add(ackAgree)) {
@@ -209,7 +211,7 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 // then.
 func lookOnce(t *testing.T, m *ackMark, prev, now time.Time) time.Time {
 	t.Helper()
-	var ti tcpInfo
+	var ti sock.TCPInfo
 	m.prev = prev
 	if !m.look(now, &ti) {
 		t.Fatal("an acknowledgement found did not end the watch")

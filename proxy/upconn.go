@@ -10,7 +10,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
 
@@ -47,14 +47,14 @@ type upConn struct {
 
 	writeDeadline bool // a write deadline is set (large requests only)
 
-	rx     *rxConn   // the TCP connection, for receive timestamps
-	readAt time.Time // when the kernel received the bytes of the last read
+	rx     *sock.Conn // the TCP connection, for receive timestamps
+	readAt time.Time  // when the kernel received the bytes of the last read
 
 	// Made once per connection, so that the checks before each reuse do
 	// not allocate.
 	peekFn  func(fd uintptr)
-	peeked  relayplane.PeerState
-	ti      tcpInfo
+	peeked  sock.PeerState
+	ti      sock.TCPInfo
 	sent    int64 // bytes written to the socket (plain connections only)
 	ackBase int64 // the kernel's acknowledged count when the connection opened
 }
@@ -99,7 +99,7 @@ func (c *upConn) limitHeaderWait(d time.Duration) { c.headerLimit = d }
 
 // loopable says a relay loop can read the connection: a plain socket
 // with receive stamps (not TLS, nor a test's pipe).
-func (c *upConn) loopable() bool { return c.rx != nil && c.rx.raw != nil && c.up.tls == nil }
+func (c *upConn) loopable() bool { return c.rx != nil && c.rx.Raw() != nil && c.up.tls == nil }
 
 // loopFd returns the socket's descriptor for a relay loop, or -1 (not
 // loopable).
@@ -107,13 +107,13 @@ func (c *upConn) loopFd() int {
 	if !c.loopable() {
 		return -1
 	}
-	return relayplane.Fd(c.rx.raw)
+	return sock.Fd(c.rx.Raw())
 }
 
 // recvFd reads the socket for a relay loop that holds its descriptor fd
-// (rxConn.recvFd) and stamps the read (stamp) when bytes came.
+// (sock.Conn.RecvFd) and stamps the read (stamp) when bytes came.
 func (c *upConn) recvFd(fd int, b []byte) (int, syscall.Errno) {
-	n, errno := c.rx.recvFd(uintptr(fd), b)
+	n, errno := c.rx.RecvFd(uintptr(fd), b)
 	if errno == 0 && n > 0 {
 		c.stamp()
 	}
@@ -217,7 +217,7 @@ func (c *upConn) Read(p []byte) (int, error) {
 func (c *upConn) stamp() {
 	c.readAt = c.up.now()
 	if c.rx != nil {
-		c.readAt = received(c.rx.rx, c.readAt, maxRxAge)
+		c.readAt = sock.Received(c.rx.Rx(), c.readAt, maxRxAge)
 	}
 	if c.armed {
 		c.armed = false
@@ -319,23 +319,23 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 // does not allocate: the control function and the TCP_INFO buffer are the
 // connection's own.
 func (c *upConn) bytesAcked() int64 {
-	if !c.ti.read(rawConn(c.socket())) {
+	if !c.ti.Read(sock.Raw(c.socket())) {
 		return -1
 	}
-	return int64(c.ti.info.Bytes_acked)
+	return int64(c.ti.Info.Bytes_acked)
 }
 
 // peek checks once, without consuming a byte or allocating, whether the
 // connection is still open and quiet.
-func (c *upConn) peek() relayplane.PeerState {
-	raw := rawConn(c.socket())
+func (c *upConn) peek() sock.PeerState {
+	raw := sock.Raw(c.socket())
 	if raw == nil {
-		return relayplane.PeerUnknown
+		return sock.PeerUnknown
 	}
 	if c.peekFn == nil {
-		c.peekFn = func(fd uintptr) { c.peeked = relayplane.Peek(fd) }
+		c.peekFn = func(fd uintptr) { c.peeked = sock.Peek(fd) }
 	}
-	c.peeked = relayplane.PeerUnknown
+	c.peeked = sock.PeerUnknown
 	_ = raw.Control(c.peekFn)
 	return c.peeked
 }

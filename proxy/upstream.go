@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/shed"
 )
 
@@ -154,7 +154,7 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *Upstream
 	up.dialer = net.Dialer{Timeout: t.Connect, KeepAlive: 30 * time.Second,
 		Control: func(_, _ string, raw syscall.RawConn) error {
 			// Best effort: without stamps, reads are stamped when they return.
-			_ = enableRxStamps(raw)
+			_ = sock.EnableRxStamps(raw)
 			return nil
 		}}
 	return up, nil
@@ -209,14 +209,14 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		// The connection is this request's from here: the peek, a system
 		// call, is made outside the lock the other requests wait on.
 		up.mu.Unlock()
-		state := relayplane.PeerUnknown
+		state := sock.PeerUnknown
 		if c.usable(now) {
 			state = c.peek()
 			if c.streamEnded {
 				state = up.settle(c, state)
 			}
 		}
-		if state == relayplane.PeerIdle {
+		if state == sock.PeerIdle {
 			c.up = up // pooled by an earlier configuration's upstream, maybe: its timeouts are now up's
 			c.reused = true
 			if c.usesLeft > 0 {
@@ -228,9 +228,9 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 		up.open--
 		up.mu.Unlock()
 		switch state {
-		case relayplane.PeerData:
+		case sock.PeerData:
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
-		case relayplane.PeerClosed:
+		case sock.PeerClosed:
 			metrics.UpstreamConnDiscarded(metrics.DiscardClosedByPeer)
 		default:
 			metrics.UpstreamConnDiscarded(metrics.DiscardExpired)
@@ -257,17 +257,17 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 // settle looks at a connection whose last response was a stream while
 // the backend's habit is unknown: it waits until streamSettle after that
 // end for the backend's close, and learns from what it finds.
-func (up *upstream) settle(c *upConn, state relayplane.PeerState) relayplane.PeerState {
-	if state == relayplane.PeerIdle {
+func (up *upstream) settle(c *upConn, state sock.PeerState) sock.PeerState {
+	if state == sock.PeerIdle {
 		if wait := streamSettle - up.now().Sub(c.lastUsed); wait > 0 {
 			time.Sleep(wait)
 			state = c.peek()
 		}
 	}
 	switch state {
-	case relayplane.PeerClosed:
+	case sock.PeerClosed:
 		up.afterStream.CompareAndSwap(streamUnknown, streamCloses)
-	case relayplane.PeerIdle:
+	case sock.PeerIdle:
 		if up.streamsKept.Add(1) >= streamKeptToTrust {
 			up.afterStream.CompareAndSwap(streamUnknown, streamKeeps)
 		}
@@ -291,10 +291,10 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 	if err != nil {
 		return nil, err
 	}
-	var rx *rxConn
+	var rx *sock.Conn
 	if tc, ok := conn.(*net.TCPConn); ok {
 		_ = tc.SetNoDelay(true)
-		rx = newRxConn(tc, true)
+		rx = sock.NewConn(tc, true)
 		conn = rx
 	}
 	if up.fwd != nil {

@@ -23,7 +23,7 @@ const maxTestSleeps = 61
 
 // TestTestsWaitForEvents keeps the waits in proxy's tests honest: the
 // sleeps within their bound, and no poll spelled out by hand (a loop that
-// sleeps in its post statement) outside waitFor, where a slow machine's
+// sleeps in its post statement) outside wait.For, where a slow machine's
 // deadline would hide in each copy.
 func TestTestsWaitForEvents(t *testing.T) {
 	fset := token.NewFileSet()
@@ -48,8 +48,8 @@ func TestTestsWaitForEvents(t *testing.T) {
 						sleeps++
 					}
 				case *ast.ForStmt:
-					if post, ok := n.Post.(*ast.ExprStmt); ok && isSleep(post.X) && !(filepath.Dir(p) == "." && fd.Name.Name == "waitFor") {
-						t.Errorf("%s: %s polls by hand: wait with waitFor or waitUntil", fset.Position(n.Pos()), fd.Name.Name)
+					if post, ok := n.Post.(*ast.ExprStmt); ok && isSleep(post.X) && !(filepath.ToSlash(filepath.Dir(p)) == "testkit/wait" && fd.Name.Name == "For") {
+						t.Errorf("%s: %s polls by hand: wait with wait.For or wait.Until", fset.Position(n.Pos()), fd.Name.Name)
 					}
 				}
 				return true

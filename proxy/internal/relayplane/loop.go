@@ -19,6 +19,7 @@ import (
 	"unsafe"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"golang.org/x/sys/unix"
 )
 
@@ -308,7 +309,7 @@ func (l *Loop) halt() {
 func (l *Loop) wake() {
 	one := [8]byte{1}
 	for {
-		if _, e := Write(uintptr(l.efd), one[:]); e != unix.EINTR {
+		if _, e := sock.Write(uintptr(l.efd), one[:]); e != unix.EINTR {
 			return // EAGAIN: the counter is full, the loop is woken anyway
 		}
 	}
@@ -392,7 +393,7 @@ func (l *Loop) read(s *Handle, events uint32) {
 // socket to be writable.
 func (l *Loop) write(s *Handle) {
 	for len(s.pending) > 0 {
-		n, e := Write(uintptr(s.ClFd), s.pending)
+		n, e := sock.Write(uintptr(s.ClFd), s.pending)
 		switch e {
 		case 0:
 			s.S.Note(Event{Kind: Sent, N: n})
@@ -471,12 +472,12 @@ func (l *Loop) fail(s *Handle, err error) {
 // the upstream socket down ends the stream on this loop's next turn.
 // Either way the close is not reported again.
 func (l *Loop) clientClosed(s *Handle) {
-	state := Peek(uintptr(s.ClFd))
+	state := sock.Peek(uintptr(s.ClFd))
 	s.rdhup = false
 	if !l.watchClient(s) {
 		return
 	}
-	if state != PeerData {
+	if state != sock.PeerData {
 		s.S.Note(Event{Kind: ClientLeft})
 	}
 }

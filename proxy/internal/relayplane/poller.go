@@ -50,7 +50,7 @@ func (p *poller) remove(fd int) error {
 // ctl is made without the runtime's syscall bookkeeping (RawSyscall6), as
 // every call a stream's start and end make: epoll_ctl never waits, and the
 // bookkeeping's first call after an idle spell wakes the runtime's monitor
-// thread (see proxy's rxConn.sendRaw).
+// thread (see sock.Conn.sendRaw).
 func (p *poller) ctl(op string, code, fd int, events uint32, slot, side int32) error {
 	ev := unix.EpollEvent{Events: events, Fd: slot, Pad: side}
 	_, _, e := unix.RawSyscall6(unix.SYS_EPOLL_CTL, uintptr(p.fd), uintptr(code), uintptr(fd),

@@ -3,6 +3,7 @@ package relayplane
 import (
 	"sync"
 
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"golang.org/x/sys/unix"
 )
 
@@ -11,7 +12,7 @@ import (
 type Watched interface {
 	// Control runs f with the socket's descriptor; an error when it is
 	// closed.
-	Controller
+	sock.Controller
 	// Look looks at the socket once it reported its peer's close or a
 	// hang-up: whether the watch ends, and whether the client is gone.
 	Look() (end, gone bool)
@@ -29,7 +30,7 @@ func (l *Loop) Watch(w Watched) (int32, bool) { return l.watch(w, nil) }
 
 // watch registers w's socket in a free slot, for seat when it is not nil.
 func (l *Loop) watch(w Watched, seat *Seat) (int32, bool) {
-	fd := Fd(w)
+	fd := sock.Fd(w)
 	if fd < 0 {
 		return 0, false
 	}

@@ -3,6 +3,8 @@ package relayplane
 import (
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
 // fdWatch is a Watched over a socket of the test's: the peer watch's
@@ -17,10 +19,10 @@ func newFdWatch(fd int) *fdWatch { return &fdWatch{fd: fd, gone: make(chan struc
 func (w *fdWatch) Control(f func(fd uintptr)) error { f(uintptr(w.fd)); return nil }
 
 func (w *fdWatch) Look() (end, gone bool) {
-	switch Peek(uintptr(w.fd)) {
-	case PeerIdle:
+	switch sock.Peek(uintptr(w.fd)) {
+	case sock.PeerIdle:
 		return false, false
-	case PeerClosed:
+	case sock.PeerClosed:
 		return true, true
 	}
 	return true, false

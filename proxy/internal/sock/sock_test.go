@@ -1,4 +1,4 @@
-package relayplane
+package sock
 
 import (
 	"net"
@@ -8,9 +8,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// tcpPair returns a loopback TCP connection's two ends: ours, whose
+// rawPair returns a loopback TCP connection's two ends: ours, whose
 // descriptor the looks are given, and the peer's.
-func tcpPair(t *testing.T) (ours *net.TCPConn, peer *net.TCPConn) {
+func rawPair(t *testing.T) (ours *net.TCPConn, peer *net.TCPConn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -52,7 +52,7 @@ func eventually[T comparable](t *testing.T, fd uintptr, what string, want T, loo
 // bytes waiting (not a hang-up), shut down for writing with bytes still
 // unread (a hang-up, the bytes still there), and reset.
 func TestPeekAndHungUp(t *testing.T) {
-	ours, peer := tcpPair(t)
+	ours, peer := rawPair(t)
 	fd := uintptr(Fd(mustRaw(t, ours)))
 	if Peek(fd) != PeerIdle || HungUp(fd) {
 		t.Fatalf("an open, quiet connection: Peek %v, HungUp %v", Peek(fd), HungUp(fd))
@@ -72,7 +72,7 @@ func TestPeekAndHungUp(t *testing.T) {
 		t.Fatal("the peer's byte sent before its shutdown is gone")
 	}
 
-	ours2, peer2 := tcpPair(t)
+	ours2, peer2 := rawPair(t)
 	fd2 := uintptr(Fd(mustRaw(t, ours2)))
 	if err := peer2.SetLinger(0); err != nil {
 		t.Fatal(err)

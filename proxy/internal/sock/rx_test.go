@@ -1,28 +1,27 @@
-package proxy
+package sock
 
 import (
 	"errors"
 	"io"
 	"net"
-	"net/http"
 	"os"
-	"strings"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"golang.org/x/sys/unix"
 )
 
-// tcpPair returns a connected client and the accepted side wrapped in rxConn.
-func tcpPair(t testing.TB) (client net.Conn, server *rxConn) {
+// tcpPair returns a connected client and the accepted side wrapped in Conn.
+func tcpPair(t testing.TB) (client net.Conn, server *Conn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	if raw, err := ln.(*net.TCPListener).SyscallConn(); err != nil || enableRxStamps(raw) != nil {
+	if raw, err := ln.(*net.TCPListener).SyscallConn(); err != nil || EnableRxStamps(raw) != nil {
 		t.Fatal("receive timestamps could not be enabled")
 	}
 	client, err = net.Dial("tcp", ln.Addr().String())
@@ -34,7 +33,7 @@ func tcpPair(t testing.TB) (client net.Conn, server *rxConn) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { client.Close(); sc.Close() })
-	return client, newRxConn(sc.(*net.TCPConn), true)
+	return client, NewConn(sc.(*net.TCPConn), true)
 }
 
 // stampsOn holds a stamped socket open for the rest of the test and waits
@@ -46,7 +45,7 @@ func stampsOn(t testing.TB) {
 	t.Helper()
 	client, c := tcpPair(t)
 	buf := make([]byte, 8)
-	waitFor(t, func() error {
+	wait.For(t, func() error {
 		client.Write([]byte("x"))
 		if _, err := c.Read(buf); err != nil {
 			t.Fatal(err)
@@ -74,7 +73,7 @@ func TestRxConnReceiveTime(t *testing.T) {
 	if err != nil || string(buf[:n]) != "hello" {
 		t.Fatalf("read %q, %v", buf[:n], err)
 	}
-	at := received(c.rx, now, time.Minute)
+	at := Received(c.rx, now, time.Minute)
 	if waited := now.Sub(at); waited < wait-5*time.Millisecond || at.Before(sent.Add(-time.Millisecond)) {
 		t.Fatalf("received %v before the read, sent %v before it: want ≈ %v", waited, now.Sub(sent), wait)
 	}
@@ -108,60 +107,13 @@ func TestRxConnReceiveTime(t *testing.T) {
 func TestReceivedBounds(t *testing.T) {
 	now := time.Now()
 	for _, rx := range []int64{0, now.Add(time.Second).UnixNano(), now.Add(-2 * time.Minute).UnixNano()} {
-		if got := received(rx, now, time.Minute); got != now {
-			t.Errorf("received(%d) = %v, want now", rx, got)
+		if got := Received(rx, now, time.Minute); got != now {
+			t.Errorf("Received(%d) = %v, want now", rx, got)
 		}
 	}
-	got := received(now.Add(-3*time.Millisecond).UnixNano(), now, time.Minute)
+	got := Received(now.Add(-3*time.Millisecond).UnixNano(), now, time.Minute)
 	if d := now.Sub(got); d != 3*time.Millisecond {
 		t.Errorf("received 3ms ago: %v", d)
-	}
-}
-
-// A request whose first bytes came in well before its last is timed from its
-// first byte, as its client times it: the arrival is the kernel's, not the
-// moment tokentap had the whole request.
-func TestArrivalIsFirstByte(t *testing.T) {
-	stampsOn(t)
-	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-		io.Copy(io.Discard, r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
-		io.WriteString(w, chatChunk("hi"))
-		io.WriteString(w, "data: [DONE]\n\n")
-	})
-	tp := startProxy(t, up.URL, nil)
-	body := `{"model":"m","stream":true}`
-	req := postJSON("/v1/chat/completions", body)
-	head := req[:len(req)-len(body)]
-	c, br := rawRequest(t, tp.addr, head)
-	const hold = 80 * time.Millisecond
-	time.Sleep(hold)
-	io.WriteString(c, body)
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	if !strings.Contains(string(b), "[DONE]") {
-		t.Fatalf("body %q", b)
-	}
-	rec := tp.rec.next(t)
-	// The client lived the wait (TTFT, E2E); it was the client's own, so
-	// it is reported as the upload, not as tokentap's overhead.
-	if rec.TTFT < hold || rec.E2E < hold || rec.Upload < hold || rec.Overhead >= hold {
-		t.Fatalf("ttft=%v e2e=%v upload=%v overhead=%v: the %v between the first and last byte of the request are misplaced",
-			rec.TTFT, rec.E2E, rec.Upload, rec.Overhead, hold)
-	}
-
-	// The next request on the same connection is timed from its own bytes.
-	io.WriteString(c, req)
-	resp, err = http.ReadResponse(br, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	io.ReadAll(resp.Body)
-	if rec := tp.rec.next(t); rec.TTFT >= hold {
-		t.Fatalf("second request ttft=%v: timed from the first request's bytes", rec.TTFT)
 	}
 }
 
@@ -177,7 +129,7 @@ func BenchmarkSocketRead(b *testing.B) {
 			stampsOn(b)
 			client, c := tcpPair(b)
 			if !stamped {
-				c.raw = nil
+				c.Unstamped()
 			}
 			ev := make([]byte, 200)
 			buf := make([]byte, 4096)
@@ -204,7 +156,7 @@ func FuzzRxTimestamp(f *testing.F) {
 	f.Add(make([]byte, 40), uint8(16), int64(1795973035), int64(108205099))
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}, uint8(0), int64(1), int64(2))
 	f.Fuzz(func(t *testing.T, raw []byte, prefix uint8, sec, nsec int64) {
-		var c rxConn
+		var c Conn
 		oob := unsafe.Slice((*byte)(unsafe.Pointer(&c.oob[0])), len(c.oob)*8)
 		// Arbitrary bytes, with an arbitrary filled length.
 		n := copy(oob, raw)
@@ -285,9 +237,11 @@ func TestRxConnWrite(t *testing.T) {
 	c.SetWriteDeadline(time.Time{})
 	client.(*net.TCPConn).SetLinger(0)
 	client.Close()
-	waitUntil(t, func() bool { // writes to a reset connection stop succeeding
-		_, err = c.Write([]byte("x"))
-		return err != nil
+	wait.For(t, func() error { // writes to a reset connection stop succeeding
+		if _, err = c.Write([]byte("x")); err == nil {
+			return errors.New("writes to a reset peer still succeed")
+		}
+		return nil
 	})
 	var se *os.SyscallError
 	if !errors.As(err, &se) || se.Syscall != "write" {

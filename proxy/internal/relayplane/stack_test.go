@@ -1,4 +1,4 @@
-package proxy
+package relayplane
 
 import "testing"
 
@@ -15,13 +15,13 @@ func deepWork(depth int) byte {
 	return deepWork(depth-1) + frame[depth%len(frame)]
 }
 
-// A goroutine that first grows its stack with growStack does the same deep
+// A goroutine that first grows its stack with GrowStack does the same deep
 // work with fewer, shallower copies of its stack.
 func BenchmarkFreshGoroutineStack(b *testing.B) {
 	for _, grow := range []bool{false, true} {
 		name := "grown-as-needed"
 		if grow {
-			name = "growStack-first"
+			name = "GrowStack-first"
 		}
 		b.Run(name, func(b *testing.B) {
 			b.ReportAllocs()
@@ -29,7 +29,7 @@ func BenchmarkFreshGoroutineStack(b *testing.B) {
 			for b.Loop() {
 				go func() {
 					if grow {
-						growStack()
+						GrowStack()
 					}
 					done <- deepWork(24)
 				}()

@@ -1,6 +1,6 @@
 //go:build !race
 
-package relayplane
+package sock
 
 import (
 	"syscall"
@@ -12,7 +12,7 @@ import (
 // Write writes b to the non-blocking descriptor fd once, without the
 // runtime's syscall bookkeeping (RawSyscall): the call never waits, and
 // the bookkeeping's first call after an idle spell wakes the runtime's
-// monitor thread (see proxy's rxConn.sendRaw). EAGAIN and EINTR are the
+// monitor thread (see Conn.sendRaw). EAGAIN and EINTR are the
 // caller's to handle.
 func Write(fd uintptr, b []byte) (int, syscall.Errno) {
 	n, _, e := unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))

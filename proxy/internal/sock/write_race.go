@@ -1,6 +1,6 @@
 //go:build race
 
-package relayplane
+package sock
 
 import "syscall"
 

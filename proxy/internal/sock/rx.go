@@ -1,4 +1,4 @@
-package proxy
+package sock
 
 import (
 	"io"
@@ -8,11 +8,10 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"golang.org/x/sys/unix"
 )
 
-// rxConn is a TCP connection whose reads report when the kernel received
+// Conn is a TCP connection whose reads report when the kernel received
 // the bytes (SO_TIMESTAMPNS), not when tokentap got around to reading them.
 //
 // Under load a request or an event can sit in the socket while the
@@ -21,7 +20,7 @@ import (
 // gateway added. Reads go through recvmsg with a control buffer held by the
 // connection, so they allocate nothing; a connection whose timestamps
 // cannot be enabled reads as usual and reports none.
-type rxConn struct {
+type Conn struct {
 	*net.TCPConn
 	raw  syscall.RawConn // nil: timestamps off, plain reads
 	msg  unix.Msghdr
@@ -39,14 +38,14 @@ type rxConn struct {
 	rx    int64 // kernel receive time of the last read, Unix ns; 0: none
 }
 
-// enableRxStamps asks the kernel to stamp what the socket receives. Set on
+// EnableRxStamps asks the kernel to stamp what the socket receives. Set on
 // a listening socket, it is inherited by every accepted one, stamps
 // included for the bytes that arrive before accept returns; set before
 // connect (net.Dialer.Control), it covers a dialled one from its first byte.
 // The kernel turns stamping on for the whole host asynchronously when the
 // first socket asks for it: packets received in that first moment carry no
 // stamp, and their reads fall back to the time the read returned.
-func enableRxStamps(raw syscall.RawConn) error {
+func EnableRxStamps(raw syscall.RawConn) error {
 	var serr error
 	if err := raw.Control(func(fd uintptr) {
 		serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TIMESTAMPNS, 1)
@@ -56,10 +55,10 @@ func enableRxStamps(raw syscall.RawConn) error {
 	return serr
 }
 
-// newRxConn wraps tc, whose socket has receive timestamps enabled
-// (enableRxStamps) when stamped is true.
-func newRxConn(tc *net.TCPConn, stamped bool) *rxConn {
-	c := &rxConn{TCPConn: tc}
+// NewConn wraps tc, whose socket has receive timestamps enabled
+// (EnableRxStamps) when stamped is true.
+func NewConn(tc *net.TCPConn, stamped bool) *Conn {
+	c := &Conn{TCPConn: tc}
 	if !stamped {
 		return c
 	}
@@ -75,8 +74,21 @@ func newRxConn(tc *net.TCPConn, stamped bool) *rxConn {
 	return c
 }
 
-// rawConn returns the connection's descriptor access, or nil.
-func (c *rxConn) rawConn() syscall.RawConn { return c.raw }
+// Raw returns the connection's descriptor access, or nil (timestamps off).
+func (c *Conn) Raw() syscall.RawConn { return c.raw }
+
+// Rx is when the kernel received the bytes of the last read, Unix ns (0:
+// none yet).
+func (c *Conn) Rx() int64 { return c.rx }
+
+// KernelStamped reports whether the last read's bytes carried the
+// kernel's stamp (not the read's own time: host-wide stamping still being
+// switched on, or timestamps off).
+func (c *Conn) KernelStamped() bool { return c.raw != nil && c.timestamp() != 0 }
+
+// Unstamped turns c's stamped reads and raw writes off: it reads and
+// writes as a plain net.TCPConn (a baseline to compare against).
+func (c *Conn) Unstamped() { c.raw = nil }
 
 // recvmsg is the read done when the socket is readable; false asks the
 // runtime to wait for readability and call it again. The call never waits
@@ -89,7 +101,7 @@ func (c *rxConn) rawConn() syscall.RawConn { return c.raw }
 // burst of work, then polling every 20 µs while the burst ran. Side by side
 // at 1,000 requests/s that was 3.8 µs a request (median of 7 rounds) and
 // 3-14 µs a one-token stream.
-func (c *rxConn) recvmsg(fd uintptr) bool {
+func (c *Conn) recvmsg(fd uintptr) bool {
 	for {
 		c.msg.Control = (*byte)(unsafe.Pointer(&c.oob[0]))
 		c.msg.SetControllen(len(c.oob) * 8)
@@ -112,10 +124,10 @@ func (c *rxConn) recvmsg(fd uintptr) bool {
 	}
 }
 
-// recvFd reads into b from fd, c's socket as a relay loop holds it, as
+// RecvFd reads into b from fd, c's socket as a relay loop holds it, as
 // Read does but without the runtime's poller: EAGAIN when nothing is
 // waiting. The receive time is left in c.rx.
-func (c *rxConn) recvFd(fd uintptr, b []byte) (int, syscall.Errno) {
+func (c *Conn) RecvFd(fd uintptr, b []byte) (int, syscall.Errno) {
 	c.iov.Base = &b[0]
 	c.iov.SetLen(len(b))
 	read := c.recvmsg(fd)
@@ -131,7 +143,7 @@ func (c *rxConn) recvFd(fd uintptr, b []byte) (int, syscall.Errno) {
 
 // timestamp finds SCM_TIMESTAMPNS among the control messages of the last
 // recvmsg, or returns 0.
-func (c *rxConn) timestamp() int64 {
+func (c *Conn) timestamp() int64 {
 	oob := unsafe.Slice((*byte)(unsafe.Pointer(&c.oob[0])), len(c.oob)*8)
 	oob = oob[:min(int(c.msg.Controllen), len(oob))]
 	for len(oob) >= unix.SizeofCmsghdr {
@@ -149,7 +161,7 @@ func (c *rxConn) timestamp() int64 {
 	return 0
 }
 
-func (c *rxConn) Read(b []byte) (int, error) {
+func (c *Conn) Read(b []byte) (int, error) {
 	if c.raw == nil || len(b) == 0 {
 		return c.TCPConn.Read(b)
 	}
@@ -177,7 +189,7 @@ func (c *rxConn) Read(b []byte) (int, error) {
 // now's clock (so that durations against other stamps stay monotonic). It
 // returns now when there is no timestamp or it is not within maxAge before
 // now (a stepped wall clock, or a clock other than the system's).
-func received(rx int64, now time.Time, maxAge time.Duration) time.Time {
+func Received(rx int64, now time.Time, maxAge time.Duration) time.Time {
 	if rx == 0 {
 		return now
 	}
@@ -189,7 +201,7 @@ func received(rx int64, now time.Time, maxAge time.Duration) time.Time {
 }
 
 // WriteTo hides TCPConn's, which would read the socket without Read.
-func (c *rxConn) WriteTo(w io.Writer) (int64, error) {
+func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 	return io.Copy(w, struct{ io.Reader }{c})
 }
 
@@ -212,11 +224,11 @@ func (c *rxConn) WriteTo(w io.Writer) (int64, error) {
 // 20 µs after which the runtime would hand the processor to another
 // thread: without the hand-off the write's time is the processor's, as a
 // busy proxy's is. Under the race detector the write goes through
-// syscall.Write (relayplane.Write), whose annotations order it before the
+// syscall.Write (Write), whose annotations order it before the
 // peer's read.
-func (c *rxConn) sendRaw(fd uintptr) bool {
+func (c *Conn) sendRaw(fd uintptr) bool {
 	for len(c.wb) > 0 {
-		n, e := relayplane.Write(fd, c.wb)
+		n, e := Write(fd, c.wb)
 		switch e {
 		case 0:
 			c.wn += n
@@ -234,7 +246,7 @@ func (c *rxConn) sendRaw(fd uintptr) bool {
 
 // Write writes b whole, or stops at an error (a deadline, a closed or reset
 // connection) and reports how much was written, as net.Conn does.
-func (c *rxConn) Write(b []byte) (int, error) {
+func (c *Conn) Write(b []byte) (int, error) {
 	if c.raw == nil || len(b) == 0 {
 		return c.TCPConn.Write(b)
 	}

@@ -1,6 +1,13 @@
-package relayplane
+// Package sock is the socket calls of the relay made without the
+// runtime's syscall bookkeeping: reads that carry the kernel's receive
+// time (Conn), TCP_INFO (TCPInfo), a non-consuming look at a peer (Peek,
+// HungUp), raw writes (Write) and a shutdown that leaves the descriptor
+// open (Shutdown). Each call never waits: the sockets are non-blocking.
+package sock
 
 import (
+	"net"
+	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -73,4 +80,33 @@ func Fd(c Controller) int {
 		return -1
 	}
 	return fd
+}
+
+// Raw returns conn's descriptor access, or nil when conn is not backed by
+// a socket. A connection that keeps its own (Raw() syscall.RawConn: a
+// Conn, or a connection over one) gives it without allocating.
+func Raw(conn net.Conn) syscall.RawConn {
+	if c, ok := conn.(interface{ Raw() syscall.RawConn }); ok {
+		if raw := c.Raw(); raw != nil {
+			return raw
+		}
+	}
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return raw
+}
+
+// Shutdown shuts conn's socket down in both directions, which ends a
+// relay loop's stream on it as a close would, while the descriptor stays
+// open for the loop that holds it.
+func Shutdown(conn net.Conn) {
+	if raw := Raw(conn); raw != nil {
+		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+	}
 }

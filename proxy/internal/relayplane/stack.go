@@ -1,6 +1,6 @@
-package proxy
+package relayplane
 
-// growStack grows the calling goroutine's stack, in one copy while the
+// GrowStack grows the calling goroutine's stack, in one copy while the
 // goroutine is still shallow, to what serving a request takes. A
 // goroutine starts small and doubles its stack each time a call would
 // overflow it, copying every frame below and walking each one's stack map
@@ -12,7 +12,7 @@ package proxy
 // from its per-P stack cache; what it does not reach is grown as before.
 //
 //go:noinline
-func growStack() {
+func GrowStack() {
 	var pad [stackPad]byte
 	touchPad(pad[:])
 }
