@@ -1,5 +1,7 @@
 package proxy
 
+import "github.com/tokentap/tokentap/proxy/internal/conf"
+
 // Classes sorts requests into classes by what tokentap reads of them, so
 // that two upstreams are compared like with like: a canary that happened
 // to get more long prompts is slower to its first token without being
@@ -37,11 +39,11 @@ func (c Classes) withDefaults() Classes {
 func (c Classes) validate() error {
 	switch in := c.InputTokens; {
 	case in[0] < 0 || in[1] < 0:
-		return fieldErr("classes.input_tokens", "must not be negative")
+		return conf.Errf("classes.input_tokens", "must not be negative")
 	case in != [2]int{} && (in[0] == 0 || in[1] < in[0]):
-		return fieldErr("classes.input_tokens", "two thresholds, the second at least the first")
+		return conf.Errf("classes.input_tokens", "two thresholds, the second at least the first")
 	case c.OutputTokens < 0:
-		return fieldErr("classes.output_tokens", "must not be negative")
+		return conf.Errf("classes.output_tokens", "must not be negative")
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"go.uber.org/zap"
@@ -50,14 +51,14 @@ func (t Timeouts) Validate(path string) error {
 		v    time.Duration
 	}{{"connect", t.Connect}, {"write", t.Write}, {"first_byte", t.FirstByte}, {"idle", t.Idle}, {"idle_conn", t.IdleConn}} {
 		if d.v <= 0 {
-			return fieldErr(path+"."+d.name, "must be positive (leave it out for the default)")
+			return conf.Errf(path+"."+d.name, "must be positive (leave it out for the default)")
 		}
 	}
 	switch {
 	case t.MaxIdleConns < 0:
-		return fieldErr(path+".max_idle_conns", "must not be negative")
+		return conf.Errf(path+".max_idle_conns", "must not be negative")
 	case t.MaxConns < 0:
-		return fieldErr(path+".max_conns", "must not be negative")
+		return conf.Errf(path+".max_conns", "must not be negative")
 	}
 	return nil
 }
@@ -210,14 +211,14 @@ func validSLO(path string, s metrics.SLO) error {
 		v    time.Duration
 	}{{"ttft", s.TTFT}, {"ttfa", s.TTFA}, {"tpot", s.TPOT}, {"e2e", s.E2E}} {
 		if d.v < 0 {
-			return fieldErr(path+"."+d.name, "must be positive")
+			return conf.Errf(path+"."+d.name, "must be positive")
 		}
 	}
 	if s.Measure != "" && s.Measure != metrics.MeasureClient && s.Measure != metrics.MeasureProxy {
-		return fieldErr(path+".measure", "must be client or proxy, got %q", s.Measure)
+		return conf.Errf(path+".measure", "must be client or proxy, got %q", s.Measure)
 	}
 	if s.Target < 0 || s.Target > 1 {
-		return fieldErr(path+".target", "must be a share between 0 and 1 (or a percentage such as 99%%)")
+		return conf.Errf(path+".target", "must be a share between 0 and 1 (or a percentage such as 99%%)")
 	}
 	return nil
 }
@@ -225,16 +226,7 @@ func validSLO(path string, s metrics.SLO) error {
 // FieldError is a configuration error: the field at fault, as the path of
 // its key in tokentap's config file (routes[2].prefix), and what is wrong.
 // Admission errors are ratelimit.FieldError, alike.
-type FieldError struct{ Path, Msg string }
-
-func (e *FieldError) Error() string { return e.Path + ": " + e.Msg }
-
-// Field returns the path of the field at fault.
-func (e *FieldError) Field() string { return e.Path }
-
-func fieldErr(path, format string, args ...any) error {
-	return &FieldError{Path: path, Msg: fmt.Sprintf(format, args...)}
-}
+type FieldError = conf.FieldError
 
 // Validate checks every rule of c; its errors are *FieldError (or
 // *ratelimit.FieldError for admission).
@@ -250,13 +242,13 @@ func (c *Config) Validate() error {
 		return err
 	}
 	if c.MaxDecodedBytes < 0 {
-		return fieldErr("limits.max_decoded_bytes", "must not be negative")
+		return conf.Errf("limits.max_decoded_bytes", "must not be negative")
 	}
 	if c.MaxEventBytes < 0 {
-		return fieldErr("limits.max_event_bytes", "must not be negative")
+		return conf.Errf("limits.max_event_bytes", "must not be negative")
 	}
 	if c.DefaultMaxOutput < 0 {
-		return fieldErr("admission.default_max_output", "must not be negative")
+		return conf.Errf("admission.default_max_output", "must not be negative")
 	}
 	if err := c.Classes.validate(); err != nil {
 		return err
@@ -268,7 +260,7 @@ func (c *Config) Validate() error {
 		for i, t := range c.Admission.Tenants {
 			for route := range t.Routes {
 				if !names[route] {
-					return fieldErr(fmt.Sprintf("tenants[%d].routes.%s", i, route), "no route has this name")
+					return conf.Errf(fmt.Sprintf("tenants[%d].routes.%s", i, route), "no route has this name")
 				}
 			}
 		}
@@ -279,20 +271,20 @@ func (c *Config) Validate() error {
 // validRoutes checks each route and returns their names.
 func (c *Config) validRoutes() (map[string]bool, error) {
 	if len(c.Routes) == 0 {
-		return nil, fieldErr("routes", "at least one route is required (or give -upstream)")
+		return nil, conf.Errf("routes", "at least one route is required (or give -upstream)")
 	}
 	names := map[string]bool{}
 	for i, r := range c.Routes {
 		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
 		switch {
 		case r.Name == "":
-			return nil, fieldErr(field("name"), "must not be empty")
+			return nil, conf.Errf(field("name"), "must not be empty")
 		case r.Name == metrics.UnmatchedRoute:
-			return nil, fieldErr(field("name"), "%q is reserved for requests that match no route", r.Name)
+			return nil, conf.Errf(field("name"), "%q is reserved for requests that match no route", r.Name)
 		case names[r.Name]:
-			return nil, fieldErr(field("name"), "duplicate route name %q", r.Name)
+			return nil, conf.Errf(field("name"), "duplicate route name %q", r.Name)
 		case r.Prefix == "" || r.Prefix[0] != '/':
-			return nil, fieldErr(field("prefix"), "must start with /, got %q", r.Prefix)
+			return nil, conf.Errf(field("prefix"), "must start with /, got %q", r.Prefix)
 		}
 		if err := validModels(c.Routes, i, field); err != nil {
 			return nil, err
@@ -300,11 +292,11 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 		// Requests are matched in normal form, so a prefix in any other
 		// form would never match.
 		if norm, err := normalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
-			return nil, fieldErr(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
+			return nil, conf.Errf(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
 		}
 		names[r.Name] = true
 		if r.Dialect != "" && dialect.ByName(r.Dialect) == nil {
-			return nil, fieldErr(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
+			return nil, conf.Errf(field("dialect"), "unknown dialect %q (known: %s)", r.Dialect, dialectNames())
 		}
 		if err := r.Timeouts.Validate(field("timeouts")); err != nil {
 			return nil, err
@@ -326,12 +318,12 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 // buckets.
 func (c *Config) validModelsAndSLOs() error {
 	if c.EnforceModels && len(c.Models) == 0 {
-		return fieldErr("models.enforce", "enforce needs a non-empty models.allow list")
+		return conf.Errf("models.enforce", "enforce needs a non-empty models.allow list")
 	}
 	seen := map[string]bool{}
 	for i, m := range c.Models {
 		if m == "" || m == metrics.OtherModel || seen[m] {
-			return fieldErr(fmt.Sprintf("models.allow[%d]", i), "%q must be a distinct model name other than %q", m, metrics.OtherModel)
+			return conf.Errf(fmt.Sprintf("models.allow[%d]", i), "%q must be a distinct model name other than %q", m, metrics.OtherModel)
 		}
 		seen[m] = true
 	}
@@ -340,7 +332,7 @@ func (c *Config) validModelsAndSLOs() error {
 	}
 	for m, b := range c.Buckets {
 		if err := metrics.CheckBuckets(m, b); err != nil {
-			return fieldErr("metrics.buckets."+m, "%v", err)
+			return conf.Errf("metrics.buckets."+m, "%v", err)
 		}
 	}
 	for name, s := range c.TenantSLOs {
@@ -351,7 +343,7 @@ func (c *Config) validModelsAndSLOs() error {
 			}
 		}
 		if !known {
-			return fieldErr("tenants."+name+".slo", "no tenant has this name")
+			return conf.Errf("tenants."+name+".slo", "no tenant has this name")
 		}
 		if err := validSLO("tenants."+name+".slo", s); err != nil {
 			return err
@@ -365,14 +357,14 @@ func (c *Config) validModelsAndSLOs() error {
 func (r *Route) validUpstreams(field func(string) string) error {
 	if r.TLS != nil {
 		if _, err := r.TLS.config(); err != nil {
-			return fieldErr(field("tls."+err.field), "%v", err.err)
+			return conf.Errf(field("tls."+err.field), "%v", err.err)
 		}
 		https := strings.HasPrefix(r.Upstream, "https://")
 		for _, u := range r.Upstreams {
 			https = https || strings.HasPrefix(u.URL, "https://")
 		}
 		if !https {
-			return fieldErr(field("tls"), "the route has no https upstream")
+			return conf.Errf(field("tls"), "the route has no https upstream")
 		}
 	}
 	if err := validHeaders(r.Headers, field("headers")); err != nil {
@@ -380,15 +372,15 @@ func (r *Route) validUpstreams(field func(string) string) error {
 	}
 	if len(r.Upstreams) == 0 {
 		if _, err := newUpstream(r.Upstream, r.Timeouts, nil, r.TLS); err != nil {
-			return fieldErr(field("upstream"), "%q: %v", redactURL(r.Upstream), err)
+			return conf.Errf(field("upstream"), "%q: %v", redactURL(r.Upstream), err)
 		}
 		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil || r.Shadow != nil {
-			return fieldErr(field("balance"), "balance, sticky, guard, failover and shadow need upstreams")
+			return conf.Errf(field("balance"), "balance, sticky, guard, failover and shadow need upstreams")
 		}
 		return nil
 	}
 	if r.Upstream != "" {
-		return fieldErr(field("upstreams"), "give upstream or upstreams, not both")
+		return conf.Errf(field("upstreams"), "give upstream or upstreams, not both")
 	}
 	names := map[string]bool{}
 	total := 0
@@ -396,34 +388,34 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		f := func(k string) string { return field(fmt.Sprintf("upstreams[%d].%s", i, k)) }
 		switch {
 		case u.Name == "" || names[u.Name]:
-			return fieldErr(f("name"), "must be a distinct, non-empty name")
+			return conf.Errf(f("name"), "must be a distinct, non-empty name")
 		case u.Weight < 0:
-			return fieldErr(f("weight"), "must not be negative")
+			return conf.Errf(f("weight"), "must not be negative")
 		}
 		if _, err := newUpstream(u.URL, r.Timeouts, nil, r.TLS); err != nil {
-			return fieldErr(f("url"), "%q: %v", redactURL(u.URL), err)
+			return conf.Errf(f("url"), "%q: %v", redactURL(u.URL), err)
 		}
 		if err := validHeaders(u.Headers, f("headers")); err != nil {
 			return err
 		}
 		if m := u.MetricsURL; m != "" {
 			if pu, err := url.Parse(m); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
-				return fieldErr(f("metrics_url"), "%q is not an http or https URL", redactURL(m))
+				return conf.Errf(f("metrics_url"), "%q is not an http or https URL", redactURL(m))
 			}
 		}
 		names[u.Name] = true
 		total += u.Weight
 	}
 	if total == 0 {
-		return fieldErr(field("upstreams"), "at least one upstream needs a weight above 0")
+		return conf.Errf(field("upstreams"), "at least one upstream needs a weight above 0")
 	}
 	switch r.Balance {
 	case "", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT:
 	default:
-		return fieldErr(field("balance"), "must be %s, %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT, r.Balance)
+		return conf.Errf(field("balance"), "must be %s, %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT, r.Balance)
 	}
-	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && r.Sticky != StickyPrefix && (!ok || !validToken(h)) {
-		return fieldErr(field("sticky"), "must be tenant, prefix or header:NAME, got %q", r.Sticky)
+	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && r.Sticky != StickyPrefix && (!ok || !conf.IsToken(h)) {
+		return conf.Errf(field("sticky"), "must be tenant, prefix or header:NAME, got %q", r.Sticky)
 	}
 	return r.validSplit(field, names)
 }
@@ -434,61 +426,47 @@ func (r *Route) validSplit(field func(string) string, names map[string]bool) err
 	if sh := r.Shadow; sh != nil {
 		switch {
 		case !names[sh.Upstream]:
-			return fieldErr(field("shadow.upstream"), "%q is not one of the route's upstreams", sh.Upstream)
+			return conf.Errf(field("shadow.upstream"), "%q is not one of the route's upstreams", sh.Upstream)
 		case sh.Sample <= 0 || sh.Sample > 1:
-			return fieldErr(field("shadow.sample"), "must be a share above 0 and at most 1")
+			return conf.Errf(field("shadow.sample"), "must be a share above 0 and at most 1")
 		case sh.MaxInflight < 0:
-			return fieldErr(field("shadow.max_inflight"), "must not be negative")
+			return conf.Errf(field("shadow.max_inflight"), "must not be negative")
 		case sh.Timeout < 0:
-			return fieldErr(field("shadow.timeout"), "must not be negative")
+			return conf.Errf(field("shadow.timeout"), "must not be negative")
 		}
 	}
 	if fo := r.Failover; fo != nil {
 		for i, on := range fo.On {
 			if on != FailoverConnect && on != FailoverStatus5xx && on != FailoverFirstToken {
-				return fieldErr(field(fmt.Sprintf("failover.on[%d]", i)), "must be %s, %s or %s, got %q", FailoverConnect, FailoverStatus5xx, FailoverFirstToken, on)
+				return conf.Errf(field(fmt.Sprintf("failover.on[%d]", i)), "must be %s, %s or %s, got %q", FailoverConnect, FailoverStatus5xx, FailoverFirstToken, on)
 			}
 		}
 		switch {
 		case len(fo.On) == 0:
-			return fieldErr(field("failover.on"), "name at least one failure")
+			return conf.Errf(field("failover.on"), "name at least one failure")
 		case fo.on(FailoverFirstToken) && fo.FirstTokenTimeout <= 0:
-			return fieldErr(field("failover.first_token_timeout"), "must be positive with first_token_timeout in on")
+			return conf.Errf(field("failover.first_token_timeout"), "must be positive with first_token_timeout in on")
 		}
 	}
 	if g := r.Guard; g != nil {
 		switch {
 		case !names[g.Candidate]:
-			return fieldErr(field("guard.candidate"), "%q is not one of the route's upstreams", g.Candidate)
+			return conf.Errf(field("guard.candidate"), "%q is not one of the route's upstreams", g.Candidate)
 		case !names[g.Baseline] || g.Baseline == g.Candidate:
-			return fieldErr(field("guard.baseline"), "%q is not another of the route's upstreams", g.Baseline)
+			return conf.Errf(field("guard.baseline"), "%q is not another of the route's upstreams", g.Baseline)
 		case g.Window != "" && g.Window != "1m" && g.Window != "5m" && g.Window != "15m" && g.Window != "1h":
-			return fieldErr(field("guard.window"), "must be 1m, 5m, 15m or 1h, got %q", g.Window)
+			return conf.Errf(field("guard.window"), "must be 1m, 5m, 15m or 1h, got %q", g.Window)
 		case g.MinRequests < 0:
-			return fieldErr(field("guard.min_requests"), "must not be negative")
+			return conf.Errf(field("guard.min_requests"), "must not be negative")
 		case g.MinKeys < 0:
-			return fieldErr(field("guard.min_keys"), "must not be negative")
+			return conf.Errf(field("guard.min_keys"), "must not be negative")
 		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
-			return fieldErr(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
+			return conf.Errf(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
 		case g.Class != "" && !validClass(g.Class):
-			return fieldErr(field("guard.class"), "%q is not a class (such as in-short.out-long or in-long.out-short.prefix-reused)", g.Class)
+			return conf.Errf(field("guard.class"), "%q is not a class (such as in-short.out-long or in-long.out-short.prefix-reused)", g.Class)
 		}
 	}
 	return nil
-}
-
-// validToken reports whether s is a non-empty HTTP token (a header name).
-func validToken(s string) bool {
-	if s == "" {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
-			return false
-		}
-	}
-	return true
 }
 
 func dialectNames() string {

@@ -4,6 +4,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/valyala/fasthttp"
 )
 
@@ -39,16 +40,16 @@ func validHeaders(hs []Header, field string) error {
 		f := field + "." + h.Name
 		canon := strings.ToLower(h.Name)
 		switch {
-		case !isToken(h.Name):
-			return fieldErr(field, "%q is not a header name", h.Name)
+		case !conf.IsToken(h.Name):
+			return conf.Errf(field, "%q is not a header name", h.Name)
 		case seen[canon]:
-			return fieldErr(f, "is given twice")
+			return conf.Errf(f, "is given twice")
 		case slices.ContainsFunc(reservedHeaders, func(r string) bool { return strings.EqualFold(r, h.Name) }) || isOwn([]byte(h.Name)):
-			return fieldErr(f, "is set by tokentap itself")
+			return conf.Errf(f, "is set by tokentap itself")
 		case h.Value == "":
-			return fieldErr(f, "is empty (an environment variable or file that gave nothing?)")
+			return conf.Errf(f, "is empty (an environment variable or file that gave nothing?)")
 		case strings.ContainsAny(h.Value, "\r\n\x00"):
-			return fieldErr(f, "holds a line break or NUL")
+			return conf.Errf(f, "holds a line break or NUL")
 		}
 		seen[canon] = true
 	}

@@ -6,11 +6,11 @@ import (
 	"io"
 	"net"
 	"os"
-	"strings"
 	"syscall"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
@@ -211,7 +211,7 @@ func validHeaderNames(h *fasthttp.RequestHeader) bool {
 			return false
 		}
 		for _, c := range k {
-			if !tchar[c] {
+			if !conf.TokenChar(c) {
 				return false
 			}
 		}
@@ -236,14 +236,6 @@ func hasContentLength(raw []byte) bool {
 	}
 	return false
 }
-
-// tchar marks the characters of an RFC 9110 token.
-var tchar = func() (t [256]bool) {
-	for c := 0; c < 256; c++ {
-		t[c] = 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", byte(c)) >= 0
-	}
-	return t
-}()
 
 // methodString returns the method as a string, without allocating for the
 // common ones.

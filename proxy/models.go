@@ -3,6 +3,8 @@ package proxy
 import (
 	"fmt"
 	"strings"
+
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 )
 
 // Routing by model. Several routes may share a path prefix when they name
@@ -15,32 +17,6 @@ import (
 // request's upstream is chosen, and its overload judged, then (as a
 // least_ttft route's, which weighs the request's input).
 
-// globMatch reports whether name matches pattern, where * matches any run
-// of bytes (slashes included: model names hold them) and ? any one byte.
-func globMatch(pattern, name string) bool {
-	p, n := 0, 0
-	star, mark := -1, 0
-	for n < len(name) {
-		switch {
-		case p < len(pattern) && pattern[p] == '*':
-			star, mark = p, n
-			p++
-		case p < len(pattern) && (pattern[p] == '?' || pattern[p] == name[n]):
-			p++
-			n++
-		case star >= 0:
-			p, mark = star+1, mark+1
-			n = mark
-		default:
-			return false
-		}
-	}
-	for p < len(pattern) && pattern[p] == '*' {
-		p++
-	}
-	return p == len(pattern)
-}
-
 // serves reports whether a route of models (globs) takes requests for
 // model: one without models takes every model.
 func serves(models []string, model string) bool {
@@ -48,7 +24,7 @@ func serves(models []string, model string) bool {
 		return true
 	}
 	for _, g := range models {
-		if globMatch(g, model) {
+		if conf.Glob(g, model) {
 			return true
 		}
 	}
@@ -104,11 +80,11 @@ func byModelOrder(a, b *route) bool {
 func validModels(routes []Route, i int, field func(string) string) error {
 	r := routes[i]
 	if r.Models != nil && len(r.Models) == 0 {
-		return fieldErr(field("models"), "is empty: list the models the route serves (globs), or leave the key out for every model")
+		return conf.Errf(field("models"), "is empty: list the models the route serves (globs), or leave the key out for every model")
 	}
 	for j, g := range r.Models {
 		if g == "" {
-			return fieldErr(field(fmt.Sprintf("models[%d]", j)), "must not be empty")
+			return conf.Errf(field(fmt.Sprintf("models[%d]", j)), "must not be empty")
 		}
 	}
 	for j := 0; j < i; j++ {
@@ -117,7 +93,7 @@ func validModels(routes []Route, i int, field func(string) string) error {
 			continue
 		}
 		if len(o.Models) == 0 && len(r.Models) == 0 {
-			return fieldErr(field("prefix"), "duplicate prefix %q: routes that share a prefix must name the models they serve (models:), all but one at most", r.Prefix)
+			return conf.Errf(field("prefix"), "duplicate prefix %q: routes that share a prefix must name the models they serve (models:), all but one at most", r.Prefix)
 		}
 	}
 	return nil

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/shed"
 )
 
@@ -68,10 +69,10 @@ func (c *Config) validOverload(r Route, field func(string) string) error {
 		judged = judged || t.TTFT > 0 || t.TPOT > 0 || t.E2E > 0
 	}
 	if !judged {
-		return fieldErr(field("overload.shed"), "sheds by the TTFT and TPOT objectives (streams) and the E2E objective (whole responses), and the route has none: set slo.ttft, slo.tpot or slo.e2e (on the route, the default or its tenants), or overload.slo_headers")
+		return conf.Errf(field("overload.shed"), "sheds by the TTFT and TPOT objectives (streams) and the E2E objective (whole responses), and the route has none: set slo.ttft, slo.tpot or slo.e2e (on the route, the default or its tenants), or overload.slo_headers")
 	}
-	if o.PriorityHeader != "" && !isToken(o.PriorityHeader) {
-		return fieldErr(field("overload.priority_header"), "%q is not a header name", o.PriorityHeader)
+	if o.PriorityHeader != "" && !conf.IsToken(o.PriorityHeader) {
+		return conf.Errf(field("overload.priority_header"), "%q is not a header name", o.PriorityHeader)
 	}
 	return nil
 }
@@ -109,7 +110,7 @@ func (c *Config) Warnings() []string {
 		used := anyModel
 		for _, r := range c.Routes {
 			for _, g := range r.Models {
-				used = used || globMatch(p.Model, g) || globMatch(g, p.Model)
+				used = used || conf.Glob(p.Model, g) || conf.Glob(g, p.Model)
 			}
 		}
 		if !used {
@@ -117,16 +118,6 @@ func (c *Config) Warnings() []string {
 		}
 	}
 	return ws
-}
-
-// isToken reports a header name made of token characters.
-func isToken(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if !tchar[s[i]] {
-			return false
-		}
-	}
-	return s != ""
 }
 
 // headerMS reads a whole number of milliseconds (0: absent or not one).

@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 )
 
 // Price is what a model's tokens cost, in dollars per million tokens.
@@ -24,7 +25,7 @@ type Price struct {
 // unknown one.
 func (c *Config) priceOf(model string) *Price {
 	for i := range c.Prices {
-		if globMatch(c.Prices[i].Model, model) {
+		if conf.Glob(c.Prices[i].Model, model) {
 			return &c.Prices[i]
 		}
 	}
@@ -52,7 +53,7 @@ func validPrices(prices []Price) error {
 	for i, p := range prices {
 		field := func(f string) string { return fmt.Sprintf("prices[%d].%s", i, f) }
 		if p.Model == "" {
-			return fieldErr(field("model"), "must name a model (a glob: gpt-4o*)")
+			return conf.Errf(field("model"), "must name a model (a glob: gpt-4o*)")
 		}
 		for _, v := range []struct {
 			name string
@@ -60,7 +61,7 @@ func validPrices(prices []Price) error {
 			opt  bool
 		}{{"input", p.Input, false}, {"output", p.Output, false}, {"cached_input", p.CachedInput, true}, {"cache_write", p.CacheWrite, true}} {
 			if math.IsNaN(v.v) || math.IsInf(v.v, 0) || v.v < 0 && !(v.opt && v.v == -1) {
-				return fieldErr(field(v.name), "must be a price in dollars per million tokens, 0 or more")
+				return conf.Errf(field(v.name), "must be a price in dollars per million tokens, 0 or more")
 			}
 		}
 	}
@@ -78,7 +79,7 @@ func routePrices(prices []Price, models []string) []*Price {
 		p := &prices[i]
 		meets := len(models) == 0
 		for _, g := range models {
-			meets = meets || globMatch(p.Model, g) || globMatch(g, p.Model)
+			meets = meets || conf.Glob(p.Model, g) || conf.Glob(g, p.Model)
 		}
 		if meets {
 			ps = append(ps, p)
