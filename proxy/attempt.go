@@ -118,7 +118,7 @@ func (a *upstreamAttempt) attempt(ctx *fasthttp.RequestCtx) error {
 			a.x.in.injected = b
 			a.req.SetBodyRaw(b)
 			a.req.Header.Del("Accept-Encoding")
-			a.x.tap.strip = true
+			a.x.tap.Strip(true)
 		}
 	}
 	return a.roundTrip(ctx.IsHead())
@@ -161,7 +161,7 @@ func (a *upstreamAttempt) roundTrip(head bool) error {
 		}
 		c.limitHeaderWait(a.firstByteLimit)
 		written, err := c.send(a.req, a.resp, head)
-		a.x.tap.m.written = written
+		a.x.tap.Sent(written)
 		if err == nil {
 			a.conn = c
 			// The response can reach the socket before the write is stamped.

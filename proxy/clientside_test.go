@@ -5,75 +5,14 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
-
-// The path's RTT: the handshake's sample unless the kernel's minimum since
-// is clearly below it (a handshake delayed by a queue) or above it (a
-// slower path); a minimum just below it may be a millisecond-tick sample.
-func TestPathRTT(t *testing.T) {
-	ms := func(f float64) time.Duration { return time.Duration(f * float64(time.Millisecond)) }
-	for _, c := range []struct{ min, syn, want time.Duration }{
-		{ms(10.2), ms(10.2), ms(10.2)},
-		{ms(9.6), ms(10.2), ms(10.2)},  // a timestamp sample, up to 1 ms low
-		{ms(10.1), ms(13.3), ms(10.1)}, // the handshake met a queue
-		{ms(12), ms(10.2), ms(12)},     // the path got slower
-		{0, ms(10.2), ms(10.2)},        // no minimum
-		{ms(40.3), 0, ms(40.3)},        // no handshake sample
-		{ms(199.4), ms(200.3), ms(200.3)},
-	} {
-		if got := pathRTT(c.min, c.syn); got != c.want {
-			t.Errorf("pathRTT(min %v, handshake %v) = %v, want %v", c.min, c.syn, got, c.want)
-		}
-	}
-}
-
-// The looks at the client's acknowledgement: half a millisecond apart
-// while bytes wait unsent, then each pause twice the last; none past the
-// wait's end, which a kernel still resending draws out, up to its cap.
-func TestAckSchedule(t *testing.T) {
-	t0 := time.Unix(1000, 0)
-	x := &exchange{}
-	d := &x.cs.deliv
-	d.waitUntil, d.waitCap = t0.Add(10*time.Millisecond), t0.Add(maxAckWait)
-	now := t0
-	var gaps []time.Duration
-	for !x.cs.schedule(now) {
-		gaps = append(gaps, d.next.Sub(now))
-		now = d.next
-	}
-	want := []time.Duration{500 * time.Microsecond, time.Millisecond, 2 * time.Millisecond, 4 * time.Millisecond, 2500 * time.Microsecond}
-	if !slices.Equal(gaps, want) || !d.watched {
-		t.Fatalf("looks %v apart (watched %v), want %v", gaps, d.watched, want)
-	}
-
-	*d = delivery{waitUntil: t0.Add(10 * time.Millisecond), waitCap: t0.Add(maxAckWait), notsent: 100}
-	for i := range 3 {
-		if x.cs.schedule(t0) || d.next.Sub(t0) != 500*time.Microsecond {
-			t.Fatalf("unsent bytes, look %d: next in %v", i, d.next.Sub(t0))
-		}
-	}
-
-	// Past the wait while the kernel resends: an RTO and an RTT more, not
-	// past the cap.
-	*d = delivery{waitUntil: t0, waitCap: t0.Add(300 * time.Millisecond), recovering: true, rto: 200 * time.Millisecond, srtt: 40 * time.Millisecond}
-	if x.cs.schedule(t0) || d.waitUntil != t0.Add(240*time.Millisecond) {
-		t.Fatalf("resending: over, or the wait ends %v after", d.waitUntil.Sub(t0))
-	}
-	now = t0.Add(240 * time.Millisecond)
-	if x.cs.schedule(now) || d.waitUntil != t0.Add(300*time.Millisecond) {
-		t.Fatalf("still resending: the wait ends %v after, want the cap", d.waitUntil.Sub(t0))
-	}
-	if !x.cs.schedule(t0.Add(300*time.Millisecond)) || !d.watched {
-		t.Fatal("at the cap the wait is over")
-	}
-}
 
 // Many streams end at once: every record comes once, with what its client
 // acknowledged, and the watch that waited for them stops.
@@ -124,10 +63,8 @@ func TestAckWatchManyStreamsAtOnce(t *testing.T) {
 	}
 	tp.rec.none(t)
 	waitFor(t, func() error {
-		tp.p.acks.mu.Lock()
-		defer tp.p.acks.mu.Unlock()
-		if tp.p.acks.running || len(tp.p.acks.waiting) > 0 {
-			return fmt.Errorf("the watch still runs with %d waiting", len(tp.p.acks.waiting))
+		if n, running := tp.p.waiting.Waiting(); running || n > 0 {
+			return fmt.Errorf("the watch still runs with %d waiting", n)
 		}
 		return nil
 	})
@@ -138,7 +75,7 @@ func TestAckWatchManyStreamsAtOnce(t *testing.T) {
 // each response: once the client's kernel holds its acknowledgements
 // (Linux's interactive mode), it acknowledges each response with the next
 // request. The first token reached it a loopback round trip after it was
-// written, so client_ttft_ms is ttft_ms and the RTT, within ackAgree, for
+// written, so client_ttft_ms is ttft_ms and the RTT, within measure.AckAgree, for
 // every response after the connection's first. Reading the next request's
 // acknowledgement as the token's arrival put 3 to 9 of the 11 about 5 ms
 // late.
@@ -164,7 +101,7 @@ func TestOneWriteStreamsOnAKeptConnection(t *testing.T) {
 		if rec.TTFT < 0 || rec.ClientTTFT < 0 || rec.ClientRTT < 0 {
 			t.Fatalf("response %d: ttft %v, client ttft %v, rtt %v", i, rec.TTFT, rec.ClientTTFT, rec.ClientRTT)
 		}
-		if off := rec.ClientTTFT - rec.TTFT - rec.ClientRTT; i > 0 && (off > ackAgree || off < -ackAgree) {
+		if off := rec.ClientTTFT - rec.TTFT - rec.ClientRTT; i > 0 && (off > measure.AckAgree || off < -measure.AckAgree) {
 			t.Errorf("response %d: client_ttft_ms %.3f, ttft_ms %.3f and the RTT %.3f: %.3f ms off", i, ms(rec.ClientTTFT), ms(rec.TTFT), ms(rec.ClientRTT), ms(off))
 		}
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/internal/conf"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"go.uber.org/zap"
@@ -223,6 +224,13 @@ func validSLO(path string, s metrics.SLO) error {
 	return nil
 }
 
+// Price is what a model's tokens cost (measure.Price); Classes sorts
+// requests for comparisons of like with like (measure.Classes).
+type (
+	Price   = measure.Price
+	Classes = measure.Classes
+)
+
 // FieldError is a configuration error: the field at fault, as the path of
 // its key in tokentap's config file (routes[2].prefix), and what is wrong.
 // Admission errors are ratelimit.FieldError, alike.
@@ -238,7 +246,7 @@ func (c *Config) Validate() error {
 	if err := c.validModelsAndSLOs(); err != nil {
 		return err
 	}
-	if err := validPrices(c.Prices); err != nil {
+	if err := measure.ValidPrices(c.Prices); err != nil {
 		return err
 	}
 	if c.MaxDecodedBytes < 0 {
@@ -250,7 +258,7 @@ func (c *Config) Validate() error {
 	if c.DefaultMaxOutput < 0 {
 		return conf.Errf("admission.default_max_output", "must not be negative")
 	}
-	if err := c.Classes.validate(); err != nil {
+	if err := c.Classes.Validate(); err != nil {
 		return err
 	}
 	if c.Admission != nil {
@@ -462,7 +470,7 @@ func (r *Route) validSplit(field func(string) string, names map[string]bool) err
 			return conf.Errf(field("guard.min_keys"), "must not be negative")
 		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
 			return conf.Errf(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
-		case g.Class != "" && !validClass(g.Class):
+		case g.Class != "" && !measure.ValidClass(g.Class):
 			return conf.Errf(field("guard.class"), "%q is not a class (such as in-short.out-long or in-long.out-short.prefix-reused)", g.Class)
 		}
 	}
@@ -500,7 +508,7 @@ func (c Config) withDefaults() Config {
 	if c.DefaultMaxOutput == 0 {
 		c.DefaultMaxOutput = defaultMaxOutput
 	}
-	c.Classes = c.Classes.withDefaults()
+	c.Classes = c.Classes.WithDefaults()
 	return c
 }
 

@@ -10,12 +10,12 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"go.uber.org/zap"
 )
 
@@ -65,13 +65,11 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuseConn(tc)
 			continue
 		}
-		cc := &clientConn{Conn: sock.NewConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, ip: ip, ackBase: -1, inHead: true}
-		cc.sys, _ = tc.SyscallConn()
+		cc := &clientConn{Conn: sock.NewConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, inHead: true}
+		cc.IP = ip
+		cc.Sys, _ = tc.SyscallConn()
 		var ti sock.TCPInfo
-		if ti.Read(cc.sys) {
-			cc.ackBase, cc.retrans = int64(ti.Info.Bytes_acked), ti.Info.Total_retrans
-			cc.synRTT = time.Duration(ti.Info.Min_rtt) * time.Microsecond
-		}
+		cc.Accepted(&ti)
 		l.caps.track(cc)
 		if l.tls != nil {
 			return newTLSClient(cc, l.tls), nil
@@ -152,10 +150,10 @@ func (cc *connCaps) release(c *clientConn) {
 	delete(cc.conns, c)
 	cc.open--
 	if cc.maxPerIP > 0 {
-		if n := cc.perIP[c.ip] - 1; n > 0 {
-			cc.perIP[c.ip] = n
+		if n := cc.perIP[c.IP] - 1; n > 0 {
+			cc.perIP[c.IP] = n
 		} else {
-			delete(cc.perIP, c.ip)
+			delete(cc.perIP, c.IP)
 		}
 	}
 }
@@ -195,26 +193,13 @@ type clientConn struct {
 	head   [3]byte
 	headN  int
 
-	sys  syscall.RawConn // for TCP_INFO (nil: not available)
-	sent int64           // bytes written to the connection
-	// stall is how long writes waited for the client to take bytes (its
-	// socket buffer was full: a client that reads slowly): each write
-	// that took longer than stallMin, whole, and each wait of a relay
-	// loop for writability.
-	stall   time.Duration
-	ackBase int64         // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
-	retrans uint32        // tcpi_total_retrans at the last reading
-	synRTT  time.Duration // the handshake's RTT sample (tcpi_min_rtt when accepted)
-	// floorNoted is the path RTT this connection last gave the proxy's
-	// pathFloors: a kept-alive connection notes it again only when it
-	// changed, not under the floors' lock on every response.
-	floorNoted time.Duration
-	// closedAcked is tcpi_bytes_acked read just before the close (0: not
-	// read), for a record still waiting for the client's acknowledgement.
-	closedAcked atomic.Int64
+	// Wire is what the connection keeps of its delivery for the
+	// measurement: bytes written, the writes that waited for the client
+	// (each that took longer than stallMin, whole, and each wait of a relay
+	// loop for writability), TCP_INFO when accepted and when closed.
+	measure.Wire
 
 	caps   *connCaps
-	ip     netip.Addr
 	closed atomic.Bool
 
 	// pending is what the server had read ahead of a response tokentap
@@ -283,10 +268,7 @@ func (c *clientConn) Close() error {
 		return nil
 	}
 	c.seat.Leave() // before the descriptor's number can name another socket
-	var ti sock.TCPInfo
-	if ti.Read(c.sys) {
-		c.closedAcked.Store(int64(ti.Info.Bytes_acked))
-	}
+	c.Closing()
 	err := c.Conn.Close()
 	if c.caps != nil {
 		c.caps.release(c)
@@ -419,9 +401,9 @@ func (c *clientConn) Write(b []byte) (int, error) {
 		c.setAt = now
 	}
 	n, err := c.Conn.Write(b)
-	c.sent += int64(n)
+	c.Sent += int64(n)
 	if d := time.Since(now); d > stallMin {
-		c.stall += d
+		c.Stall += d
 	}
 	return n, err
 }

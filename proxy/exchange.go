@@ -9,6 +9,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -20,11 +21,11 @@ import (
 //
 //	in     inbound          the client's request (request.go)
 //	att    upstreamAttempt  the attempts and failover (attempt.go, failover.go)
-//	tap    tap              parsing and measuring, no I/O (tap.go)
+//	tap    measure.Tap      parsing and measuring, no I/O (proxy/measure)
 //	relay  bodyRelay        every path of the body to the client (relay.go,
 //	                        passloop.go); the server's body stream
-//	cs     clientSide       the delivery on the client connection, and the
-//	                        wait for its acknowledgement (clientside.go)
+//	cs     measure.ClientSide  the delivery on the client connection, and
+//	                        the wait for its acknowledgement (proxy/measure)
 //
 // Hand-overs: the connection's goroutine runs ServeHTTP and, through the
 // relay, the body and finish (fasthttp calls Read, WriteTo and
@@ -47,20 +48,20 @@ type exchange struct {
 	cancel  cancelState
 	fire    func() // cancel.fire, made once per pooled exchange
 
-	in    inbound         // the client's request: its path, body, stream flag (request.go)
-	att   upstreamAttempt // the attempts against the route's upstreams (attempt.go)
-	tap   tap             // what the body is, how it is parsed and measured (tap.go)
-	relay bodyRelay       // the body's way to the client (relay.go)
-	cs    clientSide      // the response's delivery to the client connection (clientside.go)
-	fin   finishing       // what finish knew, while the record waits (ackWatch)
+	in    inbound            // the client's request: its path, body, stream flag (request.go)
+	att   upstreamAttempt    // the attempts against the route's upstreams (attempt.go)
+	tap   measure.Tap        // what the body is, how it is parsed and measured (proxy/measure)
+	relay bodyRelay          // the body's way to the client (relay.go)
+	cs    measure.ClientSide // the response's delivery to the client connection (proxy/measure)
+	fin   finishing          // what finish knew, while the record waits (ackWatch)
 
 	// Admission control.
 	tenant    string
 	ticket    *ratelimit.Ticket
-	estIn     int64  // estimated input tokens
-	charge    charge // how it is priced (prices.go): by the request's model, then the served one
-	modelIdx  int    // the model's metric index
-	responded bool   // the upstream answered with headers
+	estIn     int64          // estimated input tokens
+	charge    measure.Charge // how it is priced (proxy/measure): by the request's model, then the served one
+	modelIdx  int            // the model's metric index
+	responded bool           // the upstream answered with headers
 	finished  bool
 	shadow    bool // a copy sent to the route's shadow upstream (shadow.go)
 }
@@ -94,7 +95,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	// From here on a client that goes away cancels the request, queued or
 	// upstream.
 	x.client = ctx.Conn()
-	x.cs.start(x.client)
+	x.cs.Start(wireOf(x.client))
 	x.watch.start(x.client, x.fire, &x.p.loops)
 	if r := x.admit(); r != nil {
 		return r
@@ -173,12 +174,10 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	// A request whose bytes came in over time (a slow upload, a large
 	// body) kept tokentap waiting for the client: that is not overhead.
 	if cc := clientOf(ctx.Conn()); cc != nil && cc.Rx() != 0 {
-		if last := sock.Received(cc.Rx(), x.p.now(), x.p.opts.RequestReadTimeout); last.After(x.tap.m.arrival) {
-			x.tap.m.upload = last.Sub(x.tap.m.arrival)
-		}
+		x.tap.Uploaded(sock.Received(cc.Rx(), x.p.now(), x.p.opts.RequestReadTimeout))
 	}
 	x.in.body0 = body
-	x.in.encoded = encoded(ctx.Request.Header.ContentEncoding())
+	x.in.encoded = measure.Encoded(ctx.Request.Header.ContentEncoding())
 	req := x.dialect.Request(x.in.path, body)
 	if req.Dup != "" {
 		return x.duplicateMember(req.Dup)
@@ -193,13 +192,13 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	x.charge = x.chargeFor(rec.Model)
 	rec.Stream = req.Stream
 	x.in.stream = req.Stream
-	x.tap.m.items = req.Items
-	if x.tap.details {
+	x.tap.Items(req.Items)
+	if x.tap.Details() {
 		rec.MaxTokens = dialect.MaxOutputTokens(body)
 	}
 	x.modelIdx = snap.metrics.ModelIndex(x.att.mem.row, model)
 	rec.Series = snap.metrics.Series(x.att.mem.row, x.modelIdx)
-	x.tap.m.live = rec.Series
+	x.tap.Live(rec.Series)
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		return refuseModel
 	}
@@ -216,7 +215,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 	rec.Status = resp.StatusCode()
 	if hr, ok := x.dialect.(dialect.HeaderReader); ok {
 		if t := hr.Header(resp.Header.Peek); t.Set {
-			x.tap.m.timings = t
+			x.tap.Timings(t)
 		}
 	}
 	copyResponseHeader(resp, &ctx.Response.Header, x.id)
@@ -238,7 +237,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 	x.relay.bind(x.att.conn, x.client)
 	x.startParsing(resp)
 	cl := resp.Header.ContentLength()
-	if x.tap.streamed || cl < 0 {
+	if x.tap.Streamed() || cl < 0 {
 		// Unknown length: chunked to the client, each upstream read flushed
 		// as its own chunk. A known length would make fasthttp buffer until
 		// 4 KiB are ready, holding back the first events.
@@ -252,7 +251,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		x.att.letRequestGo()
 	}
 	x.relay.contentLength = cl
-	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.strip && x.cs.cc != nil && x.cs.cc == x.client {
+	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.Stripping() && isPlain(x.client) {
 		// Chunked in, chunked out, on a plain connection: tokentap writes
 		// the response itself, the framing as it came (servePass,
 		// passChunks). Over TLS the server writes it (the body stream).
@@ -310,19 +309,18 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 	x.finish(nil)
 }
 
-// --- Measuring the body on the way (the tap, tap.go). ---
+// --- Measuring the body on the way (the tap, proxy/measure). ---
 
 // startParsing chooses how the body is measured from its Content-Type and
-// Content-Encoding (tap.start).
+// Content-Encoding (Tap.Start).
 func (x *exchange) startParsing(resp *fasthttp.Response) {
-	x.tap.acks = x
-	x.tap.prices = len(x.snap.cfg.Prices) > 0
-	x.tap.start(resp.Header.ContentType(), resp.Header.ContentEncoding(), x.dialect, x.snap.cfg.MaxEventBytes, x.snap.cfg.MaxDecodedBytes)
-	x.rec.Stream = x.tap.streamed
+	x.tap.Start(resp.Header.ContentType(), resp.Header.ContentEncoding(), x.dialect, x.snap.cfg.MaxEventBytes, x.snap.cfg.MaxDecodedBytes,
+		x, len(x.snap.cfg.Prices) > 0)
+	x.rec.Stream = x.tap.Streamed()
 }
 
 // observe feeds one upstream read, read at t, to the tap.
-func (x *exchange) observe(b []byte, t time.Time) { x.tap.observe(b, t) }
+func (x *exchange) observe(b []byte, t time.Time) { x.tap.Read(b, t) }
 
 // --- The end. ---
 
@@ -374,7 +372,7 @@ func (x *exchange) finish(writeErr error) {
 	wait := false
 	if x.client != nil {
 		ti := x.p.takeInfo()
-		wait = x.cs.read(writeErr == nil && !gone, now, &x.p.floors, !x.p.opts.NoClientSide, ti)
+		wait = x.cs.Ended(writeErr == nil && !gone, now, &x.p.clientAcks, !x.p.opts.NoClientSide, ti)
 		x.p.infos.Put(ti)
 		if cc := clientOf(x.client); cc != nil {
 			cc.expectHead() // the next bytes begin the next request
@@ -384,13 +382,13 @@ func (x *exchange) finish(writeErr error) {
 	// The record is made later, with what finish knew now (recordEnd),
 	// when it waits for the side decoder or the client's ACK.
 	x.fin = finishing{now, writeErr, gone, complete}
-	if x.tap.dec != nil {
+	if x.tap.Decoding() {
 		go x.recordLater(wait)
 		return
 	}
 	x.accountBody(now, complete)
 	if wait {
-		x.p.acks.add(x)
+		x.p.waiting.add(x)
 		return
 	}
 	x.recordEnd()
@@ -416,7 +414,7 @@ func (x *exchange) recordEnd() {
 func (x *exchange) recordLater(wait bool) {
 	x.accountBody(x.fin.now, x.fin.complete) // once the decoder is done, before the wait
 	if wait {
-		x.cs.await(x.p.now)
+		x.cs.Await(x.p.now)
 	}
 	x.recordEnd()
 }
@@ -451,15 +449,15 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		if writeErr != nil {
 			rec.Error = "cannot write to client: " + describeStreamError(writeErr)
 		}
-	case rec.Status >= 500 || x.tap.m.streamError:
+	case rec.Status >= 500 || x.tap.StreamError():
 		rec.Outcome = metrics.OutcomeUpstreamError
-		if x.tap.m.streamError {
+		if x.tap.StreamError() {
 			rec.Error = "error reported inside the response"
 		}
 	}
 
 	x.fillRecord(now)
-	x.cs.fill(&x.rec, x.tap.m.arrival)
+	x.cs.Fill(&x.rec, x.tap.Arrival())
 	if !x.shadow {
 		// A copy counts in its upstream's /stats group and the access
 		// log only: never in goodput, the route's series or its guard.
@@ -467,7 +465,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		x.snap.metrics.Observe(rec)
 	}
 	if !x.p.opts.NoStats {
-		x.p.stats.Observe(rec, x.tap.m.gaps)
+		x.p.stats.Observe(rec, x.tap.Gaps())
 	}
 	x.learnEnd(complete)
 	if m := x.att.mem; m != nil && rec.Attempts > 0 {
@@ -490,7 +488,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	}
 	for _, s := range x.p.opts.Sinks {
 		if g, ok := s.(metrics.GapSink); ok {
-			g.ObserveGaps(rec, x.tap.m.gaps)
+			g.ObserveGaps(rec, x.tap.Gaps())
 			continue
 		}
 		s.Observe(rec)
@@ -501,7 +499,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.p.releaseExchange(x)
 }
 
-// accountBody makes everything the body says known to the meter: what the
+// accountBody makes everything the body says known to the tap: what the
 // side decoder has left of a compressed body (once it is done), and a
 // complete body read whole (not streamed): its usage, its error. Then the
 // admission ticket goes back with the tokens used: before the record,
@@ -509,35 +507,27 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 // its next request as soon as a response ended would find its own slot
 // still taken. Called once per exchange, before record.
 func (x *exchange) accountBody(now time.Time, complete bool) {
-	x.tap.settle(now, complete)
-	x.checkUsage(now)
-	if len(x.tap.model) > 0 && x.rt != nil {
+	x.tap.Settle(now, complete)
+	x.tap.CheckUsage(x.rec.BytesIn, x.in.encoded, x.relay.bytesOut, now)
+	if len(x.tap.Model()) > 0 && x.rt != nil {
 		// Priced as the model that served it.
-		x.charge = x.chargeFor(string(x.tap.model))
+		x.charge = x.chargeFor(string(x.tap.Model()))
 	}
 	x.releaseTicket()
 }
 
-// fillRecord derives the record's timings from the meter.
+// fillRecord derives the record's timings from the tap.
 func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.relay.bytesOut
-	x.rec.Partial = x.rec.Partial || x.tap.partial
-	x.tap.m.fill(&x.rec, now, x.tap.streamed)
-	x.rec.Start = x.tap.m.arrival
+	x.tap.Fill(&x.rec, now)
 	if x.att.up != nil {
 		x.rec.UpstreamAddr = x.att.up.addr
 	}
-	if x.tap.details {
-		x.rec.FinishReason = x.tap.finish
-	}
-	if len(x.tap.model) > 0 {
-		x.rec.ResponseModel = string(x.tap.model)
-	}
 	if x.rt != nil {
-		in := x.tap.m.usage.input(x.rec.BytesIn)
-		x.rec.Class = x.snap.cfg.Classes.of(in, x.rec.OutputTokens, x.rec.CachedTokens)
+		in := x.tap.InputTokens(x.rec.BytesIn)
+		x.rec.Class = x.snap.cfg.Classes.Of(in, x.rec.OutputTokens, x.rec.CachedTokens)
 	}
-	priceRecord(&x.rec, x.charge, &x.tap.m.usage, len(x.snap.cfg.Prices) > 0)
+	measure.PriceRecord(&x.rec, x.charge, &x.tap, len(x.snap.cfg.Prices) > 0)
 }
 
 // judge judges the finished record against its route's SLO, under the

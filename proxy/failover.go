@@ -67,7 +67,7 @@ func (a *upstreamAttempt) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time
 		resp.Header.ContentLength() == 0 || c.buffered() > 0 {
 		return true
 	}
-	left := timeout - a.x.p.now().Sub(a.x.tap.m.written)
+	left := timeout - a.x.p.now().Sub(a.x.tap.Written())
 	if left <= 0 {
 		return false
 	}
@@ -91,7 +91,7 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	a.x.cancel.detach()
 	a.req.Reset()
 	a.resp.Reset()
-	a.x.tap.m.lost += now.Sub(a.attemptAt)
+	a.x.tap.Lost(now.Sub(a.attemptAt))
 	if a.x.rec.Trace.Sampled {
 		a.x.rec.Tries = append(a.x.rec.Tries, metrics.Try{Upstream: a.mem.name, Addr: a.up.addr, Start: a.attemptAt,
 			Duration: now.Sub(a.attemptAt), Reason: reason})
@@ -106,7 +106,8 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	a.x.rec.Upstream = next.name
 	a.x.rec.Series = a.x.snap.metrics.Series(next.row, a.x.modelIdx)
 	a.x.rec.Attempts++
-	a.connectFailed, a.x.tap.strip = false, false
+	a.connectFailed = false
+	a.x.tap.Strip(false)
 	return true
 }
 

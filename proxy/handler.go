@@ -88,7 +88,7 @@ func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 	rec.Method = methodString(ctx.Method())
 	if t := p.opts.Tracer; t != nil {
 		rec.Trace = t.StartTrace(ctx.Request.Header.Peek("traceparent"), ctx.Request.Header.Peek("tracestate"))
-		x.tap.details = true
+		x.tap.Trace()
 	}
 	return x
 }
@@ -331,7 +331,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 		x.relay.relayParts = relayParts{sink: x, tap: &x.tap, cancel: &x.cancel, watch: &x.watch, server: p}
 	}
 	x.snap = s
-	x.tap.m.reset(arrival)
+	x.tap.Begin(arrival)
 	x.rec.Reset()
 	x.rec.Tenant = "default"
 	x.rec.Outcome = metrics.OutcomeOK
@@ -350,7 +350,7 @@ func (p *Proxy) takeInfo() *sock.TCPInfo {
 
 func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
-		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.kept(), relay: x.relay.kept(),
+		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.Kept(), relay: x.relay.kept(),
 		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
 	}
 	p.pool.Put(x)

@@ -264,7 +264,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 	// tokens queue for up to tens of milliseconds.
 	links = append(links, netLink{Options: netsim.Options{Delay: 10 * time.Millisecond, Jitter: 500 * time.Microsecond, Rate: 32 << 10, Seed: 99}})
 	// The same bottleneck on a short path (a client in the same network):
-	// its first-token marks are first looked at a round trip and ackAgree
+	// its first-token marks are first looked at a round trip and measure.AckAgree
 	// after the write, and then as often as on a long one.
 	links = append(links, netLink{Options: netsim.Options{Delay: 250 * time.Microsecond, Rate: 32 << 10, Seed: 98}})
 	for _, lo := range links {

@@ -31,7 +31,7 @@ type passTurn struct {
 // up).
 func (r *bodyRelay) loopable() bool {
 	cc, _ := r.client.(*clientConn)
-	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.loopable() && r.tap.dec == nil
+	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.loopable() && !r.tap.Decoding()
 }
 
 // passLoop moves the rest of a passChunks stream onto a relay loop, and
@@ -173,9 +173,9 @@ func (l *looped) Note(e relayplane.Event) {
 	case relayplane.Entered:
 		r.spareBuf()
 	case relayplane.Sent:
-		r.client.(*clientConn).sent += int64(e.N)
+		r.client.(*clientConn).Sent += int64(e.N)
 	case relayplane.Stalled:
-		r.client.(*clientConn).stall += e.D
+		r.client.(*clientConn).Stall += e.D
 	case relayplane.ClientLeft:
 		r.sink.clientLeft()
 	case relayplane.Failed:

@@ -19,7 +19,7 @@
 // (the body in bounded pieces, the model), admit (admission control),
 // forward (the upstream request on a checked pooled connection, up to the
 // response headers), relay (headers out; the server then reads the body
-// through the exchange, one upstream read per chunk, measured by its meter
+// through the exchange, one upstream read per chunk, measured by its tap
 // on the way). A step that refuses returns a refusal, which refuse answers
 // and records: the one place that does. The record is finished exactly
 // once, in finish.
@@ -44,6 +44,7 @@ import (
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -140,15 +141,16 @@ type Proxy struct {
 	cutting  atomic.Bool  // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
-	pool     sync.Pool      // *exchange
-	infos    sync.Pool      // *sock.TCPInfo: the readings at a response's end (takeInfo)
-	acks     ackWatch       // records waiting for the client's acknowledgement
-	marks    lookWatch      // the first tokens' bytes waiting for the client's acknowledgement (ackMark)
-	loops    relayplane.Set // the relay loops: started by Serve, stopped by Shutdown and Close
-	floors   pathFloors     // per client address, the lowest round trip lately (for the marks' looks)
-	stats    *stats.Engine
-	statsNow func() time.Time
-	monitor  *monitorTick // the runtime's monitor kept awake while requests are in flight
+	pool     sync.Pool // *exchange
+	infos    sync.Pool // *sock.TCPInfo: the readings at a response's end (takeInfo)
+	waiting  ackWatch  // records waiting for the client's acknowledgement
+	// clientAcks watches the clients' acknowledgements of the first
+	// tokens' bytes, with the floors of their paths' round trips.
+	clientAcks measure.Acks
+	loops      relayplane.Set // the relay loops: started by Serve, stopped by Shutdown and Close
+	stats      *stats.Engine
+	statsNow   func() time.Time
+	monitor    *monitorTick // the runtime's monitor kept awake while requests are in flight
 }
 
 // New builds a Proxy for cfg.
@@ -250,7 +252,7 @@ func (p *Proxy) Apply(cfg Config) error {
 // buildRoute makes route i of a new generation: its upstreams (each a
 // metric row, appended to rows), shadow and guard.
 func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow) (*route, error) {
-	rt := &route{Route: r, slo: s.cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect), prices: routePrices(s.cfg.Prices, r.Models)}
+	rt := &route{Route: r, slo: s.cfg.SLO.Over(r.SLO), index: i, dialect: dialect.ByName(r.Dialect), prices: measure.RoutePrices(s.cfg.Prices, r.Models)}
 	// Where tenants are known by the keys clients present, those keys are
 	// tokentap's: they go no further unless the route says.
 	rt.stripKey = s.cfg.Admission != nil && s.cfg.Admission.TrustedTenantHeader == "" && !r.ForwardClientKey

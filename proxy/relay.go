@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/valyala/fasthttp"
 )
 
@@ -75,7 +76,7 @@ type relaySink interface {
 // relay loops, and the connection back after a response tokentap wrote).
 type relayParts struct {
 	sink   relaySink
-	tap    *tap         // the parser: usage stripping, the side decoder
+	tap    *measure.Tap // the parser: usage stripping, the side decoder
 	cancel *cancelState // the response's settling, a relay loop's entry and exit
 	watch  *peerWatch   // the client's peer watch, stopped when a loop takes the stream
 	server *Proxy
@@ -134,19 +135,12 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 	}
 	var written int64
 	for {
-		stripping := r.tap.strip // parseStrip may give up during this read
+		stripping := r.tap.Stripping() // it may stop during this read
 		n, err := r.pull(r.buf)
 		out := r.buf[:n]
 		if stripping {
-			if n == 0 {
-				r.tap.stripped = r.tap.stripped[:0]
-			}
-			out = r.tap.stripped
-			if err != nil {
-				// The stream ends: what is held goes out as it is.
-				out = append(out, r.tap.held...)
-				r.tap.held = r.tap.held[:0]
-			}
+			// At the stream's end what is held goes out as it is.
+			out = r.tap.Stripped(n, err != nil)
 		}
 		if len(out) > 0 {
 			m, werr := w.Write(out)

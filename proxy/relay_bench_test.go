@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/sse"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"go.uber.org/zap/zapcore"
 )
@@ -44,15 +44,10 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 	x.rt = x.snap.routes[0]
 	x.rec.Series = x.snap.metrics.Series(0, 0)
 	x.dialect = dialect.OpenAI
-	x.tap.streamed, x.tap.mode = true, parseSSE
-	x.tap.dialect, x.tap.acks, x.tap.maxEvent = x.dialect, x, 1<<20 // as startParsing does
-	if x.tap.parser == nil {
-		x.tap.parser = sse.NewParser(1 << 20)
-	}
-	x.tap.parser.Reset()
+	x.tap.Start([]byte("text/event-stream"), nil, x.dialect, 1<<20, 0, x, false) // as startParsing does
 	x.relay.body = body
 	x.relay.contentLength = -1
-	x.tap.m.written = time.Now()
+	x.tap.Sent(time.Now())
 	return x
 }
 
@@ -61,13 +56,13 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 func TestRelayNoAllocsPerEvent(t *testing.T) {
 	x := streamingExchange(newProxyForBench(t), &repeatReader{benchEvent})
 	buf := make([]byte, 4096)
-	x.tap.m.gaps = make([]time.Duration, 0, 1024)
+	x.tap.Grown()
 	x.relay.Read(buf)
 	if a := testing.AllocsPerRun(500, func() { x.relay.Read(buf) }); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.tap.m.events < 500 {
-		t.Fatalf("events = %d: the benchmark relays nothing", x.tap.m.events)
+	if x.tap.Events() < 500 {
+		t.Fatalf("events = %d: the benchmark relays nothing", x.tap.Events())
 	}
 }
 
@@ -116,7 +111,7 @@ func (r *countingReader) Read(p []byte) (int, error) {
 // upstream read, parse and flushed client write per event.
 func BenchmarkRelayWriteTo(b *testing.B) {
 	x := streamingExchange(newProxyForBench(b), &countingReader{chunk: benchEvent, n: b.N})
-	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
+	x.tap.Grown()
 	b.ReportAllocs()
 	b.SetBytes(int64(len(benchEvent)))
 	b.ResetTimer()
@@ -141,7 +136,7 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	x.client, x.relay.pass = cl, true
 	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)
-	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
+	x.tap.Grown()
 	return x, upWrite
 }
 
@@ -163,8 +158,8 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 	if a := testing.AllocsPerRun(500, step); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.tap.m.events < 500 || x.relay.bytesOut < 500*int64(len(benchEvent)) {
-		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.m.events, x.relay.bytesOut)
+	if x.tap.Events() < 500 || x.relay.bytesOut < 500*int64(len(benchEvent)) {
+		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.Events(), x.relay.bytesOut)
 	}
 }
 
@@ -200,11 +195,11 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.att.up = x.rt.members[0].up
 	x.att.conn = &upConn{Conn: upRead, up: x.att.up, rx: upRead, timeout: time.Minute}
 	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
-	x.client = &clientConn{Conn: cl, d: time.Minute, ackBase: -1}
+	x.client = &clientConn{Conn: cl, d: time.Minute, Wire: measure.Wire{AckBase: -1}}
 	x.relay.pass = true
 	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)
-	x.tap.m.gaps = make([]time.Duration, 0, maxGaps)
+	x.tap.Grown()
 	return x, upWrite, peer
 }
 
@@ -254,8 +249,8 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	if x.p.loops.Streams() == before {
 		t.Fatal("the stream was not relayed by a relay loop")
 	}
-	if x.tap.m.events != 502 || x.relay.bytesOut != 502*int64(len(benchEvent)) || !x.relay.upDone {
-		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.tap.m.events, x.relay.bytesOut, x.relay.upDone)
+	if x.tap.Events() != 502 || x.relay.bytesOut != 502*int64(len(benchEvent)) || !x.relay.upDone {
+		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.tap.Events(), x.relay.bytesOut, x.relay.upDone)
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/proxy/shed"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/valyala/fasthttp"
@@ -206,10 +207,10 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 
 // learnFirst teaches the upstream's model a stream's first token.
 func (x *exchange) learnFirst() {
-	if x.rt == nil || !x.rt.predicts() || !x.att.counted || x.tap.m.written.IsZero() || x.tap.m.firstTokenRead.IsZero() {
+	if x.rt == nil || !x.rt.predicts() || !x.att.counted || x.tap.Written().IsZero() || x.tap.FirstTokenRead().IsZero() {
 		return
 	}
-	ttft := max(x.tap.m.firstTokenRead.Sub(x.tap.m.written), 0)
+	ttft := max(x.tap.FirstTokenRead().Sub(x.tap.Written()), 0)
 	x.att.up.gate.Model.ObserveFirst(x.att.startK, len(x.in.body0)/4, ttft, x.rec.PredictedTTFT)
 	x.att.learned = true
 }
@@ -223,10 +224,10 @@ func (x *exchange) learnEnd(complete bool) {
 	x.att.ended = true
 	g := x.att.up.gate
 	switch {
-	case x.tap.streamed && x.att.learned:
+	case x.tap.Streamed() && x.att.learned:
 		g.Model.ObserveEnd(x.att.startK, x.rec.TPOT)
-	case !x.tap.streamed && x.rec.Method == "POST" && complete && !x.tap.m.firstByteRead.IsZero() && !x.tap.m.written.IsZero():
-		whole := max(x.tap.m.firstByteRead.Sub(x.tap.m.written), 0)
+	case !x.tap.Streamed() && x.rec.Method == "POST" && complete && !x.tap.FirstByteRead().IsZero() && !x.tap.Written().IsZero():
+		whole := max(x.tap.FirstByteRead().Sub(x.tap.Written()), 0)
 		g.Whole.Observe(x.att.startK, len(x.in.body0)/4, whole, -1, x.rec.PredictedTTFT)
 	default:
 		g.Model.ObserveEnd(x.att.startK, -1) // a completion, nothing measured
@@ -242,7 +243,7 @@ func (x *exchange) admit() *refusal {
 	}
 	var total int64
 	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
-	usd := x.charge.cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
+	usd := x.charge.Cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
 	start := x.p.now()
 	// A request waiting in its tenant's queue is not at its upstream: it
 	// is counted there again once admitted, at the level it starts at then.
@@ -267,34 +268,17 @@ func (x *exchange) admit() *refusal {
 		note: "rate limited: " + string(refused.Reason), retryAfter: refused.RetryAfter, rateLimited: true}
 }
 
-// checkUsage sets aside a usage that could not be true of this request and
-// response (usage.plausible): no response moves a count, a bill or a
-// budget by more than it could have cost.
-func (x *exchange) checkUsage(now time.Time) {
-	u := &x.tap.m.usage
-	if !u.bad && !u.hasIn && !u.hasOut {
-		return
-	}
-	in := x.rec.BytesIn
-	if x.in.encoded {
-		in *= compressedRatio
-	}
-	if !u.plausible(in, x.tap.text(x.relay.bytesOut), now.Sub(x.tap.m.arrival)) {
-		u.reject()
-	}
-}
-
 // chargeFor is how a request of the route served as model is priced: at
 // the model's price, else, for a tenant with a dollar budget, at the
 // route's dearest.
-func (x *exchange) chargeFor(model string) charge {
-	if p := x.snap.cfg.priceOf(model); p != nil {
-		return charge{price: p}
+func (x *exchange) chargeFor(model string) measure.Charge {
+	if p := measure.PriceOf(x.snap.cfg.Prices, model); p != nil {
+		return measure.Charge{Price: p}
 	}
 	if a := x.snap.admit; a != nil && x.rt != nil && a.SpendsDollars(x.tenant, x.rt.Name) {
-		return charge{dearest: &x.rt.prices}
+		return measure.Charge{Dearest: &x.rt.prices}
 	}
-	return charge{}
+	return measure.Charge{}
 }
 
 // releaseTicket returns the request's admission ticket with the tokens it
@@ -307,10 +291,8 @@ func (x *exchange) releaseTicket() {
 	}
 	var actual int64
 	var usd float64
-	if u := &x.tap.m.usage; x.responded && (x.rec.Status < 400 || u.hasIn || u.hasOut) {
-		out, _ := x.tap.m.outputTokens(x.tap.streamed)
-		actual = int64(u.input(x.rec.BytesIn) + out)
-		usd = x.charge.used(u, x.rec.BytesIn, out)
+	if x.responded && (x.rec.Status < 400 || x.tap.UsageReported()) {
+		actual, usd = x.tap.Used(x.rec.BytesIn, x.charge)
 	}
 	x.ticket.ReleaseUSD(actual, usd)
 	x.ticket = nil

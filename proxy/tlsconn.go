@@ -53,7 +53,7 @@ func (t *tlsClient) Read(b []byte) (int, error) {
 }
 
 // Raw gives the peer watch and TCP_INFO the socket.
-func (t *tlsClient) Raw() syscall.RawConn { return t.cc.sys }
+func (t *tlsClient) Raw() syscall.RawConn { return t.cc.Sys }
 
 // clientOf returns the clientConn under c (plain or TLS), or nil.
 func clientOf(c net.Conn) *clientConn {

@@ -67,7 +67,7 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	x.responded = true
 	x.rec.Status = statusOf(head)
-	x.rec.UpstreamTTFB = max(x.p.now().Sub(x.tap.m.written), 0)
+	x.rec.UpstreamTTFB = max(x.p.now().Sub(x.tap.Written()), 0)
 	if x.rec.Status != fasthttp.StatusSwitchingProtocols {
 		// Refused (401, 403, 426…): the answer goes to the client as the
 		// server's response.
@@ -95,7 +95,7 @@ func (a *upstreamAttempt) sendUpgrade(c *upConn) ([]byte, error) {
 	x := a.x
 	t := x.rt.Timeouts
 	_ = c.SetWriteDeadline(x.p.now().Add(t.Write))
-	x.tap.m.written = x.p.now()
+	x.tap.Sent(x.p.now())
 	if err := c.writeRequest(x.att.req.Header.Write); err != nil {
 		return nil, err
 	}
@@ -171,7 +171,7 @@ func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upConn, head []byte) {
 	case up.err != nil:
 		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "websocket tunnel: the client side failed: "+describeStreamError(up.err)
 	}
-	x.tap.m.lastFlush = x.p.now()
+	x.tap.Ended(x.p.now())
 	x.finish(nil)
 }
 

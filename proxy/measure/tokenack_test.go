@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import (
 	"io"
@@ -6,8 +6,10 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // loopPair returns both ends of a loopback TCP connection: the server's
@@ -70,7 +72,7 @@ func (r *readConn) write(t *testing.T, n int) {
 func (r *readConn) acked(t *testing.T, n int64) {
 	t.Helper()
 	var ti sock.TCPInfo
-	waitUntil(t, func() bool { return ti.Read(r.sys) && int64(ti.Info.Bytes_acked) >= r.base+n })
+	wait.Until(t, func() bool { return ti.Read(r.sys) && int64(ti.Info.Bytes_acked) >= r.base+n })
 }
 
 // TestAckMarkSeesTheAcknowledgement: a look before the client's kernel
@@ -99,10 +101,10 @@ func TestAckMarkSeesTheAcknowledgement(t *testing.T) {
 	}
 
 	r.write(t, 10)
-	var w lookWatch
+	var w LookWatch
 	m2 := newAckMark(sys, base+310, time.Now(), 50*time.Microsecond)
-	w.add(m2, time.Now)
-	waitUntil(t, func() bool { // the watch ends the mark
+	w.Add(m2, time.Now)
+	wait.Until(t, func() bool { // the watch ends the mark
 		m2.mu.Lock()
 		defer m2.mu.Unlock()
 		return m2.over
@@ -156,11 +158,11 @@ func TestAckMarkUnusableWhenLookedAtLate(t *testing.T) {
 
 // TestAckMarkLooksPastTheAgreedSpan walks a mark's looks at bytes never
 // acknowledged, each at the time it asked for, up to a horizon: none falls
-// within ackAgree of the round trip's estimate (a find there changes
+// within AckAgree of the round trip's estimate (a find there changes
 // nothing), no gap passes 2 lookLater (the longest whose middle is
 // usable), a long path is looked at from three quarters of its round trip
 // as before, and a loopback client is first looked at a round trip and
-// ackAgree on, where 5 looks were made by then. The first look is a round
+// AckAgree on, where 5 looks were made by then. The first look is a round
 // trip's business, not a gap's: on a path whose three quarters of a round
 // trip fall within the span, it stays there.
 func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
@@ -178,15 +180,15 @@ func TestAckMarkLooksPastTheAgreedSpan(t *testing.T) {
 		{rtt: 20 * time.Millisecond, horizon: 50 * time.Millisecond, first: 15 * time.Millisecond},
 	} {
 		m := newAckMark(sys, base+1000, flush, c.rtt)
-		if got := m.nextLook().Sub(flush); got != c.first {
+		if got := m.NextLook().Sub(flush); got != c.first {
 			t.Errorf("rtt %v: first look %v after the write, want %v", c.rtt, got, c.first)
 		}
 		est := flush.Add(c.rtt)
 		var ti sock.TCPInfo
 		prev, looks := flush, 0
-		for at := m.nextLook(); at.Before(flush.Add(c.horizon)); at = m.nextLook() {
-			if looks > 0 && at.After(est.Add(-ackAgree)) && at.Before(est.Add(ackAgree)) {
-				t.Errorf("rtt %v: a look %v after the write, within ackAgree of the round trip", c.rtt, at.Sub(flush))
+		for at := m.NextLook(); at.Before(flush.Add(c.horizon)); at = m.NextLook() {
+			if looks > 0 && at.After(est.Add(-AckAgree)) && at.Before(est.Add(AckAgree)) {
+				t.Errorf("rtt %v: a look %v after the write, within AckAgree of the round trip", c.rtt, at.Sub(flush))
 			}
 			if gap := at.Sub(prev); looks > 0 && gap > 2*lookLater {
 				t.Errorf("rtt %v: %v between looks %v and %v after the write", c.rtt, gap, prev.Sub(flush), at.Sub(flush))
@@ -370,5 +372,14 @@ func TestAckMarkEnded(t *testing.T) {
 			t.Errorf("kept %v, next write to %d, %d at the end, %d acknowledged: over %v, usable %v; want %v, %v",
 				c.kept, c.laterEnd, c.total, c.acked, m.over, !m.ackedAt.IsZero(), c.wantOver, c.wantUsable)
 		}
+	}
+}
+
+// A mark waits as long as its stream's first tokens are unacknowledged:
+// its size is a bound on what an open stream holds (192 bytes, its
+// allocation's size class).
+func TestAckMarkSize(t *testing.T) {
+	if size := unsafe.Sizeof(ackMark{}); size > 192 {
+		t.Errorf("ackMark is %d bytes, bound 192", size)
 	}
 }

@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import (
 	"fmt"
@@ -19,14 +19,14 @@ type Price struct {
 	Input, CachedInput, CacheWrite, Output float64
 }
 
-// priceOf returns the first price whose glob matches model (nil: none).
+// PriceOf returns the first of prices whose glob matches model (nil: none).
 // A model that is empty (a body tokentap cannot read: not JSON, encoded,
 // a model that is no string) is priced by a catch-all glob ("*") like an
 // unknown one.
-func (c *Config) priceOf(model string) *Price {
-	for i := range c.Prices {
-		if conf.Glob(c.Prices[i].Model, model) {
-			return &c.Prices[i]
+func PriceOf(prices []Price, model string) *Price {
+	for i := range prices {
+		if conf.Glob(prices[i].Model, model) {
+			return &prices[i]
 		}
 	}
 	return nil
@@ -47,9 +47,9 @@ func (p *Price) cost(in, cached, written, out int) float64 {
 	return (float64(fresh)*p.Input + float64(cached)*read + float64(written)*write + float64(out)*p.Output) / 1e6
 }
 
-// validPrices checks the price list: each with a model and no negative
+// ValidPrices checks the price list: each with a model and no negative
 // price (a price left out is given as −1 and costs as input).
-func validPrices(prices []Price) error {
+func ValidPrices(prices []Price) error {
 	for i, p := range prices {
 		field := func(f string) string { return fmt.Sprintf("prices[%d].%s", i, f) }
 		if p.Model == "" {
@@ -68,12 +68,12 @@ func validPrices(prices []Price) error {
 	return nil
 }
 
-// routePrices are the prices that may apply to a route's requests: for a
+// RoutePrices are the prices that may apply to a route's requests: for a
 // route that names models, those whose glob meets one of its globs (each
 // read as a name of the other's; all of them when none does), else all.
 // The dearest of them prices a request whose model has no price when its
 // tenant has a dollar budget (charge).
-func routePrices(prices []Price, models []string) []*Price {
+func RoutePrices(prices []Price, models []string) []*Price {
 	var ps []*Price
 	for i := range prices {
 		p := &prices[i]
@@ -86,46 +86,46 @@ func routePrices(prices []Price, models []string) []*Price {
 		}
 	}
 	if len(ps) == 0 && len(models) > 0 {
-		return routePrices(prices, nil)
+		return RoutePrices(prices, nil)
 	}
 	return ps
 }
 
-// charge is how a request is priced: at its served model's price, or,
+// Charge is how a request is priced: at its served model's price, or,
 // where that has none and its tenant has a dollar budget, at the dearest
 // price of its route for what it used (a body tokentap cannot read, or a
 // model left unpriced, never spends a budget for free); else unpriced.
-type charge struct {
-	price   *Price    // the served model's (nil: none)
-	dearest *[]*Price // its route's prices, when they stand in for it
+type Charge struct {
+	Price   *Price    // the served model's (nil: none)
+	Dearest *[]*Price // its route's prices, when they stand in for it
 }
 
 // basis says which price a record's cost is at (metrics.Cost*).
-func (c charge) basis() string {
+func (c Charge) basis() string {
 	switch {
-	case c.price != nil:
+	case c.Price != nil:
 		return metrics.CostModel
-	case c.dearest != nil && len(*c.dearest) > 0:
+	case c.Dearest != nil && len(*c.Dearest) > 0:
 		return metrics.CostDearest
 	}
 	return metrics.CostUnpriced
 }
 
 // priced reports whether the charge gives a cost.
-func (c charge) priced() bool { return c.basis() != metrics.CostUnpriced }
+func (c Charge) priced() bool { return c.basis() != metrics.CostUnpriced }
 
-// cost is what in input tokens (cached and written of them to the prompt
+// Cost is what in input tokens (cached and written of them to the prompt
 // cache) and out output tokens cost under the charge: the model's price,
 // or the dearest of the route's for these figures.
-func (c charge) cost(in, cached, written, out int) float64 {
-	if c.price != nil {
-		return c.price.cost(in, cached, written, out)
+func (c Charge) Cost(in, cached, written, out int) float64 {
+	if c.Price != nil {
+		return c.Price.cost(in, cached, written, out)
 	}
 	var most float64
-	if c.dearest == nil {
+	if c.Dearest == nil {
 		return 0
 	}
-	for _, p := range *c.dearest {
+	for _, p := range *c.Dearest {
 		most = max(most, p.cost(in, cached, written, out))
 	}
 	return most
@@ -133,15 +133,16 @@ func (c charge) cost(in, cached, written, out int) float64 {
 
 // used is what a request that used u (its output out) cost, its input
 // estimated from bytesIn where the usage does not say.
-func (c charge) used(u *usage, bytesIn int64, out int) float64 {
-	return c.cost(u.input(bytesIn), u.cached, u.write, out)
+func (c Charge) used(u *usage, bytesIn int64, out int) float64 {
+	return c.Cost(u.input(bytesIn), u.cached, u.write, out)
 }
 
-// priceRecord fills the record's cost under c (unpriced: CostUSD stays
+// PriceRecord fills the record's cost under c (unpriced: CostUSD stays
 // absent, its basis says so). A request that reached no upstream cost
 // nothing; one without a usage block is priced from what was counted and
 // estimated (its UsageSource says so).
-func priceRecord(rec *metrics.Record, c charge, u *usage, anyPrices bool) {
+func PriceRecord(rec *metrics.Record, c Charge, tp *Tap, anyPrices bool) {
+	u := &tp.m.usage
 	if rec.Attempts == 0 {
 		rec.UsageSource = ""
 		if c.priced() {

@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import (
 	"encoding/json"
@@ -279,7 +279,7 @@ func replayFixture(want fixture, pieces [][]byte) fixture {
 // Every dialect fixture, measured by the meter the relay uses, whole and
 // one byte per read.
 func TestDialectFixturesThroughTheMeter(t *testing.T) {
-	dir := filepath.Join("..", "sse", "dialect", "testdata")
+	dir := filepath.Join("..", "..", "sse", "dialect", "testdata")
 	wants, _ := filepath.Glob(filepath.Join(dir, "*.want.json"))
 	if len(wants) < 20 {
 		t.Fatalf("only %d fixtures", len(wants))

@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import "github.com/tokentap/tokentap/proxy/internal/conf"
 
@@ -24,8 +24,8 @@ const (
 	defaultClassOutputShort = 512
 )
 
-// withDefaults returns c with its zero thresholds set to their defaults.
-func (c Classes) withDefaults() Classes {
+// WithDefaults returns c with its zero thresholds set to their defaults.
+func (c Classes) WithDefaults() Classes {
 	if c.InputTokens == [2]int{} {
 		c.InputTokens = [2]int{defaultClassInputShort, defaultClassInputLong}
 	}
@@ -35,8 +35,8 @@ func (c Classes) withDefaults() Classes {
 	return c
 }
 
-// validate checks the thresholds of c (zero ones take their defaults).
-func (c Classes) validate() error {
+// Validate checks the thresholds of c (zero ones take their defaults).
+func (c Classes) Validate() error {
 	switch in := c.InputTokens; {
 	case in[0] < 0 || in[1] < 0:
 		return conf.Errf("classes.input_tokens", "must not be negative")
@@ -62,8 +62,8 @@ var classNames = func() (n [3][2][3]string) {
 	return n
 }()
 
-// validClass reports whether name is a class's name.
-func validClass(name string) bool {
+// ValidClass reports whether name is a class's name.
+func ValidClass(name string) bool {
 	for _, byIn := range classNames {
 		for _, byOut := range byIn {
 			for _, n := range byOut {
@@ -76,10 +76,10 @@ func validClass(name string) bool {
 	return false
 }
 
-// of names the class of a request with in input tokens, out output tokens
+// Of names the class of a request with in input tokens, out output tokens
 // and cached input tokens served from the backend's prompt cache (-1: not
 // reported), under thresholds c (with their defaults).
-func (c Classes) of(in, out, cached int) string {
+func (c Classes) Of(in, out, cached int) string {
 	i := 0
 	switch {
 	case in >= c.InputTokens[1]:

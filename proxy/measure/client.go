@@ -1,7 +1,9 @@
-package proxy
+package measure
 
 import (
-	"net"
+	"net/netip"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -51,7 +53,7 @@ type delivery struct {
 	unknown        bool // the connection closed before its count could be read
 	waitUntil      time.Time
 	waitCap        time.Time     // the longest the wait may be drawn out to (maxAckWait)
-	next           time.Time     // the next look at the acknowledgement (clientSide.schedule)
+	next           time.Time     // the next look at the acknowledgement (ClientSide.Schedule)
 	pause          time.Duration // the pause before the look after it
 	recovering     bool          // the kernel was sending lost segments again at the last reading
 	rto            time.Duration // its retransmission timeout then
@@ -97,16 +99,69 @@ func pathRTT(minRTT, syn time.Duration) time.Duration {
 	return minRTT
 }
 
-// clientSide is the response's delivery to the client connection: where
+// Wire is what a client connection keeps of its delivery for the
+// measurement: its socket for TCP_INFO, the bytes written to it and how
+// long its writes waited for the client, and what TCP_INFO said when it was
+// accepted and when it closed. The connection (proxy/clientconn) keeps it
+// up to date; ClientSide reads it.
+type Wire struct {
+	Sys  syscall.RawConn // for TCP_INFO (nil: not available)
+	Sent int64           // bytes written to the connection
+	// Stall is how long writes waited for the client to take bytes (its
+	// socket buffer was full: a client that reads slowly).
+	Stall   time.Duration
+	AckBase int64         // tcpi_bytes_acked when accepted (the SYN may count), -1 unknown
+	Retrans uint32        // tcpi_total_retrans at the last reading
+	SynRTT  time.Duration // the handshake's RTT sample (tcpi_min_rtt when accepted)
+	// FloorNoted is the path RTT this connection last gave the proxy's
+	// pathFloors: a kept-alive connection notes it again only when it
+	// changed, not under the floors' lock on every response.
+	FloorNoted time.Duration
+	// ClosedAcked is tcpi_bytes_acked read just before the close (0: not
+	// read), for a record still waiting for the client's acknowledgement.
+	ClosedAcked atomic.Int64
+	IP          netip.Addr
+}
+
+// Accepted reads TCP_INFO as the connection opens (ti is the reader's
+// buffer): the acknowledged count to count from, the retransmissions and
+// the handshake's round trip.
+func (w *Wire) Accepted(ti *sock.TCPInfo) {
+	w.AckBase = -1
+	if ti.Read(w.Sys) {
+		w.AckBase, w.Retrans = int64(ti.Info.Bytes_acked), ti.Info.Total_retrans
+		w.SynRTT = time.Duration(ti.Info.Min_rtt) * time.Microsecond
+	}
+}
+
+// Closing reads the acknowledged count once more just before the
+// connection closes, for a record still waiting for it.
+func (w *Wire) Closing() {
+	var ti sock.TCPInfo
+	if ti.Read(w.Sys) {
+		w.ClosedAcked.Store(int64(ti.Info.Bytes_acked))
+	}
+}
+
+// Acks is the proxy's watch of the clients' acknowledgements: the floors
+// of their paths' round trips (per address) and the marks waiting for
+// the acknowledgement of the first tokens' bytes, looked at from one
+// goroutine.
+type Acks struct {
+	floors pathFloors
+	marks  LookWatch
+}
+
+// ClientSide is the response's delivery to the client connection: where
 // it began on the connection, the marks waiting for the acknowledgement of
 // the first tokens' bytes, and what TCP_INFO said at its end and while
 // the record waits for the client's acknowledgement. Owner: the
 // exchange's serving goroutine until the response ends; then the
-// proxy's ackWatch while the record waits (ackWatch.add hands it over),
-// and the record.
-type clientSide struct {
-	cc        *clientConn // nil: not a connection tokentap accepted
-	sentFrom  int64       // the connection's count when the response began
+// proxy's watch of waiting records while the record waits, and the
+// record.
+type ClientSide struct {
+	cc        *Wire // nil: not a connection tokentap accepted
+	sentFrom  int64 // the connection's count when the response began
 	stallFrom time.Duration
 	// The acknowledgement of the bytes that carried the first token and
 	// the first answer token (the same mark when one write carried both).
@@ -114,63 +169,37 @@ type clientSide struct {
 	deliv            delivery
 }
 
-// start notes where the response begins on the client connection c.
-func (cs *clientSide) start(c net.Conn) {
-	if cc := clientOf(c); cc != nil {
-		cs.cc, cs.sentFrom, cs.stallFrom = cc, cc.sent, cc.stall
+// Start notes where the response begins on the client connection whose
+// Wire is w (nil: not a connection tokentap accepted).
+func (cs *ClientSide) Start(w *Wire) {
+	if w != nil {
+		cs.cc, cs.sentFrom, cs.stallFrom = w, w.Sent, w.Stall
 	}
 }
 
-// sent is the client connection's count of bytes written (0: unknown).
-func (cs *clientSide) sent() int64 {
+// Sent is the client connection's count of bytes written (0: unknown).
+func (cs *ClientSide) Sent() int64 {
 	if cs.cc == nil {
 		return 0
 	}
-	return cs.cc.sent
+	return cs.cc.Sent
 }
 
-// delivered stamps the delivery at t of the chunk last handed to the
-// client (the body relay's sink): its tokens, the bytes the client side
-// counts after it, and the marks that watch for its acknowledgement.
-func (x *exchange) delivered(t time.Time) {
-	sent := x.cs.sent()
-	tok, ans := x.tap.wrote(t, x.cs.stalled(), sent)
-	x.cs.laterBytes(t, sent)
-	x.markAcks(tok, ans, t, sent)
-}
-
-// clientLeft cancels the exchange: its client left while a relay loop
-// relayed its stream.
-func (x *exchange) clientLeft() { x.fire() }
-
-// rewatch watches the client again, once a stream a relay loop could not
-// take (or let go of) stays on its goroutine.
-func (x *exchange) rewatch() { x.watch.start(x.client, x.fire, &x.p.loops) }
-
-// markAcks watches for the client's acknowledgement of the bytes that
+// Mark watches for the client's acknowledgement of the bytes that
 // carried the stream's first token (tok) and first answer token (ans),
 // delivered at t with the connection's count at sent; one mark serves
-// both when one delivery carried them. Only streams are marked.
-func (x *exchange) markAcks(tok, ans bool, t time.Time, sent int64) {
-	if tok {
-		x.learnFirst()
-	}
-	if x.tap.streamed && !x.p.opts.NoClientSide {
-		x.cs.mark(x.p, tok, ans, t, sent)
-	}
-}
-
-func (cs *clientSide) mark(p *Proxy, tok, ans bool, t time.Time, sent int64) {
+// both when one delivery carried them.
+func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now func() time.Time) {
 	cc := cs.cc
-	if !tok && !ans || cc == nil || cc.sys == nil || cc.ackBase < 0 {
+	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 {
 		return
 	}
 	// The handshake's round trip, or the address's lowest lately where
 	// that is lower: a handshake that met a queue would time the first
 	// looks too late.
-	m := newAckMark(cc.sys, cc.ackBase+sent, t, p.floors.floor(cc.ip, cc.synRTT, t))
+	m := newAckMark(cc.Sys, cc.AckBase+sent, t, a.floors.floor(cc.IP, cc.SynRTT, t))
 	m.kept = cs.sentFrom > 0
-	p.marks.add(m, p.now)
+	a.marks.Add(m, now)
 	if tok {
 		cs.tokMark = m
 	}
@@ -181,7 +210,7 @@ func (cs *clientSide) mark(p *Proxy, tok, ans bool, t time.Time, sent int64) {
 
 // byAck is a client-side time estimated by the round trip (est), or by
 // the acknowledgement of its bytes (acked, zero: none usable) since the
-// request's arrival when the two differ by more than ackAgree: within it
+// request's arrival when the two differ by more than AckAgree: within it
 // the round trip's is the more precise (an acknowledgement is looked for
 // every half millisecond, and the way back of one packet is not the way in
 // of another).
@@ -189,68 +218,68 @@ func byAck(est time.Duration, acked, arrival time.Time) time.Duration {
 	if est < 0 || acked.IsZero() {
 		return est
 	}
-	if a := acked.Sub(arrival); a > est+ackAgree || a < est-ackAgree {
+	if a := acked.Sub(arrival); a > est+AckAgree || a < est-AckAgree {
 		return a
 	}
 	return est
 }
 
-// ackAgree is how far apart the two estimates of a client-side time may
+// AckAgree is how far apart the two estimates of a client-side time may
 // be before the acknowledgement's is taken.
-const ackAgree = time.Millisecond
+const AckAgree = time.Millisecond
 
 // marks are the response's first-token and first-answer-token marks (nil:
 // none; one mark may be both).
-func (cs *clientSide) marks() [2]*ackMark { return [2]*ackMark{cs.tokMark, cs.ansMark} }
+func (cs *ClientSide) marks() [2]*ackMark { return [2]*ackMark{cs.tokMark, cs.ansMark} }
 
-// laterBytes tells the marks waiting for their acknowledgement that bytes
+// LaterBytes tells the marks waiting for their acknowledgement that bytes
 // after theirs were written at t, up to the connection's count sent.
-func (cs *clientSide) laterBytes(t time.Time, sent int64) {
+func (cs *ClientSide) LaterBytes(t time.Time, sent int64) {
 	for _, m := range cs.marks() {
 		if m != nil && m.flush.Before(t) && m.later.Load() == 0 {
-			m.laterEnd.Store(cs.cc.ackBase + sent)
+			m.laterEnd.Store(cs.cc.AckBase + sent)
 			m.later.Store(t.UnixNano())
 		}
 	}
 }
 
-// stalled is how long this response's writes waited for the client so far.
-func (cs *clientSide) stalled() time.Duration {
+// Stalled is how long this response's writes waited for the client so far.
+func (cs *ClientSide) Stalled() time.Duration {
 	if cs.cc == nil {
 		return 0
 	}
-	return cs.cc.stall - cs.stallFrom
+	return cs.cc.Stall - cs.stallFrom
 }
 
-// read reads TCP_INFO at the end of the response into ti, on the
+// Ended reads TCP_INFO at the end of the response into ti, on the
 // handler's goroutine. It reports whether the record should wait for the
 // client's acknowledgement of the last bytes (watch: the connection is
 // healthy, so the wait can tell). With on false (Options.NoClientSide) it
 // reads nothing: only the client's stalls are kept.
-func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on bool, ti *sock.TCPInfo) (wait bool) {
+func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *sock.TCPInfo) (wait bool) {
 	cc := cs.cc
 	d := &cs.deliv
-	*d = delivery{stall: cs.stalled()}
-	if !on || cc == nil || cc.ackBase < 0 || !ti.Read(cc.sys) {
+	*d = delivery{stall: cs.Stalled()}
+	if !on || cc == nil || cc.AckBase < 0 || !ti.Read(cc.Sys) {
 		return false
 	}
 	in := &ti.Info
 	d.ok = true
-	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.synRTT)
-	if d.minRTT != cc.floorNoted {
-		floors.floor(cc.ip, d.minRTT, now)
-		cc.floorNoted = d.minRTT
+	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.SynRTT)
+	if d.minRTT != cc.FloorNoted {
+		a.floors.floor(cc.IP, d.minRTT, now)
+		cc.FloorNoted = d.minRTT
 	}
 	d.srtt = time.Duration(in.Rtt) * time.Microsecond
-	d.retrans = int(in.Total_retrans - cc.retrans)
+	d.retrans = int(in.Total_retrans - cc.Retrans)
 	d.retransFrom = in.Total_retrans
-	cc.retrans = in.Total_retrans
-	d.wire = cc.sent - cs.sentFrom
-	d.total = cc.sent
-	d.note(in, cc.ackBase, now)
+	cc.Retrans = in.Total_retrans
+	d.wire = cc.Sent - cs.sentFrom
+	d.total = cc.Sent
+	d.note(in, cc.AckBase, now)
 	for _, m := range cs.marks() {
 		if m != nil {
-			m.ended(int64(in.Bytes_acked), cc.ackBase+cc.sent, now, in.Delivery_rate)
+			m.ended(int64(in.Bytes_acked), cc.AckBase+cc.Sent, now, in.Delivery_rate)
 		}
 	}
 	if d.ackedAt >= d.total || d.wire == 0 || !watch {
@@ -265,27 +294,27 @@ func (cs *clientSide) read(watch bool, now time.Time, floors *pathFloors, on boo
 	return true
 }
 
-// await polls TCP_INFO until the client acknowledged the response or
-// the wait ran out (schedule, look), sleeping between looks. It is
+// Await polls TCP_INFO until the client acknowledged the response or
+// the wait ran out (Schedule, Look), sleeping between looks. It is
 // for a record that waits on its own goroutine anyway (a compressed body's
 // side decoder); the others wait on the proxy's ackWatch.
-func (cs *clientSide) await(now func() time.Time) {
+func (cs *ClientSide) Await(now func() time.Time) {
 	var ti sock.TCPInfo
-	for !cs.schedule(now()) {
+	for !cs.Schedule(now()) {
 		time.Sleep(cs.deliv.next.Sub(now()))
-		if cs.look(now(), &ti) {
+		if cs.Look(now(), &ti) {
 			return
 		}
 	}
 }
 
-// schedule decides when to look at the client's acknowledgement next
+// Schedule decides when to look at the client's acknowledgement next
 // (d.next): every half millisecond while bytes wait unsent (their departure
 // ends the client's E2E), then each time twice as long after the last
 // (from half a millisecond). It reports true when the wait is over
 // instead: its time ran out, drawn out while the kernel resends lost
 // segments.
-func (cs *clientSide) schedule(now time.Time) (over bool) {
+func (cs *ClientSide) Schedule(now time.Time) (over bool) {
 	d := &cs.deliv
 	left := d.waitUntil.Sub(now)
 	if left <= 0 && d.recovering && d.waitUntil.Before(d.waitCap) {
@@ -310,14 +339,18 @@ func (cs *clientSide) schedule(now time.Time) (over bool) {
 	return false
 }
 
-// look reads TCP_INFO once, into ti; true when the client acknowledged
+// NextLook is when the acknowledgement is to be looked at next
+// (Schedule).
+func (cs *ClientSide) NextLook() time.Time { return cs.deliv.next }
+
+// Look reads TCP_INFO once, into ti; true when the client acknowledged
 // all or the connection closed meanwhile (it left its last count in
 // closedAcked).
-func (cs *clientSide) look(now time.Time, ti *sock.TCPInfo) (over bool) {
+func (cs *ClientSide) Look(now time.Time, ti *sock.TCPInfo) (over bool) {
 	d := &cs.deliv
-	if !ti.Read(cs.cc.sys) {
-		if acked := cs.cc.closedAcked.Load(); acked > 0 {
-			d.ackedAt, d.watched = acked-cs.cc.ackBase, true
+	if !ti.Read(cs.cc.Sys) {
+		if acked := cs.cc.ClosedAcked.Load(); acked > 0 {
+			d.ackedAt, d.watched = acked-cs.cc.AckBase, true
 			if d.departed.IsZero() && d.ackedAt >= d.total {
 				d.departed = now // a bound: it left before the close
 			}
@@ -326,7 +359,7 @@ func (cs *clientSide) look(now time.Time, ti *sock.TCPInfo) (over bool) {
 		}
 		return true
 	}
-	d.note(&ti.Info, cs.cc.ackBase, now)
+	d.note(&ti.Info, cs.cc.AckBase, now)
 	if d.ackedAt >= d.total {
 		d.watched = true
 		return true
@@ -334,34 +367,9 @@ func (cs *clientSide) look(now time.Time, ti *sock.TCPInfo) (over bool) {
 	return false
 }
 
-// ackWatch looks at the acknowledgements of every response whose record
-// waits for one (lookWatch), and records each when its wait is over.
-type ackWatch struct{ lookWatch }
-
-// add hands x to the watch once clientSide.read said its record waits (x.fin
-// holds what record needs).
-func (w *ackWatch) add(x *exchange) {
-	if x.cs.schedule(x.p.now()) {
-		x.recordEnd()
-		return
-	}
-	w.lookWatch.add(x, x.p.now)
-}
-
-// nextLook and lookNow make a waiting record a looker of ackWatch.
-func (x *exchange) nextLook() time.Time { return x.cs.deliv.next }
-
-func (x *exchange) lookNow(now time.Time, ti *sock.TCPInfo) bool {
-	if x.cs.look(now, ti) || x.cs.schedule(now) {
-		x.recordEnd()
-		return true
-	}
-	return false
-}
-
-// fill derives the client's side of rec from its timings and the
+// Fill derives the client's side of rec from its timings and the
 // delivery of a request that arrived at arrival.
-func (cs *clientSide) fill(rec *metrics.Record, arrival time.Time) {
+func (cs *ClientSide) Fill(rec *metrics.Record, arrival time.Time) {
 	d := &cs.deliv
 	rec.ClientStall = d.stall
 	tokAck, ansAck := cs.tokMark.take(), cs.ansMark.take()

@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import (
 	"sync"
@@ -7,40 +7,40 @@ import (
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
-// looker is what a lookWatch looks at: a socket whose TCP_INFO is read at
+// Looker is what a LookWatch looks at: a socket whose TCP_INFO is read at
 // times it chooses.
-type looker interface {
-	// nextLook is when the next look is due.
-	nextLook() time.Time
-	// lookNow looks once at now and reports whether the watch of it is
+type Looker interface {
+	// NextLook is when the next look is due.
+	NextLook() time.Time
+	// LookNow looks once at now and reports whether the watch of it is
 	// over (it then does what its end asks). ti is the watch's own buffer
-	// for the reading, the looker's to use during the call.
-	lookNow(now time.Time, ti *sock.TCPInfo) bool
+	// for the reading, the Looker's to use during the call.
+	LookNow(now time.Time, ti *sock.TCPInfo) bool
 }
 
-// lookWatch looks at every looker due, from one goroutine that runs while
+// LookWatch looks at every Looker due, from one goroutine that runs while
 // any wait and ends when none do. A goroutine per response cost its
 // creation, a sleep per look and the growth of a fresh stack (3% of the
 // CPU on short streams); here one wake-up serves every look that is due.
 // The proxy has two: the records waiting for the client's acknowledgement
 // of a response's end (ackWatch), and the first tokens' bytes waiting for
 // theirs (ackMark).
-type lookWatch struct {
+type LookWatch struct {
 	mu      sync.Mutex
-	waiting []looker
+	waiting []Looker
 	running bool
 	wakeAt  time.Time     // when the goroutine looks next
 	wake    chan struct{} // an earlier look is due than wakeAt
-	due     []looker      // the goroutine's own: looks due, and those to
-	again   []looker      // look at again,
+	due     []Looker      // the goroutine's own: looks due, and those to
+	again   []Looker      // look at again,
 	ti      sock.TCPInfo  // and the buffer its looks read TCP_INFO into
 }
 
 // add watches l; now is the clock the looks are timed by.
-func (w *lookWatch) add(l looker, now func() time.Time) {
+func (w *LookWatch) Add(l Looker, now func() time.Time) {
 	w.mu.Lock()
 	w.waiting = append(w.waiting, l)
-	start, signal := !w.running, w.running && l.nextLook().Before(w.wakeAt)
+	start, signal := !w.running, w.running && l.NextLook().Before(w.wakeAt)
 	if start {
 		w.running = true
 		if w.wake == nil {
@@ -59,7 +59,14 @@ func (w *lookWatch) add(l looker, now func() time.Time) {
 	}
 }
 
-func (w *lookWatch) run(now func() time.Time) {
+// Waiting reports how many lookers wait, and whether the goroutine runs.
+func (w *LookWatch) Waiting() (n int, running bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.waiting), w.running
+}
+
+func (w *LookWatch) run(now func() time.Time) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	for {
@@ -67,7 +74,7 @@ func (w *lookWatch) run(now func() time.Time) {
 		w.mu.Lock()
 		keep, next := w.waiting[:0], time.Time{}
 		for _, l := range w.waiting {
-			at := l.nextLook()
+			at := l.NextLook()
 			if !at.After(t) {
 				w.due = append(w.due, l)
 				continue
@@ -93,7 +100,7 @@ func (w *lookWatch) run(now func() time.Time) {
 		if len(w.due) > 0 {
 			for i, l := range w.due {
 				w.due[i] = nil
-				if !l.lookNow(now(), &w.ti) {
+				if !l.LookNow(now(), &w.ti) {
 					w.again = append(w.again, l)
 				}
 			}

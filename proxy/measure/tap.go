@@ -1,4 +1,13 @@
-package proxy
+// Package measure is what tokentap measures of a request on its way: the
+// tap parses each upstream read into the dialect's events and stamps them
+// (Tap: Read, Wrote, Fill), the client side reads the client connection's
+// TCP_INFO for what the client lived (ClientSide, Acks), and requests are
+// priced (Price, Charge) and sorted into classes (Classes). It does no I/O
+// on the request's path and reads no clock in the tap: it is handed the
+// bytes and their times. It imports nothing of the request path (a check
+// in proxy's structure test keeps it so): the exchange, the relay and the
+// connections feed it.
+package measure
 
 import (
 	"bytes"
@@ -8,7 +17,7 @@ import (
 	"github.com/tokentap/tokentap/sse/dialect"
 )
 
-// tap measures a response body on its way to the client: it parses each
+// Tap measures a response body on its way to the client: it parses each
 // upstream read (through a side decoder when the body is compressed) into
 // the dialect's events and feeds the meter with them, stamped with the
 // times of the chunk they came in. It does no I/O and reads no clock: the
@@ -18,10 +27,10 @@ import (
 // Owner: the exchange's serving goroutine, or the relay loop while the
 // stream is in one (passloop.go hands it over and takes it back); the
 // record reads it once the body has ended.
-type tap struct {
+type Tap struct {
 	dialect  dialect.Dialect
 	m        meter
-	acks     ackMarker // told which deliveries carried the first tokens
+	acks     AckMarker // told which deliveries carried the first tokens
 	streamed bool      // text/event-stream or NDJSON: measured event by event
 	mode     parseMode
 	strip    bool // drop the usage-only chunk tokentap asked for
@@ -49,11 +58,11 @@ type tap struct {
 	parsed int64
 }
 
-// ackMarker is told which delivery carried the stream's first token (tok)
+// AckMarker is told which delivery carried the stream's first token (tok)
 // and first answer token (ans): written at t with the client connection's
-// count at sent (the exchange's markAcks).
-type ackMarker interface {
-	markAcks(tok, ans bool, t time.Time, sent int64)
+// count at sent (the exchange's MarkAcks).
+type AckMarker interface {
+	MarkAcks(tok, ans bool, t time.Time, sent int64)
 }
 
 type parseMode uint8
@@ -65,18 +74,18 @@ const (
 	parseBody
 )
 
-// kept is the tap's next life in a pooled exchange: its buffers and
+// Kept is the tap's next life in a pooled exchange: its buffers and
 // parsers, nothing measured.
-func (tp *tap) kept() tap {
-	return tap{parser: tp.parser, lines: tp.lines, whole: tp.whole[:0], m: meter{gaps: tp.m.gaps[:0]},
+func (tp *Tap) Kept() Tap {
+	return Tap{parser: tp.parser, lines: tp.lines, whole: tp.whole[:0], m: meter{gaps: tp.m.gaps[:0]},
 		decTimes: tp.decTimes[:0], held: tp.held[:0], stripped: tp.stripped[:0], model: tp.model[:0]}
 }
 
-// start chooses how the body is measured from its Content-Type (ct) and
+// Start chooses how the body is measured from its Content-Type (ct) and
 // Content-Encoding (enc), with events of at most maxEvent bytes and a
 // compressed body decoded up to maxDecoded.
-func (tp *tap) start(ct, enc []byte, d dialect.Dialect, maxEvent int, maxDecoded int64) {
-	tp.dialect, tp.maxEvent = d, maxEvent
+func (tp *Tap) Start(ct, enc []byte, d dialect.Dialect, maxEvent int, maxDecoded int64, acks AckMarker, prices bool) {
+	tp.dialect, tp.maxEvent, tp.acks, tp.prices = d, maxEvent, acks, prices
 	if i := bytes.IndexByte(ct, ';'); i >= 0 {
 		ct = ct[:i]
 	}
@@ -90,7 +99,7 @@ func (tp *tap) start(ct, enc []byte, d dialect.Dialect, maxEvent int, maxDecoded
 	default:
 		tp.mode = parseBody
 	}
-	if tp.encoded = encoded(enc); tp.encoded {
+	if tp.encoded = Encoded(enc); tp.encoded {
 		// The compressed bytes pass through untouched; the parser reads a
 		// decompressed copy.
 		if tp.dec = newSideDecoder(enc, maxDecoded); tp.dec == nil {
@@ -115,9 +124,9 @@ func (tp *tap) start(ct, enc []byte, d dialect.Dialect, maxEvent int, maxDecoded
 	}
 }
 
-// observe feeds one upstream read, read at t, to the parser (through the
+// Read feeds one upstream read, received at t, to the parser (through the
 // decompressor when the body is compressed).
-func (tp *tap) observe(b []byte, t time.Time) {
+func (tp *Tap) Read(b []byte, t time.Time) {
 	tp.m.read(t)
 	if tp.dec != nil {
 		// What was decoded of earlier chunks is measured first, with their
@@ -134,7 +143,7 @@ func (tp *tap) observe(b []byte, t time.Time) {
 // each part stamped with the read and delivery times of the chunk it came
 // in. Tokens of a chunk that was never delivered (the client write failed)
 // are counted as events but not as delivered.
-func (tp *tap) takeDecoded(final bool) {
+func (tp *Tap) takeDecoded(final bool) {
 	parts := tp.dec.take()
 	for _, part := range parts {
 		ct := tp.decTimes[part.seq-tp.decBase]
@@ -143,7 +152,7 @@ func (tp *tap) takeDecoded(final bool) {
 		case !ct.flush.IsZero():
 			tp.m.stall = ct.stall
 			tok, ans := tp.m.deliver(ct.flush)
-			tp.acks.markAcks(tok, ans, ct.flush, ct.sent)
+			tp.acks.MarkAcks(tok, ans, ct.flush, ct.sent)
 		case final:
 			tp.m.drop() // its write failed: never delivered
 		default:
@@ -161,7 +170,7 @@ func (tp *tap) takeDecoded(final bool) {
 }
 
 // parse reads body bytes read at t.
-func (tp *tap) parse(b []byte, t time.Time) {
+func (tp *Tap) parse(b []byte, t time.Time) {
 	tp.parsed += int64(len(b))
 	switch tp.mode {
 	case parseSSE:
@@ -202,7 +211,7 @@ func (tp *tap) parse(b []byte, t time.Time) {
 // (stream_options.include_usage injected into the request). Bytes of an
 // event still incomplete are held back until it completes, so an event is
 // relayed in the write of the read that completed it, as without stripping.
-func (tp *tap) parseStrip(b []byte, t time.Time) {
+func (tp *Tap) parseStrip(b []byte, t time.Time) {
 	out := tp.stripped[:0]
 	start := 0
 	tp.parser.Feed(b)
@@ -240,11 +249,11 @@ func (tp *tap) parseStrip(b []byte, t time.Time) {
 	tp.stripped = out
 }
 
-// wrote stamps the delivery of a chunk written to the client at t, when
+// Wrote stamps the delivery of a chunk written to the client at t, when
 // the client connection's writes had waited stall in all and its count was
 // sent; it reports whether the delivery carried the first token and the
 // first answer token (meter.wrote).
-func (tp *tap) wrote(t time.Time, stall time.Duration, sent int64) (tok, ans bool) {
+func (tp *Tap) Wrote(t time.Time, stall time.Duration, sent int64) (tok, ans bool) {
 	if tp.dec != nil {
 		// Its tokens are stamped once decoded (takeDecoded); a read relayed
 		// whole can have fed the decoder several chunks.
@@ -256,10 +265,10 @@ func (tp *tap) wrote(t time.Time, stall time.Duration, sent int64) (tok, ans boo
 	return tp.m.wrote(t)
 }
 
-// settle makes everything the body says known to the meter: what the side
+// Settle makes everything the body says known to the meter: what the side
 // decoder has left of a compressed body (once it is done), and a complete
 // body read whole (not streamed): its usage, its error.
-func (tp *tap) settle(now time.Time, complete bool) {
+func (tp *Tap) Settle(now time.Time, complete bool) {
 	if tp.dec != nil {
 		clean := tp.dec.close(func() { tp.takeDecoded(true) })
 		if !clean && complete || tp.dec.over || tp.dec.dropped {
@@ -276,29 +285,29 @@ func (tp *tap) settle(now time.Time, complete bool) {
 	tp.whole = tp.whole[:0]
 }
 
-// text is the bytes of text the body carried, sent as bytesOut: those
+// Text is the bytes of text the body carried, sent as bytesOut: those
 // parsed, and for a compressed body not decoded whole, what its bytes could
 // hold (compressedRatio).
-func (tp *tap) text(bytesOut int64) int64 {
+func (tp *Tap) Text(bytesOut int64) int64 {
 	if tp.encoded && tp.partial {
 		return max(tp.parsed, bytesOut*compressedRatio)
 	}
 	return max(tp.parsed, bytesOut)
 }
 
-// encoded reports a Content-Encoding other than identity.
-func encoded(enc []byte) bool { return len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) }
+// Encoded reports a Content-Encoding other than identity.
+func Encoded(enc []byte) bool { return len(enc) > 0 && !bytes.EqualFold(enc, []byte("identity")) }
 
 // readDetails reads the model that answered (until one is named) and the
 // finish reason (the last one given) from an event, line or body, when
 // tracing asked for them; the model alone for pricing.
-func (tp *tap) readDetails(data []byte) {
+func (tp *Tap) readDetails(data []byte) {
 	if !tp.details && !(tp.prices && len(tp.model) == 0) {
 		return
 	}
 	d := dialect.ReadDetails(data, len(tp.model) == 0)
 	if len(d.Model) > 0 {
-		tp.model = append(tp.model[:0], d.Model[:min(len(d.Model), maxLoggedModel)]...)
+		tp.model = append(tp.model[:0], d.Model[:min(len(d.Model), MaxModel)]...)
 	}
 	if d.Finish != "" {
 		tp.finish = d.Finish

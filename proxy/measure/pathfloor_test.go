@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import (
 	"net/netip"

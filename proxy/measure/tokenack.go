@@ -1,4 +1,4 @@
-package proxy
+package measure
 
 import (
 	"sync"
@@ -22,7 +22,7 @@ import (
 // as the path is the same both times). A mark watches for that
 // acknowledgement on the client connection's TCP_INFO (tcpi_bytes_acked)
 // after the write that carried the token: looks every lookEvery at most
-// from a little before a round trip has passed (none within ackAgree of
+// from a little before a round trip has passed (none within AckAgree of
 // it, where what a look finds changes nothing), then every lookLater
 // once a round trip and 10 ms passed (a queue on the path, or a client
 // that delays its acknowledgements), until the bytes are acknowledged or
@@ -62,11 +62,11 @@ type ackMark struct {
 // lookEvery bounds the time between two looks at a mark while its
 // acknowledgement is due, and lookLater after: half of it is the
 // estimate's own error. lookFirst is the shortest: a twentieth of the
-// round trip on a long path, never below a quarter of ackAgree, within
+// round trip on a long path, never below a quarter of AckAgree, within
 // which the estimate by the round trip is taken anyway (byAck). Each look
 // is a system call and most a wake-up of the marks' goroutine.
 const (
-	lookFirst = ackAgree / 4
+	lookFirst = AckAgree / 4
 	lookEvery = 500 * time.Microsecond
 	lookLater = time.Millisecond
 )
@@ -90,20 +90,20 @@ func newAckMark(sys syscall.RawConn, target int64, flush time.Time, rtt time.Dur
 	return m
 }
 
-// pastAgreed moves a look due within ackAgree of the round trip's
+// pastAgreed moves a look due within AckAgree of the round trip's
 // estimate (flush + rtt) to that span's end. An acknowledgement found by
 // then changes nothing: byAck takes the estimate for one that came within
-// ackAgree of it, and the looks' middle (ackedAt) errs by half their gap
+// AckAgree of it, and the looks' middle (ackedAt) errs by half their gap
 // at most, as anywhere. So on a short path (a client in the same network,
-// loopback) the first look is at a round trip and ackAgree, where looks
+// loopback) the first look is at a round trip and AckAgree, where looks
 // every lookFirst from three quarters of a round trip made 5 in that span
 // for a client that delays its acknowledgement (as kept-alive HTTP
 // clients do). The move never takes a look past 2 lookLater after the
 // last, the longest gap whose middle is usable.
 func (m *ackMark) pastAgreed(next time.Time) time.Time {
 	est := m.est()
-	end := est.Add(ackAgree)
-	if !next.After(est.Add(-ackAgree)) || !next.Before(end) {
+	end := est.Add(AckAgree)
+	if !next.After(est.Add(-AckAgree)) || !next.Before(end) {
 		return next
 	}
 	if most := m.prev.Add(2 * lookLater); most.Before(end) {
@@ -319,11 +319,11 @@ func (m *ackMark) take() time.Time {
 	return m.ackedAt
 }
 
-// nextLook and lookNow make a mark a looker of the proxy's marks watch
-// (lookWatch).
-func (m *ackMark) nextLook() time.Time { return m.next }
+// nextLook and lookNow make a mark a Looker of the proxy's marks watch
+// (LookWatch).
+func (m *ackMark) NextLook() time.Time { return m.next }
 
-func (m *ackMark) lookNow(now time.Time, ti *sock.TCPInfo) bool {
+func (m *ackMark) LookNow(now time.Time, ti *sock.TCPInfo) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.look(now, ti)
