@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // cachedBackend is a simulated server whose prefix cache holds 4 prompts,
@@ -116,7 +117,7 @@ func affinityRun(t *testing.T, balance, sticky string, n, workers int) (hits flo
 // prompt stays there too; 75% hit (83-87% here). The load bound that
 // spreads a key from a busy upstream is TestRingBoundsLoad's.
 func TestStickyPrefixKeepsCachesWarm(t *testing.T) {
-	long(t, "3,600 requests to four cached backends")
+	wait.Long(t, "3,600 requests to four cached backends")
 	const n = 1200
 	var base, aff, aff8 float64
 	var baseBy, affBy, aff8By map[string]int

@@ -90,7 +90,7 @@ func (a *upstreamAttempt) forward(ctx *fasthttp.RequestCtx) *refusal {
 	for {
 		err := a.attempt(ctx)
 		reason := a.failoverReason(ctx, err)
-		if reason == "" || a.x.cancel.isGone() || !a.failover(reason) {
+		if reason == "" || a.x.cancel.IsGone() || !a.failover(reason) {
 			return a.forwardResult(err)
 		}
 	}
@@ -130,7 +130,7 @@ func (a *upstreamAttempt) forwardResult(err error) *refusal {
 	switch {
 	case err == nil:
 		return nil
-	case a.x.cancel.isGone():
+	case a.x.cancel.IsGone():
 		return refuseGone
 	case isTimeout(err):
 		return &refusal{status: fasthttp.StatusGatewayTimeout, outcome: metrics.OutcomeUpstreamTimeout, code: "upstream_timeout", msg: describeUpstreamError(err)}
@@ -146,12 +146,12 @@ func (a *upstreamAttempt) roundTrip(head bool) error {
 	for attempt := 0; ; attempt++ {
 		// A client that leaves during a dial stops it (the peer watch
 		// runs from admission on).
-		c, err := up.get(goneCtx{a.x.cancel.doneChan()}, attempt > 0)
+		c, err := up.get(goneCtx{a.x.cancel.Done()}, attempt > 0)
 		if err != nil {
 			a.connectFailed = true
 			return err
 		}
-		if !a.x.cancel.attach(c.Conn) {
+		if !a.x.cancel.Attach(c.Conn) {
 			up.discard(c)
 			return errCancelled
 		}
@@ -170,8 +170,8 @@ func (a *upstreamAttempt) roundTrip(head bool) error {
 		}
 		unread := mayResend(c, acked, err)
 		up.discard(c)
-		a.x.cancel.detach()
-		if a.x.cancel.isGone() {
+		a.x.cancel.Detach()
+		if a.x.cancel.IsGone() {
 			return errCancelled
 		}
 		if !unread || attempt > 0 {

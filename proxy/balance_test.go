@@ -14,6 +14,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"github.com/tokentap/tokentap/ratelimit"
 )
 
@@ -64,7 +65,7 @@ func chat(t *testing.T, url string, header ...string) {
 // /stats group with its backend's first-token time, the access log's
 // upstream, metrics labelled upstream).
 func TestWeightedSplit(t *testing.T) {
-	long(t, "thousands of requests split by weight")
+	wait.Long(t, "thousands of requests split by weight")
 	tp := twoBackends(t, nil)
 	const n = 400
 	var wg sync.WaitGroup
@@ -122,7 +123,7 @@ func TestWeightedSplit(t *testing.T) {
 // TestStickyTenantAndHeader: a sticky key always lands on one upstream,
 // and different keys spread over both.
 func TestStickyTenantAndHeader(t *testing.T) {
-	long(t, "thousands of requests split by weight")
+	wait.Long(t, "thousands of requests split by weight")
 	for _, sticky := range []string{"tenant", "header:X-User"} {
 		t.Run(sticky, func(t *testing.T) {
 			tp := twoBackends(t, func(r *Route) { r.Sticky = sticky; r.Upstreams[1].Weight = 3 })

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // envMockChild makes this test binary the simulated server of the busy
@@ -97,7 +98,7 @@ func spin(n int, stop chan struct{}) *sync.WaitGroup {
 // the token's bytes: the time tokentap waits for a processor is not the
 // backend's.
 func TestNoFalseShedsOnABusyMachine(t *testing.T) {
-	long(t, "11 s of load beside 8 spinning goroutines")
+	wait.Long(t, "11 s of load beside 8 spinning goroutines")
 	const capacity = 28.0
 	up := startMockChild(t)
 	tp := startProxyRecords(t, up, func(c *Config) {

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"golang.org/x/sys/unix"
 )
 
@@ -150,7 +151,7 @@ func FuzzChunkScanner(f *testing.F) {
 // events are all counted and its length recorded. One large response is
 // read only after the proxy's writes have met a full socket buffer.
 func TestRelayExactBytesUnderSplitsAndStalls(t *testing.T) {
-	long(t, "randomly split and stalled streams")
+	wait.Long(t, "randomly split and stalled streams")
 	for _, path := range relayPaths {
 		t.Run(path.name, func(t *testing.T) {
 			switch moved := relayExactBytes(t, Options{GoroutineRelay: path.goroutine}); {

@@ -10,6 +10,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // TestCompressedTTFTMatchesClientClock compares each compressed stream's
@@ -31,7 +33,7 @@ import (
 // is timed the same way beside them: on a busy machine the client's own
 // clock, in this process, is late now and then for all of them alike.
 func TestCompressedTTFTMatchesClientClock(t *testing.T) {
-	long(t, "streams in five encodings over loopback")
+	wait.Long(t, "streams in five encodings over loopback")
 	const events, requests = 4, 10
 	strict := os.Getenv("TOKENTAP_TIMING_STRICT") != ""
 	encoders := map[string]func(io.Writer) flushWriter{"identity": func(w io.Writer) flushWriter { return plainWriter{w} }}

@@ -12,7 +12,6 @@ import (
 	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
-	"go.uber.org/zap"
 )
 
 // Timeouts bound the upstream side of an exchange. None of them limits the
@@ -510,30 +509,4 @@ func (c Config) withDefaults() Config {
 	}
 	c.Classes = c.Classes.WithDefaults()
 	return c
-}
-
-// withDefaults returns o with its zero fields set to their defaults.
-func (o Options) withDefaults() Options {
-	if o.Now == nil {
-		o.Now = time.Now
-	}
-	if o.Logger == nil {
-		o.Logger = zap.NewNop()
-	}
-	if o.MaxRequestBodySize <= 0 {
-		o.MaxRequestBodySize = defaultMaxRequestBodySize
-	}
-	if o.MaxBufferedBodies <= 0 {
-		o.MaxBufferedBodies = defaultMaxBufferedBodies
-	}
-	if o.ClientWriteTimeout <= 0 {
-		o.ClientWriteTimeout = defaultClientWriteTimeout
-	}
-	if o.RequestReadTimeout <= 0 {
-		o.RequestReadTimeout = defaultRequestReadTimeout
-	}
-	if o.IdleTimeout <= 0 {
-		o.IdleTimeout = defaultIdleTimeout
-	}
-	return o
 }

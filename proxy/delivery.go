@@ -4,6 +4,7 @@ import (
 	"net"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
 )
@@ -16,7 +17,7 @@ import (
 // wireOf returns the delivery counters of the client connection under c
 // (plain or TLS), or nil for a connection tokentap did not accept.
 func wireOf(c net.Conn) *measure.Wire {
-	if cc := clientOf(c); cc != nil {
+	if cc := downstream.Of(c); cc != nil {
 		return &cc.Wire
 	}
 	return nil
@@ -25,7 +26,7 @@ func wireOf(c net.Conn) *measure.Wire {
 // isPlain reports a plain client connection tokentap accepted (not one
 // over TLS): one tokentap can write a response to itself.
 func isPlain(c net.Conn) bool {
-	_, ok := c.(*clientConn)
+	_, ok := c.(*downstream.Conn)
 	return ok
 }
 
@@ -45,7 +46,7 @@ func (x *exchange) clientLeft() { x.fire() }
 
 // rewatch watches the client again, once a stream a relay loop could not
 // take (or let go of) stays on its goroutine.
-func (x *exchange) rewatch() { x.watch.start(x.client, x.fire, &x.p.loops) }
+func (x *exchange) rewatch() { x.watch.Start(x.client, x.fire, &x.p.loops) }
 
 // MarkAcks is told that the delivery at t (the connection's count at
 // sent) carried the stream's first token (tok) and first answer token

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/ratelimit"
@@ -44,8 +45,8 @@ type exchange struct {
 	rt      *route
 	dialect dialect.Dialect
 	client  net.Conn
-	watch   peerWatch
-	cancel  cancelState
+	watch   downstream.Watch
+	cancel  downstream.Cancel
 	fire    func() // cancel.fire, made once per pooled exchange
 
 	in    inbound            // the client's request: its path, body, stream flag (request.go)
@@ -96,7 +97,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	// upstream.
 	x.client = ctx.Conn()
 	x.cs.Start(wireOf(x.client))
-	x.watch.start(x.client, x.fire, &x.p.loops)
+	x.watch.Start(x.client, x.fire, &x.p.loops)
 	if r := x.admit(); r != nil {
 		return r
 	}
@@ -173,7 +174,7 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	// A request whose bytes came in over time (a slow upload, a large
 	// body) kept tokentap waiting for the client: that is not overhead.
-	if cc := clientOf(ctx.Conn()); cc != nil && cc.Rx() != 0 {
+	if cc := downstream.Of(ctx.Conn()); cc != nil && cc.Rx() != 0 {
 		x.tap.Uploaded(sock.Received(cc.Rx(), x.p.now(), x.p.opts.RequestReadTimeout))
 	}
 	x.in.body0 = body
@@ -349,14 +350,14 @@ func (x *exchange) finish(writeErr error) {
 		// The last chunk went out with the end of the response.
 		x.relay.wrote(now)
 	}
-	x.watch.stop()
-	gone := x.cancel.isGone()
+	x.watch.Stop()
+	gone := x.cancel.IsGone()
 
 	// The upstream connection goes back to the pool only after a complete,
 	// clean response; anything else closes it, which also cancels the
 	// request at the backend.
 	if x.att.conn != nil {
-		x.cancel.detach()
+		x.cancel.Detach()
 		_ = x.att.resp.CloseBodyStream()
 		switch {
 		case x.relay.stray:
@@ -374,8 +375,8 @@ func (x *exchange) finish(writeErr error) {
 		ti := x.p.takeInfo()
 		wait = x.cs.Ended(writeErr == nil && !gone, now, &x.p.clientAcks, !x.p.opts.NoClientSide, ti)
 		x.p.infos.Put(ti)
-		if cc := clientOf(x.client); cc != nil {
-			cc.expectHead() // the next bytes begin the next request
+		if cc := downstream.Of(x.client); cc != nil {
+			cc.ExpectHead() // the next bytes begin the next request
 		}
 		x.client = nil
 	}

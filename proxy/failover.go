@@ -88,7 +88,7 @@ func (a *upstreamAttempt) failover(reason string) bool {
 		a.up.discard(a.conn) // closing it cancels the backend's work
 		a.conn = nil
 	}
-	a.x.cancel.detach()
+	a.x.cancel.Detach()
 	a.req.Reset()
 	a.resp.Reset()
 	a.x.tap.Lost(now.Sub(a.attemptAt))

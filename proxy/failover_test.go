@@ -13,6 +13,7 @@ import (
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 func failoverCount(route, from, reason string) int {
@@ -38,7 +39,7 @@ func failoverCountName(name string) int {
 // gets one clean answer, the record one line with attempts 2, the final
 // upstream and the time lost, and the counter its reason.
 func TestFailover(t *testing.T) {
-	long(t, "failovers over loopback")
+	wait.Long(t, "failovers over loopback")
 	healthy := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
 	closed := func() string { // a port nothing listens on
 		ln, _ := net.Listen("tcp", "127.0.0.1:0")

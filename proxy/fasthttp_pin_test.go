@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/valyala/fasthttp"
 )
 
@@ -125,17 +126,17 @@ func TestFasthttpFramingPinned(t *testing.T) {
 // and the server serves the connection again when given it back
 // (Proxy.resume).
 func TestFasthttpHijackPinned(t *testing.T) {
-	back := make(chan *clientConn, 1)
+	back := make(chan *downstream.Conn, 1)
 	hijacked := make(chan net.Conn, 4)
 	var srv *fasthttp.Server
 	srv, addr := pinServer(t, func(ctx *fasthttp.RequestCtx) {
 		switch string(ctx.Path()) {
 		case "/mine":
-			cc := ctx.Conn().(*clientConn)
+			cc := ctx.Conn().(*downstream.Conn)
 			ctx.HijackSetNoResponse(true)
 			ctx.Hijack(func(hj net.Conn) {
 				io.WriteString(cc, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nmine\r\n0\r\n\r\n")
-				cc.takeBuffered(hj, make([]byte, 64))
+				cc.TakeBuffered(hj, make([]byte, 64))
 				back <- cc
 			})
 		default:
@@ -164,8 +165,8 @@ func TestFasthttpHijackPinned(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the server never reported StateHijacked")
 	}
-	if !bytes.HasPrefix(cc.pending, []byte("GET /b HTTP/1.1\r\n")) {
-		t.Fatalf("the request read ahead was not handed over: %q", cc.pending)
+	if !bytes.HasPrefix(cc.Pending(), []byte("GET /b HTTP/1.1\r\n")) {
+		t.Fatalf("the request read ahead was not handed over: %q", cc.Pending())
 	}
 	expectQuiet(t, c, br) // the handler returned: the connection stays open, nothing written
 	c.SetDeadline(time.Now().Add(10 * time.Second))

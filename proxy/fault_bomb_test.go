@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/andybalholm/brotli"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // zstdBomb is a zstd frame that declares a window of window bytes and
@@ -67,7 +68,7 @@ func brotliBomb(n int, event string) []byte {
 // the client untouched and their records are partial. Before the bounds,
 // one zstd bomb took the heap from 22 MB to 561 MB.
 func TestFaultDecoderMemoryBounded(t *testing.T) {
-	long(t, "compression bombs")
+	wait.Long(t, "compression bombs")
 	event := chatChunk("first")
 	zb := zstdBomb(128<<20, 8192, event) // 1 GiB decoded, a window past the content coding's 8 MiB
 	zok := zstdBomb(8<<20, 4096, event)  // 512 MiB decoded in an 8 MiB window: decoded up to the limit

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 
 	vm "github.com/VictoriaMetrics/metrics"
 )
@@ -380,7 +381,7 @@ func TestFaultStreamLetsItsBodyGo(t *testing.T) {
 // no client E2E) and it is not good against the client-side SLO; the
 // tokens the backend produced are still charged.
 func TestFaultUnreadResponseIsNotGood(t *testing.T) {
-	long(t, "a client that never reads")
+	wait.Long(t, "a client that never reads")
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		for range 75 {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
@@ -30,12 +31,12 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 // serveError answers requests fasthttp could not parse (or whose body was
 // too large) and records them like any other.
 func (p *Proxy) serveError(ctx *fasthttp.RequestCtx, err error) {
-	if errors.As(err, new(handshakeError)) {
+	if downstream.IsHandshakeError(err) {
 		// No request: counted, not recorded, and nothing can be answered
 		// over TLS; a plain HTTP request on the TLS port is answered 400
 		// in plain text, as nginx does.
 		metrics.TLSHandshakeFailed()
-		AnswerPlainHTTP(err)
+		downstream.AnswerPlainHTTP(err)
 		ctx.SetConnectionClose()
 		return
 	}
@@ -80,7 +81,7 @@ func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 	snap := p.snap.Load()
 	x := p.acquireExchange(snap, p.arrival(ctx))
 	p.inflight.Add(1) // until recorded (shadow copies never count: they never hold up a drain)
-	p.monitor.arm()
+	p.monitor.Arm()
 	rec := &x.rec
 	rec.Series, rec.Route = snap.metrics.Unmatched(), metrics.UnmatchedRoute
 	x.id = p.requestID(x.id[:0], clientID)
@@ -253,8 +254,8 @@ func methodString(m []byte) string {
 // read it counts in every figure, as the client lived it.
 func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	now := p.now()
-	if c := clientOf(ctx.Conn()); c != nil {
-		return c.arrival(now, p.opts.RequestReadTimeout)
+	if c := downstream.Of(ctx.Conn()); c != nil {
+		return c.Arrival(now, p.opts.RequestReadTimeout)
 	}
 	return now
 }
@@ -326,7 +327,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 	x, _ := p.pool.Get().(*exchange)
 	if x == nil {
 		x = &exchange{p: p, att: upstreamAttempt{req: new(fasthttp.Request), resp: new(fasthttp.Response)}}
-		x.fire = x.cancel.fire
+		x.fire = x.cancel.Fire
 		x.att.x = x
 		x.relay.relayParts = relayParts{sink: x, tap: &x.tap, cancel: &x.cancel, watch: &x.watch, server: p}
 	}
@@ -351,7 +352,7 @@ func (p *Proxy) takeInfo() *sock.TCPInfo {
 func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
 		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.Kept(), relay: x.relay.kept(),
-		watch: peerWatch{done: x.watch.done, timer: x.watch.timer, peekFn: x.watch.peekFn}, fire: x.fire,
+		watch: x.watch.Kept(), fire: x.fire,
 	}
 	p.pool.Put(x)
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 	"github.com/tokentap/tokentap/proxy/testkit/netsim"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"github.com/tokentap/tokentap/ratelimit"
 )
 
@@ -217,7 +218,7 @@ func runNetClients(t *testing.T, ns *netsim.NS, addr string, workers, per int, f
 // process's namespace): no delay between the two, as in a deployment
 // beside the backend.
 func TestClientSideTimesOverADelayLink(t *testing.T) {
-	long(t, "streams over delayed links in network namespaces")
+	wait.Long(t, "streams over delayed links in network namespaces")
 	if err := netsim.Available(); err != nil {
 		t.Skip("no delay link on this machine:", err)
 	}
@@ -471,7 +472,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 // after its last bytes left), but the slot is freed when the response
 // ends: no request is refused.
 func TestConcurrencySlotFreedWhenResponseEnds(t *testing.T) {
-	long(t, "responses over a delayed link")
+	wait.Long(t, "responses over a delayed link")
 	if err := netsim.Available(); err != nil {
 		t.Skip("no delay link on this machine:", err)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // overloadBackend is the simulated server of the overload tests: 8 slots,
@@ -157,7 +158,7 @@ func run(t *testing.T, tp *testProxy, rate float64, warm, d time.Duration, criti
 // 0.7x, 11 of 179 were shed with a second copy of the suite running);
 // the bench (tokentap-bench overload) measures the answer's time.
 func TestOverloadSheddingKeepsGoodput(t *testing.T) {
-	long(t, "11 s of load at five levels")
+	wait.Long(t, "11 s of load at five levels")
 	const capacity = 28.0 // 8 slots over about 280 ms a request
 	warm, d := 3*time.Second, 8*time.Second
 
@@ -289,7 +290,7 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 // wall clock that a busy machine shares). Before, a queue of seconds
 // built while the model learned from whole responses.
 func TestOverloadFromAColdStart(t *testing.T) {
-	long(t, "4 s of load from a cold start")
+	wait.Long(t, "4 s of load from a cold start")
 	const capacity = 28.0
 	tp := overloadProxy(t, true)
 	tl := offer(t, tp, chatBody, 3*capacity, 4*time.Second, 0.2, rand.New(rand.NewPCG(11, 7)))
@@ -317,7 +318,7 @@ func TestOverloadFromAColdStart(t *testing.T) {
 // capacity it sheds next to nothing. Before, a whole response was never
 // shed (64 at once: E2E p50 552 ms, none shed).
 func TestWholeResponsesShedByTheirE2E(t *testing.T) {
-	long(t, "9 s of load at two levels")
+	wait.Long(t, "9 s of load at two levels")
 	const capacity = 28.0
 	const whole = `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
 	wholeProxy := func(shed bool) *testProxy {

@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"golang.org/x/sys/unix"
@@ -30,7 +31,7 @@ type passTurn struct {
 // stamps, or for a compressed body (its side decoder could hold the loop
 // up).
 func (r *bodyRelay) loopable() bool {
-	cc, _ := r.client.(*clientConn)
+	cc, _ := r.client.(*downstream.Conn)
 	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.loopable() && !r.tap.Decoding()
 }
 
@@ -42,32 +43,32 @@ func (r *bodyRelay) loopable() bool {
 // hj first (takeBuffered), so that the hijack's goroutine can return and
 // the server's read buffer go with it: an open stream holds neither.
 func (r *bodyRelay) passLoop(hj net.Conn) bool {
-	cc, c := r.client.(*clientConn), r.up
+	cc, c := r.client.(*downstream.Conn), r.up
 	l := r.server.loops.Pick()
 	if l == nil {
 		return false
 	}
 	upFd, clFd := c.loopFd(), sock.Fd(cc.Raw())
-	if upFd < 0 || clFd < 0 || !r.cancel.enterLoop() {
+	if upFd < 0 || clFd < 0 || !r.cancel.EnterLoop() {
 		return false
 	}
-	if !cc.enterLoop() {
-		r.cancel.leaveLoop()
+	if !cc.EnterLoop() {
+		r.cancel.LeaveLoop()
 		return false
 	}
 	if hj != nil {
-		cc.takeBuffered(hj, r.buf[r.keep:])
+		cc.TakeBuffered(hj, r.buf[r.keep:])
 	}
 	s := &r.loop
 	s.S, s.UpFd, s.ClFd = (*looped)(r), upFd, clFd
-	s.Idle, s.WriteTimeout = c.idle(), cc.d
+	s.Idle, s.WriteTimeout = c.idle(), cc.WriteTimeout()
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it); the socket's seat
 	// in this loop's watch set is given up, as a socket is in an epoll set
 	// once (the next request on the connection takes it again).
-	r.watch.stop()
-	cc.seat.LeaveFor(l)
+	r.watch.Stop()
+	cc.Seat().LeaveFor(l)
 	// The upstream connection's reader is empty (passChunks moves only
 	// then) and unused while the loop reads the socket: it is put aside
 	// (parkReader) until the stream leaves the loop.
@@ -84,8 +85,8 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 func (r *bodyRelay) leftLoop() {
 	r.loop.S, r.turn = nil, passTurn{}
 	r.up.unparkReader()
-	r.client.(*clientConn).leaveLoop()
-	r.cancel.leaveLoop()
+	r.client.(*downstream.Conn).LeaveLoop()
+	r.cancel.LeaveLoop()
 }
 
 // afterLoop carries the stream on, on a goroutine of its own, once the
@@ -173,9 +174,9 @@ func (l *looped) Note(e relayplane.Event) {
 	case relayplane.Entered:
 		r.spareBuf()
 	case relayplane.Sent:
-		r.client.(*clientConn).Sent += int64(e.N)
+		r.client.(*downstream.Conn).Sent += int64(e.N)
 	case relayplane.Stalled:
-		r.client.(*clientConn).Stall += e.D
+		r.client.(*downstream.Conn).Stall += e.D
 	case relayplane.ClientLeft:
 		r.sink.clientLeft()
 	case relayplane.Failed:

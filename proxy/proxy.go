@@ -32,7 +32,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net"
-	"net/netip"
 	"runtime"
 	"sort"
 	"strconv"
@@ -42,74 +41,13 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
-	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 )
-
-// Options are the parts of a Proxy that are not configuration.
-type Options struct {
-	// Sinks receive every finished record, after the metrics set.
-	Sinks []metrics.Sink
-	// Logger for errors of tokentap itself (not per-request failures,
-	// which are counted and logged in the access log). Nil: no logging.
-	Logger *zap.Logger
-	// Now is the clock; nil means time.Now. Every time reading of the proxy
-	// goes through it.
-	Now func() time.Time
-	// MaxRequestBodySize bounds a request body (default 32 MiB).
-	MaxRequestBodySize int
-	// MaxBufferedBodies bounds the request body bytes all requests hold
-	// from the first byte read to the response's end (default 512 MiB): a request whose body
-	// would pass it gets 503 at once. Slow clients part-way through large
-	// bodies cannot add up to more.
-	MaxBufferedBodies int64
-	// ClientWriteTimeout bounds each write to a client, so a client that
-	// stops reading cannot hold a stream forever (default 60 s).
-	ClientWriteTimeout time.Duration
-	// MaxConns caps the open client connections (0: no cap); beyond it a
-	// new connection is answered 503 and closed. MaxConnsPerIP caps them
-	// per client address (0: no cap).
-	MaxConns, MaxConnsPerIP int
-	// StatsNow is the clock of the live percentile windows (nil: Now).
-	StatsNow func() time.Time
-	// RequestReadTimeout bounds reading a request's headers and body, and
-	// IdleTimeout the wait for the next request on a keep-alive connection
-	// (default 2 min each).
-	RequestReadTimeout, IdleTimeout time.Duration
-	// GoroutineRelay keeps every streamed body on its request's goroutine
-	// instead of handing established chunked streams to the relay loops
-	// (relayplane). The loops cost less per event; this is the path to compare
-	// them against.
-	GoroutineRelay bool
-	// NoStats, NoSeries and NoClientSide turn measuring features off
-	// (measurement: in the config), each with what it costs: the live
-	// /stats table (StatsOff: the admin answers 404), the per-request
-	// Prometheus series of each route (latency histograms, goodput and
-	// outcome counters), and the client side's TCP_INFO readings at each
-	// response's end with the wait for the client's ACK and the marks of
-	// the first tokens' acknowledgement (the record's client_* fields and
-	// bytes_acked are then absent).
-	NoStats, NoSeries, NoClientSide bool
-	// Tracer starts each request's trace (nil: no tracing, and a client's
-	// traceparent passes through untouched). The upstream request then
-	// carries tokentap's span in traceparent, and the record its trace
-	// context, the response's model and finish reason and the failed
-	// attempts, for a Sink to export.
-	Tracer Tracer
-}
-
-// Tracer starts a request's trace from the client's traceparent and
-// tracestate (nil when absent): the context of tokentap's span for the
-// request, its IDs chosen now so the upstream request can carry them, and
-// whether it is sampled. It must be safe for concurrent use and fast: it
-// runs on every request.
-type Tracer interface {
-	StartTrace(traceparent, tracestate []byte) metrics.TraceContext
-}
 
 // Proxy is the relay. It is safe for concurrent use; its configuration can
 // be swapped with Apply while requests are in flight.
@@ -132,13 +70,13 @@ type Proxy struct {
 	// resumed counts, per connection, the goroutines serving it again
 	// after a response tokentap wrote itself (resume); stopping is set by
 	// Shutdown, from when no connection is given back. Under srvMu.
-	resumed  map[*clientConn]int
+	resumed  map[*downstream.Conn]int
 	stopping atomic.Bool
 
-	caps     *connCaps    // client connections opened through Listen
-	inflight atomic.Int64 // exchanges begun and not finished
-	bodies   atomic.Int64 // request body bytes held (Options.MaxBufferedBodies)
-	cutting  atomic.Bool  // Cut was called: what ends now was cut
+	caps     *downstream.Caps // client connections opened through Listen
+	inflight atomic.Int64     // exchanges begun and not finished
+	bodies   atomic.Int64     // request body bytes held (Options.MaxBufferedBodies)
+	cutting  atomic.Bool      // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
 	pool     sync.Pool // *exchange
@@ -150,16 +88,16 @@ type Proxy struct {
 	loops      relayplane.Set // the relay loops: started by Serve, stopped by Shutdown and Close
 	stats      *stats.Engine
 	statsNow   func() time.Time
-	monitor    *monitorTick // the runtime's monitor kept awake while requests are in flight
+	monitor    *downstream.MonitorTick // the runtime's monitor kept awake while requests are in flight
 }
 
 // New builds a Proxy for cfg.
 func New(cfg Config, opts Options) (*Proxy, error) {
 	opts = opts.withDefaults()
 	p := &Proxy{opts: opts, now: opts.Now, log: opts.Logger.Named("proxy"),
-		caps: &connCaps{max: opts.MaxConns, maxPerIP: opts.MaxConnsPerIP, perIP: map[netip.Addr]int{}}}
+		caps: downstream.NewCaps(opts.MaxConns, opts.MaxConnsPerIP)}
 	_, _ = rand.Read(p.idPrefix[:])
-	p.monitor = newMonitorTick(func() bool { return p.inflight.Load() > 0 })
+	p.monitor = downstream.NewMonitorTick(func() bool { return p.inflight.Load() > 0 })
 	if s := int64(opts.IdleTimeout / time.Second); s > 0 {
 		p.keepAliveValue = []byte("timeout=" + strconv.FormatInt(s, 10))
 	}
@@ -310,7 +248,7 @@ func (p *Proxy) StatsOff() bool { return p.opts.NoStats }
 
 // ClientConns returns the number of open client connections accepted
 // through Listen.
-func (p *Proxy) ClientConns() int { return p.caps.count() }
+func (p *Proxy) ClientConns() int { return p.caps.Count() }
 
 // InFlight returns the number of requests begun and not yet finished
 // (recorded).
@@ -322,7 +260,7 @@ func (p *Proxy) InFlight() int { return int(p.inflight.Load()) }
 // for their records to be written, and reports whether all were.
 func (p *Proxy) Cut(wait time.Duration) bool {
 	p.cutting.Store(true)
-	p.caps.closeAll()
+	p.caps.CloseAll()
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
 	return p.awaitRecorded(ctx) == nil
@@ -362,7 +300,7 @@ func (p *Proxy) Close() {
 // receive stamps and the connection caps. ln is best opened with Listen; a
 // plain TCP listener is wrapped here.
 func (p *Proxy) Serve(ln net.Listener) error {
-	if _, ok := ln.(*clientListener); !ok {
+	if _, ok := ln.(*downstream.Listener); !ok {
 		ln = p.wrap(ln)
 	}
 	p.srvMu.Lock()
@@ -406,8 +344,8 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 // for a response tokentap wrote itself (bodyRelay.servePass), once that
 // response ended: the server takes it back as it takes a new connection,
 // unless the proxy is shutting down.
-func (p *Proxy) resume(cc *clientConn) {
-	cc.handover.Wait() // the goroutine that served it has let go of it
+func (p *Proxy) resume(cc *downstream.Conn) {
+	cc.Resume() // once the goroutine that served it has let go of it
 	p.srvMu.Lock()
 	srv := p.srv
 	if srv == nil || p.stopping.Load() {
@@ -416,10 +354,9 @@ func (p *Proxy) resume(cc *clientConn) {
 		return
 	}
 	if p.resumed == nil {
-		p.resumed = map[*clientConn]int{}
+		p.resumed = map[*downstream.Conn]int{}
 	}
 	p.resumed[cc]++
-	cc.resumedIdle.Store(len(cc.pending) == 0)
 	p.srvMu.Unlock()
 	_ = srv.ServeConn(cc) // it closes cc, unless a response hands it over again
 	p.srvMu.Lock()
@@ -431,7 +368,7 @@ func (p *Proxy) resume(cc *clientConn) {
 
 // resumeApart is resume on a goroutine of its own (go p.resumeApart),
 // whose stack it grows first.
-func (p *Proxy) resumeApart(cc *clientConn) {
+func (p *Proxy) resumeApart(cc *downstream.Conn) {
 	relayplane.GrowStack()
 	p.resume(cc)
 }
@@ -440,8 +377,8 @@ func (p *Proxy) resumeApart(cc *clientConn) {
 // response tokentap wrote (StateHijacked) can be given back (resume).
 func (p *Proxy) connState(c net.Conn, s fasthttp.ConnState) {
 	if s == fasthttp.StateHijacked {
-		if cc, ok := c.(*clientConn); ok && cc.handing.CompareAndSwap(true, false) {
-			cc.handover.Done()
+		if cc, ok := c.(*downstream.Conn); ok {
+			cc.HandedOver()
 		}
 	}
 }
@@ -454,9 +391,9 @@ func (p *Proxy) connState(c net.Conn, s fasthttp.ConnState) {
 // it waits for).
 func (p *Proxy) closeResumed(idle bool) {
 	p.srvMu.Lock()
-	conns := make([]*clientConn, 0, len(p.resumed))
+	conns := make([]*downstream.Conn, 0, len(p.resumed))
 	for c := range p.resumed {
-		if !idle || c.resumedIdle.CompareAndSwap(true, false) {
+		if !idle || c.ClaimIdle() {
 			conns = append(conns, c)
 		}
 	}
@@ -550,19 +487,39 @@ func (p *Proxy) ListenTLS(addr string, cfg *tls.Config) (net.Listener, error) {
 	if len(cfg.NextProtos) == 0 {
 		cfg.NextProtos = []string{"http/1.1"}
 	}
-	l.(*clientListener).tls = cfg
+	l.(*downstream.Listener).ServeTLS(cfg)
 	return l, nil
 }
 
-func (p *Proxy) wrap(ln net.Listener) *clientListener {
-	l := &clientListener{Listener: ln, d: p.opts.ClientWriteTimeout, idle: p.idleWait(), read: p.opts.RequestReadTimeout, caps: p.caps, log: p.log}
-	if tl, ok := ln.(*net.TCPListener); ok {
-		if raw, err := tl.SyscallConn(); err == nil && sock.EnableRxStamps(raw) == nil {
-			l.stamped = true
-		}
-	}
-	return l
+func (p *Proxy) wrap(ln net.Listener) *downstream.Listener {
+	return downstream.NewListener(ln, downstream.ListenerOptions{WriteTimeout: p.opts.ClientWriteTimeout, IdleWait: p.idleWait(),
+		ReadTimeout: p.opts.RequestReadTimeout, Caps: p.caps, Log: p.log})
 }
+
+// A listener's TLS from its files, reloaded without a restart
+// (proxy/downstream).
+type (
+	ServerTLS      = downstream.ServerTLS
+	ServerTLSFiles = downstream.ServerTLSFiles
+)
+
+// NewServerTLS reads a listener's TLS files (downstream.NewServerTLS).
+func NewServerTLS(f ServerTLSFiles) (*ServerTLS, error) { return downstream.NewServerTLS(f) }
+
+// LoadServerTLS reads and checks a listener's TLS files, for a config's
+// validation (downstream.LoadServerTLS).
+func LoadServerTLS(f ServerTLSFiles) (*tls.Config, error) { return downstream.LoadServerTLS(f) }
+
+// WatchFiles calls changed whenever the files paths() names change
+// (downstream.WatchFiles).
+func WatchFiles(ctx context.Context, every time.Duration, paths func() []string, changed func()) {
+	downstream.WatchFiles(ctx, every, paths, changed)
+}
+
+// AnswerPlainHTTP answers a plain HTTP request made to a TLS port
+// (downstream.AnswerPlainHTTP); the admin listener's error handler calls
+// it too.
+func AnswerPlainHTTP(err error) bool { return downstream.AnswerPlainHTTP(err) }
 
 // zapPrintf takes fasthttp's own log lines. Only their format string is
 // logged: the arguments can carry a request's bytes (headers, keys) and

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/valyala/fasthttp"
 )
 
@@ -89,7 +90,7 @@ func parseRefusal(err error) *refusal {
 		return refuseBodyTooLarge
 	case errors.As(err, &small) || errors.Is(err, fasthttp.ErrSmallReadBuffer):
 		return refuseHeadersTooLarge
-	case errors.Is(err, errBareLF):
+	case errors.Is(err, downstream.ErrBareLF):
 		return refuseBareLF
 	case isTimeout(err):
 		return refuseRequestTimeout

@@ -6,6 +6,7 @@ import (
 	"net"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/valyala/fasthttp"
@@ -76,9 +77,9 @@ type relaySink interface {
 // relay loops, and the connection back after a response tokentap wrote).
 type relayParts struct {
 	sink   relaySink
-	tap    *measure.Tap // the parser: usage stripping, the side decoder
-	cancel *cancelState // the response's settling, a relay loop's entry and exit
-	watch  *peerWatch   // the client's peer watch, stopped when a loop takes the stream
+	tap    *measure.Tap       // the parser: usage stripping, the side decoder
+	cancel *downstream.Cancel // the response's settling, a relay loop's entry and exit
+	watch  *downstream.Watch  // the client's peer watch, stopped when a loop takes the stream
 	server *Proxy
 }
 
@@ -105,7 +106,7 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 	if err != nil {
 		if err == io.EOF {
 			r.upDone = true
-			r.cancel.settle()
+			r.cancel.Settle()
 		}
 		r.readErr = err
 		if n > 0 {
@@ -294,7 +295,7 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 			}
 			if r.chunks.done() {
 				r.upDone, r.stray = true, off < last
-				r.cancel.settle()
+				r.cancel.Settle()
 				if out == start && bytes.Equal(r.buf[start:off], bareLastChunk) {
 					out = off
 				} else {
@@ -429,9 +430,8 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	// holds the connection's reader (see upConn.parkReader), goes now.
 	_ = resp.CloseBodyStream()
 	r.body = nil
-	cc := r.client.(*clientConn) // a pass is only for a plain client connection
-	cc.handing.Store(true)
-	cc.handover.Add(1)
+	cc := r.client.(*downstream.Conn) // a pass is only for a plain client connection
+	cc.HandOver()
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(r.relayPass)
 }
@@ -458,12 +458,12 @@ func (r *bodyRelay) relayPass(hj net.Conn) {
 // goroutine a relay loop started (hj nil: passLoop took those bytes), the
 // server takes it on this one.
 func (r *bodyRelay) endPass(hj net.Conn, err error) {
-	cc := r.client.(*clientConn)
+	cc := r.client.(*downstream.Conn)
 	keep := err == nil && r.upDone && r.keepConn
 	if keep && hj != nil {
 		// A pipelined request the server had read ahead goes back with
 		// the connection.
-		cc.takeBuffered(hj, r.buf)
+		cc.TakeBuffered(hj, r.buf)
 	}
 	p := r.server
 	r.sink.finish(err) // the exchange, and this relay with it, may be released from here on

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"go.uber.org/zap/zapcore"
 )
@@ -195,7 +195,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.att.up = x.rt.members[0].up
 	x.att.conn = &upConn{Conn: upRead, up: x.att.up, rx: upRead, timeout: time.Minute}
 	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
-	x.client = &clientConn{Conn: cl, d: time.Minute, Wire: measure.Wire{AckBase: -1}}
+	x.client = downstream.NewConn(cl, time.Minute)
 	x.relay.pass = true
 	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 func TestParseBackendMetrics(t *testing.T) {
@@ -67,7 +68,7 @@ func FuzzParseBackendMetrics(f *testing.F) {
 // is logged (a handful of 26 fewer with the scrape); the decision itself
 // is checked on known figures by TestPredictionWeighsBackendQueue.
 func TestLeastTTFTWeighsBackendQueue(t *testing.T) {
-	long(t, "another client's load on a backend")
+	wait.Long(t, "another client's load on a backend")
 	opts := mockllm.Options{Slots: 2, PrefillBase: 30 * time.Millisecond, TokenGap: 5 * time.Millisecond, MaxTokens: 10, Jitter: 0.1}
 	run := func(scrape bool) {
 		a, b := httptest.NewServer(mockllm.New(opts)), httptest.NewServer(mockllm.New(opts))
@@ -211,7 +212,7 @@ func scrapeShown(tp *testProxy, upstream string, scrape bool) string {
 // any backend holds (1e300, 9.3e18) is refused as implausible, never read
 // as an idle backend.
 func TestAScrapeCannotSwitchSheddingOff(t *testing.T) {
-	long(t, "13 s of load around a false scrape")
+	wait.Long(t, "13 s of load around a false scrape")
 	const capacity = 28.0
 	var claim atomic.Value
 	claim.Store("vllm:num_requests_running 0\n")

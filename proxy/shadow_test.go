@@ -13,6 +13,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // TestShadowStallsAddNothing: every request is copied to a shadow that
@@ -232,7 +233,7 @@ func TestShadowCopiesInTheBodyBudget(t *testing.T) {
 // where before it stayed until the route's first-byte timeout (10
 // minutes).
 func TestStalledShadowLetsItsBodyGo(t *testing.T) {
-	long(t, "a shadow copy's timeout")
+	wait.Long(t, "a shadow copy's timeout")
 	primary := startMock(t, mockllm.Options{PrefillBase: 5 * time.Millisecond, TokenGap: time.Millisecond})
 	stalled := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)

@@ -230,7 +230,7 @@ func TestNextRequestThenHalfClose(t *testing.T) {
 			}
 			io.Copy(io.Discard, br)
 			// The next request comes from a client whose side is closed,
-			// which counts as gone (see peerWatch): it is cancelled. (Its
+			// which counts as gone (see downstream.Watch): it is cancelled. (Its
 			// record can come first: the first one waits for the ACK.)
 			got := map[string]metrics.Record{}
 			for range 2 {

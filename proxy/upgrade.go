@@ -49,7 +49,7 @@ const maxUpgradeHeader = 64 << 10
 func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	x := a.x
 	x.rec.Attempts = 1
-	c, err := a.up.get(goneCtx{x.cancel.doneChan()}, true) // a new connection, counted in max_conns
+	c, err := a.up.get(goneCtx{x.cancel.Done()}, true) // a new connection, counted in max_conns
 	if err != nil {
 		a.connectFailed = true
 		return a.forwardResult(err)
@@ -82,7 +82,7 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 		x.finish(nil)
 		return nil
 	}
-	x.watch.stop() // the tunnel watches both sides itself
+	x.watch.Stop() // the tunnel watches both sides itself
 	ctx.HijackSetNoResponse(true)
 	client := x.client
 	ctx.Hijack(func(hj net.Conn) { a.tunnel(hj, client, c, head) })

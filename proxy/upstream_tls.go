@@ -15,6 +15,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"golang.org/x/net/http/httpproxy"
 )
 
@@ -61,21 +62,11 @@ func (u *UpstreamTLS) config() (*tls.Config, *tlsFieldError) {
 	if u.CertFile != "" {
 		cert, err := tls.LoadX509KeyPair(u.CertFile, u.KeyFile)
 		if err != nil {
-			return nil, &tlsFieldError{"cert_file", errors.New("cannot load the certificate and key: " + describeTLSFileError(err))}
+			return nil, &tlsFieldError{"cert_file", errors.New("cannot load the certificate and key: " + conf.DescribeFileError(err))}
 		}
 		c.Certificates = []tls.Certificate{cert}
 	}
 	return c, nil
-}
-
-// describeTLSFileError keeps the file error's kind and drops any bytes of
-// the files it may quote.
-func describeTLSFileError(err error) string {
-	var pe *os.PathError
-	if errors.As(err, &pe) {
-		return pe.Error()
-	}
-	return "not a PEM certificate and its private key"
 }
 
 // upstreamTLSConfig is the TLS config of an https upstream at host, under

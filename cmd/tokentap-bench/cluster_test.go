@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // clusteredRun is n requests of gaps tokens each: a request has a speed
@@ -36,7 +37,7 @@ func clusteredRun(rng *rand.Rand, n, gaps int, scale float64) [][]float64 {
 // witnesses, not 1,200); resampling by request stays near 5%; and a true
 // 40% difference is still found.
 func TestClusteredGapsFalseAlarms(t *testing.T) {
-	long(t, "thousands of simulated runs")
+	wait.Long(t, "thousands of simulated runs")
 	rng := rand.New(rand.NewPCG(5, 6))
 	const runs, n, gaps = 30, 60, 20
 	independent, clustered, found := 0, 0, 0

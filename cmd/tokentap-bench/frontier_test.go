@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // TestFrontierOf: the frontier is the last rate before the first that
@@ -128,7 +130,7 @@ func TestFrontierSimulated(t *testing.T) {
 // shape 0.25), a more spread one; held must pass nearly all such windows at
 // small and large n, and fail an arm that answers 10% fewer at large n.
 func TestHeldArrivals(t *testing.T) {
-	long(t, "held arrivals at the bench's rates")
+	wait.Long(t, "held arrivals at the bench's rates")
 	r := rand.New(rand.NewPCG(1, 2))
 	// count is how many arrivals with gamma gaps of shape (mean gap 1/shape
 	// units, as the load generator makes them) fall within mean units.

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // buildAsTheDockerfile builds tokentap with the Dockerfile's own build
@@ -49,7 +51,7 @@ func buildAsTheDockerfile(t *testing.T, version string) string {
 // it, reports the version it was given; the runtime image holds tokentap
 // alone and the build context leaves .git and test data out.
 func TestDockerfileBuild(t *testing.T) {
-	long(t, "a build of the binary")
+	wait.Long(t, "a build of the binary")
 	df, err := os.ReadFile("../../Dockerfile")
 	if err != nil {
 		t.Fatal(err)
@@ -79,7 +81,7 @@ func TestDockerfileBuild(t *testing.T) {
 // -h, stats against a host:port, a bad flag, and the process log of a run
 // whose reload is refused.
 func TestCommandLine(t *testing.T) {
-	long(t, "a build of the binary and its runs")
+	wait.Long(t, "a build of the binary and its runs")
 	bin := filepath.Join(t.TempDir(), "tokentap")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("%v\n%s", err, out)
@@ -192,7 +194,7 @@ func exitCode(err error) int {
 // and the example config; the chart's archive names the version as its
 // appVersion; the sums cover both.
 func TestReleaseScript(t *testing.T) {
-	long(t, "a build of the release")
+	wait.Long(t, "a build of the release")
 	if testing.Short() {
 		t.Skip("builds tokentap once more (-short)")
 	}

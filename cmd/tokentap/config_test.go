@@ -14,6 +14,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 func TestExampleConfigLoads(t *testing.T) {
@@ -208,7 +209,7 @@ func TestAdminSection(t *testing.T) {
 }
 
 func TestDemoRuns(t *testing.T) {
-	long(t, "the demo's burst")
+	wait.Long(t, "the demo's burst")
 	var out strings.Builder
 	if err := runDemo(context.Background(), []string{"-requests", "20", "-concurrency", "4"}, &out); err != nil {
 		t.Fatal(err)
@@ -223,7 +224,7 @@ func TestDemoRuns(t *testing.T) {
 }
 
 func TestDemoCanary(t *testing.T) {
-	long(t, "the canary demo")
+	wait.Long(t, "the canary demo")
 	var out strings.Builder
 	if err := runDemo(context.Background(), []string{"-canary", "-requests", "160", "-concurrency", "8"}, &out); err != nil {
 		t.Fatal(err)

@@ -20,6 +20,7 @@ import (
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // browser starts Debian's headless chromium with the flags this closed
@@ -79,7 +80,7 @@ func toFixed(v float64, d int) string {
 // running for TOKENTAP_SCREENSHOT_AFTER (default 0) first and saves a
 // screenshot of the page (the README's).
 func TestDashboardInBrowser(t *testing.T) {
-	long(t, "headless chromium over the demo")
+	wait.Long(t, "headless chromium over the demo")
 	ctx, cancel := browser(t)
 	defer cancel()
 	shot := os.Getenv("TOKENTAP_SCREENSHOT")
@@ -393,7 +394,7 @@ func TestFmtJS(t *testing.T) {
 // tripped with its reason; its reset button clears it, and the page then
 // shows it armed again.
 func TestDashboardComparisonInBrowser(t *testing.T) {
-	long(t, "headless chromium over the demo")
+	wait.Long(t, "headless chromium over the demo")
 	ctx, cancel := browser(t)
 	defer cancel()
 	stable := startMockllm(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: time.Millisecond})

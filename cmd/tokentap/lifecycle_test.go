@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 func startBackend(t *testing.T, gap time.Duration) string {
@@ -328,7 +329,7 @@ func TestAdminTokenAndLogReopen(t *testing.T) {
 // 3,000 in tokentap_requests_total and 3,000 access-log lines, including
 // the requests in flight at each reload.
 func TestReloadUnderLoadCountsExactly(t *testing.T) {
-	long(t, "reloads under load")
+	wait.Long(t, "reloads under load")
 	up := startBackend(t, time.Millisecond)
 	listen, admin := freeAddr(t), freeAddr(t)
 	logPath := filepath.Join(t.TempDir(), "access.log")

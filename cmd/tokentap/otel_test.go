@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	collmetrics "go.opentelemetry.io/proto/otlp/collector/metrics/v1"
 	colltrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
@@ -371,7 +372,7 @@ routes:
 // and the usage counters) and none of today's; with both, both; without
 // either, today's alone.
 func TestOTelSemconvSwitch(t *testing.T) {
-	long(t, "exports under three naming modes")
+	wait.Long(t, "exports under three naming modes")
 	t.Setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
 	latest := []string{"gen_ai.client.inference.duration", "gen_ai.client.inference.time_to_first_chunk",
 		"gen_ai.client.inference.time_per_output_chunk", "gen_ai.client.inference.usage.input_tokens", "gen_ai.client.inference.usage.output_tokens"}
@@ -450,7 +451,7 @@ func count(m *metricspb.Metric) uint64 {
 // queue in front of it keeps up, the exporter's goroutine never waiting
 // on the collector).
 func TestOTelCollectorHangs(t *testing.T) {
-	long(t, "300 requests beside a hung collector")
+	wait.Long(t, "300 requests beside a hung collector")
 	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
 	t.Setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
 	t.Setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")

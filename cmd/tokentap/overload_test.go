@@ -13,6 +13,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // TestOverloadEndToEnd runs the program with overload control on a route
@@ -23,7 +24,7 @@ import (
 // stats`, the shed counter on /metrics, the access log's shed records
 // with their prediction.
 func TestOverloadEndToEnd(t *testing.T) {
-	long(t, "load through the binary at its slot's capacity")
+	wait.Long(t, "load through the binary at its slot's capacity")
 	upstream := startMockllm(t, mockllm.Options{Slots: 1, PrefillBase: 40 * time.Millisecond, TokenGap: 5 * time.Millisecond, MaxTokens: 8})
 	route := "overloaded" + strconv.FormatInt(statsRuns.Add(1), 10) // series live for the process
 	cfg := filepath.Join(t.TempDir(), "tokentap.yaml")
@@ -101,7 +102,7 @@ func TestOverloadEndToEnd(t *testing.T) {
 // twice the capacity keeps next to nothing good, shedding keeps most of
 // the capacity; then the gate's table, shedding.
 func TestDemoOverload(t *testing.T) {
-	long(t, "the overload demo's 13 s of load")
+	wait.Long(t, "the overload demo's 13 s of load")
 	var out bytes.Buffer
 	if err := runDemo(context.Background(), []string{"-overload", "-overload-for", "3s"}, &out); err != nil {
 		t.Fatal(err)

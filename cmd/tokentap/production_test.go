@@ -18,6 +18,7 @@ import (
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"github.com/tokentap/tokentap/ratelimit/redistest"
 )
 
@@ -29,7 +30,7 @@ import (
 // gets 401; the probes answer without the admin token, /metrics only with
 // it; the tenant's counts are in Redis; the spans reach the receiver.
 func TestProductionConfig(t *testing.T) {
-	long(t, "the production config's TLS, Redis and OTel receiver")
+	wait.Long(t, "the production config's TLS, Redis and OTel receiver")
 	raw, err := os.ReadFile("../../configs/production.yaml")
 	if err != nil {
 		t.Fatal(err)

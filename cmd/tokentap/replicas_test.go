@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"github.com/tokentap/tokentap/ratelimit/redistest"
 )
 
@@ -73,7 +74,7 @@ func (r *replica) send(t *testing.T, key string, maxTokens int) (int, string) {
 // with Redis stopped, fail closed answers 503 with a clear error, and the
 // shared limits decide again once Redis is back.
 func TestReplicasShareLimits(t *testing.T) {
-	long(t, "three tokentap processes on one Redis")
+	wait.Long(t, "three tokentap processes on one Redis")
 	redis := redistest.Start(t)
 	backend := startMockllm(t, mockllm.Options{PrefillBase: time.Millisecond, TokenGap: 5 * time.Millisecond})
 	cfg := writeFile(t, fmt.Sprintf(`upstream: %s
@@ -226,7 +227,7 @@ admission:
 // nothing else fails; fail: open keeps admitting each replica's share of
 // the limit. Both recover once Redis is back. The counts are printed.
 func TestStoreOutageUnderLoad(t *testing.T) {
-	long(t, "Redis stopped under load, twice")
+	wait.Long(t, "Redis stopped under load, twice")
 	backend := startMockllm(t, mockllm.Options{PrefillBase: time.Millisecond, TokenGap: time.Millisecond})
 	for _, mode := range []string{"closed", "open"} {
 		t.Run(mode, func(t *testing.T) {

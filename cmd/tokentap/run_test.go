@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 func freeAddr(t *testing.T) string {
@@ -41,7 +42,7 @@ func waitUp(t *testing.T, url string) {
 // The whole program as a user runs it: flags, proxy, admin listener, access
 // log file, and a clean stop.
 func TestRunEndToEnd(t *testing.T) {
-	long(t, "the binary's run, a stream through it, its access log file")
+	wait.Long(t, "the binary's run, a stream through it, its access log file")
 	backend := &http.Server{Handler: mockllm.New(mockllm.Options{TokenGap: time.Millisecond, PrefillBase: time.Millisecond})}
 	bln, _ := net.Listen("tcp", "127.0.0.1:0")
 	go backend.Serve(bln)

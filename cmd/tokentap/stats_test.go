@@ -21,6 +21,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 const statsConfig = `
@@ -352,7 +353,7 @@ func TestPrometheusRules(t *testing.T) {
 // to hide it, once in about 40 runs; the verdict's power on small
 // differences is measured in metrics/stats, without a machine's load.)
 func TestCompareEndToEnd(t *testing.T) {
-	long(t, "two upstreams compared through the binary")
+	wait.Long(t, "two upstreams compared through the binary")
 	start := func(prefill time.Duration) string {
 		return startMockllm(t, mockllm.Options{PrefillBase: prefill, TokenGap: time.Millisecond, Jitter: 0.05})
 	}
@@ -419,7 +420,7 @@ func TestCompareEndToEnd(t *testing.T) {
 // (The merged verdict of `tokentap compare` is the one over all requests:
 // TestMergeSketchesEqualsOneEngine.)
 func TestStatsAcrossReplicas(t *testing.T) {
-	long(t, "three replicas' statistics merged")
+	wait.Long(t, "three replicas' statistics merged")
 	var admins, logs []string
 	var progs []*runner
 	const perReplica = 60

@@ -14,6 +14,7 @@ import (
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 	"github.com/tokentap/tokentap/proxy/testkit/tlstest"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // TLS both ways from the config: clients reach the proxy listener over
@@ -149,7 +150,7 @@ func TestWebSocketRouteConfig(t *testing.T) {
 // -watch-config: a changed config file (a ConfigMap's update swaps a
 // symbolic link) is reloaded without a signal.
 func TestWatchConfigReloads(t *testing.T) {
-	long(t, "the config watcher's reloads")
+	wait.Long(t, "the config watcher's reloads")
 	a := startMockllm(t, mockllm.Options{Model: "backend-a", TokenGap: time.Millisecond})
 	b := startMockllm(t, mockllm.Options{Model: "backend-b", TokenGap: time.Millisecond})
 	listen, adm := freeAddr(t), freeAddr(t)

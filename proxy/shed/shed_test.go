@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/predict/predictsim"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 // The tests run the gate in front of a simulated server whose capacity is
@@ -159,7 +160,7 @@ func steady(load float64, d time.Duration, critical float64, enforce bool, seed 
 // shedding worse than without (by more than 2% of the capacity: the
 // runs' noise): acting never costs.
 func TestSheddingKeepsGoodputAcrossLoads(t *testing.T) {
-	long(t, "minutes of simulated load at nine levels")
+	wait.Long(t, "minutes of simulated load at nine levels")
 	capacity := predictsim.New(0).Capacity()
 	const d = 60 * time.Second
 	base := 0.0
@@ -198,7 +199,7 @@ func TestSheddingKeepsGoodputAcrossLoads(t *testing.T) {
 // serve), nothing critical is refused without a first-byte timeout, and
 // standard requests are shed first.
 func TestCriticalRequestsKeepBeingServed(t *testing.T) {
-	long(t, "minutes of simulated load")
+	wait.Long(t, "minutes of simulated load")
 	const d = 60 * time.Second
 	for seed := range uint64(5) {
 		r := steady(2, d, 0.25, true, 300+seed).run()
@@ -225,7 +226,7 @@ func TestCriticalRequestsKeepBeingServed(t *testing.T) {
 // after the recovery, within 10% of a run whose server never slowed. Nothing is configured:
 // the gate learns the slowed curve and unlearns it.
 func TestSheddingFollowsASlowdownAndRecovery(t *testing.T) {
-	long(t, "minutes of simulated load")
+	wait.Long(t, "minutes of simulated load")
 	const (
 		slowFrom = 30 * time.Second
 		slowTo   = 70 * time.Second
@@ -316,7 +317,7 @@ func cold(load, critical float64, from, end time.Duration, seed uint64) scenario
 // critical requests the levels those hold. Before, 85% over 20 s and 24%
 // in the first 2 s (a queue of seconds built before the model learned).
 func TestCriticalKeptFromAColdStart(t *testing.T) {
-	long(t, "minutes of simulated load")
+	wait.Long(t, "minutes of simulated load")
 	var first, all, warm result
 	add := func(sum *result, r result) {
 		sum.critSent, sum.critGood, sum.critShed = sum.critSent+r.critSent, sum.critGood+r.critGood, sum.critShed+r.critShed

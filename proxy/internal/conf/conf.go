@@ -5,7 +5,9 @@
 package conf
 
 import (
+	"errors"
 	"fmt"
+	"os"
 	"strings"
 )
 
@@ -69,4 +71,14 @@ func IsToken(s string) bool {
 		}
 	}
 	return s != ""
+}
+
+// DescribeFileError keeps the file error's kind and drops any bytes of
+// the files it may quote.
+func DescribeFileError(err error) string {
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		return pe.Error()
+	}
+	return "not a PEM certificate and its private key"
 }

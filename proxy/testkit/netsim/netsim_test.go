@@ -9,6 +9,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
 func TestMain(m *testing.M) {
@@ -26,7 +28,7 @@ func need(t *testing.T) {
 // TestLinkDelays sends a byte back and forth across a 20 ms link: each
 // round trip takes at least 40 ms, and not much more.
 func TestLinkDelays(t *testing.T) {
-	long(t, "a delayed link")
+	wait.Long(t, "a delayed link")
 	need(t)
 	l, err := New(Options{Delay: 20 * time.Millisecond})
 	if err != nil {
@@ -81,7 +83,7 @@ func TestLinkDelays(t *testing.T) {
 
 // TestLinkLoses drops about the share asked for.
 func TestLinkLoses(t *testing.T) {
-	long(t, "a lossy link")
+	wait.Long(t, "a lossy link")
 	need(t)
 	l, err := New(Options{Delay: time.Millisecond, Loss: 0.2, Seed: 7})
 	if err != nil {

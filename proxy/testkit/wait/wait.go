@@ -36,3 +36,12 @@ func Until(t testing.TB, cond func() bool) {
 		return errors.New("the condition still does not hold")
 	})
 }
+
+// Long skips a long test under -short and says, as it starts (go test
+// -v), what it waits for.
+func Long(t *testing.T, what string) {
+	if t.Helper(); testing.Short() {
+		t.Skip("long: " + what + " (go test without -short runs it)")
+	}
+	t.Log("waits for " + what)
+}

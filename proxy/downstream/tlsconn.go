@@ -1,4 +1,4 @@
-package proxy
+package downstream
 
 import (
 	"crypto/tls"
@@ -11,34 +11,34 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 )
 
-// tlsClient is a client connection over TLS. The TLS layer reads and
-// writes through its clientConn (the socket: receive stamps, the count of
+// TLSConn is a client connection over TLS. The TLS layer reads and
+// writes through its Conn (the socket: receive stamps, the count of
 // bytes written and of the writes that waited, TCP_INFO, the caps), and
-// what the clientConn does with the plain text (bytes read ahead and
+// what the Conn does with the plain text (bytes read ahead and
 // handed back, the scan of the request header) is done here, on the plain
 // text. Its responses are written by the server (the body stream): the
 // responses tokentap writes itself on a hijacked connection and the relay
 // loops write to the socket, and are for plain connections only.
 //
-// Owner: the goroutine serving the connection, as for a clientConn.
-type tlsClient struct {
+// Owner: the goroutine serving the connection, as for a Conn.
+type TLSConn struct {
 	*tls.Conn
-	cc    *clientConn
+	cc    *Conn
 	shook bool
 }
 
 // tlsSocket is what the TLS layer reads and writes: the socket, stamped.
-type tlsSocket struct{ *clientConn }
+type tlsSocket struct{ *Conn }
 
-func (s tlsSocket) Read(b []byte) (int, error) { return (*socketSide)(s.clientConn).Read(b) }
+func (s tlsSocket) Read(b []byte) (int, error) { return (*socketSide)(s.Conn).Read(b) }
 
-func newTLSClient(cc *clientConn, cfg *tls.Config) *tlsClient {
-	return &tlsClient{Conn: tls.Server(tlsSocket{cc}, cfg), cc: cc}
+func newTLSConn(cc *Conn, cfg *tls.Config) *TLSConn {
+	return &TLSConn{Conn: tls.Server(tlsSocket{cc}, cfg), cc: cc}
 }
 
 // Read reads the plain text. The handshake comes first: its reads are not
 // the request's, whose arrival is the stamp of the first read after it.
-func (t *tlsClient) Read(b []byte) (int, error) {
+func (t *TLSConn) Read(b []byte) (int, error) {
 	if !t.shook {
 		if err := t.Conn.Handshake(); err != nil {
 			return 0, handshakeError{err}
@@ -53,14 +53,14 @@ func (t *tlsClient) Read(b []byte) (int, error) {
 }
 
 // Raw gives the peer watch and TCP_INFO the socket.
-func (t *tlsClient) Raw() syscall.RawConn { return t.cc.Sys }
+func (t *TLSConn) Raw() syscall.RawConn { return t.cc.Sys }
 
-// clientOf returns the clientConn under c (plain or TLS), or nil.
-func clientOf(c net.Conn) *clientConn {
+// Of returns the Conn under c (plain or TLS), or nil.
+func Of(c net.Conn) *Conn {
 	switch c := c.(type) {
-	case *clientConn:
+	case *Conn:
 		return c
-	case *tlsClient:
+	case *TLSConn:
 		return c.cc
 	}
 	return nil
@@ -97,6 +97,9 @@ func looksLikeHTTP(h []byte) bool {
 	}
 	return false
 }
+
+// IsHandshakeError reports a failed TLS handshake (no request was read).
+func IsHandshakeError(err error) bool { return errors.As(err, new(handshakeError)) }
 
 // handshakeError is a failed TLS handshake: no request was read, none is
 // recorded (the server's error handler counts it).

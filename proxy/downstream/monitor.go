@@ -1,4 +1,4 @@
-package proxy
+package downstream
 
 import (
 	"sync/atomic"
@@ -10,7 +10,7 @@ import (
 // requests are in flight.
 const monitorEvery = 50 * time.Millisecond
 
-// monitorTick keeps the Go runtime's monitor thread (sysmon) within
+// MonitorTick keeps the Go runtime's monitor thread (sysmon) within
 // monitorEvery of its rounds while requests are in flight.
 //
 // The monitor preempts a goroutine that has run for 10 ms and polls the
@@ -30,23 +30,23 @@ const monitorEvery = 50 * time.Millisecond
 // process idle wakes a thread and the monitor: on a 2-core VM about 75 µs
 // and 4 context switches, 1.5 ms of CPU a second while anything is in
 // flight (20 ms ticks cost 2.5 times that for a bound 30 ms shorter).
-type monitorTick struct {
+type MonitorTick struct {
 	armed atomic.Bool
 	timer *time.Timer
 	busy  func() bool // requests are in flight
 }
 
-func newMonitorTick(busy func() bool) *monitorTick {
-	m := &monitorTick{busy: busy}
+func NewMonitorTick(busy func() bool) *MonitorTick {
+	m := &MonitorTick{busy: busy}
 	m.timer = time.AfterFunc(time.Hour, m.tick)
 	m.timer.Stop()
 	return m
 }
 
-// arm starts the ticks unless they run. The monitor's sleep was set by the
+// Arm starts the ticks unless they run. The monitor's sleep was set by the
 // timers pending when it began, and a new timer does not shorten it: the
 // getpid, made through the bookkeeping, wakes it.
-func (m *monitorTick) arm() {
+func (m *MonitorTick) Arm() {
 	if m.armed.Load() || !m.armed.CompareAndSwap(false, true) {
 		return
 	}
@@ -56,13 +56,13 @@ func (m *monitorTick) arm() {
 
 // tick runs every monitorEvery while armed; with nothing in flight the
 // ticks stop, and a request that began meanwhile starts them again.
-func (m *monitorTick) tick() {
+func (m *MonitorTick) tick() {
 	if m.busy() {
 		m.timer.Reset(monitorEvery)
 		return
 	}
 	m.armed.Store(false)
 	if m.busy() {
-		m.arm()
+		m.Arm()
 	}
 }

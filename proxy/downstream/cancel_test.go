@@ -1,4 +1,4 @@
-package proxy
+package downstream
 
 import (
 	"net"
@@ -12,15 +12,15 @@ import (
 func TestCancelAfterSettleCancelsNothing(t *testing.T) {
 	for _, settled := range []bool{false, true} {
 		a, b := net.Pipe()
-		var c cancelState
-		if !c.attach(a) {
+		var c Cancel
+		if !c.Attach(a) {
 			t.Fatal("attach refused on a fresh exchange")
 		}
-		done := c.doneChan()
+		done := c.Done()
 		if settled {
-			c.settle()
+			c.Settle()
 		}
-		c.fire()
+		c.Fire()
 		closed := a.SetDeadline(time.Time{}) != nil // net.Pipe: io.ErrClosedPipe once closed
 		select {
 		case <-done:
@@ -32,8 +32,8 @@ func TestCancelAfterSettleCancelsNothing(t *testing.T) {
 				t.Error("not settled: the done channel stayed open")
 			}
 		}
-		if c.isGone() != !settled || closed != !settled {
-			t.Errorf("settled %v: gone %v, upstream connection closed %v", settled, c.isGone(), closed)
+		if c.IsGone() != !settled || closed != !settled {
+			t.Errorf("settled %v: gone %v, upstream connection closed %v", settled, c.IsGone(), closed)
 		}
 		a.Close()
 		b.Close()

@@ -1,4 +1,12 @@
-package proxy
+// Package downstream is the client's side of the relay's connections:
+// the listener that caps and wraps what it accepts (Listener, Caps), the
+// connection with its sliding write deadline, its kernel receive stamps
+// and its delivery counters (Conn, TLSConn over TLS), the watch for a
+// client that leaves (Watch) and what it cancels (Cancel), the runtime
+// monitor's ticks while requests are in flight (MonitorTick), and a
+// listener's TLS files (ServerTLS). It knows nothing of requests: the
+// exchange hands it what to watch and cancel.
+package downstream
 
 import (
 	"bytes"
@@ -19,18 +27,44 @@ import (
 	"go.uber.org/zap"
 )
 
-// clientListener wraps accepted connections in clientConn, keeps accepting
+// Listener wraps accepted connections in Conn, keeps accepting
 // through transient errors, and caps the open connections.
-type clientListener struct {
+type Listener struct {
 	net.Listener
 	d       time.Duration
-	idle    time.Duration // the wait for a request on a connection given back (clientConn.idle)
-	read    time.Duration // the request read timeout (clientConn.read)
+	idle    time.Duration // the wait for a request on a connection given back (Conn.idle)
+	read    time.Duration // the request read timeout (Conn.read)
 	stamped bool          // receive timestamps are enabled on the listening socket
-	caps    *connCaps
+	caps    *Caps
 	log     *zap.Logger
 	tls     *tls.Config // nil: plain connections
 }
+
+// ListenerOptions are what a Listener gives each connection it accepts.
+type ListenerOptions struct {
+	// WriteTimeout bounds each write to a client (the sliding deadline);
+	// IdleWait is how long a connection given back to the server waits for
+	// its next request; ReadTimeout bounds reading a request once its
+	// first byte came.
+	WriteTimeout, IdleWait, ReadTimeout time.Duration
+	Caps                                *Caps
+	Log                                 *zap.Logger // nil: no logging
+}
+
+// NewListener wraps ln: its connections carry the kernel's receive stamps
+// when ln is a TCP listener they can be enabled on.
+func NewListener(ln net.Listener, o ListenerOptions) *Listener {
+	l := &Listener{Listener: ln, d: o.WriteTimeout, idle: o.IdleWait, read: o.ReadTimeout, caps: o.Caps, log: o.Log}
+	if tl, ok := ln.(*net.TCPListener); ok {
+		if raw, err := tl.SyscallConn(); err == nil && sock.EnableRxStamps(raw) == nil {
+			l.stamped = true
+		}
+	}
+	return l
+}
+
+// ServeTLS has every connection accepted from now on speak TLS by cfg.
+func (l *Listener) ServeTLS(cfg *tls.Config) { l.tls = cfg }
 
 // Accept returns the next connection within the caps. A failed accept
 // (out of descriptors, out of memory, a connection reset while queued) is
@@ -38,7 +72,7 @@ type clientListener struct {
 // net/http does, so one burst of connections can never stop the server;
 // only a closed listener ends it. A connection beyond a cap is answered 503
 // and closed at once.
-func (l *clientListener) Accept() (net.Conn, error) {
+func (l *Listener) Accept() (net.Conn, error) {
 	var delay time.Duration
 	for {
 		c, err := l.Listener.Accept()
@@ -65,14 +99,14 @@ func (l *clientListener) Accept() (net.Conn, error) {
 			refuseConn(tc)
 			continue
 		}
-		cc := &clientConn{Conn: sock.NewConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, inHead: true}
+		cc := &Conn{Conn: sock.NewConn(tc, l.stamped), d: l.d, idle: l.idle, read: l.read, caps: l.caps, inHead: true}
 		cc.IP = ip
 		cc.Sys, _ = tc.SyscallConn()
 		var ti sock.TCPInfo
 		cc.Accepted(&ti)
 		l.caps.track(cc)
 		if l.tls != nil {
-			return newTLSClient(cc, l.tls), nil
+			return newTLSConn(cc, l.tls), nil
 		}
 		return cc, nil
 	}
@@ -93,29 +127,35 @@ func refuseConn(c *net.TCPConn) {
 	_ = c.Close()
 }
 
-// connCaps counts open client connections, in all and per client address,
+// Caps counts open client connections, in all and per client address,
 // and knows them, so that a drain that ran out of time can cut them.
-type connCaps struct {
+type Caps struct {
 	max, maxPerIP int // 0: no cap
 	mu            sync.Mutex
 	open          int
 	perIP         map[netip.Addr]int
-	conns         map[*clientConn]struct{}
+	conns         map[*Conn]struct{}
 }
 
-func (cc *connCaps) track(c *clientConn) {
+// NewCaps caps the open client connections at max in all and maxPerIP
+// per client address (0: no cap).
+func NewCaps(max, maxPerIP int) *Caps {
+	return &Caps{max: max, maxPerIP: maxPerIP, perIP: map[netip.Addr]int{}}
+}
+
+func (cc *Caps) track(c *Conn) {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	if cc.conns == nil {
-		cc.conns = map[*clientConn]struct{}{}
+		cc.conns = map[*Conn]struct{}{}
 	}
 	cc.conns[c] = struct{}{}
 }
 
-// closeAll closes every open client connection.
-func (cc *connCaps) closeAll() {
+// CloseAll closes every open client connection.
+func (cc *Caps) CloseAll() {
 	cc.mu.Lock()
-	conns := make([]*clientConn, 0, len(cc.conns))
+	conns := make([]*Conn, 0, len(cc.conns))
 	for c := range cc.conns {
 		conns = append(conns, c)
 	}
@@ -127,7 +167,7 @@ func (cc *connCaps) closeAll() {
 
 // take counts a new connection from ip, or returns the cap it would break
 // ("total" or "per_ip").
-func (cc *connCaps) take(ip netip.Addr) string {
+func (cc *Caps) take(ip netip.Addr) string {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	if cc.max > 0 && cc.open >= cc.max {
@@ -144,7 +184,7 @@ func (cc *connCaps) take(ip netip.Addr) string {
 }
 
 // release frees the place of a closed connection and forgets it.
-func (cc *connCaps) release(c *clientConn) {
+func (cc *Caps) release(c *Conn) {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	delete(cc.conns, c)
@@ -158,18 +198,18 @@ func (cc *connCaps) release(c *clientConn) {
 	}
 }
 
-func (cc *connCaps) count() int {
+func (cc *Caps) Count() int {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	return cc.open
 }
 
-// clientConn is a client connection with a sliding write deadline (every
+// Conn is a client connection with a sliding write deadline (every
 // Write must finish within d of its start) and the kernel's receive time of
 // the request being read. It embeds *net.TCPConn (through sock.Conn) so that
 // SyscallConn, used to watch for a closed peer and to read TCP_INFO, stays
 // available.
-type clientConn struct {
+type Conn struct {
 	*sock.Conn
 	d     time.Duration
 	setAt time.Time // when the deadline was last moved
@@ -186,7 +226,7 @@ type clientConn struct {
 	// The header of the next request is being read (from the connection's
 	// start, and again once a response ended) until its blank line: a
 	// header block ended by bare LFs, which fasthttp would wait on until
-	// the read timeout, is answered 400 at once (errBareLF). head holds
+	// the read timeout, is answered 400 at once (ErrBareLF). head holds
 	// its last bytes, for a blank line split across reads.
 	inHead bool
 	bareLF bool
@@ -199,7 +239,7 @@ type clientConn struct {
 	// loop for writability), TCP_INFO when accepted and when closed.
 	measure.Wire
 
-	caps   *connCaps
+	caps   *Caps
 	closed atomic.Bool
 
 	// pending is what the server had read ahead of a response tokentap
@@ -230,21 +270,68 @@ type clientConn struct {
 	closeLater bool
 
 	// seat is the socket's place in a relay loop's watch set, from its
-	// first request's peer watch until it closes (peerWatch).
+	// first request's peer watch until it closes (Watch).
 	seat relayplane.Seat
 }
 
-// enterLoop marks the connection as held by a relay loop; false if it was
+// NewConn wraps c, an accepted connection, with a write timeout of d and
+// no caps: a connection made apart from a Listener (the relay's
+// benchmarks).
+func NewConn(c *sock.Conn, d time.Duration) *Conn {
+	cc := &Conn{Conn: c, d: d, inHead: true}
+	cc.AckBase = -1
+	return cc
+}
+
+// WriteTimeout is the bound on each write to the client.
+func (c *Conn) WriteTimeout() time.Duration { return c.d }
+
+// Seat is the socket's place in a relay loop's watch set.
+func (c *Conn) Seat() *relayplane.Seat { return &c.seat }
+
+// HandOver marks the connection as handed over for a response tokentap
+// writes itself: it is given back to the server (Resume) only once the
+// server's goroutine that served it has let go of it (HandedOver).
+func (c *Conn) HandOver() {
+	c.handing.Store(true)
+	c.handover.Add(1)
+}
+
+// HandedOver is told that the server let go of the connection (its
+// StateHijacked).
+func (c *Conn) HandedOver() {
+	if c.handing.CompareAndSwap(true, false) {
+		c.handover.Done()
+	}
+}
+
+// Resume waits until the server let go of a connection handed over, and
+// marks it idle unless bytes of a next request were read ahead: it is to
+// be served again.
+func (c *Conn) Resume() {
+	c.handover.Wait()
+	c.resumedIdle.Store(len(c.pending) == 0)
+}
+
+// ClaimIdle takes a connection given back to the server that has read no
+// byte of a next request since (a shutdown closes it rather than wait).
+func (c *Conn) ClaimIdle() bool { return c.resumedIdle.CompareAndSwap(true, false) }
+
+// Pending is what the server had read ahead of a response tokentap wrote
+// itself, handed back with the connection (TakeBuffered).
+func (c *Conn) Pending() []byte { return c.pending }
+
+// EnterLoop marks the connection as held by a relay loop; false if it was
 // closed already.
-func (c *clientConn) enterLoop() bool {
+func (c *Conn) EnterLoop() bool {
 	c.loopMu.Lock()
 	defer c.loopMu.Unlock()
 	c.looped = !c.closed.Load()
 	return c.looped
 }
 
-// leaveLoop ends the loop's hold, and makes a close that came meanwhile.
-func (c *clientConn) leaveLoop() {
+// LeaveLoop ends the loop's hold, and makes a close that came meanwhile.
+func (c *Conn) LeaveLoop() {
 	c.loopMu.Lock()
 	later := c.closeLater
 	c.looped, c.closeLater = false, false
@@ -255,7 +342,7 @@ func (c *clientConn) leaveLoop() {
 }
 
 // Close closes the connection and frees its place under the caps, once.
-func (c *clientConn) Close() error {
+func (c *Conn) Close() error {
 	c.loopMu.Lock()
 	if c.looped {
 		c.closeLater = true
@@ -276,17 +363,17 @@ func (c *clientConn) Close() error {
 	return err
 }
 
-func (c *clientConn) Read(b []byte) (int, error) { return c.readPlain(b, (*socketSide)(c)) }
+func (c *Conn) Read(b []byte) (int, error) { return c.readPlain(b, (*socketSide)(c)) }
 
 // readPlain reads the plain text of the connection from src (the socket,
 // or the TLS layer over it): first what the server had read ahead and
 // handed back, then src, following the request header being read.
-func (c *clientConn) readPlain(b []byte, src io.Reader) (int, error) {
+func (c *Conn) readPlain(b []byte, src io.Reader) (int, error) {
 	if c.draining {
 		return 0, errDrained
 	}
 	if c.bareLF {
-		return 0, errBareLF
+		return 0, ErrBareLF
 	}
 	if len(c.pending) > 0 {
 		// Read, stamped and scanned when the server read it ahead.
@@ -311,10 +398,10 @@ func (c *clientConn) readPlain(b []byte, src io.Reader) (int, error) {
 
 // socketSide reads the client's socket, stamping the first read of each
 // request with its kernel receive time.
-type socketSide clientConn
+type socketSide Conn
 
 func (s *socketSide) Read(b []byte) (int, error) {
-	c := (*clientConn)(s)
+	c := (*Conn)(s)
 	n, err := c.Conn.Read(b)
 	if n > 0 && c.reqRx == 0 {
 		c.reqRx = c.Rx()
@@ -322,12 +409,12 @@ func (s *socketSide) Read(b []byte) (int, error) {
 	return n, err
 }
 
-// takeBuffered moves into c's pending bytes what the server had read of
+// TakeBuffered moves into c's pending bytes what the server had read of
 // the connection and not parsed yet (a pipelined request), from hj, the
 // hijacked connection, which reads through the server's read buffer: once
 // that is empty, its next read would read c, which answers errDrained
 // instead. buf is room for the copy.
-func (c *clientConn) takeBuffered(hj net.Conn, buf []byte) {
+func (c *Conn) TakeBuffered(hj net.Conn, buf []byte) {
 	c.draining = true
 	for {
 		n, err := hj.Read(buf)
@@ -343,8 +430,8 @@ func (c *clientConn) takeBuffered(hj net.Conn, buf []byte) {
 // (takeBuffered).
 var errDrained = errors.New("the read-ahead buffer is empty")
 
-// errBareLF: a request's header block ended with bare line feeds.
-var errBareLF = errors.New("the request header ends with bare LF line ends")
+// ErrBareLF: a request's header block ended with bare line feeds.
+var ErrBareLF = errors.New("the request header ends with bare LF line ends")
 
 var (
 	crlfcrlf = []byte("\r\n\r\n")
@@ -354,7 +441,7 @@ var (
 // scanHead follows the header being read: its blank line ends it; an
 // "\n\n" first is a header ended with bare LFs (in a CRLF header, "\n\n"
 // never occurs).
-func (c *clientConn) scanHead(b []byte) {
+func (c *Conn) scanHead(b []byte) {
 	// The seam with the previous read first.
 	var seam [6]byte
 	k := copy(seam[:], c.head[:c.headN])
@@ -376,14 +463,14 @@ func (c *clientConn) scanHead(b []byte) {
 	}
 }
 
-// expectHead says the next bytes read begin a request's header (a
+// ExpectHead says the next bytes read begin a request's header (a
 // response ended).
-func (c *clientConn) expectHead() { c.inHead, c.headN = true, 0 }
+func (c *Conn) ExpectHead() { c.inHead, c.headN = true, 0 }
 
-// arrival returns when the request being served began to arrive, and makes
+// Arrival returns when the request being served began to arrive, and makes
 // the next read start the next request. A request that came in with the
 // previous one's bytes (pipelined) has no stamp of its own and gets now.
-func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
+func (c *Conn) Arrival(now time.Time, maxAge time.Duration) time.Time {
 	rx := c.reqRx
 	c.reqRx = 0
 	return sock.Received(rx, now, maxAge)
@@ -392,7 +479,7 @@ func (c *clientConn) arrival(now time.Time, maxAge time.Duration) time.Time {
 // Write moves the deadline to d from now, unless it was moved less than
 // 1% of d ago (a burst of writes then shares one deadline, which is at most
 // 1% shorter than d).
-func (c *clientConn) Write(b []byte) (int, error) {
+func (c *Conn) Write(b []byte) (int, error) {
 	now := time.Now()
 	if now.Sub(c.setAt) > c.d/100 {
 		if err := c.TCPConn.SetWriteDeadline(now.Add(c.d)); err != nil {
@@ -411,12 +498,12 @@ func (c *clientConn) Write(b []byte) (int, error) {
 // SetDeadline and SetWriteDeadline replace the write deadline (the server
 // clears it when it hands a connection over), so the next Write sets its
 // own again.
-func (c *clientConn) SetDeadline(t time.Time) error {
+func (c *Conn) SetDeadline(t time.Time) error {
 	c.setAt = time.Time{}
 	return c.TCPConn.SetDeadline(t)
 }
 
-func (c *clientConn) SetWriteDeadline(t time.Time) error {
+func (c *Conn) SetWriteDeadline(t time.Time) error {
 	c.setAt = time.Time{}
 	return c.TCPConn.SetWriteDeadline(t)
 }
@@ -424,7 +511,7 @@ func (c *clientConn) SetWriteDeadline(t time.Time) error {
 // SetReadDeadline sets the read deadline; for the server's wait for the
 // first byte of a connection given back (resumedIdle), the idle wait
 // instead of the read timeout it asks for.
-func (c *clientConn) SetReadDeadline(t time.Time) error {
+func (c *Conn) SetReadDeadline(t time.Time) error {
 	if !t.IsZero() && c.idle > 0 && c.resumedIdle.Load() {
 		t = time.Now().Add(c.idle)
 	}

@@ -1,4 +1,4 @@
-package proxy
+package downstream
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 )
 
 // ServerTLSFiles are a listener's TLS settings: its certificate and key,
@@ -49,7 +51,7 @@ func LoadServerTLS(f ServerTLSFiles) (*tls.Config, error) {
 	}
 	cert, err := tls.LoadX509KeyPair(f.CertFile, f.KeyFile)
 	if err != nil {
-		return nil, fmt.Errorf("cert_file, key_file: cannot load the certificate and key: %s", describeTLSFileError(err))
+		return nil, fmt.Errorf("cert_file, key_file: cannot load the certificate and key: %s", conf.DescribeFileError(err))
 	}
 	c := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: f.MinVersion, NextProtos: []string{"http/1.1"}}
 	if c.MinVersion == 0 {

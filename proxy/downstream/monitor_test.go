@@ -1,6 +1,6 @@
 //go:build linux
 
-package proxy
+package downstream
 
 import (
 	"fmt"
@@ -16,8 +16,16 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"golang.org/x/sys/unix"
 )
+
+// TestMain lets this test binary serve as TestMonitorTickPreemptsLongWork's
+// client, a process of its own.
+func TestMain(m *testing.M) {
+	serveMonitorClient()
+	os.Exit(m.Run())
+}
 
 // envMonitorClient makes this test binary the far side of
 // TestMonitorTickPreemptsLongWork: a process of its own, so that its
@@ -104,7 +112,7 @@ func waitMonitorAsleep(pid int) {
 // waits for the whole second: the monitor sleeps through it. The ticks'
 // rhythm is TestMonitorTickTicksWhileBusy's.
 func TestMonitorTickPreemptsLongWork(t *testing.T) {
-	long(t, "a second of spinning, twice")
+	wait.Long(t, "a second of spinning, twice")
 	for _, early := range []bool{false, true} {
 		name := map[bool]string{false: "first", true: "earlier"}[early]
 		t.Run(name, func(t *testing.T) {
@@ -146,10 +154,10 @@ func longWorkDelay(t *testing.T, early bool) time.Duration {
 	defer cb.Close()
 
 	var inFlight atomic.Bool
-	m := newMonitorTick(inFlight.Load)
+	m := NewMonitorTick(inFlight.Load)
 	if early {
 		inFlight.Store(true)
-		m.arm()
+		m.Arm()
 	}
 	spinning := make(chan time.Time, 1)
 	otherRan := make(chan time.Time, 1)
@@ -163,7 +171,7 @@ func longWorkDelay(t *testing.T, early bool) time.Duration {
 			return
 		}
 		inFlight.Store(true)
-		m.arm() // as Proxy.begin does
+		m.Arm() // as Proxy.begin does
 		start := time.Now()
 		spinning <- start
 		// The child's cue for the other request. The raw write (sendRaw)
@@ -206,13 +214,13 @@ func TestMonitorTickTicksWhileBusy(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var busy atomic.Bool
 		var looks atomic.Int64 // busy's calls: one a tick while busy, two at the stop
-		m := newMonitorTick(func() bool { looks.Add(1); return busy.Load() })
+		m := NewMonitorTick(func() bool { looks.Add(1); return busy.Load() })
 		after := func(d time.Duration) { <-time.After(d); synctest.Wait() }
 
 		busy.Store(true)
-		m.arm()
+		m.Arm()
 		after(monitorEvery*4 + monitorEvery/2)
-		m.arm() // running: no second timer
+		m.Arm() // running: no second timer
 		after(monitorEvery * 4)
 		if n := looks.Load(); n != 8 {
 			t.Fatalf("%d ticks in 8.5 periods while busy, want 8", n)
@@ -227,7 +235,7 @@ func TestMonitorTickTicksWhileBusy(t *testing.T) {
 			t.Fatalf("%d looks after the stop, want 10 (the stopping tick looks twice, then none)", n)
 		}
 		busy.Store(true)
-		m.arm()
+		m.Arm()
 		if !m.armed.Load() {
 			t.Fatal("arm did not start the ticks again")
 		}

@@ -1,4 +1,4 @@
-package proxy
+package downstream
 
 import (
 	"net"
@@ -10,7 +10,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
-// peerWatch detects a client that closed its connection while tokentap
+// Watch detects a client that closed its connection while tokentap
 // still waits on the upstream, without consuming any byte of the client's.
 // fasthttp reports a gone client only on the second write after the close,
 // which never comes during a long prefill or a long silence.
@@ -29,9 +29,9 @@ import (
 // registered for its request alone (relayplane.Loop.Watch). The goroutine
 // watch is for a proxy without loops (relay: goroutine).
 //
-// A peerWatch lives in a pooled exchange and serves one request after
+// A Watch lives in a pooled exchange and serves one request after
 // another: its timer and channel are made once.
-type peerWatch struct {
+type Watch struct {
 	loop    *relayplane.Loop // the loop watching the socket, while one does
 	slot    int32            // its slot there
 	seat    *relayplane.Seat // or the seat it watches from, while it does
@@ -56,20 +56,20 @@ type peerWatch struct {
 // noticed at most this much later, against prefills of hundreds of ms.
 const watchDelay = 10 * time.Millisecond
 
-// start watches conn: on one of loops when one runs and takes it, else
+// Start watches conn: on one of loops when one runs and takes it, else
 // from watchDelay on, on a goroutine; nothing happens when conn is not a
 // socket. gone is called at most once, from the loop or the watch
 // goroutine. Every start must be followed by a stop before the next.
-func (w *peerWatch) start(conn net.Conn, gone func(), loops *relayplane.Set) {
+func (w *Watch) Start(conn net.Conn, gone func(), loops *relayplane.Set) {
 	raw := sock.Raw(conn)
 	if raw == nil {
 		return
 	}
 	w.conn, w.raw, w.gone = conn, raw, gone
-	_, w.tls = conn.(*tlsClient)
+	_, w.tls = conn.(*TLSConn)
 	w.stopped.Store(false)
 	w.active = true
-	if cc := clientOf(conn); cc != nil {
+	if cc := Of(conn); cc != nil {
 		if cc.seat.Watch(loops, w) {
 			w.seat = &cc.seat
 			return
@@ -89,7 +89,7 @@ func (w *peerWatch) start(conn net.Conn, gone func(), loops *relayplane.Set) {
 	w.timer.Reset(watchDelay)
 }
 
-func (w *peerWatch) run() {
+func (w *Watch) run() {
 	defer func() { w.done <- struct{}{} }()
 	// The server's read deadline for the request (ReadTimeout) is still
 	// set; left alone it would end the watch minutes into a long stream.
@@ -108,7 +108,7 @@ func (w *peerWatch) run() {
 	}
 }
 
-func (w *peerWatch) peekOnce(fd uintptr) bool {
+func (w *Watch) peekOnce(fd uintptr) bool {
 	w.state = sock.Peek(fd)
 	if w.state == sock.PeerData && w.tls {
 		if !sock.HungUp(fd) {
@@ -127,7 +127,7 @@ func (w *peerWatch) peekOnce(fd uintptr) bool {
 // on TLS they may be the close_notify alert a leaving client sends before
 // its FIN, so the close decides. Nothing waiting and no close (a stale
 // report) leaves the socket watched.
-func (w *peerWatch) Look() (end, gone bool) {
+func (w *Watch) Look() (end, gone bool) {
 	state := sock.PeerUnknown
 	if w.raw.Control(func(fd uintptr) { state = sock.Peek(fd) }) != nil {
 		return true, false // closed under the watch: its owner knows
@@ -143,10 +143,10 @@ func (w *peerWatch) Look() (end, gone bool) {
 	return true, false
 }
 
-// stop ends the watch and waits for its goroutine, leaving conn with no
+// Stop ends the watch and waits for its goroutine, leaving conn with no
 // read deadline when the watch ran. It must be called before the server
 // reads from conn again; calls after the first do nothing.
-func (w *peerWatch) stop() {
+func (w *Watch) Stop() {
 	if !w.active {
 		return
 	}
@@ -180,12 +180,16 @@ func (w *peerWatch) stop() {
 
 // Control runs f with the watched socket's descriptor (the loop's look at
 // it); Gone tells that the client left.
-func (w *peerWatch) Control(f func(fd uintptr)) error { return w.raw.Control(f) }
+func (w *Watch) Control(f func(fd uintptr)) error { return w.raw.Control(f) }
 
 // Gone: see Control.
-func (w *peerWatch) Gone() { w.gone() }
+func (w *Watch) Gone() { w.gone() }
+
+// Kept is the watch's next life in a pooled exchange: its timer and
+// channel, nothing watched.
+func (w *Watch) Kept() Watch { return Watch{done: w.done, timer: w.timer, peekFn: w.peekFn} }
 
 // release drops the request's references; the timer and channel stay.
-func (w *peerWatch) release() { w.conn, w.raw, w.gone = nil, nil, nil }
+func (w *Watch) release() { w.conn, w.raw, w.gone = nil, nil, nil }
 
 var aLongTimeAgo = time.Unix(1, 0)

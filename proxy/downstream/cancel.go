@@ -1,4 +1,4 @@
-package proxy
+package downstream
 
 import (
 	"net"
@@ -7,11 +7,11 @@ import (
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
 
-// cancelState ties the exchange's upstream connection to the peer watch:
+// Cancel ties the exchange's upstream connection to the peer watch:
 // when the client goes, the connection is closed, which interrupts any
 // read or write on it and cancels the request at the backend; a request
 // waiting for admission sees done closed.
-type cancelState struct {
+type Cancel struct {
 	mu   sync.Mutex
 	gone bool
 	conn net.Conn
@@ -24,34 +24,34 @@ type cancelState struct {
 	settled bool
 }
 
-// settle marks the upstream's response as ended, before its last bytes go
+// Settle marks the upstream's response as ended, before its last bytes go
 // to the client: from here on a client that leaves (having read it all,
 // most often) cancels nothing, and its departure neither closes the
 // upstream connection, which goes back to the pool, nor makes the record a
 // client cancel. A departure before it is a cancel, as before.
-func (c *cancelState) settle() {
+func (c *Cancel) Settle() {
 	c.mu.Lock()
 	c.settled = true
 	c.mu.Unlock()
 }
 
-// enterLoop marks the connection as held by a relay loop; false if the
+// EnterLoop marks the connection as held by a relay loop; false if the
 // client has gone already.
-func (c *cancelState) enterLoop() bool {
+func (c *Cancel) EnterLoop() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.looped = !c.gone
 	return c.looped
 }
 
-func (c *cancelState) leaveLoop() {
+func (c *Cancel) LeaveLoop() {
 	c.mu.Lock()
 	c.looped = false
 	c.mu.Unlock()
 }
 
-// doneChan returns a channel closed when the client has gone.
-func (c *cancelState) doneChan() <-chan struct{} {
+// Done returns a channel closed when the client has gone.
+func (c *Cancel) Done() <-chan struct{} {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.done == nil {
@@ -63,8 +63,8 @@ func (c *cancelState) doneChan() <-chan struct{} {
 	return c.done
 }
 
-// attach makes conn the one to close on cancel; false if already cancelled.
-func (c *cancelState) attach(conn net.Conn) bool {
+// Attach makes conn the one to close on cancel; false if already cancelled.
+func (c *Cancel) Attach(conn net.Conn) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.gone {
@@ -74,15 +74,15 @@ func (c *cancelState) attach(conn net.Conn) bool {
 	return true
 }
 
-func (c *cancelState) detach() {
+func (c *Cancel) Detach() {
 	c.mu.Lock()
 	c.conn = nil
 	c.mu.Unlock()
 }
 
-// fire is called by the peer watch (or the relay loop) when the client
+// Fire is called by the peer watch (or the relay loop) when the client
 // has gone.
-func (c *cancelState) fire() {
+func (c *Cancel) Fire() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.settled {
@@ -101,7 +101,7 @@ func (c *cancelState) fire() {
 	}
 }
 
-func (c *cancelState) isGone() bool {
+func (c *Cancel) IsGone() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.gone
