@@ -107,7 +107,7 @@ func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
 	var total int64
 	weights := 0
 	for i, m := range r.members {
-		a.load[i] = m.up.inflight.Load()
+		a.load[i] = m.up.Inflight.Load()
 		if w := r.weight(m); w > 0 {
 			total += a.load[i]
 			weights += w
@@ -150,7 +150,7 @@ func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
 // flight there a first token within a tenth (and a millisecond) of an idle
 // upstream's: the batch has room for it. Nothing believed: false.
 func waitsForNone(m *member, k int64) bool {
-	model := m.up.gate.Model
+	model := m.up.Gate.Model
 	idle, _, ok := model.Predict(0, -1)
 	if !ok {
 		return false

@@ -13,6 +13,7 @@ import (
 
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 	"github.com/tokentap/tokentap/proxy/testkit/wait"
+	"github.com/tokentap/tokentap/proxy/upstream"
 )
 
 // cachedBackend is a simulated server whose prefix cache holds 4 prompts,
@@ -205,7 +206,7 @@ func TestRingBoundsLoad(t *testing.T) {
 	// Its home holding 4 in flight, the others none: past its bound
 	// (1.25 x 5/4 + 1), the key moves to the next on the ring, and stays
 	// there while its home is over it; back once it is not.
-	home[hot].up.inflight.Store(4)
+	home[hot].up.Inflight.Store(4)
 	next, why := r.byPrefix(hot, now)
 	if next == home[hot] || why != pickSpill {
 		t.Fatalf("over its bound the hot key's home still got it (%s)", pickReasonNames[why])
@@ -213,7 +214,7 @@ func TestRingBoundsLoad(t *testing.T) {
 	if again, _ := r.byPrefix(hot, now); again != next {
 		t.Errorf("the spilled key moved again: %s then %s", next.name, again.name)
 	}
-	next.up.inflight.Store(2)
+	next.up.Inflight.Store(2)
 	if m, _ := r.byPrefix(hot, now); m != next {
 		t.Errorf("within its bound (2 of 6 in flight) the key left %s for %s", next.name, m.name)
 	}
@@ -224,7 +225,7 @@ func TestRingBoundsLoad(t *testing.T) {
 func affinityMembers(t *testing.T, n int) []*member {
 	var members []*member
 	for i := range n {
-		up, err := newUpstream("http://127.0.0.1:1", DefaultTimeouts, nil, nil)
+		up, err := upstream.New("http://127.0.0.1:1", DefaultTimeouts, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

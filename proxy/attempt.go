@@ -4,6 +4,8 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 )
@@ -13,10 +15,10 @@ import (
 // and response of the current attempt, and those tried before (failover).
 // Owner: the serving goroutine (a shadow copy's: its own goroutine).
 type upstreamAttempt struct {
-	x              *exchange // the exchange it is the attempts of
-	mem            *member   // the upstream chosen, once routed
-	up             *upstream // mem.up
-	conn           *upConn
+	x              *exchange         // the exchange it is the attempts of
+	mem            *member           // the upstream chosen, once routed
+	up             *upstream.Backend // mem.up
+	conn           *upstream.Conn
 	req            *fasthttp.Request
 	resp           *fasthttp.Response
 	connectFailed  bool          // the last attempt could not connect
@@ -40,14 +42,14 @@ func (a *upstreamAttempt) count(now time.Time) {
 		return
 	}
 	a.counted = true
-	a.startK = int(a.mem.up.inflight.Add(1) - 1)
+	a.startK = int(a.mem.up.Inflight.Add(1) - 1)
 }
 
 // uncount takes the request out of its upstream's requests in flight.
 func (a *upstreamAttempt) uncount() {
 	if a.counted {
 		a.counted = false
-		a.mem.up.inflight.Add(-1)
+		a.mem.up.Inflight.Add(-1)
 	}
 }
 
@@ -96,12 +98,29 @@ func (a *upstreamAttempt) forward(ctx *fasthttp.RequestCtx) *refusal {
 	}
 }
 
+// roundTrip sends the request on a pooled or new connection of the
+// upstream, once more where the backend provably never received it
+// (upstream.Backend.RoundTrip), up to the response headers.
+func (a *upstreamAttempt) roundTrip(head bool) error {
+	t, err := a.up.RoundTrip(&a.x.cancel, a.req, a.resp, head, a.firstByteLimit)
+	a.connectFailed = t.ConnectFailed
+	if !t.Written.IsZero() {
+		a.x.tap.Sent(t.Written)
+	}
+	if err == nil {
+		a.conn = t.Conn
+		// The response can reach the socket before the write is stamped.
+		a.x.rec.UpstreamTTFB = max(t.Conn.FirstByte().Sub(t.Written), 0)
+	}
+	return err
+}
+
 // attempt builds the upstream request for the chosen upstream and sends
 // it, up to the response headers.
 func (a *upstreamAttempt) attempt(ctx *fasthttp.RequestCtx) error {
 	r, body := a.x.rt, a.x.in.body0
-	// prepareRequest drops inbound X-Tokentap-* headers, the tenant's too.
-	a.x.in.scratch = prepareRequest(ctx, a.req, r, a.up, a.x.in.path, a.x.in.query, body, a.x.id, a.x.in.scratch)
+	// Prepare drops inbound X-Tokentap-* headers, the tenant's too.
+	a.x.in.scratch = a.up.Prepare(ctx, a.req, r.strip(), r.stripKey, a.x.in.path, a.x.in.query, body, a.x.id, a.x.in.scratch)
 	if a.x.tenant != "" {
 		a.req.Header.Set(tenantHeader, a.x.tenant)
 	}
@@ -132,66 +151,9 @@ func (a *upstreamAttempt) forwardResult(err error) *refusal {
 		return nil
 	case a.x.cancel.IsGone():
 		return refuseGone
-	case isTimeout(err):
+	case sock.IsTimeout(err):
 		return &refusal{status: fasthttp.StatusGatewayTimeout, outcome: metrics.OutcomeUpstreamTimeout, code: "upstream_timeout", msg: describeUpstreamError(err)}
 	default:
 		return &refusal{status: fasthttp.StatusBadGateway, outcome: metrics.OutcomeUpstreamError, code: "upstream_unavailable", msg: describeUpstreamError(err)}
 	}
-}
-
-// roundTrip sends the request on a pooled or new connection, and once
-// more on a new one where mayResend allows.
-func (a *upstreamAttempt) roundTrip(head bool) error {
-	up := a.up
-	for attempt := 0; ; attempt++ {
-		// A client that leaves during a dial stops it (the peer watch
-		// runs from admission on).
-		c, err := up.get(goneCtx{a.x.cancel.Done()}, attempt > 0)
-		if err != nil {
-			a.connectFailed = true
-			return err
-		}
-		if !a.x.cancel.Attach(c.Conn) {
-			up.discard(c)
-			return errCancelled
-		}
-		acked := int64(-1)
-		if c.wasReused() {
-			acked = c.ackedBefore()
-		}
-		c.limitHeaderWait(a.firstByteLimit)
-		written, err := c.send(a.req, a.resp, head)
-		a.x.tap.Sent(written)
-		if err == nil {
-			a.conn = c
-			// The response can reach the socket before the write is stamped.
-			a.x.rec.UpstreamTTFB = max(c.firstByte().Sub(written), 0)
-			return nil
-		}
-		unread := mayResend(c, acked, err)
-		up.discard(c)
-		a.x.cancel.Detach()
-		if a.x.cancel.IsGone() {
-			return errCancelled
-		}
-		if !unread || attempt > 0 {
-			return err
-		}
-		metrics.UpstreamRetry()
-	}
-}
-
-// mayResend is the rule for sending a request again, on a new connection,
-// after its attempt on c failed with err: only when the backend provably
-// never received it. The connection was reused, no response byte came,
-// the failure is a close or reset (not a timeout), and the backend's
-// kernel acknowledged none of the request's bytes (TCP_INFO
-// tcpi_bytes_acked unchanged since before the write: ackedBefore, -1 when
-// unknown). A socket the backend had already closed answers data with a
-// reset and acknowledges nothing; one whose backend read the request has
-// acknowledged it, and sending it again would run (and bill) the
-// generation twice.
-func mayResend(c *upConn, ackedBefore int64, err error) bool {
-	return c.wasReused() && ackedBefore >= 0 && c.firstByte().IsZero() && !isTimeout(err) && isConnReset(err) &&
-		c.bytesAcked() == ackedBefore
 }

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/valyala/fasthttp"
 )
 
@@ -26,7 +27,7 @@ type Upstream struct {
 	// (scrape.go); empty: none.
 	MetricsURL string
 	// Headers are set on every request sent to it, over the route's of
-	// the same name (credentials.go).
+	// the same name (proxy/upstream).
 	Headers []Header
 }
 
@@ -60,7 +61,7 @@ const (
 // member is an upstream of a route at run time.
 type member struct {
 	name   string
-	up     *upstream
+	up     *upstream.Backend
 	weight int
 	row    int // its metric series row
 	// why counts the requests sent to it since the configuration, by
@@ -111,7 +112,7 @@ func (m *member) held(now time.Time, k int) int { return k + m.scrape.others(now
 // slot's time shared by the slots running, the turn a model learned from
 // tokentap's own traffic alone cannot know.
 func (m *member) predictTTFT(now time.Time, k, in int) (time.Duration, bool) {
-	model := m.up.gate.Model
+	model := m.up.Gate.Model
 	t, _, ok := model.Predict(m.held(now, k), in)
 	if !ok {
 		return t, false
@@ -181,7 +182,7 @@ func (r *route) pick(tenant string, h *fasthttp.RequestHeader) (m *member, key u
 			if w == 0 {
 				continue
 			}
-			if n := m.up.inflight.Load(); best == nil || n < bestN || n == bestN && w > r.weight(best) {
+			if n := m.up.Inflight.Load(); best == nil || n < bestN || n == bestN && w > r.weight(best) {
 				best, bestN = m, n
 			}
 		}
@@ -215,10 +216,10 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 		}
 		total += w
 		eligible++
-		k := int(m.up.inflight.Load())
+		k := int(m.up.Inflight.Load())
 		t, ok := m.predictTTFT(now, k, in)
 		if !ok {
-			if fresh == nil || k < int(fresh.up.inflight.Load()) {
+			if fresh == nil || k < int(fresh.up.Inflight.Load()) {
 				fresh = m
 			}
 			continue
@@ -263,7 +264,7 @@ func (r *route) leastTTFT(now time.Time, in int, roll float64, objective time.Du
 		for _, m := range r.members {
 			if w := r.weight(m); m != best && w > 0 {
 				if at < w {
-					t, _ := m.predictTTFT(now, int(m.up.inflight.Load()), in)
+					t, _ := m.predictTTFT(now, int(m.up.Inflight.Load()), in)
 					return m, t, pickProbe
 				}
 				at -= w
@@ -294,7 +295,7 @@ const (
 // servesInTime reports whether m, idle, gives a request of in input
 // tokens its first token within objective.
 func (m *member) servesInTime(in int, objective time.Duration) bool {
-	idle, _, ok := m.up.gate.Model.Predict(0, in)
+	idle, _, ok := m.up.Gate.Model.Predict(0, in)
 	return ok && idle <= objective
 }
 
@@ -302,7 +303,7 @@ func (m *member) servesInTime(in int, objective time.Duration) bool {
 // now with k of tokentap's in flight there: the requests it holds at most
 // its model's learned knee.
 func (m *member) free(now time.Time, k int) bool {
-	return float64(m.held(now, k)) <= m.up.gate.Model.Knee()
+	return float64(m.held(now, k)) <= m.up.Gate.Model.Knee()
 }
 
 // inTime is the most a prediction of m may say for a request to count on
@@ -311,7 +312,7 @@ func (m *member) free(now time.Time, k int) bool {
 // request predicted at the edge, half of which would miss, is not sent
 // into a queue it would lengthen for the others.
 func (m *member) inTime(objective time.Duration) time.Duration {
-	_, absErr, n := m.up.gate.Model.Calibration()
+	_, absErr, n := m.up.Gate.Model.Calibration()
 	if n < 20 {
 		return objective
 	}

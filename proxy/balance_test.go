@@ -180,7 +180,7 @@ func TestLeastInflight(t *testing.T) {
 	first := ""
 	waitUntil(t, func() bool {
 		for _, m := range tp.p.snap.Load().routes[0].members {
-			if m.up.inflight.Load() == 1 {
+			if m.up.Inflight.Load() == 1 {
 				first = m.name
 			}
 		}
@@ -225,7 +225,7 @@ func holdStream(t *testing.T, tp *testProxy) chan struct{} {
 func TestWeightsChangeOnReload(t *testing.T) {
 	tp, hold := twoBackendsHeld(t, func(r *Route) { r.Upstreams[0].Weight, r.Upstreams[1].Weight = 1, 0 })
 	held := holdStream(t, tp)
-	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].members[0].up.inflight.Load() == 1 })
+	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].members[0].up.Inflight.Load() == 1 })
 	cfg := tp.p.snap.Load().cfg
 	cfg.Routes[0].Upstreams = []Upstream{{Name: "stable", URL: cfg.Routes[0].Upstreams[0].URL, Weight: 0}, {Name: "canary", URL: cfg.Routes[0].Upstreams[1].URL, Weight: 1}}
 	if err := tp.p.Apply(cfg); err != nil {
@@ -298,7 +298,7 @@ func TestQueuedRequestsNotCountedAtTheirUpstream(t *testing.T) {
 	}
 	inflight := func() (n int64) {
 		for _, m := range tp.p.snap.Load().routes[0].members {
-			n += m.up.inflight.Load()
+			n += m.up.Inflight.Load()
 		}
 		return n
 	}

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"golang.org/x/sys/unix"
 )
@@ -400,7 +401,7 @@ func readStream(t *testing.T, br *bufio.Reader, i int, want string) *http.Respon
 func expectQuiet(t *testing.T, c net.Conn, br *bufio.Reader) {
 	t.Helper()
 	c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-	if n, err := br.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
+	if n, err := br.Read(make([]byte, 1)); n != 0 || !sock.IsTimeout(err) {
 		t.Fatalf("after the last response: %d more bytes, %v", n, err)
 	}
 }

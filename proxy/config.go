@@ -10,72 +10,25 @@ import (
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 )
 
-// Timeouts bound the upstream side of an exchange. None of them limits the
-// total length of a response: a long, healthy stream is never cut.
-type Timeouts struct {
-	// Connect bounds dialing (and the TLS handshake) to the upstream.
-	Connect time.Duration
-	// Write bounds writing the request to the upstream.
-	Write time.Duration
-	// FirstByte bounds the wait from the request written to the first byte
-	// of the response: the backend's queueing and prefill.
-	FirstByte time.Duration
-	// Idle bounds the gap between two reads of the response body.
-	Idle time.Duration
-	// IdleConn is how long an unused keep-alive connection stays pooled;
-	// it is closed then, with or without traffic. The backend's own
-	// Keep-Alive header (timeout, max) shortens it. Every pooled connection
-	// is checked before reuse (one non-consuming peek): one the backend
-	// closed is replaced, one with unread bytes is closed. A request the
-	// backend provably never received (reset before it acknowledged a byte
-	// of it) is sent again once on a new connection; one it received never
-	// is.
-	IdleConn time.Duration
-	// MaxIdleConns caps the pooled idle connections per upstream.
-	MaxIdleConns int
-	// MaxConns caps the open connections per upstream (0: no cap). Every
-	// live stream holds one.
-	MaxConns int
-}
+// Header is a header set on every request to an upstream (its
+// credentials); UpstreamTLS is how https upstreams are trusted
+// (proxy/upstream).
+type (
+	Header      = upstream.Header
+	UpstreamTLS = upstream.TLS
+)
 
-// Validate checks that every timeout is set (a zero one would mean
-// "never") and the pool bounds are not negative; errors are *FieldError
-// under path (the key of these timeouts in the config file).
-func (t Timeouts) Validate(path string) error {
-	for _, d := range []struct {
-		name string
-		v    time.Duration
-	}{{"connect", t.Connect}, {"write", t.Write}, {"first_byte", t.FirstByte}, {"idle", t.Idle}, {"idle_conn", t.IdleConn}} {
-		if d.v <= 0 {
-			return conf.Errf(path+"."+d.name, "must be positive (leave it out for the default)")
-		}
-	}
-	switch {
-	case t.MaxIdleConns < 0:
-		return conf.Errf(path+".max_idle_conns", "must not be negative")
-	case t.MaxConns < 0:
-		return conf.Errf(path+".max_conns", "must not be negative")
-	}
-	return nil
-}
+// Timeouts bound the upstream side of an exchange (upstream.Timeouts);
+// DefaultTimeouts are those used where the config says nothing.
+type Timeouts = upstream.Timeouts
 
 // DefaultTimeouts are the timeouts used where the config says nothing.
-var DefaultTimeouts = Timeouts{
-	Connect:   5 * time.Second,
-	Write:     30 * time.Second,
-	FirstByte: 10 * time.Minute,
-	Idle:      2 * time.Minute,
-	// As Go's http.Transport. A short lifetime would make the first burst
-	// after every lull dial anew: a dial costs tokentap several times a
-	// request's CPU, and the burst's first tokens wait behind it.
-	IdleConn:     90 * time.Second,
-	MaxIdleConns: 1024,
-	MaxConns:     0,
-}
+var DefaultTimeouts = upstream.DefaultTimeouts
 
 // Route sends requests whose path starts with Prefix to Upstream.
 type Route struct {
@@ -134,7 +87,7 @@ type Route struct {
 	// (nil: every request is forwarded). See Overload.
 	Overload *Overload
 	// Headers are set on every request sent to the route's upstreams:
-	// the backend's credentials (credentials.go). ForwardClientKey sends
+	// the backend's credentials (proxy/upstream). ForwardClientKey sends
 	// the client's key headers on where tenants are known by key, which
 	// drops them otherwise (they are tokentap's keys, not the backend's).
 	Headers          []Header
@@ -363,8 +316,8 @@ func (c *Config) validModelsAndSLOs() error {
 // their balance and stickiness.
 func (r *Route) validUpstreams(field func(string) string) error {
 	if r.TLS != nil {
-		if _, err := r.TLS.config(); err != nil {
-			return conf.Errf(field("tls."+err.field), "%v", err.err)
+		if f, err := r.TLS.Check(); err != nil {
+			return conf.Errf(field("tls."+f), "%v", err)
 		}
 		https := strings.HasPrefix(r.Upstream, "https://")
 		for _, u := range r.Upstreams {
@@ -374,12 +327,12 @@ func (r *Route) validUpstreams(field func(string) string) error {
 			return conf.Errf(field("tls"), "the route has no https upstream")
 		}
 	}
-	if err := validHeaders(r.Headers, field("headers")); err != nil {
+	if err := upstream.ValidHeaders(r.Headers, field("headers")); err != nil {
 		return err
 	}
 	if len(r.Upstreams) == 0 {
-		if _, err := newUpstream(r.Upstream, r.Timeouts, nil, r.TLS); err != nil {
-			return conf.Errf(field("upstream"), "%q: %v", redactURL(r.Upstream), err)
+		if _, err := upstream.New(r.Upstream, r.Timeouts, nil, r.TLS); err != nil {
+			return conf.Errf(field("upstream"), "%q: %v", upstream.RedactURL(r.Upstream), err)
 		}
 		if r.Balance != "" || r.Sticky != "" || r.Guard != nil || r.Failover != nil || r.Shadow != nil {
 			return conf.Errf(field("balance"), "balance, sticky, guard, failover and shadow need upstreams")
@@ -399,15 +352,15 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		case u.Weight < 0:
 			return conf.Errf(f("weight"), "must not be negative")
 		}
-		if _, err := newUpstream(u.URL, r.Timeouts, nil, r.TLS); err != nil {
-			return conf.Errf(f("url"), "%q: %v", redactURL(u.URL), err)
+		if _, err := upstream.New(u.URL, r.Timeouts, nil, r.TLS); err != nil {
+			return conf.Errf(f("url"), "%q: %v", upstream.RedactURL(u.URL), err)
 		}
-		if err := validHeaders(u.Headers, f("headers")); err != nil {
+		if err := upstream.ValidHeaders(u.Headers, f("headers")); err != nil {
 			return err
 		}
 		if m := u.MetricsURL; m != "" {
 			if pu, err := url.Parse(m); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
-				return conf.Errf(f("metrics_url"), "%q is not an http or https URL", redactURL(m))
+				return conf.Errf(f("metrics_url"), "%q is not an http or https URL", upstream.RedactURL(m))
 			}
 		}
 		names[u.Name] = true

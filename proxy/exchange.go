@@ -11,6 +11,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -219,7 +220,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 			x.tap.Timings(t)
 		}
 	}
-	copyResponseHeader(resp, &ctx.Response.Header, x.id)
+	upstream.CopyResponseHeader(resp, &ctx.Response.Header, x.id)
 	x.p.keepAlive(ctx)
 	if x.ticket != nil {
 		setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
@@ -246,7 +247,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		// Headers go out at once, so a client sees them during a long
 		// prefill; when body bytes came with them, they go out together
 		// with the first chunk instead, in one write.
-		ctx.Response.ImmediateHeaderFlush = x.att.conn.buffered() == 0
+		ctx.Response.ImmediateHeaderFlush = x.att.conn.Buffered() == 0
 		// A stream may run for minutes; no attempt sends the body again.
 		x.in.letBodyGo(x.p)
 		x.att.letRequestGo()
@@ -362,11 +363,11 @@ func (x *exchange) finish(writeErr error) {
 		switch {
 		case x.relay.stray:
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
-			x.att.up.discard(x.att.conn)
+			x.att.up.Discard(x.att.conn)
 		case complete && !gone && writeErr == nil && !x.att.resp.ConnectionClose():
-			x.att.up.put(x.att.conn, x.att.resp.Header.ContentLength() < 0)
+			x.att.up.Put(x.att.conn, x.att.resp.Header.ContentLength() < 0)
 		default:
-			x.att.up.discard(x.att.conn)
+			x.att.up.Discard(x.att.conn)
 		}
 		x.att.conn = nil
 	}
@@ -437,7 +438,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	case gone:
 		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "client closed the connection"
 	case x.relay.readErr != nil && x.relay.readErr != io.EOF:
-		if isTimeout(x.relay.readErr) {
+		if sock.IsTimeout(x.relay.readErr) {
 			rec.Outcome = metrics.OutcomeUpstreamTimeout
 		} else {
 			rec.Outcome = metrics.OutcomeUpstreamError
@@ -522,7 +523,7 @@ func (x *exchange) fillRecord(now time.Time) {
 	x.rec.BytesOut = x.relay.bytesOut
 	x.tap.Fill(&x.rec, now)
 	if x.att.up != nil {
-		x.rec.UpstreamAddr = x.att.up.addr
+		x.rec.UpstreamAddr = x.att.up.Addr()
 	}
 	if x.rt != nil {
 		in := x.tap.InputTokens(x.rec.BytesIn)

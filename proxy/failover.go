@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
 
@@ -46,7 +47,7 @@ func (a *upstreamAttempt) failoverReason(ctx *fasthttp.RequestCtx, err error) st
 		if fo.on(FailoverConnect) {
 			return FailoverConnect
 		}
-	case err != nil && isTimeout(err) && a.conn == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0:
+	case err != nil && sock.IsTimeout(err) && a.conn == nil && fo.on(FailoverFirstToken) && fo.FirstTokenTimeout > 0:
 		return FailoverFirstToken // no response header within the timeout
 	case err == nil && a.resp.StatusCode() >= 500:
 		if fo.on(FailoverStatus5xx) {
@@ -64,14 +65,14 @@ func (a *upstreamAttempt) failoverReason(ctx *fasthttp.RequestCtx, err error) st
 func (a *upstreamAttempt) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Duration) bool {
 	c, resp := a.conn, a.resp
 	if ctx.IsHead() || resp.StatusCode() < 200 || resp.StatusCode() == 204 || resp.StatusCode() == 304 ||
-		resp.Header.ContentLength() == 0 || c.buffered() > 0 {
+		resp.Header.ContentLength() == 0 || c.Buffered() > 0 {
 		return true
 	}
 	left := timeout - a.x.p.now().Sub(a.x.tap.Written())
 	if left <= 0 {
 		return false
 	}
-	return c.byteWithin(left)
+	return c.ByteWithin(left)
 }
 
 // failover moves the request to the route's next upstream not tried yet
@@ -85,7 +86,7 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	now := a.x.p.now()
 	metrics.FailedOver(a.x.rt.Name, a.mem.name, reason)
 	if a.conn != nil {
-		a.up.discard(a.conn) // closing it cancels the backend's work
+		a.up.Discard(a.conn) // closing it cancels the backend's work
 		a.conn = nil
 	}
 	a.x.cancel.Detach()
@@ -93,7 +94,7 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	a.resp.Reset()
 	a.x.tap.Lost(now.Sub(a.attemptAt))
 	if a.x.rec.Trace.Sampled {
-		a.x.rec.Tries = append(a.x.rec.Tries, metrics.Try{Upstream: a.mem.name, Addr: a.up.addr, Start: a.attemptAt,
+		a.x.rec.Tries = append(a.x.rec.Tries, metrics.Try{Upstream: a.mem.name, Addr: a.up.Addr(), Start: a.attemptAt,
 			Duration: now.Sub(a.attemptAt), Reason: reason})
 	}
 	a.attemptAt = now

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"golang.org/x/sys/unix"
 )
 
@@ -235,9 +236,9 @@ func TestFaultBackendClosesSoonAfterStreams(t *testing.T) {
 			if got := up.count("/stream") + up.count("/whole"); got != n {
 				t.Fatalf("backend saw %d requests, want %d", got, n)
 			}
-			state := tp.p.snap.Load().routes[0].members[0].up.afterStream.Load()
+			state := tp.p.snap.Load().routes[0].members[0].up.AfterStream()
 			discarded := promValue(t, `tokentap_upstream_conns_discarded_total{reason="after_stream"}`) - discardedBefore
-			if closesAfter && (state != streamCloses || discarded < n/2) || !closesAfter && (state != streamKeeps || discarded != 0) {
+			if closesAfter && (state != upstream.StreamCloses || discarded < n/2) || !closesAfter && (state != upstream.StreamKeeps || discarded != 0) {
 				t.Errorf("learned %d, %v connections closed after streams", state, discarded)
 			}
 			if !closesAfter && up.conns.Load() != 1 {

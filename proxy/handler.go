@@ -3,9 +3,7 @@ package proxy
 import (
 	"bytes"
 	"errors"
-	"io"
 	"net"
-	"os"
 	"syscall"
 	"time"
 
@@ -260,15 +258,6 @@ func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	return now
 }
 
-var errCancelled = errors.New("client closed the connection")
-
-// isTimeout reports a deadline error, including fasthttp's ErrTimeout,
-// which is not a full net.Error.
-func isTimeout(err error) bool {
-	var te interface{ Timeout() bool }
-	return errors.As(err, &te) && te.Timeout() || errors.Is(err, os.ErrDeadlineExceeded)
-}
-
 func writeJSONError(ctx *fasthttp.RequestCtx, status int, code, msg string, id []byte) {
 	writeErrorBody(ctx, status, "tokentap_error", code, msg, id, false)
 }
@@ -312,12 +301,6 @@ func appendJSONString(b []byte, s string) []byte {
 		}
 	}
 	return append(b, '"')
-}
-
-// isConnReset reports errors that mean the peer closed the connection.
-func isConnReset(err error) bool {
-	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed)
 }
 
 // acquireExchange takes a pooled exchange for a request of generation s

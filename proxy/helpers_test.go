@@ -126,7 +126,7 @@ func serveProxyRecords(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Confi
 
 // upstreamConns returns the open and idle connections of the default route.
 func (tp *testProxy) upstreamConns() (open, idle int) {
-	return tp.p.snap.Load().routes[0].members[0].up.counts()
+	return tp.p.snap.Load().routes[0].members[0].up.Counts()
 }
 
 // startUpstream runs a scripted net/http upstream on loopback.
@@ -203,13 +203,6 @@ var relayPaths = []struct {
 	name      string
 	goroutine bool
 }{{"loop", false}, {"goroutine", true}}
-
-// counts returns an upstream's open and idle connection counts.
-func (up *upstream) counts() (open, idle int) {
-	up.mu.Lock()
-	defer up.mu.Unlock()
-	return up.open, len(up.idle)
-}
 
 // tcpPair returns a connected client and the accepted side wrapped in a
 // stamped sock.Conn.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/predict/predictsim"
+	"github.com/tokentap/tokentap/proxy/upstream"
 )
 
 // The balance tests below run a route's real choice (leastTTFT, or pick
@@ -37,7 +38,7 @@ func newSimRoute(t *testing.T, balance string, names []string, backends []*predi
 	s.clock = s.zero
 	var members []*member
 	for i, name := range names {
-		up, err := newUpstream("http://127.0.0.1:1", DefaultTimeouts, func() time.Time { return s.clock }, nil)
+		up, err := upstream.New("http://127.0.0.1:1", DefaultTimeouts, func() time.Time { return s.clock }, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -122,9 +123,9 @@ func (s *simRoute) run(rate func(time.Duration) float64, d, measureFrom time.Dur
 		for waiting.Len() > 0 && (*waiting)[0].At <= t {
 			d := heap.Pop(waiting).(simSent)
 			s.clock = zero.Add(d.At)
-			d.m.up.inflight.Add(-1)
+			d.m.up.Inflight.Add(-1)
 			d.m.noteSlot(d.At - d.Arrived)
-			d.m.up.gate.Model.Observe(d.k, d.In, d.TTFT, d.TPOT, d.predicted)
+			d.m.up.Gate.Model.Observe(d.k, d.In, d.TTFT, d.TPOT, d.predicted)
 		}
 		s.clock = zero.Add(t)
 		var m *member
@@ -134,7 +135,7 @@ func (s *simRoute) run(rate func(time.Duration) float64, d, measureFrom time.Dur
 		} else {
 			m, _, _ = s.r.pick("", nil)
 		}
-		k := int(m.up.inflight.Add(1) - 1)
+		k := int(m.up.Inflight.Add(1) - 1)
 		req := s.backends[m].Arrive(t, in)
 		heap.Push(waiting, simSent{Request: req, m: m, k: k, predicted: predicted})
 		if t >= measureFrom {

@@ -218,7 +218,7 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 	up := tp.p.snap.Load().routes[0].members[0].up
 	for range 5 {
 		for k := range 6 {
-			up.gate.Model.Observe(k, 10, time.Duration(100+400*k)*time.Millisecond, 10*time.Millisecond, -1)
+			up.Gate.Model.Observe(k, 10, time.Duration(100+400*k)*time.Millisecond, 10*time.Millisecond, -1)
 		}
 	}
 	// Hold the upstream busy (critical requests, which may wait twice
@@ -240,7 +240,7 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 			}
 		})
 	}
-	waitUntil(t, func() bool { return up.inflight.Load() == 2 })
+	waitUntil(t, func() bool { return up.Inflight.Load() == 2 })
 	for _, c := range []struct {
 		path, body string
 		status     int

@@ -32,7 +32,7 @@ type passTurn struct {
 // up).
 func (r *bodyRelay) loopable() bool {
 	cc, _ := r.client.(*downstream.Conn)
-	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.loopable() && !r.tap.Decoding()
+	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.Loopable() && !r.tap.Decoding()
 }
 
 // passLoop moves the rest of a passChunks stream onto a relay loop, and
@@ -48,7 +48,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	if l == nil {
 		return false
 	}
-	upFd, clFd := c.loopFd(), sock.Fd(cc.Raw())
+	upFd, clFd := c.LoopFd(), sock.Fd(cc.Raw())
 	if upFd < 0 || clFd < 0 || !r.cancel.EnterLoop() {
 		return false
 	}
@@ -61,7 +61,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	}
 	s := &r.loop
 	s.S, s.UpFd, s.ClFd = (*looped)(r), upFd, clFd
-	s.Idle, s.WriteTimeout = c.idle(), cc.WriteTimeout()
+	s.Idle, s.WriteTimeout = c.Idle(), cc.WriteTimeout()
 	// The loop watches the client's close itself (clientClosed): the peer
 	// watch, its goroutine and its timers end here (most streams whose
 	// first byte came within watchDelay never start it); the socket's seat
@@ -72,7 +72,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	// The upstream connection's reader is empty (passChunks moves only
 	// then) and unused while the loop reads the socket: it is put aside
 	// (parkReader) until the stream leaves the loop.
-	c.parkReader()
+	c.ParkReader()
 	if !l.Post(s) {
 		r.leftLoop()
 		r.sink.rewatch()
@@ -84,7 +84,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 // leftLoop undoes what passLoop did to move the stream.
 func (r *bodyRelay) leftLoop() {
 	r.loop.S, r.turn = nil, passTurn{}
-	r.up.unparkReader()
+	r.up.UnparkReader()
 	r.client.(*downstream.Conn).LeaveLoop()
 	r.cancel.LeaveLoop()
 }
@@ -129,7 +129,7 @@ func (l *looped) Read(fd int, events uint32) (out []byte, wait, got, again bool)
 		r.buf = r.loop.TakeBuf()
 	}
 	room := r.buf[r.keep:]
-	n, errno := r.up.recvFd(fd, room)
+	n, errno := r.up.RecvFd(fd, room)
 	if errno == unix.EAGAIN {
 		r.spareBuf()
 		return nil, true, false, false

@@ -44,6 +44,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -63,7 +64,7 @@ type Proxy struct {
 	// pools are the connection pools of the configuration in use, by
 	// poolKey: the next configuration takes over those it reaches the same
 	// way and retires the others. Guarded by applyMu.
-	pools map[string]*connPool
+	pools map[string]*upstream.Pool
 
 	srvMu sync.Mutex
 	srv   *fasthttp.Server // made by the first Serve
@@ -124,7 +125,7 @@ func (p *Proxy) Apply(cfg Config) error {
 		p.log.Warn(w)
 	}
 	cfg = cfg.withDefaults()
-	s := &snapshot{cfg: cfg, pools: map[string]*connPool{}}
+	s := &snapshot{cfg: cfg, pools: map[string]*upstream.Pool{}}
 	var rows []metrics.RouteRow
 	for i, r := range cfg.Routes {
 		rt, err := p.buildRoute(s, i, r, &rows)
@@ -181,7 +182,7 @@ func (p *Proxy) Apply(cfg Config) error {
 	s.scrapers(func(sc *scraper) { go sc.run() })
 	for k, pool := range pools {
 		if s.pools[k] != pool {
-			pool.retire()
+			pool.Retire()
 		}
 	}
 	return nil
@@ -202,18 +203,18 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 		p.log.Warn("upstream certificates are not verified (tls.insecure_skip_verify)", zap.String("route", r.Name))
 	}
 	for _, u := range specs {
-		up, err := newUpstream(u.URL, r.Timeouts, p.now, r.TLS)
+		up, err := upstream.New(u.URL, r.Timeouts, p.now, r.TLS)
 		if err != nil {
 			return nil, fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}
-		up.headers = mergeHeaders(r.Headers, u.Headers)
+		up.SetHeaders(upstream.MergeHeaders(r.Headers, u.Headers))
 		// The connections of an earlier configuration's upstream that
 		// reaches the backend the same way carry on, with their count.
-		k := r.Name + "|" + u.Name + "|" + up.poolKey(r.TLS)
+		k := r.Name + "|" + u.Name + "|" + up.PoolKey(r.TLS)
 		if pool := p.pools[k]; pool != nil {
-			up.connPool = pool
+			up.UsePool(pool)
 		}
-		s.pools[k] = up.connPool
+		s.pools[k] = up.Pool
 		mem := &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)}
 		if u.MetricsURL != "" {
 			mem.scrape = newScraper(u.MetricsURL, p.now)

@@ -9,6 +9,8 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/downstream"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/valyala/fasthttp"
 )
 
@@ -92,7 +94,7 @@ func parseRefusal(err error) *refusal {
 		return refuseHeadersTooLarge
 	case errors.Is(err, downstream.ErrBareLF):
 		return refuseBareLF
-	case isTimeout(err):
+	case sock.IsTimeout(err):
 		return refuseRequestTimeout
 	}
 	return refuseUnparsable
@@ -109,21 +111,21 @@ func describeUpstreamError(err error) string {
 	}
 	var op *net.OpError
 	switch {
-	case errors.Is(err, errTooManyConns):
+	case errors.Is(err, upstream.ErrTooManyConns):
 		return "upstream connection limit reached"
 	case errors.As(err, &op) && op.Op == "dial":
-		if isTimeout(err) {
+		if sock.IsTimeout(err) {
 			return "cannot connect to the upstream: timed out"
 		}
 		return "cannot connect to the upstream" + why
-	case errors.Is(err, errWriteUpstream):
-		if isTimeout(err) {
+	case errors.Is(err, upstream.ErrWriteUpstream):
+		if sock.IsTimeout(err) {
 			return "cannot send the request upstream: timed out"
 		}
 		return "cannot send the request upstream" + why
-	case errors.Is(err, errReadUpstream):
+	case errors.Is(err, upstream.ErrReadUpstream):
 		switch {
-		case isTimeout(err):
+		case sock.IsTimeout(err):
 			return "the upstream did not answer in time"
 		case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
 			return "the upstream closed the connection before answering"
@@ -131,7 +133,7 @@ func describeUpstreamError(err error) string {
 			return "the upstream connection failed" + why
 		}
 		return "the upstream sent an invalid response"
-	case isTimeout(err): // os.ErrDeadlineExceeded included
+	case sock.IsTimeout(err): // os.ErrDeadlineExceeded included
 		return "the upstream timed out"
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
 		return "the upstream closed the connection"
@@ -146,7 +148,7 @@ func describeUpstreamError(err error) string {
 func describeStreamError(err error) string {
 	var errno syscall.Errno
 	switch {
-	case isTimeout(err):
+	case sock.IsTimeout(err):
 		return "timed out"
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
 		return "connection closed"

@@ -9,6 +9,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/valyala/fasthttp"
 )
 
@@ -31,7 +32,7 @@ type bodyRelay struct {
 	relayParts
 	// The response's connections: the upstream's it comes on, the
 	// client's it goes to (bind).
-	up            *upConn
+	up            *upstream.Conn
 	client        net.Conn
 	body          io.Reader
 	buf           []byte // WriteTo's read buffer
@@ -84,7 +85,7 @@ type relayParts struct {
 }
 
 // bind gives the relay the response's connections.
-func (r *bodyRelay) bind(up *upConn, client net.Conn) { r.up, r.client = up, client }
+func (r *bodyRelay) bind(up *upstream.Conn, client net.Conn) { r.up, r.client = up, client }
 
 // kept is the relay's next life in a pooled exchange: its buffers, nothing
 // relayed.
@@ -120,8 +121,8 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 // kernel's receive time where there is one (time they waited in the socket
 // is time tokentap added), else now.
 func (r *bodyRelay) readTime() time.Time {
-	if c := r.up; c != nil && !c.lastRead().IsZero() {
-		return c.lastRead()
+	if c := r.up; c != nil && !c.LastRead().IsZero() {
+		return c.LastRead()
 	}
 	return r.server.now()
 }
@@ -184,13 +185,13 @@ func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 		r.buf = relayplane.NewBuf()
 	}
 	up := r.up
-	if r.headOwed && up.buffered() == 0 {
+	if r.headOwed && up.Buffered() == 0 {
 		if err := r.writeOut(nil); err != nil {
 			return false, err
 		}
 	}
 	if r.loopable() {
-		for r.headOwed || up.buffered() > 0 {
+		for r.headOwed || up.Buffered() > 0 {
 			if end, err := r.passRead(); end {
 				return false, err
 			}
@@ -240,8 +241,8 @@ func (r *bodyRelay) writeOut(b []byte) error {
 // or failed (err says which).
 func (r *bodyRelay) passRead() (end bool, err error) {
 	var n int
-	if r.up.buffered() > 0 {
-		n, err = r.up.readBuffered(r.buf[r.keep:]) // what came with the header
+	if r.up.Buffered() > 0 {
+		n, err = r.up.ReadBuffered(r.buf[r.keep:]) // what came with the header
 	} else {
 		n, err = r.up.Read(r.buf[r.keep:])
 	}
@@ -427,7 +428,7 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 	}
 	r.head, r.headOwed = h.AppendBytes(r.head[:0]), true
 	// passChunks reads the connection itself: the body stream, which
-	// holds the connection's reader (see upConn.parkReader), goes now.
+	// holds the connection's reader (see upstream.Conn.ParkReader), goes now.
 	_ = resp.CloseBodyStream()
 	r.body = nil
 	cc := r.client.(*downstream.Conn) // a pass is only for a plain client connection

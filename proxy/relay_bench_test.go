@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bufio"
 	"bytes"
 	"fmt"
 	"io"
@@ -131,8 +130,7 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	go io.Copy(io.Discard, clPeer)
 	x := streamingExchange(p, nil)
 	x.att.up = x.rt.members[0].up
-	x.att.conn = &upConn{Conn: upRead, up: x.att.up}
-	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
+	x.att.conn = x.att.up.Wrap(upRead, false)
 	x.client, x.relay.pass = cl, true
 	x.relay.bind(x.att.conn, x.client)
 	x.relay.buf = make([]byte, 8<<10)
@@ -193,8 +191,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	peer, cl := tcpPair(tb)
 	x = streamingExchange(p, nil)
 	x.att.up = x.rt.members[0].up
-	x.att.conn = &upConn{Conn: upRead, up: x.att.up, rx: upRead, timeout: time.Minute}
-	x.att.conn.br = bufio.NewReaderSize(x.att.conn, 8<<10)
+	x.att.conn = x.att.up.Wrap(upRead, true)
 	x.client = downstream.NewConn(cl, time.Minute)
 	x.relay.pass = true
 	x.relay.bind(x.att.conn, x.client)

@@ -3,6 +3,7 @@ package proxy
 import (
 	"io"
 
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
 
@@ -90,7 +91,7 @@ func (in *inbound) readBody(ctx *fasthttp.RequestCtx, limit int, p *Proxy) ([]by
 		}
 		if err != nil {
 			in.reqBody = buf[:0]
-			if isTimeout(err) {
+			if sock.IsTimeout(err) {
 				return buf, refuseBodyTimeout
 			}
 			return buf, refuseBodyUnreadable

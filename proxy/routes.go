@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 )
@@ -18,8 +19,8 @@ type snapshot struct {
 	cfg     Config
 	routes  []*route // by descending prefix length, then those naming models (byModelOrder)
 	metrics *metrics.Set
-	admit   *ratelimit.Admitter  // nil: admission control off
-	pools   map[string]*connPool // its upstreams' connections, by poolKey
+	admit   *ratelimit.Admitter       // nil: admission control off
+	pools   map[string]*upstream.Pool // its upstreams' connections, by poolKey
 }
 
 type route struct {
@@ -34,7 +35,7 @@ type route struct {
 	aff     *affinity       // sticky: prefix: the hash ring and the loads (affinity.go)
 	prices  []*Price        // the prices its requests may be at (routePrices)
 	// stripKey: the client's key headers are not sent upstream
-	// (credentials.go).
+	// (proxy/upstream).
 	stripKey bool
 }
 
@@ -70,10 +71,18 @@ func (r *route) member(name string) *member {
 	return nil
 }
 
+// strip is the prefix taken off the path sent upstream ("": none).
+func (r *route) strip() string {
+	if r.StripPrefix {
+		return r.Prefix
+	}
+	return ""
+}
+
 // closeIdle closes the idle connections of every upstream of r.
 func (r *route) closeIdle() {
 	for _, m := range r.members {
-		m.up.closeIdle()
+		m.up.CloseIdle()
 	}
 }
 

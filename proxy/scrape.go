@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
 
@@ -125,7 +126,7 @@ func scrapeErr(err error) string {
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		return "body over 4 MiB"
-	case isTimeout(err):
+	case sock.IsTimeout(err):
 		return "timed out"
 	}
 	return "cannot connect or read"

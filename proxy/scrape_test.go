@@ -17,6 +17,7 @@ import (
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 	"github.com/tokentap/tokentap/proxy/testkit/wait"
+	"github.com/tokentap/tokentap/proxy/upstream"
 )
 
 func TestParseBackendMetrics(t *testing.T) {
@@ -143,12 +144,12 @@ func TestPredictionWeighsBackendQueue(t *testing.T) {
 	clock := func() time.Time { return now }
 	var members []*member
 	for _, name := range []string{"a", "b"} {
-		up, err := newUpstream("http://127.0.0.1:1", DefaultTimeouts, clock, nil)
+		up, err := upstream.New("http://127.0.0.1:1", DefaultTimeouts, clock, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		for i := range 40 {
-			up.gate.Model.Observe(i%3, 100, 30*time.Millisecond, 5*time.Millisecond, -1)
+			up.Gate.Model.Observe(i%3, 100, 30*time.Millisecond, 5*time.Millisecond, -1)
 		}
 		members = append(members, &member{name: name, up: up, weight: 1})
 	}

@@ -83,7 +83,7 @@ func (sh *shadowState) start(x *exchange, ctx *fasthttp.RequestCtx) {
 	rec.Series = x.snap.metrics.Series(sh.member.row, x.modelIdx)
 	// The copy goes without the usage injection: it is measured as it
 	// comes, its tokens counted.
-	s.in.scratch = prepareRequest(ctx, s.att.req, x.rt, s.att.up, x.in.path, x.in.query, nil, s.id, s.in.scratch)
+	s.in.scratch = s.att.up.Prepare(ctx, s.att.req, x.rt.strip(), x.rt.stripKey, x.in.path, x.in.query, nil, s.id, s.in.scratch)
 	s.att.req.SetBody(x.in.body0)
 	if x.tenant != "" {
 		s.att.req.Header.Set(tenantHeader, x.tenant)

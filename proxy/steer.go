@@ -160,7 +160,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 		if slo.E2E <= 0 {
 			return nil
 		}
-		v = x.att.up.gate.JudgeWhole(x.p.now(), k, len(x.in.body0)/4, prio, slo.E2E, x.rt.Timeouts.FirstByte)
+		v = x.att.up.Gate.JudgeWhole(x.p.now(), k, len(x.in.body0)/4, prio, slo.E2E, x.rt.Timeouts.FirstByte)
 	} else {
 		in := -1
 		if cl := h.ContentLength(); cl > 0 {
@@ -168,7 +168,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 		} else if x.in.late {
 			in = len(x.in.body0) / 4
 		}
-		v = x.att.up.gate.Judge(x.p.now(), k, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
+		v = x.att.up.Gate.Judge(x.p.now(), k, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
 	}
 	if v.Known {
 		x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
@@ -177,7 +177,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 		return nil
 	}
 	metrics.Shed(x.rt.Name, x.att.mem.name, prio.String())
-	x.att.up.gate.Refused(x.p.now())
+	x.att.up.Gate.Refused(x.p.now())
 	what := "TTFT"
 	if whole {
 		what = "response time"
@@ -211,7 +211,7 @@ func (x *exchange) learnFirst() {
 		return
 	}
 	ttft := max(x.tap.FirstTokenRead().Sub(x.tap.Written()), 0)
-	x.att.up.gate.Model.ObserveFirst(x.att.startK, len(x.in.body0)/4, ttft, x.rec.PredictedTTFT)
+	x.att.up.Gate.Model.ObserveFirst(x.att.startK, len(x.in.body0)/4, ttft, x.rec.PredictedTTFT)
 	x.att.learned = true
 }
 
@@ -222,7 +222,7 @@ func (x *exchange) learnEnd(complete bool) {
 		return
 	}
 	x.att.ended = true
-	g := x.att.up.gate
+	g := x.att.up.Gate
 	switch {
 	case x.tap.Streamed() && x.att.learned:
 		g.Model.ObserveEnd(x.att.startK, x.rec.TPOT)
@@ -248,7 +248,7 @@ func (x *exchange) admit() *refusal {
 	// A request waiting in its tenant's queue is not at its upstream: it
 	// is counted there again once admitted, at the level it starts at then.
 	x.att.uncount()
-	ticket, refused := a.AdmitUSD(goneCtx{x.cancel.Done()}, x.tenant, x.rt.Name, total, usd)
+	ticket, refused := a.AdmitUSD(&x.cancel, x.tenant, x.rt.Name, total, usd)
 	x.rec.Queue = x.p.now().Sub(start)
 	if refused == nil {
 		x.att.count(x.p.now())

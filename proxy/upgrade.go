@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/valyala/fasthttp"
 )
 
@@ -49,12 +51,12 @@ const maxUpgradeHeader = 64 << 10
 func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	x := a.x
 	x.rec.Attempts = 1
-	c, err := a.up.get(goneCtx{x.cancel.Done()}, true) // a new connection, counted in max_conns
+	c, err := a.up.Get(&x.cancel, true) // a new connection, counted in max_conns
 	if err != nil {
 		a.connectFailed = true
 		return a.forwardResult(err)
 	}
-	a.x.in.scratch = prepareRequest(ctx, a.req, x.rt, a.up, x.in.path, x.in.query, nil, x.id, x.in.scratch)
+	a.x.in.scratch = a.up.Prepare(ctx, a.req, x.rt.strip(), x.rt.stripKey, x.in.path, x.in.query, nil, x.id, x.in.scratch)
 	a.req.Header.Set("Connection", "Upgrade")
 	a.req.Header.SetBytesV("Upgrade", ctx.Request.Header.Peek("Upgrade"))
 	if x.tenant != "" {
@@ -62,7 +64,7 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	head, err := a.sendUpgrade(c)
 	if err != nil {
-		a.up.discard(c)
+		a.up.Discard(c)
 		return a.forwardResult(err)
 	}
 	x.responded = true
@@ -71,8 +73,8 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	if x.rec.Status != fasthttp.StatusSwitchingProtocols {
 		// Refused (401, 403, 426…): the answer goes to the client as the
 		// server's response.
-		err := ctx.Response.ReadLimitBody(bufio.NewReader(io.MultiReader(bytes.NewReader(head), c.br)), 1<<20)
-		a.up.discard(c)
+		err := ctx.Response.ReadLimitBody(bufio.NewReader(io.MultiReader(bytes.NewReader(head), c.Reader())), 1<<20)
+		a.up.Discard(c)
 		if err != nil {
 			return &refusal{status: fasthttp.StatusBadGateway, outcome: metrics.OutcomeUpstreamError, code: "upstream_unavailable",
 				msg: "the upstream's answer to the upgrade cannot be read"}
@@ -91,18 +93,18 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 
 // sendUpgrade writes the upgrade request on c and reads the answer's
 // header, as it came, up to its blank line.
-func (a *upstreamAttempt) sendUpgrade(c *upConn) ([]byte, error) {
+func (a *upstreamAttempt) sendUpgrade(c *upstream.Conn) ([]byte, error) {
 	x := a.x
 	t := x.rt.Timeouts
 	_ = c.SetWriteDeadline(x.p.now().Add(t.Write))
 	x.tap.Sent(x.p.now())
-	if err := c.writeRequest(x.att.req.Header.Write); err != nil {
+	if err := c.WriteRequest(x.att.req.Header.Write); err != nil {
 		return nil, err
 	}
 	_ = c.SetReadDeadline(x.p.now().Add(t.FirstByte))
 	var head []byte
 	for {
-		line, err := c.br.ReadSlice('\n')
+		line, err := c.Reader().ReadSlice('\n')
 		head = append(head, line...)
 		switch {
 		case err != nil:
@@ -141,7 +143,7 @@ func statusOf(head []byte) int {
 // timeout is closed. The record says the bytes each way
 // (bytes_in: client to upstream; bytes_out: upstream to client, the 101
 // left out) and the session's length.
-func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upConn, head []byte) {
+func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upstream.Conn, head []byte) {
 	x := a.x
 	t := &tunnelState{idle: x.rt.Timeouts.Idle}
 	t.last.Store(time.Now().UnixNano())
@@ -150,7 +152,7 @@ func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upConn, head []byte) {
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
-		down.run(t, client, c.br, c.Conn, head) // upstream → client, after its 101
+		down.run(t, client, c.Reader(), c.Conn, head) // upstream → client, after its 101
 	}()
 	go func() {
 		defer wg.Done()
@@ -158,7 +160,7 @@ func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upConn, head []byte) {
 	}()
 	wg.Wait()
 	_ = hj.Close()
-	x.att.up.discard(c)
+	x.att.up.Discard(c)
 	rec := &x.rec
 	rec.BytesIn = up.n
 	x.relay.bytesOut = down.n - int64(len(head))
@@ -223,7 +225,7 @@ func (w *tunnelWay) run(t *tunnelState, dst net.Conn, r io.Reader, from net.Conn
 		}
 		switch {
 		case err == nil:
-		case isTimeout(err) && time.Since(time.Unix(0, t.last.Load())) < t.idle && !t.ended.Load():
+		case sock.IsTimeout(err) && time.Since(time.Unix(0, t.last.Load())) < t.idle && !t.ended.Load():
 			// The other way is busy: the session is not idle.
 		case errors.Is(err, io.EOF):
 			// One side closed: the session is over (WebSocket ends with its

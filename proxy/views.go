@@ -66,8 +66,8 @@ func (p *Proxy) Overload() []stats.Overload {
 			continue
 		}
 		for _, m := range r.members {
-			k := m.held(now, int(m.up.inflight.Load()))
-			st := m.up.gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
+			k := m.held(now, int(m.up.Inflight.Load()))
+			st := m.up.Gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
 			o := stats.Overload{Route: r.Name, Upstream: m.name, Enforcing: r.Overload != nil && r.Overload.Shed, Known: st.Known, InFlight: k,
 				Limit: st.Limit, PredictedTTFTMs: -1, PredictedTPOTMs: -1, Bias: st.Bias, AbsError: st.AbsErr, Judged: st.Judged,
 				ArrivalsPerS: st.Arrivals, CompletionsPerS: st.Completions, Standing: st.Standing,

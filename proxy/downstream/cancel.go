@@ -1,8 +1,10 @@
 package downstream
 
 import (
+	"context"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 )
@@ -106,3 +108,20 @@ func (c *Cancel) IsGone() bool {
 	defer c.mu.Unlock()
 	return c.gone
 }
+
+// Cancel is a context.Context done when the client has gone: a wait for
+// admission, or a dial, ends with it.
+
+// Deadline: none.
+func (c *Cancel) Deadline() (time.Time, bool) { return time.Time{}, false }
+
+// Err is context.Canceled once the client has gone, else nil.
+func (c *Cancel) Err() error {
+	if c.IsGone() {
+		return context.Canceled
+	}
+	return nil
+}
+
+// Value: none.
+func (c *Cancel) Value(any) any { return nil }

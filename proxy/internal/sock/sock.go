@@ -6,7 +6,10 @@
 package sock
 
 import (
+	"errors"
+	"io"
 	"net"
+	"os"
 	"syscall"
 	"unsafe"
 
@@ -109,4 +112,17 @@ func Shutdown(conn net.Conn) {
 	if raw := Raw(conn); raw != nil {
 		_ = raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
 	}
+}
+
+// IsTimeout reports a deadline error, including fasthttp's ErrTimeout,
+// which is not a full net.Error.
+func IsTimeout(err error) bool {
+	var te interface{ Timeout() bool }
+	return errors.As(err, &te) && te.Timeout() || errors.Is(err, os.ErrDeadlineExceeded)
+}
+
+// IsConnReset reports errors that mean the peer closed the connection.
+func IsConnReset(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed)
 }

@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"bufio"
@@ -144,8 +144,7 @@ func BenchmarkHeaderRewrite(b *testing.B) {
 	if err := resp.Header.Read(bufio.NewReader(strings.NewReader(rawResp))); err != nil {
 		b.Fatal(err)
 	}
-	r := &route{}
-	up := &upstream{host: "127.0.0.1:8000"}
+	up := &Backend{host: "127.0.0.1:8000"}
 	var req fasthttp.Request
 	var out fasthttp.ResponseHeader
 	var scratch []byte
@@ -154,7 +153,7 @@ func BenchmarkHeaderRewrite(b *testing.B) {
 	for b.Loop() {
 		req.Reset()
 		out.Reset()
-		scratch = prepareRequest(&ctx, &req, r, up, path, nil, body, id, scratch)
-		copyResponseHeader(&resp, &out, id)
+		scratch = up.Prepare(&ctx, &req, "", false, path, nil, body, id, scratch)
+		CopyResponseHeader(&resp, &out, id)
 	}
 }

@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"bufio"
@@ -14,13 +14,13 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// upConn is one upstream connection. Its Read applies the current read
+// Conn is one upstream connection. Its Read applies the current read
 // timeout afresh on every call (time to first byte while waiting for the
 // response, then the idle gap between chunks), so no timeout caps the
 // length of a healthy stream, and it stamps the first byte of a response.
-type upConn struct {
+type Conn struct {
 	net.Conn
-	up *upstream
+	up *Backend
 	// br reads the responses; nil while a relay loop reads the socket
 	// (parkReader). Requests are written through a pooled writer
 	// (writeRequest): a connection holds none while it waits or streams.
@@ -59,17 +59,17 @@ type upConn struct {
 	ackBase int64 // the kernel's acknowledged count when the connection opened
 }
 
-// buffered is how many response bytes were read ahead and wait in the
+// Buffered is how many response bytes were read ahead and wait in the
 // connection's reader (those that came with the response header).
-func (c *upConn) buffered() int { return c.br.Buffered() }
+func (c *Conn) Buffered() int { return c.br.Buffered() }
 
-// readBuffered reads into b from what waits in the reader, before any
+// ReadBuffered reads into b from what waits in the reader, before any
 // read of the socket itself.
-func (c *upConn) readBuffered(b []byte) (int, error) { return c.br.Read(b) }
+func (c *Conn) ReadBuffered(b []byte) (int, error) { return c.br.Read(b) }
 
-// byteWithin waits until a response body byte is in, for at most d (not
+// ByteWithin waits until a response body byte is in, for at most d (not
 // the connection's idle timeout); false when none came.
-func (c *upConn) byteWithin(d time.Duration) bool {
+func (c *Conn) ByteWithin(d time.Duration) bool {
 	if c.br.Buffered() > 0 {
 		return true
 	}
@@ -80,45 +80,49 @@ func (c *upConn) byteWithin(d time.Duration) bool {
 	return err == nil
 }
 
-// idle is the longest gap allowed between two reads of the response.
-func (c *upConn) idle() time.Duration { return c.timeout }
+// Idle is the longest gap allowed between two reads of the response.
+func (c *Conn) Idle() time.Duration { return c.timeout }
 
-// lastRead is when the kernel received the bytes of the last read (zero:
+// LastRead is when the kernel received the bytes of the last read (zero:
 // not known).
-func (c *upConn) lastRead() time.Time { return c.readAt }
+func (c *Conn) LastRead() time.Time { return c.readAt }
 
-// firstByte is when the current response's first byte came (zero: none).
-func (c *upConn) firstByte() time.Time { return c.first }
+// FirstByte is when the current response's first byte came (zero: none).
+func (c *Conn) FirstByte() time.Time { return c.first }
 
-// wasReused says the connection served a response before this request.
-func (c *upConn) wasReused() bool { return c.reused }
+// WasReused says the connection served a response before this request.
+func (c *Conn) WasReused() bool { return c.reused }
 
-// limitHeaderWait shortens the wait for the response header below the
+// LimitHeaderWait shortens the wait for the response header below the
 // upstream's first-byte timeout (a route's failover; 0: no limit).
-func (c *upConn) limitHeaderWait(d time.Duration) { c.headerLimit = d }
+func (c *Conn) LimitHeaderWait(d time.Duration) { c.headerLimit = d }
 
-// loopable says a relay loop can read the connection: a plain socket
+// Loopable says a relay loop can read the connection: a plain socket
 // with receive stamps (not TLS, nor a test's pipe).
-func (c *upConn) loopable() bool { return c.rx != nil && c.rx.Raw() != nil && c.up.tls == nil }
+func (c *Conn) Loopable() bool { return c.rx != nil && c.rx.Raw() != nil && c.up.tls == nil }
 
-// loopFd returns the socket's descriptor for a relay loop, or -1 (not
-// loopable).
-func (c *upConn) loopFd() int {
-	if !c.loopable() {
+// LoopFd returns the socket's descriptor for a relay loop, or -1 (not
+// Loopable).
+func (c *Conn) LoopFd() int {
+	if !c.Loopable() {
 		return -1
 	}
 	return sock.Fd(c.rx.Raw())
 }
 
-// recvFd reads the socket for a relay loop that holds its descriptor fd
+// RecvFd reads the socket for a relay loop that holds its descriptor fd
 // (sock.Conn.RecvFd) and stamps the read (stamp) when bytes came.
-func (c *upConn) recvFd(fd int, b []byte) (int, syscall.Errno) {
+func (c *Conn) RecvFd(fd int, b []byte) (int, syscall.Errno) {
 	n, errno := c.rx.RecvFd(uintptr(fd), b)
 	if errno == 0 && n > 0 {
 		c.stamp()
 	}
 	return n, errno
 }
+
+// Reader is the connection's reader of responses (nil while a relay
+// loop reads the socket: ParkReader).
+func (c *Conn) Reader() *bufio.Reader { return c.br }
 
 // Upstream connections' buffers: a reader per connection (8 KiB, held by
 // every stream but those on a relay loop) and a writer per request written.
@@ -131,10 +135,10 @@ const (
 // (writeRequest).
 var requestWriters = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, upWriteBuffer) }}
 
-// parkReader lets go of c's reader while a relay loop reads the socket
+// ParkReader lets go of c's reader while a relay loop reads the socket
 // (into spareReaders); only of an empty one (bytes read ahead stay where
 // they are).
-func (c *upConn) parkReader() {
+func (c *Conn) ParkReader() {
 	if c.br == nil || c.br.Buffered() > 0 {
 		return
 	}
@@ -143,17 +147,17 @@ func (c *upConn) parkReader() {
 	c.br = nil
 }
 
-// unparkReader gives c a reader again once its stream left the loop.
-func (c *upConn) unparkReader() {
+// UnparkReader gives c a reader again once its stream left the loop.
+func (c *Conn) UnparkReader() {
 	if c.br == nil {
 		c.br = newUpReader(c)
 	}
 }
 
-// writeRequest writes what write puts in a pooled writer, then flushes
+// WriteRequest writes what write puts in a pooled writer, then flushes
 // it to the connection (counting the bytes sent on a plain one: see
-// ackedBefore). Larger writes (long prompts) bypass the writer's buffer.
-func (c *upConn) writeRequest(write func(*bufio.Writer) error) error {
+// AckedBefore). Larger writes (long prompts) bypass the writer's buffer.
+func (c *Conn) WriteRequest(write func(*bufio.Writer) error) error {
 	w := requestWriters.Get().(*bufio.Writer)
 	if c.up.tls != nil {
 		w.Reset(c.Conn)
@@ -170,7 +174,7 @@ func (c *upConn) writeRequest(write func(*bufio.Writer) error) error {
 }
 
 // sentCounter counts the bytes written to a plain upstream connection.
-type sentCounter struct{ c *upConn }
+type sentCounter struct{ c *Conn }
 
 func (w sentCounter) Write(p []byte) (int, error) {
 	n, err := w.c.Conn.Write(p)
@@ -178,23 +182,23 @@ func (w sentCounter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// ackedBefore returns how many bytes the backend's kernel had acknowledged
+// AckedBefore returns how many bytes the backend's kernel had acknowledged
 // before the next request is written, or -1 when unknown. On a plain
 // connection that is every byte sent so far, without a syscall: the
 // backend answered every earlier request in full, and each segment it sent
 // acknowledged all it had received. Under TLS (records, handshakes) it is
 // read from TCP_INFO.
-func (c *upConn) ackedBefore() int64 {
+func (c *Conn) AckedBefore() int64 {
 	if c.up.tls == nil {
 		if c.ackBase < 0 {
 			return -1
 		}
 		return c.ackBase + c.sent
 	}
-	return c.bytesAcked()
+	return c.BytesAcked()
 }
 
-func (c *upConn) Read(p []byte) (int, error) {
+func (c *Conn) Read(p []byte) (int, error) {
 	if c.timeout > 0 {
 		// Moving a deadline costs; reads in a quick burst share one, which
 		// shortens the timeout by at most 1%.
@@ -214,7 +218,7 @@ func (c *upConn) Read(p []byte) (int, error) {
 
 // stamp notes when the bytes of the read just made arrived (readAt), and
 // the response's first byte.
-func (c *upConn) stamp() {
+func (c *Conn) stamp() {
 	c.readAt = c.up.now()
 	if c.rx != nil {
 		c.readAt = sock.Received(c.rx.Rx(), c.readAt, maxRxAge)
@@ -226,7 +230,7 @@ func (c *upConn) stamp() {
 }
 
 // socket returns the TCP connection under c (under TLS, if any).
-func (c *upConn) socket() net.Conn {
+func (c *Conn) socket() net.Conn {
 	if c.rx != nil {
 		return c.rx
 	}
@@ -236,7 +240,7 @@ func (c *upConn) socket() net.Conn {
 // usable reports whether the connection may carry another request at now:
 // within the pool's idle lifetime and what the backend's Keep-Alive header
 // allowed.
-func (c *upConn) usable(now time.Time) bool {
+func (c *Conn) usable(now time.Time) bool {
 	if c.up.t.IdleConn > 0 && now.Sub(c.lastUsed) >= c.up.t.IdleConn {
 		return false
 	}
@@ -252,7 +256,7 @@ func (c *upConn) usable(now time.Time) bool {
 // how many more requests it accepts on it. The connection is not reused
 // past either; a second of margin keeps tokentap from sending a request as
 // the backend closes.
-func (c *upConn) keepAlive(v []byte, end time.Time) {
+func (c *Conn) keepAlive(v []byte, end time.Time) {
 	for len(v) > 0 {
 		var tok []byte
 		if i := bytes.IndexByte(v, ','); i >= 0 {
@@ -278,9 +282,9 @@ func (c *upConn) keepAlive(v []byte, end time.Time) {
 	}
 }
 
-// send writes req on c and reads the response headers into resp, leaving
+// Send writes req on c and reads the response headers into resp, leaving
 // the body as resp.BodyStream. It returns when the request was written.
-func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool) (written time.Time, err error) {
+func (c *Conn) Send(req *fasthttp.Request, resp *fasthttp.Response, head bool) (written time.Time, err error) {
 	switch {
 	case c.up.t.Write > 0 && len(req.Body()) > smallRequest:
 		_ = c.Conn.SetWriteDeadline(c.up.now().Add(c.up.t.Write))
@@ -292,10 +296,10 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 		_ = c.Conn.SetWriteDeadline(time.Time{})
 		c.writeDeadline = false
 	}
-	err = c.writeRequest(req.Write)
+	err = c.WriteRequest(req.Write)
 	written = c.up.now()
 	if err != nil {
-		return written, fmt.Errorf("%w: %w", errWriteUpstream, err)
+		return written, fmt.Errorf("%w: %w", ErrWriteUpstream, err)
 	}
 	c.timeout = c.up.t.FirstByte
 	if c.headerLimit > 0 {
@@ -305,7 +309,7 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 	resp.StreamBody = true
 	resp.SkipBody = head
 	if err = resp.Read(c.br); err != nil {
-		return written, fmt.Errorf("%w: %w", errReadUpstream, err)
+		return written, fmt.Errorf("%w: %w", ErrReadUpstream, err)
 	}
 	c.timeout = c.up.t.Idle
 	if ka := resp.Header.Peek("Keep-Alive"); len(ka) > 0 {
@@ -314,11 +318,11 @@ func (c *upConn) send(req *fasthttp.Request, resp *fasthttp.Response, head bool)
 	return written, nil
 }
 
-// bytesAcked returns how many bytes the peer's kernel acknowledged on the
+// BytesAcked returns how many bytes the peer's kernel acknowledged on the
 // connection (TCP_INFO tcpi_bytes_acked), or -1 when it cannot be read. It
 // does not allocate: the control function and the TCP_INFO buffer are the
 // connection's own.
-func (c *upConn) bytesAcked() int64 {
+func (c *Conn) BytesAcked() int64 {
 	if !c.ti.Read(sock.Raw(c.socket())) {
 		return -1
 	}
@@ -327,7 +331,7 @@ func (c *upConn) bytesAcked() int64 {
 
 // peek checks once, without consuming a byte or allocating, whether the
 // connection is still open and quiet.
-func (c *upConn) peek() sock.PeerState {
+func (c *Conn) peek() sock.PeerState {
 	raw := sock.Raw(c.socket())
 	if raw == nil {
 		return sock.PeerUnknown

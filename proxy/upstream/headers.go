@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"bytes"
@@ -120,16 +120,17 @@ var (
 	protoHTTP         = []byte("http")
 )
 
-// prepareRequest turns the client's request into the upstream request:
+// Prepare turns the client's request into the upstream request for up:
 // the same method, headers and body, minus hop-by-hop headers and
-// tokentap's own, with the normalised path (under the route's upstream
-// base of the chosen upstream, its prefix stripped when the route says so) and the client's raw
-// query, Host set for the upstream and X-Forwarded-* and X-Request-Id
-// added.
+// tokentap's own, with the normalised path (under up's base path; strip
+// is the route's prefix to take off it, "" for none) and the client's raw
+// query, Host set for the upstream, the backend's credentials (and the
+// client's key headers dropped with stripKey), and X-Forwarded-* and
+// X-Request-Id added.
 //
 // scratch is a buffer the caller lends for building header values; the
 // grown buffer is returned.
-func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, up *upstream, path, query, body, requestID, scratch []byte) []byte {
+func (up *Backend) Prepare(ctx *fasthttp.RequestCtx, req *fasthttp.Request, strip string, stripKey bool, path, query, body, requestID, scratch []byte) []byte {
 	in := &ctx.Request
 	hops, own, prior := scanRequest(&in.Header)
 	in.Header.CopyTo(&req.Header)
@@ -145,9 +146,9 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, u
 	req.Header.SetProtocol("HTTP/1.1")
 
 	// path is normalised: no dot segments, so nothing escapes the base.
-	if r.StripPrefix {
+	if strip != "" {
 		// Keep the slash that ends the prefix: /ollama/api/chat → /api/chat.
-		path = path[len(strings.TrimSuffix(r.Prefix, "/")):]
+		path = path[len(strings.TrimSuffix(strip, "/")):]
 	}
 	uri := append(scratch[:0], up.basePath...)
 	if len(path) == 0 || path[0] != '/' {
@@ -156,7 +157,7 @@ func prepareRequest(ctx *fasthttp.RequestCtx, req *fasthttp.Request, r *route, u
 	uri = append(append(uri, path...), query...)
 	req.Header.SetRequestURIBytes(uri)
 	req.Header.SetHost(up.host)
-	setCredentials(&req.Header, up, r.stripKey)
+	setCredentials(&req.Header, up, stripKey)
 	if up.auth != "" {
 		// The upstream's own credentials, from its URL, replace the
 		// client's (which named the client to tokentap).
@@ -217,10 +218,10 @@ func appendIP(b []byte, addr net.Addr) []byte {
 	return append(b, host...)
 }
 
-// copyResponseHeader copies the upstream response's status and headers to
+// CopyResponseHeader copies the upstream response's status and headers to
 // the client's response, minus hop-by-hop headers and the framing, which
 // the server sets from the relayed body.
-func copyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, requestID []byte) {
+func CopyResponseHeader(from *fasthttp.Response, to *fasthttp.ResponseHeader, requestID []byte) {
 	from.Header.CopyTo(to)
 	// CopyTo takes the upstream header's default-Content-Type setting
 	// too: a response without Content-Type must go without one.

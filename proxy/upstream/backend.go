@@ -1,4 +1,12 @@
-package proxy
+// Package upstream is the relay's side towards the backends: a backend
+// address with its pool of keep-alive connections (Backend, Pool), each
+// connection checked before reuse and stamped by the kernel (Conn), the
+// request sent on one and sent again only where the backend provably never
+// received it (RoundTrip, MayResend), the upstream request built from the
+// client's (Prepare: hop-by-hop headers dropped, credentials set), and how
+// https backends are trusted (TLS). It knows nothing of routes or
+// exchanges.
+package upstream
 
 import (
 	"context"
@@ -19,7 +27,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/shed"
 )
 
-// upstream is one backend address with its own small pool of keep-alive
+// Backend is one backend address with its own small pool of keep-alive
 // connections.
 //
 // tokentap keeps this pool instead of using fasthttp.HostClient because a
@@ -29,7 +37,7 @@ import (
 // exchange owns its connection, and closing it cancels the request at the
 // backend. HTTP/1.1 framing still comes from fasthttp (Request.Write,
 // Response.Read with StreamBody).
-type upstream struct {
+type Backend struct {
 	scheme   string
 	addr     string // host:port to dial
 	host     string // Host header sent upstream
@@ -51,29 +59,29 @@ type upstream struct {
 	t       Timeouts
 	now     func() time.Time
 
-	// connPool holds the connections, counts and what was learned of the
+	// Pool holds the connections, counts and what was learned of the
 	// backend; the upstreams of successive configurations that reach the
 	// same backend the same way share it (Proxy.pools), so that
 	// max_conns counts across a reload and no connection is left in the
 	// pool of a configuration no request uses any more.
-	*connPool
+	*Pool
 }
 
-// connPool is the connections of a route's upstream, kept across the
+// Pool is the connections of a route's upstream, kept across the
 // configurations that reach its backend the same way (scheme, address,
 // Host, TLS settings, forward proxy: poolKey).
-type connPool struct {
+type Pool struct {
 	mu      sync.Mutex
-	idle    []*upConn // LIFO: the longest idle first
-	open    int       // connections open, idle or busy
-	reaping bool      // a reap is scheduled (only while connections are idle)
-	retired bool      // no configuration reaches the backend this way any more: connections close as they come back
+	idle    []*Conn // LIFO: the longest idle first
+	open    int     // connections open, idle or busy
+	reaping bool    // a reap is scheduled (only while connections are idle)
+	retired bool    // no configuration reaches the backend this way any more: connections close as they come back
 
 	// inflight is the requests sent to the upstream and not finished, from
 	// every configuration's exchanges; gate predicts what a new one would
 	// live there (overload control).
-	inflight atomic.Int64
-	gate     *shed.Gate
+	Inflight atomic.Int64
+	Gate     *shed.Gate
 
 	// afterStream is what the backend was seen to do with a connection
 	// once a response of unknown length (a stream) ended on it: some
@@ -83,15 +91,16 @@ type connPool struct {
 	// backend was seen to close one, they are closed instead of pooled;
 	// once it was seen keeping streamKeptToTrust of them, they are pooled
 	// as any other.
-	afterStream atomic.Int32 // streamUnknown, streamCloses or streamKeeps
+	afterStream atomic.Int32 // StreamUnknown, StreamCloses or StreamKeeps
 	streamsKept atomic.Int32
 }
 
-// What a backend does with a connection after a streamed response.
+// What a backend does with a connection after a streamed response
+// (AfterStream).
 const (
-	streamUnknown int32 = iota
-	streamCloses
-	streamKeeps
+	StreamUnknown int32 = iota
+	StreamCloses
+	StreamKeeps
 )
 
 // streamSettle is how long after a streamed response a connection waits
@@ -104,7 +113,10 @@ const streamSettle = 5 * time.Millisecond
 // backend one that keeps them.
 const streamKeptToTrust = 3
 
-func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *UpstreamTLS) (*upstream, error) {
+// New makes the backend at rawURL (http or https, a base path allowed),
+// reached within t, on the clock now, trusted by rtls (nil: the system's
+// roots).
+func New(rawURL string, t Timeouts, now func() time.Time, rtls *TLS) (*Backend, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		return nil, urlError(err)
@@ -118,7 +130,7 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *Upstream
 	if u.RawQuery != "" || u.Fragment != "" {
 		return nil, errors.New("must not have a query or fragment")
 	}
-	up := &upstream{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now, connPool: &connPool{gate: shed.New(now)}}
+	up := &Backend{scheme: u.Scheme, host: u.Host, addr: u.Host, t: t, now: now, Pool: &Pool{Gate: shed.New(now)}}
 	if u.User != nil {
 		pass, _ := u.User.Password()
 		up.auth = "Basic " + base64.StdEncoding.EncodeToString([]byte(u.User.Username()+":"+pass))
@@ -160,10 +172,10 @@ func newUpstream(rawURL string, t Timeouts, now func() time.Time, rtls *Upstream
 	return up, nil
 }
 
-// redactURL is an upstream URL as errors and logs may show it: without
+// RedactURL is an upstream URL as errors and logs may show it: without
 // its password, and without the text of a URL that does not parse (it
 // could hold one).
-func redactURL(raw string) string {
+func RedactURL(raw string) string {
 	u, err := url.Parse(raw)
 	if err != nil {
 		return "(an unparsable URL)"
@@ -191,7 +203,7 @@ func trimSlash(s string) string {
 // their receive timestamp to be believed (a guard against a stepped clock).
 const maxRxAge = time.Minute
 
-// get returns an idle connection that is still open and quiet, or dials a
+// Get returns an idle connection that is still open and quiet, or dials a
 // new one; fresh skips the pool.
 //
 // Every pooled connection is looked at before reuse (one non-consuming
@@ -200,7 +212,7 @@ const maxRxAge = time.Minute
 // request (a backend that answered more than it was asked, or miscounted
 // a body): read as the next request's response they would hand one user
 // another's answer.
-func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
+func (up *Backend) Get(ctx context.Context, fresh bool) (*Conn, error) {
 	now := up.now()
 	up.mu.Lock()
 	for !fresh && len(up.idle) > 0 {
@@ -240,7 +252,7 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 	}
 	if up.t.MaxConns > 0 && up.open >= up.t.MaxConns {
 		up.mu.Unlock()
-		return nil, errTooManyConns
+		return nil, ErrTooManyConns
 	}
 	up.open++
 	up.mu.Unlock()
@@ -257,7 +269,7 @@ func (up *upstream) get(ctx context.Context, fresh bool) (*upConn, error) {
 // settle looks at a connection whose last response was a stream while
 // the backend's habit is unknown: it waits until streamSettle after that
 // end for the backend's close, and learns from what it finds.
-func (up *upstream) settle(c *upConn, state sock.PeerState) sock.PeerState {
+func (up *Backend) settle(c *Conn, state sock.PeerState) sock.PeerState {
 	if state == sock.PeerIdle {
 		if wait := streamSettle - up.now().Sub(c.lastUsed); wait > 0 {
 			time.Sleep(wait)
@@ -266,10 +278,10 @@ func (up *upstream) settle(c *upConn, state sock.PeerState) sock.PeerState {
 	}
 	switch state {
 	case sock.PeerClosed:
-		up.afterStream.CompareAndSwap(streamUnknown, streamCloses)
+		up.afterStream.CompareAndSwap(StreamUnknown, StreamCloses)
 	case sock.PeerIdle:
 		if up.streamsKept.Add(1) >= streamKeptToTrust {
-			up.afterStream.CompareAndSwap(streamUnknown, streamKeeps)
+			up.afterStream.CompareAndSwap(StreamUnknown, StreamKeeps)
 		}
 	}
 	c.streamEnded = false
@@ -277,12 +289,14 @@ func (up *upstream) settle(c *upConn, state sock.PeerState) sock.PeerState {
 }
 
 var (
-	errTooManyConns  = errors.New("upstream connection limit reached")
-	errWriteUpstream = errors.New("cannot write the request upstream")
-	errReadUpstream  = errors.New("cannot read the upstream response")
+	// ErrCancelled: the client left while its request was being sent.
+	ErrCancelled     = errors.New("client closed the connection")
+	ErrTooManyConns  = errors.New("upstream connection limit reached")
+	ErrWriteUpstream = errors.New("cannot write the request upstream")
+	ErrReadUpstream  = errors.New("cannot read the upstream response")
 )
 
-func (up *upstream) dial(ctx context.Context) (*upConn, error) {
+func (up *Backend) dial(ctx context.Context) (*Conn, error) {
 	target := up.addr
 	if up.fwd != nil {
 		target = up.fwdAddr
@@ -317,41 +331,53 @@ func (up *upstream) dial(ctx context.Context) (*upConn, error) {
 		}
 		conn = tc
 	}
-	c := &upConn{Conn: conn, up: up, rx: rx, usesLeft: -1}
+	c := &Conn{Conn: conn, up: up, rx: rx, usesLeft: -1}
 	c.br = newUpReader(c)
 	if up.tls == nil {
 		// The kernel's count of acknowledged bytes starts with the SYN:
 		// read it once, as the connection opens (see ackedBefore).
-		c.ackBase = c.bytesAcked()
+		c.ackBase = c.BytesAcked()
 	}
 	return c, nil
 }
 
-// put returns a connection whose last response was read completely
+// Wrap makes c, a connection made apart from the pool (the relay's
+// benchmarks), one of up's: its reads bounded by the idle timeout, and
+// stamped by the kernel (a relay loop can take it) when stamped.
+func (up *Backend) Wrap(c *sock.Conn, stamped bool) *Conn {
+	uc := &Conn{Conn: c, up: up, usesLeft: -1, timeout: up.t.Idle}
+	if stamped {
+		uc.rx = c
+	}
+	uc.br = newUpReader(uc)
+	return uc
+}
+
+// Put returns a connection whose last response was read completely
 // (streamed: a response of unknown length, ended by its framing). A
 // connection with bytes read past the end of that response is closed
 // instead: the response did not end at a message boundary; so is one after
-// a stream from a backend that closes those (upstream.afterStream).
-func (up *upstream) put(c *upConn, streamed bool) {
+// a stream from a backend that closes those (Backend.afterStream).
+func (up *Backend) Put(c *Conn, streamed bool) {
 	if c.br.Buffered() > 0 {
 		metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
-		up.discard(c)
+		up.Discard(c)
 		return
 	}
 	c.streamEnded = false
 	if streamed {
 		switch up.afterStream.Load() {
-		case streamCloses:
+		case StreamCloses:
 			metrics.UpstreamConnDiscarded(metrics.DiscardAfterStream)
-			up.discard(c)
+			up.Discard(c)
 			return
-		case streamUnknown:
+		case StreamUnknown:
 			c.streamEnded = true
 		}
 	}
 	if c.usesLeft == 0 {
 		metrics.UpstreamConnDiscarded(metrics.DiscardExpired)
-		up.discard(c)
+		up.Discard(c)
 		return
 	}
 	c.timeout = 0
@@ -374,14 +400,14 @@ func (up *upstream) put(c *upConn, streamed bool) {
 		return
 	}
 	up.mu.Unlock()
-	up.discard(c)
+	up.Discard(c)
 }
 
 // reap closes the connections idle for longer than IdleConn, so that their
 // descriptors, and the backend's, do not wait for the next request to be
 // found expired. It is scheduled only while connections are idle: an idle
 // proxy with an empty pool runs no timer.
-func (up *upstream) reap() {
+func (up *Backend) reap() {
 	now := up.now()
 	up.mu.Lock()
 	n := 0
@@ -402,32 +428,55 @@ func (up *upstream) reap() {
 	}
 }
 
-// discard closes a connection that must not be reused: its response was not
+// Discard closes a connection that must not be reused: its response was not
 // read to the end, or the exchange was cancelled.
-func (up *upstream) discard(c *upConn) {
+func (up *Backend) Discard(c *Conn) {
 	_ = c.Conn.Close()
 	up.mu.Lock()
 	up.open--
 	up.mu.Unlock()
 }
 
-// poolKey says how up reaches its backend: a route's upstream of the next
+// Addr is the host:port up dials (its forward proxy's aside).
+func (up *Backend) Addr() string { return up.addr }
+
+// SetHeaders sets the headers every request to up carries (its
+// credentials).
+func (up *Backend) SetHeaders(h []Header) { up.headers = h }
+
+// UsePool has up take over p, the connections of an earlier
+// configuration's backend that reaches it the same way (PoolKey), with
+// their counts and what was learned of the backend.
+func (up *Backend) UsePool(p *Pool) { up.Pool = p }
+
+// Counts returns the open and idle connections of up's pool.
+func (up *Backend) Counts() (open, idle int) {
+	up.mu.Lock()
+	defer up.mu.Unlock()
+	return up.open, len(up.idle)
+}
+
+// AfterStream is what the backend was seen to do with a connection after
+// a streamed response: StreamUnknown, StreamCloses or StreamKeeps.
+func (up *Backend) AfterStream() int32 { return up.afterStream.Load() }
+
+// PoolKey says how up reaches its backend: a route's upstream of the next
 // configuration with the same key takes its connections over.
-func (up *upstream) poolKey(rtls *UpstreamTLS) string {
+func (up *Backend) PoolKey(rtls *TLS) string {
 	return fmt.Sprintf("%s|%s|%s|%s|%+v", up.scheme, up.addr, up.host, up.fwdAddr, rtls)
 }
 
-// retire closes the idle connections of a pool no configuration uses any
+// Retire closes the idle connections of a pool no configuration uses any
 // more; those in use close when their responses end.
-func (p *connPool) retire() {
+func (p *Pool) Retire() {
 	p.mu.Lock()
 	p.retired = true
 	p.mu.Unlock()
-	p.closeIdle()
+	p.CloseIdle()
 }
 
-// closeIdle closes every idle connection.
-func (p *connPool) closeIdle() {
+// CloseIdle closes every idle connection.
+func (p *Pool) CloseIdle() {
 	up := p
 	up.mu.Lock()
 	idle := up.idle

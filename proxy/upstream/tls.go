@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"bufio"
@@ -19,10 +19,10 @@ import (
 	"golang.org/x/net/http/httpproxy"
 )
 
-// UpstreamTLS is how a route's https upstreams are trusted and how tokentap
+// TLS is how a route's https upstreams are trusted and how tokentap
 // presents itself to them. The files are read when the config is applied
 // (a reload reads them again).
-type UpstreamTLS struct {
+type TLS struct {
 	// CAFile holds the PEM certificates of the CAs trusted for the
 	// upstreams, instead of the system's roots.
 	CAFile string
@@ -37,14 +37,23 @@ type UpstreamTLS struct {
 	InsecureSkipVerify bool
 }
 
-// tlsFieldError names the field of UpstreamTLS that is wrong.
+// Check reads and checks what u names, for a config's validation: the
+// field at fault (ca_file, cert_file) and why.
+func (u *TLS) Check() (field string, err error) {
+	if _, ferr := u.config(); ferr != nil {
+		return ferr.field, ferr.err
+	}
+	return "", nil
+}
+
+// tlsFieldError names the field of TLS that is wrong.
 type tlsFieldError struct {
 	field string
 	err   error
 }
 
 // config builds the part of the upstreams' TLS config the route sets.
-func (u *UpstreamTLS) config() (*tls.Config, *tlsFieldError) {
+func (u *TLS) config() (*tls.Config, *tlsFieldError) {
 	c := &tls.Config{ServerName: u.ServerName, InsecureSkipVerify: u.InsecureSkipVerify} //nolint:gosec // the operator's choice, logged
 	if u.CAFile != "" {
 		pem, err := os.ReadFile(u.CAFile)
@@ -71,7 +80,7 @@ func (u *UpstreamTLS) config() (*tls.Config, *tlsFieldError) {
 
 // upstreamTLSConfig is the TLS config of an https upstream at host, under
 // the route's settings (nil: none).
-func upstreamTLSConfig(host string, rt *UpstreamTLS) (*tls.Config, error) {
+func upstreamTLSConfig(host string, rt *TLS) (*tls.Config, error) {
 	c := &tls.Config{ServerName: host, MinVersion: tls.VersionTLS12, NextProtos: []string{"http/1.1"}}
 	if rt == nil {
 		return c, nil

@@ -1,4 +1,4 @@
-package proxy
+package upstream
 
 import (
 	"slices"
@@ -30,11 +30,11 @@ var clientKeyHeaders = []string{"Authorization", "X-Api-Key", "Api-Key", "X-Goog
 var reservedHeaders = []string{"Host", "Content-Length", "Transfer-Encoding", "Connection", "Te", "Trailer", "Upgrade",
 	"Keep-Alive", "Proxy-Connection", "X-Request-Id", "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto", "Traceparent"}
 
-// validHeaders checks a list of headers of field (routes[0].headers): a
+// ValidHeaders checks a list of headers of field (routes[0].headers): a
 // name that is a header name and none tokentap sets itself, each once, a
 // value without line breaks or NUL (a header split in two). Errors name
 // the header, never its value.
-func validHeaders(hs []Header, field string) error {
+func ValidHeaders(hs []Header, field string) error {
 	seen := map[string]bool{}
 	for _, h := range hs {
 		f := field + "." + h.Name
@@ -56,9 +56,9 @@ func validHeaders(hs []Header, field string) error {
 	return nil
 }
 
-// mergeHeaders is the route's headers with the upstream's own over them,
+// MergeHeaders is the route's headers with the upstream's own over them,
 // name by name.
-func mergeHeaders(route, own []Header) []Header {
+func MergeHeaders(route, own []Header) []Header {
 	out := slices.Clone(own)
 	for _, h := range route {
 		if !slices.ContainsFunc(own, func(o Header) bool { return strings.EqualFold(o.Name, h.Name) }) {
@@ -70,7 +70,7 @@ func mergeHeaders(route, own []Header) []Header {
 
 // setCredentials drops the client's key headers from req when strip, then
 // sets up's headers.
-func setCredentials(req *fasthttp.RequestHeader, up *upstream, strip bool) {
+func setCredentials(req *fasthttp.RequestHeader, up *Backend, strip bool) {
 	if strip {
 		for _, name := range clientKeyHeaders {
 			if req.Peek(name) != nil {
