@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"context"
 	"strconv"
 	"time"
 
@@ -75,19 +74,4 @@ func setQuotaHeaders(h *fasthttp.ResponseHeader, a *ratelimit.Admitter, tenant, 
 	}
 	set("Requests", req)
 	set("Tokens", tok)
-}
-
-// goneCtx is a context that is done when the client has gone.
-type goneCtx struct{ done <-chan struct{} }
-
-func (goneCtx) Deadline() (time.Time, bool) { return time.Time{}, false }
-func (c goneCtx) Done() <-chan struct{}     { return c.done }
-func (goneCtx) Value(any) any               { return nil }
-func (c goneCtx) Err() error {
-	select {
-	case <-c.done:
-		return context.Canceled
-	default:
-		return nil
-	}
 }
