@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/sse/dialect"
@@ -122,7 +123,7 @@ func (a *upstreamAttempt) attempt(ctx *fasthttp.RequestCtx) error {
 	// Prepare drops inbound X-Tokentap-* headers, the tenant's too.
 	a.x.in.scratch = a.up.Prepare(ctx, a.req, r.strip(), r.stripKey, a.x.in.path, a.x.in.query, body, a.x.id, a.x.in.scratch)
 	if a.x.tenant != "" {
-		a.req.Header.Set(tenantHeader, a.x.tenant)
+		a.req.Header.Set(admission.TenantHeader, a.x.tenant)
 	}
 	if tc := &a.x.rec.Trace; tc.Valid() {
 		// The upstream's work is a child of tokentap's span.

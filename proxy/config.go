@@ -8,12 +8,30 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 )
+
+// Overload is a route's overload control, Priority a request's place
+// under it (proxy/admission).
+type (
+	Overload = admission.Overload
+	Priority = admission.Priority
+)
+
+// The priorities, most important first.
+const (
+	PriorityCritical  = admission.PriorityCritical
+	PriorityStandard  = admission.PriorityStandard
+	PrioritySheddable = admission.PrioritySheddable
+)
+
+// ParsePriority reads a priority's name.
+func ParsePriority(s string) (Priority, bool) { return admission.ParsePriority(s) }
 
 // Header is a header set on every request to an upstream (its
 // credentials); UpstreamTLS is how https upstreams are trusted
@@ -267,7 +285,11 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 		if err := r.validUpstreams(field); err != nil {
 			return nil, err
 		}
-		if err := c.validOverload(r, field); err != nil {
+		slos := []metrics.SLO{c.SLO.Over(r.SLO)}
+		for _, t := range c.TenantSLOs {
+			slos = append(slos, t)
+		}
+		if err := r.Overload.Validate(field, slos...); err != nil {
 			return nil, err
 		}
 	}
@@ -462,4 +484,47 @@ func (c Config) withDefaults() Config {
 	}
 	c.Classes = c.Classes.WithDefaults()
 	return c
+}
+
+// Warnings lists what a valid configuration says that may not do what was
+// meant: each a field and why, printed by -check and logged when the
+// configuration is applied.
+func (c *Config) Warnings() []string {
+	var ws []string
+	warn := func(field, format string, args ...any) { ws = append(ws, field+": "+fmt.Sprintf(format, args...)) }
+	tenants := c.Admission != nil && len(c.Admission.Tenants) > 0
+	keyed := tenants && c.Admission.TrustedTenantHeader == ""
+	anyModel := false
+	for i, r := range c.Routes {
+		field := func(f string) string { return fmt.Sprintf("routes[%d].%s", i, f) }
+		anyModel = anyModel || len(r.Models) == 0
+		if o := r.Overload; o != nil {
+			switch {
+			case o.PriorityHeader != "" && !tenants && !o.TrustPriorityHeader:
+				warn(field("overload.priority_header"), "with no tenants to cap it, the header claims at most standard (any client could claim critical); set overload.trust_priority_header: true where every client may be believed")
+			case o.TrustPriorityHeader && o.PriorityHeader == "":
+				warn(field("overload.trust_priority_header"), "takes no effect without overload.priority_header")
+			case o.TrustPriorityHeader && tenants:
+				warn(field("overload.trust_priority_header"), "takes no effect with tenants: each tenant's priority caps its requests")
+			}
+		}
+		if r.ForwardClientKey && !keyed {
+			warn(field("forward_client_key"), "takes no effect: the client's key headers are dropped only where tenants are known by key")
+		}
+	}
+	// A price whose glob meets no route's models (all routes name theirs)
+	// prices nothing a route serves by name (a response may still name
+	// another model: hence a warning).
+	for i, p := range c.Prices {
+		used := anyModel
+		for _, r := range c.Routes {
+			for _, g := range r.Models {
+				used = used || conf.Glob(p.Model, g) || conf.Glob(g, p.Model)
+			}
+		}
+		if !used {
+			warn(fmt.Sprintf("prices[%d].model", i), "%q meets no model a route names: no request is priced by it unless its response names such a model", p.Model)
+		}
+	}
+	return ws
 }

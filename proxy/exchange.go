@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
@@ -147,7 +148,7 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 	rec.Dialect = x.dialect.Name()
 
 	if snap.admit != nil {
-		tenant, ok := identify(snap.admit, &ctx.Request.Header)
+		tenant, ok := admission.Identify(snap.admit, &ctx.Request.Header)
 		if !ok {
 			rec.Tenant = "unknown"
 			return refuseKey
@@ -223,7 +224,7 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 	upstream.CopyResponseHeader(resp, &ctx.Response.Header, x.id)
 	x.p.keepAlive(ctx)
 	if x.ticket != nil {
-		setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
+		admission.SetQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
 	}
 	body := resp.BodyStream()
 	if body == nil {
@@ -305,7 +306,7 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 			ctx.Response.Header.Set("Retry-After", strconv.FormatInt(max(secs, 1), 10))
 		}
 		if r.rateLimited {
-			setQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
+			admission.SetQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
 		}
 	}
 	x.finish(nil)

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/predict/predictsim"
+	"github.com/tokentap/tokentap/proxy/admission/predict/predictsim"
 	"github.com/tokentap/tokentap/proxy/upstream"
 )
 

@@ -41,10 +41,12 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/proxy/upstream"
+	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
@@ -152,7 +154,11 @@ func (p *Proxy) Apply(cfg Config) error {
 		}
 	}
 	old := p.snap.Load()
-	s.admit = admitterFor(cfg, old, p.now, s.metrics)
+	var prev *ratelimit.Admitter
+	if old != nil {
+		prev = old.admit
+	}
+	s.admit = admission.NewAdmitter(cfg.Admission, prev, p.now, s.metrics)
 	if s.admit != nil {
 		addr := s.admit.StoreAddr()
 		s.admit.OnStoreChange(func(up bool, err error) {

@@ -5,8 +5,6 @@ package proxy
 // pools) and each route with its upstreams.
 
 import (
-	"time"
-
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
@@ -84,47 +82,4 @@ func (r *route) closeIdle() {
 	for _, m := range r.members {
 		m.up.CloseIdle()
 	}
-}
-
-// admitterFor makes the admitter of a new generation, taking over the
-// tenants' state of the old one (nil: none), and publishes its series in
-// set; without admission it closes the old one and returns nil.
-func admitterFor(cfg Config, old *snapshot, now func() time.Time, set *metrics.Set) *ratelimit.Admitter {
-	var prev *ratelimit.Admitter
-	if old != nil {
-		prev = old.admit
-	}
-	if cfg.Admission == nil {
-		if prev != nil {
-			prev.Close()
-		}
-		return nil
-	}
-	a := ratelimit.New(*cfg.Admission, now, prev)
-	tenants := make([]string, len(cfg.Admission.Tenants))
-	for i, t := range cfg.Admission.Tenants {
-		tenants[i] = t.Name
-	}
-	reasons := make([]string, len(ratelimit.Reasons))
-	for i, r := range ratelimit.Reasons {
-		reasons[i] = string(r)
-	}
-	set.AddTenants(tenants, reasons, a.Stats)
-	if a.StoreStats().Present {
-		b2f := func(b bool) float64 {
-			if b {
-				return 1
-			}
-			return 0
-		}
-		set.AddGauge("tokentap_admission_store_up", func() float64 { return b2f(a.StoreStats().Up) })
-		set.AddGauge("tokentap_admission_store_calls", func() float64 { return float64(a.StoreStats().Calls) })
-		set.AddGauge("tokentap_admission_store_call_failures", func() float64 { return float64(a.StoreStats().Failures) })
-		set.AddGauge("tokentap_admission_store_call_seconds", func() float64 { return a.StoreStats().Seconds })
-		set.AddGauge("tokentap_admission_store_replicas", func() float64 { return float64(a.StoreStats().Replicas) })
-		set.AddGauge("tokentap_admission_store_releases_pending", func() float64 { return float64(a.StoreStats().ReleasesPending) })
-		set.AddGauge("tokentap_admission_store_releases_dropped", func() float64 { return float64(a.StoreStats().ReleasesDropped) })
-		set.AddGauge("tokentap_admission_store_releases_retried", func() float64 { return float64(a.StoreStats().ReleasesRetried) })
-	}
-	return a
 }

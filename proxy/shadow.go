@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/valyala/fasthttp"
 )
 
@@ -86,7 +87,7 @@ func (sh *shadowState) start(x *exchange, ctx *fasthttp.RequestCtx) {
 	s.in.scratch = s.att.up.Prepare(ctx, s.att.req, x.rt.strip(), x.rt.stripKey, x.in.path, x.in.query, nil, s.id, s.in.scratch)
 	s.att.req.SetBody(x.in.body0)
 	if x.tenant != "" {
-		s.att.req.Header.Set(tenantHeader, x.tenant)
+		s.att.req.Header.Set(admission.TenantHeader, x.tenant)
 	}
 	go sh.run(s)
 }

@@ -7,14 +7,13 @@ package proxy
 // charged, and what the upstream's model learns from it once it ends.
 
 import (
-	"bytes"
 	"math/rand/v2"
 	"strconv"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/measure"
-	"github.com/tokentap/tokentap/proxy/shed"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/valyala/fasthttp"
 )
@@ -112,30 +111,6 @@ func (x *exchange) slo() metrics.SLO {
 	return slo
 }
 
-// priority is the request's priority: its header's (when the route has
-// one), no higher than its tenant's (standard for a tenant that sets
-// none); without admission control, no higher than standard unless the
-// route trusts the header (Overload.TrustPriorityHeader): any client could
-// claim critical and starve the others.
-func (x *exchange) priority(h *fasthttp.RequestHeader, o *Overload) Priority {
-	most := PriorityStandard
-	switch {
-	case x.snap.admit != nil:
-		if p, ok := x.snap.cfg.TenantPriorities[x.tenant]; ok {
-			most = p
-		}
-	case o.TrustPriorityHeader:
-		most = PriorityCritical
-	}
-	p := PriorityStandard
-	if o.PriorityHeader != "" {
-		if v := h.Peek(o.PriorityHeader); len(v) > 0 {
-			p, _ = ParsePriority(string(bytes.ToLower(bytes.TrimSpace(v))))
-		}
-	}
-	return max(p, most) // higher numbers are lower priorities
-}
-
 // overload is the request's overload step: the prediction for its
 // upstream now and, with Shed, the refusal of a request that would miss
 // its objectives. Before its body is read a request is judged as a
@@ -148,27 +123,23 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 		return nil
 	}
 	h := &ctx.Request.Header
-	prio := x.priority(h, o)
-	x.rec.Priority = prio.String()
-	slo := x.slo()
-	if o.SLOHeaders {
-		slo = slo.Over(metrics.SLO{TTFT: headerMS(h.PeekBytes(headerSLOTTFT)), TPOT: headerMS(h.PeekBytes(headerSLOTPOT))})
+	most, ok := x.snap.cfg.TenantPriorities[x.tenant]
+	if !ok {
+		most = PriorityStandard
 	}
-	var v shed.Verdict
+	prio := o.PriorityOf(h, x.snap.admit != nil, most)
+	x.rec.Priority = prio.String()
 	k := x.att.mem.held(x.p.now(), x.att.startK) // the backend's own count included, where it says
-	if whole {
-		if slo.E2E <= 0 {
-			return nil
-		}
-		v = x.att.up.Gate.JudgeWhole(x.p.now(), k, len(x.in.body0)/4, prio, slo.E2E, x.rt.Timeouts.FirstByte)
-	} else {
-		in := -1
-		if cl := h.ContentLength(); cl > 0 {
-			in = cl / 4 // what admission control estimates too, before the body
-		} else if x.in.late {
-			in = len(x.in.body0) / 4
-		}
-		v = x.att.up.Gate.Judge(x.p.now(), k, in, prio, shed.Objectives{TTFT: slo.TTFT, TPOT: slo.TPOT}, x.rt.Timeouts.FirstByte)
+	in := len(x.in.body0) / 4
+	if cl := h.ContentLength(); !whole && cl > 0 {
+		in = cl / 4 // what admission control estimates too, before the body
+	} else if !whole && !x.in.late {
+		in = -1
+	}
+	v, judged := admission.Judge(x.p.now(), admission.Request{Gate: x.att.up.Gate, K: k, In: in, Priority: prio,
+		SLO: o.Objectives(h, x.slo()), Whole: whole, FirstByte: x.rt.Timeouts.FirstByte})
+	if !judged {
+		return nil
 	}
 	if v.Known {
 		x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
@@ -242,7 +213,7 @@ func (x *exchange) admit() *refusal {
 		return nil
 	}
 	var total int64
-	x.estIn, total = estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
+	x.estIn, total = admission.Estimate(x.in.body0, x.dialect, x.snap.cfg.DefaultMaxOutput)
 	usd := x.charge.Cost(int(x.estIn), 0, 0, int(total-x.estIn)) // what it may cost, for the dollar budgets
 	start := x.p.now()
 	// A request waiting in its tenant's queue is not at its upstream: it

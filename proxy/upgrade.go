@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/valyala/fasthttp"
@@ -60,7 +61,7 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	a.req.Header.Set("Connection", "Upgrade")
 	a.req.Header.SetBytesV("Upgrade", ctx.Request.Header.Peek("Upgrade"))
 	if x.tenant != "" {
-		a.req.Header.Set(tenantHeader, x.tenant)
+		a.req.Header.Set(admission.TenantHeader, x.tenant)
 	}
 	head, err := a.sendUpgrade(c)
 	if err != nil {

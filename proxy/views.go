@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
-	"github.com/tokentap/tokentap/proxy/shed"
+	"github.com/tokentap/tokentap/proxy/admission/shed"
 	"go.uber.org/zap"
 )
 
@@ -116,4 +116,42 @@ func (p *Proxy) CompareSides(name string) (a, b, rule string, ok bool) {
 		}
 	}
 	return byWeight[0].name, byWeight[1].name, "the two upstreams of largest weight, the larger (the first configured on a tie) as A, the baseline", true
+}
+
+// fillShares puts in o upstream m's share of route r's requests and what
+// its backend said of its prompt cache, since the configuration.
+func fillShares(o *stats.Overload, r *route, m *member) {
+	var all int64
+	for _, n := range r.members {
+		all += n.picked()
+	}
+	if all > 0 {
+		o.Share = float64(m.picked()) / float64(all)
+	}
+	for i := range m.why {
+		if n := m.why[i].Load(); n > 0 {
+			if o.Why == nil {
+				o.Why = map[string]int64{}
+			}
+			o.Why[pickReasonNames[i]] = n
+		}
+	}
+	if m.scrape != nil {
+		o.Backend = &stats.BackendState{Running: -1, Waiting: -1, KVCache: -1, Error: "not scraped yet"}
+		if st := m.scrape.state.Load(); st != nil {
+			o.Backend = &stats.BackendState{Running: st.Running, Waiting: st.Waiting, KVCache: st.KV, Error: st.Err,
+				AgeS: m.scrape.now().Sub(st.At).Seconds()}
+		}
+	}
+	c := &m.cache
+	o.CacheReported, o.TTFTHitMs, o.TTFTMissMs = c.reported.Load(), -1, -1
+	if o.CacheReported > 0 {
+		o.CacheHitShare = float64(c.hits.Load()) / float64(o.CacheReported)
+	}
+	if n := c.hitTTFTn.Load(); n > 0 {
+		o.TTFTHitMs = float64(c.hitTTFTus.Load()) / float64(n) / 1000
+	}
+	if n := c.missTTFTn.Load(); n > 0 {
+		o.TTFTMissMs = float64(c.missTTFTus.Load()) / float64(n) / 1000
+	}
 }

@@ -23,8 +23,8 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
+	"github.com/tokentap/tokentap/proxy/admission/shed"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
-	"github.com/tokentap/tokentap/proxy/shed"
 )
 
 // Backend is one backend address with its own small pool of keep-alive

@@ -21,7 +21,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/tokentap/tokentap/proxy/predict"
+	"github.com/tokentap/tokentap/proxy/admission/predict"
 )
 
 // Priority is a request's place under overload: critical requests are
