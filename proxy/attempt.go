@@ -6,6 +6,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/sse/dialect"
 	"github.com/valyala/fasthttp"
@@ -17,18 +18,18 @@ import (
 // Owner: the serving goroutine (a shadow copy's: its own goroutine).
 type upstreamAttempt struct {
 	x              *exchange         // the exchange it is the attempts of
-	mem            *member           // the upstream chosen, once routed
-	up             *upstream.Backend // mem.up
+	mem            *routing.Member   // the upstream chosen, once routed
+	up             *upstream.Backend // mem.Up
 	conn           *upstream.Conn
 	req            *fasthttp.Request
 	resp           *fasthttp.Response
-	connectFailed  bool          // the last attempt could not connect
-	tried          []*member     // upstreams tried before the current one
-	attemptAt      time.Time     // when the current attempt began
-	firstByteLimit time.Duration // bounds the wait for the response header (failover)
-	startK         int           // tokentap's requests in flight at the upstream when this one was sent to it
-	counted        bool          // counted in the upstream's requests in flight (count)
-	learned, ended bool          // its model learned its first token, its end (learnFirst, learnEnd)
+	connectFailed  bool              // the last attempt could not connect
+	tried          []*routing.Member // upstreams tried before the current one
+	attemptAt      time.Time         // when the current attempt began
+	firstByteLimit time.Duration     // bounds the wait for the response header (failover)
+	startK         int               // tokentap's requests in flight at the upstream when this one was sent to it
+	counted        bool              // counted in the upstream's requests in flight (count)
+	learned, ended bool              // its model learned its first token, its end (learnFirst, learnEnd)
 }
 
 // count counts the request in its upstream's requests in flight, from
@@ -43,14 +44,14 @@ func (a *upstreamAttempt) count(now time.Time) {
 		return
 	}
 	a.counted = true
-	a.startK = int(a.mem.up.Inflight.Add(1) - 1)
+	a.startK = int(a.mem.Up.Inflight.Add(1) - 1)
 }
 
 // uncount takes the request out of its upstream's requests in flight.
 func (a *upstreamAttempt) uncount() {
 	if a.counted {
 		a.counted = false
-		a.mem.up.Inflight.Add(-1)
+		a.mem.Up.Inflight.Add(-1)
 	}
 }
 

@@ -179,9 +179,9 @@ func TestLeastInflight(t *testing.T) {
 	held := holdStream(t, tp)
 	first := ""
 	waitUntil(t, func() bool {
-		for _, m := range tp.p.snap.Load().routes[0].members {
-			if m.up.Inflight.Load() == 1 {
-				first = m.name
+		for _, m := range tp.p.snap.Load().routes[0].set.Members() {
+			if m.Up.Inflight.Load() == 1 {
+				first = m.Name
 			}
 		}
 		return first != ""
@@ -225,7 +225,7 @@ func holdStream(t *testing.T, tp *testProxy) chan struct{} {
 func TestWeightsChangeOnReload(t *testing.T) {
 	tp, hold := twoBackendsHeld(t, func(r *Route) { r.Upstreams[0].Weight, r.Upstreams[1].Weight = 1, 0 })
 	held := holdStream(t, tp)
-	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].members[0].up.Inflight.Load() == 1 })
+	waitUntil(t, func() bool { return tp.p.snap.Load().routes[0].set.Members()[0].Up.Inflight.Load() == 1 })
 	cfg := tp.p.snap.Load().cfg
 	cfg.Routes[0].Upstreams = []Upstream{{Name: "stable", URL: cfg.Routes[0].Upstreams[0].URL, Weight: 0}, {Name: "canary", URL: cfg.Routes[0].Upstreams[1].URL, Weight: 1}}
 	if err := tp.p.Apply(cfg); err != nil {
@@ -297,8 +297,8 @@ func TestQueuedRequestsNotCountedAtTheirUpstream(t *testing.T) {
 		t.Fatal(err)
 	}
 	inflight := func() (n int64) {
-		for _, m := range tp.p.snap.Load().routes[0].members {
-			n += m.up.Inflight.Load()
+		for _, m := range tp.p.snap.Load().routes[0].set.Members() {
+			n += m.Up.Inflight.Load()
 		}
 		return n
 	}

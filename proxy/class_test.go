@@ -6,9 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
 )
 
@@ -70,18 +68,9 @@ func TestRequestClasses(t *testing.T) {
 	}
 }
 
-// A guard limited to a class weighs only that class's requests, and a
-// class that is not one is a config error naming the field.
-func TestGuardLimitedToAClass(t *testing.T) {
-	g := newGuardState(Guard{Candidate: "c", Baseline: "b", Class: "in-long.out-short", MaxTTFTP95Increase: 0.1}, time.Now())
-	for _, class := range []string{"in-long.out-short", "in-short.out-short", "in-long.out-short"} {
-		r := &metrics.Record{Class: class, TTFT: time.Millisecond, E2E: time.Millisecond}
-		g.observe("c", r)
-		g.observe("b", r)
-	}
-	if g.sides[0].Count() != 2 || g.sides[1].Count() != 2 {
-		t.Fatalf("sides %d and %d, want 2 each (the class's requests only)", g.sides[0].Count(), g.sides[1].Count())
-	}
+// A guard's class that is not one is a config error naming the field
+// (routing's TestGuardLimitedToAClass weighs a class's requests alone).
+func TestGuardClassChecked(t *testing.T) {
 	cfg := Config{Routes: []Route{{Name: "r", Prefix: "/", Timeouts: DefaultTimeouts,
 		Upstreams: []Upstream{{Name: "b", URL: "http://127.0.0.1:1", Weight: 1}, {Name: "c", URL: "http://127.0.0.1:2", Weight: 1}},
 		Guard:     &Guard{Candidate: "c", Baseline: "b", Class: "long", MaxTTFTP95Increase: 0.1}}}}

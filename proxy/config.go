@@ -11,9 +11,28 @@ import (
 	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
+)
+
+// Upstream is one backend of a route with several, Guard a canary's guard
+// (proxy/routing); GuardStatus and GuardState are what the admin listener
+// shows of one.
+type (
+	Upstream    = routing.Upstream
+	Guard       = routing.Guard
+	GuardStatus = routing.GuardStatus
+	GuardState  = routing.GuardState
+)
+
+// Balance policies and prefix stickiness (proxy/routing).
+const (
+	BalanceWeighted      = routing.BalanceWeighted
+	BalanceLeastInflight = routing.BalanceLeastInflight
+	BalanceLeastTTFT     = routing.BalanceLeastTTFT
+	StickyPrefix         = routing.StickyPrefix
 )
 
 // Overload is a route's overload control, Priority a request's place
@@ -269,7 +288,7 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 		}
 		// Requests are matched in normal form, so a prefix in any other
 		// form would never match.
-		if norm, err := normalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
+		if norm, err := routing.NormalizePath(nil, []byte(r.Prefix)); err != nil || string(norm) != r.Prefix {
 			return nil, conf.Errf(field("prefix"), "%q is not a normalised path (no dot segments, repeated slashes or escapes of unreserved characters)", r.Prefix)
 		}
 		names[r.Name] = true
@@ -527,4 +546,28 @@ func (c *Config) Warnings() []string {
 		}
 	}
 	return ws
+}
+
+// validModels checks route i's models and that routes sharing a prefix
+// are told apart by them: at most one of them takes every model.
+func validModels(routes []Route, i int, field func(string) string) error {
+	r := routes[i]
+	if r.Models != nil && len(r.Models) == 0 {
+		return conf.Errf(field("models"), "is empty: list the models the route serves (globs), or leave the key out for every model")
+	}
+	for j, g := range r.Models {
+		if g == "" {
+			return conf.Errf(field(fmt.Sprintf("models[%d]", j)), "must not be empty")
+		}
+	}
+	for j := 0; j < i; j++ {
+		o := routes[j]
+		if o.Prefix != r.Prefix {
+			continue
+		}
+		if len(o.Models) == 0 && len(r.Models) == 0 {
+			return conf.Errf(field("prefix"), "duplicate prefix %q: routes that share a prefix must name the models they serve (models:), all but one at most", r.Prefix)
+		}
+	}
+	return nil
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
@@ -126,7 +127,7 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 		rec.Path = boundedString(rawPath, maxLoggedPath)
 		return r
 	}
-	path, err := normalizePath(x.in.path[:0], rawPath)
+	path, err := routing.NormalizePath(x.in.path[:0], rawPath)
 	if err != nil {
 		rec.Path = boundedString(rawPath, maxLoggedPath)
 		return refusePath
@@ -140,7 +141,7 @@ func (x *exchange) pickRoute(ctx *fasthttp.RequestCtx) *refusal {
 	}
 	x.rt = r
 	rec.Route = r.Name
-	rec.Series = snap.metrics.Series(r.members[0].row, snap.metrics.OtherIndex())
+	rec.Series = snap.metrics.Series(r.set.Members()[0].Row, snap.metrics.OtherIndex())
 	x.dialect = r.dialect
 	if x.dialect == nil {
 		x.dialect = dialect.ForPath(path)
@@ -199,8 +200,8 @@ func (x *exchange) readRequest(ctx *fasthttp.RequestCtx) *refusal {
 	if x.tap.Details() {
 		rec.MaxTokens = dialect.MaxOutputTokens(body)
 	}
-	x.modelIdx = snap.metrics.ModelIndex(x.att.mem.row, model)
-	rec.Series = snap.metrics.Series(x.att.mem.row, x.modelIdx)
+	x.modelIdx = snap.metrics.ModelIndex(x.att.mem.Row, model)
+	rec.Series = snap.metrics.Series(x.att.mem.Row, x.modelIdx)
 	x.tap.Live(rec.Series)
 	if snap.cfg.EnforceModels && len(model) > 0 && !snap.metrics.Allowed(model) {
 		return refuseModel
@@ -473,21 +474,14 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 	x.learnEnd(complete)
 	if m := x.att.mem; m != nil && rec.Attempts > 0 {
 		if rec.CachedTokens >= 0 {
-			m.cache.note(rec.CachedTokens, rec.TTFT.Microseconds())
+			m.Cache.Note(rec.CachedTokens, rec.TTFT.Microseconds())
 		}
-		if m.scrape != nil && rec.Outcome == metrics.OutcomeOK && rec.E2E > 0 {
-			m.noteSlot(rec.E2E - max(rec.Queue, 0))
+		if m.Scrape != nil && rec.Outcome == metrics.OutcomeOK && rec.E2E > 0 {
+			m.NoteSlot(rec.E2E - max(rec.Queue, 0))
 		}
 	}
-	if x.rt != nil && x.rt.guard != nil && !x.shadow {
-		now := x.p.statsNow()
-		if x.att.mem != nil {
-			x.rt.guard.observe(x.att.mem.name, rec)
-		}
-		if x.in.stickyKeyed {
-			x.rt.guard.noteKey(x.att.mem.name, x.in.stickyKey, now)
-		}
-		x.rt.guard.check(x.rt, now, x.p.log)
+	if x.rt != nil && !x.shadow {
+		x.rt.set.Guarded(x.att.mem, rec, x.in.stickyKey, x.in.stickyKeyed, x.p.statsNow, x.p.log)
 	}
 	for _, s := range x.p.opts.Sinks {
 		if g, ok := s.(metrics.GapSink); ok {

@@ -6,6 +6,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/valyala/fasthttp"
 )
 
@@ -39,7 +40,7 @@ func (f *Failover) on(reason string) bool { return f != nil && slices.Contains(f
 // (first_token_timeout).
 func (a *upstreamAttempt) failoverReason(ctx *fasthttp.RequestCtx, err error) string {
 	fo := a.x.rt.Failover
-	if fo == nil || len(a.x.rt.members) < 2 {
+	if fo == nil || len(a.x.rt.set.Members()) < 2 {
 		return ""
 	}
 	switch {
@@ -84,7 +85,7 @@ func (a *upstreamAttempt) failover(reason string) bool {
 		return false
 	}
 	now := a.x.p.now()
-	metrics.FailedOver(a.x.rt.Name, a.mem.name, reason)
+	metrics.FailedOver(a.x.rt.Name, a.mem.Name, reason)
 	if a.conn != nil {
 		a.up.Discard(a.conn) // closing it cancels the backend's work
 		a.conn = nil
@@ -94,7 +95,7 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	a.resp.Reset()
 	a.x.tap.Lost(now.Sub(a.attemptAt))
 	if a.x.rec.Trace.Sampled {
-		a.x.rec.Tries = append(a.x.rec.Tries, metrics.Try{Upstream: a.mem.name, Addr: a.up.Addr(), Start: a.attemptAt,
+		a.x.rec.Tries = append(a.x.rec.Tries, metrics.Try{Upstream: a.mem.Name, Addr: a.up.Addr(), Start: a.attemptAt,
 			Duration: now.Sub(a.attemptAt), Reason: reason})
 	}
 	a.attemptAt = now
@@ -103,9 +104,9 @@ func (a *upstreamAttempt) failover(reason string) bool {
 	a.learned, a.ended = false, false
 	a.mem = next
 	a.count(now)
-	a.up = next.up
-	a.x.rec.Upstream = next.name
-	a.x.rec.Series = a.x.snap.metrics.Series(next.row, a.x.modelIdx)
+	a.up = next.Up
+	a.x.rec.Upstream = next.Name
+	a.x.rec.Series = a.x.snap.metrics.Series(next.Row, a.x.modelIdx)
 	a.x.rec.Attempts++
 	a.connectFailed = false
 	a.x.tap.Strip(false)
@@ -114,12 +115,12 @@ func (a *upstreamAttempt) failover(reason string) bool {
 
 // nextMember returns the upstream after the current one in the route's
 // order that was not tried and takes requests, or nil.
-func (a *upstreamAttempt) nextMember() *member {
-	ms := a.x.rt.members
+func (a *upstreamAttempt) nextMember() *routing.Member {
+	ms := a.x.rt.set.Members()
 	at := slices.Index(ms, a.mem)
 	for i := 1; i < len(ms); i++ {
 		m := ms[(at+i)%len(ms)]
-		if a.x.rt.weight(m) > 0 && !slices.Contains(a.tried, m) {
+		if a.x.rt.set.Weight(m) > 0 && !slices.Contains(a.tried, m) {
 			return m
 		}
 	}

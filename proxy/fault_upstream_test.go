@@ -236,7 +236,7 @@ func TestFaultBackendClosesSoonAfterStreams(t *testing.T) {
 			if got := up.count("/stream") + up.count("/whole"); got != n {
 				t.Fatalf("backend saw %d requests, want %d", got, n)
 			}
-			state := tp.p.snap.Load().routes[0].members[0].up.AfterStream()
+			state := tp.p.snap.Load().routes[0].set.Members()[0].Up.AfterStream()
 			discarded := promValue(t, `tokentap_upstream_conns_discarded_total{reason="after_stream"}`) - discardedBefore
 			if closesAfter && (state != upstream.StreamCloses || discarded < n/2) || !closesAfter && (state != upstream.StreamKeeps || discarded != 0) {
 				t.Errorf("learned %d, %v connections closed after streams", state, discarded)

@@ -18,7 +18,7 @@ import (
 
 	vm "github.com/VictoriaMetrics/metrics"
 	"github.com/tokentap/tokentap/metrics"
-	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 	"github.com/valyala/fasthttp"
 )
@@ -50,12 +50,12 @@ func TestCanaryGuard(t *testing.T) {
 				// stays far from it even on a busy machine.
 				Guard: &Guard{Candidate: "canary", Baseline: "stable", Window: "1h", MinRequests: minRequests, MaxTTFTP95Increase: 1}}}
 		}, Options{})
-		g := tp.p.snap.Load().routes[0].guard
+		g := func() GuardState { return tp.p.GuardStates()[0] }
 		perSide := map[string]int{}
 		const batch = 8
 		for i := 0; ; i++ {
 			if i == 200 {
-				t.Fatalf("200 batches: sides %v, %d looks, guards %+v", perSide, g.looks.Load(), tp.p.Guards())
+				t.Fatalf("200 batches: sides %v, %d looks, guards %+v", perSide, g().Looks, tp.p.Guards())
 			}
 			var wg sync.WaitGroup
 			for range batch {
@@ -70,7 +70,7 @@ func TestCanaryGuard(t *testing.T) {
 			if tripped && low < minRequests-batch {
 				t.Fatalf("tripped with sides %v, under min_requests %d", perSide, minRequests)
 			}
-			if tripped || (!slower && g.looks.Load() >= 3) {
+			if tripped || (!slower && g().Looks >= 3) {
 				break
 			}
 		}
@@ -99,8 +99,8 @@ func TestCanaryGuard(t *testing.T) {
 		if !tp.p.ResetGuard(route) || len(tp.p.Guards()) != 0 {
 			t.Fatal("reset did not clear the guard")
 		}
-		if g.looks.Load() != 0 || g.sides[0].Count() != 0 || g.sides[1].Count() != 0 {
-			t.Fatalf("the reset kept %d looks and %d and %d requests", g.looks.Load(), g.sides[0].Count(), g.sides[1].Count())
+		if st := g(); st.Looks != 0 || st.CandidateRequests != 0 || st.BaselineRequests != 0 {
+			t.Fatalf("the reset kept %d looks and %d and %d requests", st.Looks, st.CandidateRequests, st.BaselineRequests)
 		}
 		seen := map[string]bool{}
 		for range 30 {
@@ -159,10 +159,7 @@ func TestGuardNotSteeredByOneKey(t *testing.T) {
 	send(100, users["canary"])
 	check()
 	if g := tp.p.Guards(); len(g) != 1 || g[0].Candidate != "canary" || g[0].Values["look"] != 1 {
-		gs := tp.p.snap.Load().routes[0].guard
-		f := stats.WeighGuard(gs.sides[0], gs.sides[1], 1, stats.GuardLimits{TTFTP95: 1})
-		t.Fatalf("twelve users saw the slow canary, the guard did not trip at its first look: %+v (looks %d, keys %d/%d; look 1 now: %+v)", g,
-			gs.looks.Load(), gs.keys[0].distinct(gs.armedAt.Load(), 100), gs.keys[1].distinct(gs.armedAt.Load(), 100), f)
+		t.Fatalf("twelve users saw the slow canary, the guard did not trip at its first look: %+v (guard %+v)", g, tp.p.GuardStates())
 	}
 }
 
@@ -266,9 +263,8 @@ func TestGuardLeavesOutClientTime(t *testing.T) {
 		case !slowCanary && len(g) != 0:
 			t.Fatalf("slow clients tripped the guard of an equal canary: %+v", g)
 		case slowCanary && (len(g) != 1 || !strings.Contains(g[0].Reason, "TTFT p95")):
-			gs := tp.p.snap.Load().routes[0].guard
-			t.Fatalf("a canary 50x slower to its first token, behind slow clients, did not trip the guard on TTFT: %+v (look now: %+v)",
-				g, stats.WeighGuard(gs.sides[0], gs.sides[1], 1, stats.GuardLimits{TTFTP95: 2, E2EP95: 2}))
+			t.Fatalf("a canary 50x slower to its first token, behind slow clients, did not trip the guard on TTFT: %+v (guard %+v)",
+				g, tp.p.GuardStates())
 		}
 	}
 }
@@ -328,8 +324,8 @@ func usersBySide(tp *testProxy, n int) map[string][]string {
 		var h fasthttp.RequestHeader
 		u := fmt.Sprintf("user-%d", i)
 		h.Set("X-User", u)
-		m, _, _ := rt.pick("", &h)
-		users[m.name] = append(users[m.name], u)
+		m := rt.set.Choose(&routing.Request{Header: &h}).Member
+		users[m.Name] = append(users[m.Name], u)
 	}
 	return users
 }
@@ -350,7 +346,7 @@ func TestGuardStopsAFiftyPercentSlowerCanary(t *testing.T) {
 			Upstreams: []Upstream{{Name: "stable", URL: base, Weight: 1}, {Name: "canary", URL: slow, Weight: 1}},
 			Guard:     &Guard{Candidate: "canary", Baseline: "stable", MinRequests: 200, MaxTTFTP95Increase: 0.1, MaxE2EP95Increase: 0.1}}}
 	}, Options{})
-	g := tp.p.snap.Load().routes[0].guard
+	g := func() GuardState { return tp.p.GuardStates()[0] }
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	for range 16 {
@@ -374,7 +370,7 @@ func TestGuardStopsAFiftyPercentSlowerCanary(t *testing.T) {
 		if reached.IsZero() && perSide["stable"] >= 200 && perSide["canary"] >= 200 {
 			reached = time.Now()
 		}
-		if g.tripped.Load() != nil {
+		if g().Tripped != nil {
 			if r.Upstream == "stable" {
 				afterTrip++
 			}
@@ -383,12 +379,12 @@ func TestGuardStopsAFiftyPercentSlowerCanary(t *testing.T) {
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("not stopped in 2 minutes: sides %v, %d looks", perSide, g.looks.Load())
+			t.Fatalf("not stopped in 2 minutes: sides %v, %d looks", perSide, g().Looks)
 		}
 	}
 	close(stop)
 	wg.Wait()
-	st := g.tripped.Load()
+	st := g().Tripped
 	if n := max(st.Values["candidate_requests"], st.Values["baseline_requests"]); n > 4*200 || !strings.Contains(st.Reason, "p95") {
 		t.Fatalf("tripped with %v candidate and %v baseline requests (look %v): %s", st.Values["candidate_requests"], st.Values["baseline_requests"], st.Values["look"], st.Reason)
 	}

@@ -126,7 +126,7 @@ func serveProxyRecords(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Confi
 
 // upstreamConns returns the open and idle connections of the default route.
 func (tp *testProxy) upstreamConns() (open, idle int) {
-	return tp.p.snap.Load().routes[0].members[0].up.Counts()
+	return tp.p.snap.Load().routes[0].set.Members()[0].Up.Counts()
 }
 
 // startUpstream runs a scripted net/http upstream on loopback.

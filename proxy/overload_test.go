@@ -215,7 +215,7 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 	// prefill, then 300 ms of tokens, so each request in flight ahead
 	// costs 400 ms), as it would learn it from served requests, without
 	// the machine's speed in the figures.
-	up := tp.p.snap.Load().routes[0].members[0].up
+	up := tp.p.snap.Load().routes[0].set.Members()[0].Up
 	for range 5 {
 		for k := range 6 {
 			up.Gate.Model.Observe(k, 10, time.Duration(100+400*k)*time.Millisecond, 10*time.Millisecond, -1)

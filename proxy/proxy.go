@@ -45,6 +45,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/tokentap/tokentap/sse/dialect"
@@ -144,9 +145,10 @@ func (p *Proxy) Apply(cfg Config) error {
 	s.metrics = metrics.NewSet(rows, cfg.Models, metrics.SetOptions{Buckets: cfg.Buckets, SLO: cfg.hasSLO(), NoSeries: p.opts.NoSeries,
 		PerRoute: cfg.ModelsPerRoute, Carry: carry})
 	for _, rt := range s.routes {
-		if g := rt.guard; g != nil {
-			s.metrics.AddGauge(fmt.Sprintf(`tokentap_guard_tripped{route=%q,upstream=%q}`, rt.Name, g.Candidate), func() float64 {
-				if g.tripped.Load() != nil {
+		if _, candidate, ok := rt.set.GuardSides(); ok {
+			set := rt.set
+			s.metrics.AddGauge(fmt.Sprintf(`tokentap_guard_tripped{route=%q,upstream=%q}`, rt.Name, candidate), func() float64 {
+				if set.Tripped() != nil {
 					return 1
 				}
 				return 0
@@ -183,9 +185,9 @@ func (p *Proxy) Apply(cfg Config) error {
 	p.pools = s.pools
 	if old := p.snap.Swap(s); old != nil {
 		old.metrics.Unregister()
-		old.scrapers(func(sc *scraper) { sc.close() })
+		old.scrapers(func(sc *routing.Scraper) { sc.Close() })
 	}
-	s.scrapers(func(sc *scraper) { go sc.run() })
+	s.scrapers(func(sc *routing.Scraper) { go sc.Run() })
 	for k, pool := range pools {
 		if s.pools[k] != pool {
 			pool.Retire()
@@ -208,6 +210,7 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 	if r.TLS != nil && r.TLS.InsecureSkipVerify {
 		p.log.Warn("upstream certificates are not verified (tls.insecure_skip_verify)", zap.String("route", r.Name))
 	}
+	var members []*routing.Member
 	for _, u := range specs {
 		up, err := upstream.New(u.URL, r.Timeouts, p.now, r.TLS)
 		if err != nil {
@@ -221,26 +224,19 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 			up.UsePool(pool)
 		}
 		s.pools[k] = up.Pool
-		mem := &member{name: u.Name, up: up, weight: u.Weight, row: len(*rows)}
+		mem := &routing.Member{Name: u.Name, Up: up, Weight: u.Weight, Row: len(*rows)}
 		if u.MetricsURL != "" {
-			mem.scrape = newScraper(u.MetricsURL, p.now)
+			mem.Scrape = routing.NewScraper(u.MetricsURL, p.now)
 		}
-		rt.members = append(rt.members, mem)
-		rt.weights += u.Weight
-		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name, Models: literalModels(r.Models)})
+		members = append(members, mem)
+		*rows = append(*rows, metrics.RouteRow{Route: r.Name, Upstream: u.Name, Models: routing.LiteralModels(r.Models)})
 	}
-	if r.Sticky == StickyPrefix {
-		rt.aff = newAffinity(rt.members)
-	}
+	rt.set = routing.NewSet(members, routing.Options{Route: r.Name, Balance: r.Balance, Sticky: r.Sticky, Models: len(r.Models) > 0,
+		Guard: r.Guard}, p.statsNow())
 	if r.Shadow != nil {
 		sh := &shadowState{Shadow: r.Shadow.withDefaults()}
-		sh.member = rt.member(sh.Upstream)
+		sh.member = rt.set.Member(sh.Upstream)
 		rt.shadow = sh
-	}
-	if r.Guard != nil {
-		g := newGuardState(*r.Guard, p.statsNow())
-		g.candidate = rt.member(g.Candidate)
-		rt.guard = g
 	}
 	return rt, nil
 }
@@ -295,9 +291,9 @@ func (p *Proxy) Close() {
 			s.admit.Close()
 		}
 		s.metrics.Unregister()
-		s.scrapers(func(sc *scraper) { sc.close() })
+		s.scrapers(func(sc *routing.Scraper) { sc.Close() })
 		for _, r := range s.routes {
-			r.closeIdle()
+			r.set.CloseIdle()
 		}
 	}
 }

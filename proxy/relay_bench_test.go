@@ -129,7 +129,7 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	clPeer, cl := tcpPair(tb)
 	go io.Copy(io.Discard, clPeer)
 	x := streamingExchange(p, nil)
-	x.att.up = x.rt.members[0].up
+	x.att.up = x.rt.set.Members()[0].Up
 	x.att.conn = x.att.up.Wrap(upRead, false)
 	x.client, x.relay.pass = cl, true
 	x.relay.bind(x.att.conn, x.client)
@@ -190,7 +190,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	upWrite, upRead := tcpPair(tb)
 	peer, cl := tcpPair(tb)
 	x = streamingExchange(p, nil)
-	x.att.up = x.rt.members[0].up
+	x.att.up = x.rt.set.Members()[0].Up
 	x.att.conn = x.att.up.Wrap(upRead, true)
 	x.client = downstream.NewConn(cl, time.Minute)
 	x.relay.pass = true

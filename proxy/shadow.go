@@ -7,6 +7,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/admission"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/valyala/fasthttp"
 )
 
@@ -47,7 +48,7 @@ func (s Shadow) withDefaults() Shadow {
 // shadowState is a route's shadow at run time.
 type shadowState struct {
 	Shadow
-	member   *member
+	member   *routing.Member
 	inflight atomic.Int64
 }
 
@@ -74,14 +75,14 @@ func (sh *shadowState) start(x *exchange, ctx *fasthttp.RequestCtx) {
 		return
 	}
 	s.shadow = true
-	s.rt, s.att.mem, s.att.up, s.dialect, s.in.stream = x.rt, sh.member, sh.member.up, x.dialect, x.in.stream
+	s.rt, s.att.mem, s.att.up, s.dialect, s.in.stream = x.rt, sh.member, sh.member.Up, x.dialect, x.in.stream
 	s.att.count(x.p.now())
 	s.id = append(append(s.id[:0], x.id...), "-shadow"...)
 	rec, src := &s.rec, &x.rec
-	rec.RequestID, rec.Route, rec.Upstream, rec.Shadow = string(s.id), src.Route, sh.member.name, true
+	rec.RequestID, rec.Route, rec.Upstream, rec.Shadow = string(s.id), src.Route, sh.member.Name, true
 	rec.Model, rec.Tenant, rec.Method, rec.Path, rec.Dialect, rec.Stream = src.Model, src.Tenant, src.Method, src.Path, src.Dialect, src.Stream
 	rec.BytesIn = src.BytesIn
-	rec.Series = x.snap.metrics.Series(sh.member.row, x.modelIdx)
+	rec.Series = x.snap.metrics.Series(sh.member.Row, x.modelIdx)
 	// The copy goes without the usage injection: it is measured as it
 	// comes, its tokens counted.
 	s.in.scratch = s.att.up.Prepare(ctx, s.att.req, x.rt.strip(), x.rt.stripKey, x.in.path, x.in.query, nil, s.id, s.in.scratch)

@@ -7,13 +7,13 @@ package proxy
 // charged, and what the upstream's model learns from it once it ends.
 
 import (
-	"math/rand/v2"
 	"strconv"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/admission"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/valyala/fasthttp"
 )
@@ -72,34 +72,17 @@ func (x *exchange) pickLate(model string, h *fasthttp.RequestHeader) *refusal {
 // flight there.
 func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	rec, snap := &x.rec, x.snap
-	var m *member
-	why := pickBalance
-	if r.late() && r.Sticky == StickyPrefix {
-		if key, ok := promptKey(x.in.body0); ok {
-			m, why = r.byPrefix(key, x.p.now())
-			x.in.stickyKey, x.in.stickyKeyed = key, true
-		}
+	c := r.set.Choose(&routing.Request{Now: x.p.now(), Body: x.in.body0, Tenant: x.tenant, Header: h, Objective: x.slo().TTFT})
+	if c.TTFT >= 0 {
+		rec.PredictedTTFT = c.TTFT
 	}
-	if m == nil && r.late() && r.Balance == BalanceLeastTTFT {
-		var t time.Duration
-		if m, t, why = r.leastTTFT(x.p.now(), len(x.in.body0)/4, rand.Float64(), x.slo().TTFT); t >= 0 {
-			rec.PredictedTTFT = t
-		}
-	}
-	if m == nil {
-		m, x.in.stickyKey, x.in.stickyKeyed = r.pick(x.tenant, h)
-		why = pickBalance
-		if x.in.stickyKeyed {
-			why = pickSticky
-		}
-	}
-	x.att.mem = m
-	m.why[why].Add(1)
+	x.in.stickyKey, x.in.stickyKeyed = c.Key, c.Keyed
+	x.att.mem = c.Member
 	// The level the request starts at: tokentap's requests there, and
 	// what the backend says it holds beyond them (scrape.go).
 	x.att.count(x.p.now())
-	x.att.up, rec.Upstream = x.att.mem.up, x.att.mem.name
-	rec.Series = snap.metrics.Series(x.att.mem.row, snap.metrics.OtherIndex())
+	x.att.up, rec.Upstream = x.att.mem.Up, x.att.mem.Name
+	rec.Series = snap.metrics.Series(x.att.mem.Row, snap.metrics.OtherIndex())
 }
 
 // slo is the request's objectives: its route's, under its tenant's.
@@ -129,7 +112,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 	}
 	prio := o.PriorityOf(h, x.snap.admit != nil, most)
 	x.rec.Priority = prio.String()
-	k := x.att.mem.held(x.p.now(), x.att.startK) // the backend's own count included, where it says
+	k := x.att.mem.Held(x.p.now(), x.att.startK) // the backend's own count included, where it says
 	in := len(x.in.body0) / 4
 	if cl := h.ContentLength(); !whole && cl > 0 {
 		in = cl / 4 // what admission control estimates too, before the body
@@ -147,7 +130,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 	if !o.Shed || !v.Shed {
 		return nil
 	}
-	metrics.Shed(x.rt.Name, x.att.mem.name, prio.String())
+	metrics.Shed(x.rt.Name, x.att.mem.Name, prio.String())
 	x.att.up.Gate.Refused(x.p.now())
 	what := "TTFT"
 	if whole {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics/stats"
 	"github.com/tokentap/tokentap/proxy/admission/shed"
+	"github.com/tokentap/tokentap/proxy/routing"
 	"go.uber.org/zap"
 )
 
@@ -18,10 +19,8 @@ import (
 func (p *Proxy) Guards() []GuardStatus {
 	out := []GuardStatus{}
 	for _, r := range p.snap.Load().routes {
-		if r.guard != nil {
-			if st := r.guard.tripped.Load(); st != nil {
-				out = append(out, *st)
-			}
+		if st := r.set.Tripped(); st != nil {
+			out = append(out, *st)
 		}
 	}
 	return out
@@ -31,10 +30,8 @@ func (p *Proxy) Guards() []GuardStatus {
 func (p *Proxy) GuardStates() []GuardState {
 	out := []GuardState{}
 	for _, r := range p.snap.Load().routes {
-		if g := r.guard; g != nil {
-			out = append(out, GuardState{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, Class: g.Class,
-				MinRequests: g.MinRequests, CandidateRequests: g.sides[0].Count(), BaselineRequests: g.sides[1].Count(),
-				Looks: g.looks.Load(), ArmedAt: time.Unix(0, g.armedAt.Load()).UTC(), Tripped: g.tripped.Load()})
+		if st, ok := r.set.GuardState(); ok {
+			out = append(out, st)
 		}
 	}
 	return out
@@ -45,8 +42,7 @@ func (p *Proxy) GuardStates() []GuardState {
 func (p *Proxy) ResetGuard(route string) bool {
 	reset := false
 	for _, r := range p.snap.Load().routes {
-		if r.guard != nil && (route == "" || r.Name == route) && r.guard.tripped.Swap(nil) != nil {
-			r.guard.rearm(p.statsNow())
+		if (route == "" || r.Name == route) && r.set.ResetGuard(p.statsNow()) {
 			reset = true
 			p.log.Info("canary guard reset", zap.String("route", r.Name))
 		}
@@ -62,13 +58,13 @@ func (p *Proxy) Overload() []stats.Overload {
 	out := []stats.Overload{}
 	now := p.now()
 	for _, r := range p.snap.Load().routes {
-		if !r.predicts() && !r.cacheReported() {
+		if !r.predicts() && !r.set.CacheReported() {
 			continue
 		}
-		for _, m := range r.members {
-			k := m.held(now, int(m.up.Inflight.Load()))
-			st := m.up.Gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
-			o := stats.Overload{Route: r.Name, Upstream: m.name, Enforcing: r.Overload != nil && r.Overload.Shed, Known: st.Known, InFlight: k,
+		for _, m := range r.set.Members() {
+			k := m.Held(now, int(m.Up.Inflight.Load()))
+			st := m.Up.Gate.Status(now, k, shed.Objectives{TTFT: r.slo.TTFT, TPOT: r.slo.TPOT})
+			o := stats.Overload{Route: r.Name, Upstream: m.Name, Enforcing: r.Overload != nil && r.Overload.Shed, Known: st.Known, InFlight: k,
 				Limit: st.Limit, PredictedTTFTMs: -1, PredictedTPOTMs: -1, Bias: st.Bias, AbsError: st.AbsErr, Judged: st.Judged,
 				ArrivalsPerS: st.Arrivals, CompletionsPerS: st.Completions, Standing: st.Standing,
 				Shed: st.Sheds, ShedPerS: st.ShedRate, LastShed: st.LastShed,
@@ -79,7 +75,7 @@ func (p *Proxy) Overload() []stats.Overload {
 					o.PredictedTPOTMs = float64(st.TPOT) / 1e6
 				}
 			}
-			fillShares(&o, r, m)
+			r.set.FillShares(&o, m)
 			out = append(out, o)
 		}
 	}
@@ -100,58 +96,20 @@ func (p *Proxy) CompareSides(name string) (a, b, rule string, ok bool) {
 			rt = r
 		}
 	}
-	if rt == nil || len(rt.members) < 2 {
+	if rt == nil || len(rt.set.Members()) < 2 {
 		return "", "", "", false
 	}
-	if g := rt.guard; g != nil {
-		return g.Baseline, g.Candidate, "the guard's baseline (A) and candidate (B)", true
+	if baseline, candidate, ok := rt.set.GuardSides(); ok {
+		return baseline, candidate, "the guard's baseline (A) and candidate (B)", true
 	}
-	byWeight := slices.Clone(rt.members)
-	slices.SortStableFunc(byWeight, func(x, y *member) int { return cmp.Compare(y.weight, x.weight) })
+	byWeight := slices.Clone(rt.set.Members())
+	slices.SortStableFunc(byWeight, func(x, y *routing.Member) int { return cmp.Compare(y.Weight, x.Weight) })
 	if sh := rt.shadow; sh != nil {
 		for _, m := range byWeight {
 			if m != sh.member {
-				return m.name, sh.member.name, "the route's main upstream (A, the largest weight) and its shadow (B)", true
+				return m.Name, sh.member.Name, "the route's main upstream (A, the largest weight) and its shadow (B)", true
 			}
 		}
 	}
-	return byWeight[0].name, byWeight[1].name, "the two upstreams of largest weight, the larger (the first configured on a tie) as A, the baseline", true
-}
-
-// fillShares puts in o upstream m's share of route r's requests and what
-// its backend said of its prompt cache, since the configuration.
-func fillShares(o *stats.Overload, r *route, m *member) {
-	var all int64
-	for _, n := range r.members {
-		all += n.picked()
-	}
-	if all > 0 {
-		o.Share = float64(m.picked()) / float64(all)
-	}
-	for i := range m.why {
-		if n := m.why[i].Load(); n > 0 {
-			if o.Why == nil {
-				o.Why = map[string]int64{}
-			}
-			o.Why[pickReasonNames[i]] = n
-		}
-	}
-	if m.scrape != nil {
-		o.Backend = &stats.BackendState{Running: -1, Waiting: -1, KVCache: -1, Error: "not scraped yet"}
-		if st := m.scrape.state.Load(); st != nil {
-			o.Backend = &stats.BackendState{Running: st.Running, Waiting: st.Waiting, KVCache: st.KV, Error: st.Err,
-				AgeS: m.scrape.now().Sub(st.At).Seconds()}
-		}
-	}
-	c := &m.cache
-	o.CacheReported, o.TTFTHitMs, o.TTFTMissMs = c.reported.Load(), -1, -1
-	if o.CacheReported > 0 {
-		o.CacheHitShare = float64(c.hits.Load()) / float64(o.CacheReported)
-	}
-	if n := c.hitTTFTn.Load(); n > 0 {
-		o.TTFTHitMs = float64(c.hitTTFTus.Load()) / float64(n) / 1000
-	}
-	if n := c.missTTFTn.Load(); n > 0 {
-		o.TTFTMissMs = float64(c.missTTFTus.Load()) / float64(n) / 1000
-	}
+	return byWeight[0].Name, byWeight[1].Name, "the two upstreams of largest weight, the larger (the first configured on a tie) as A, the baseline", true
 }

@@ -1,4 +1,4 @@
-package proxy
+package routing
 
 import (
 	"cmp"
@@ -70,21 +70,21 @@ const (
 
 // newAffinity places each member with a weight on the ring, its points in
 // proportion to its weight.
-func newAffinity(members []*member) *affinity {
+func newAffinity(members []*Member) *affinity {
 	most := 0
 	for _, m := range members {
-		most = max(most, m.weight)
+		most = max(most, m.Weight)
 	}
 	a := &affinity{load: make([]int64, len(members)), keys: map[uint64]placed{}}
 	for i, m := range members {
-		if m.weight == 0 {
+		if m.Weight == 0 {
 			continue
 		}
-		name := m.name
+		name := m.Name
 		if name == "" {
 			name = strconv.Itoa(i)
 		}
-		for j := range max(1, ringPointsPerUpstream*m.weight/most) {
+		for j := range max(1, ringPointsPerUpstream*m.Weight/most) {
 			a.ring = append(a.ring, ringPoint{hash: xxhash.Sum64String(name + "#" + strconv.Itoa(j)), at: i})
 		}
 	}
@@ -92,65 +92,11 @@ func newAffinity(members []*member) *affinity {
 	return a
 }
 
-// byPrefix returns the upstream for a prompt key at now: where the key
-// was sent before while that upstream's requests in flight, with this
-// one, stay within affinityLoad times its weight's share (and one request
-// more, so that a quiet route keeps its keys in place), or where its
-// model says one more request there waits for no other (waitsForNone:
-// its batch has room, and its cached prefix saves it the prefill); else
-// the first on the ring from the key within its bound, where the key then
-// stays; else the least loaded.
-func (r *route) byPrefix(key uint64, now time.Time) (*member, pickReason) {
-	a := r.aff
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	var total int64
-	weights := 0
-	for i, m := range r.members {
-		a.load[i] = m.up.Inflight.Load()
-		if w := r.weight(m); w > 0 {
-			total += a.load[i]
-			weights += w
-		}
-	}
-	fits := func(i int) bool {
-		m := r.members[i]
-		w := r.weight(m)
-		return w > 0 && (float64(a.load[i]+1) <= affinityLoad*float64(total+1)*float64(w)/float64(weights)+1 || waitsForNone(m, a.load[i]))
-	}
-	send := func(i int) *member {
-		a.place(key, i, now)
-		return r.members[i]
-	}
-	p, placed := a.keys[key]
-	if placed && fits(p.at) {
-		return send(p.at), pickPrefix
-	}
-	start, _ := slices.BinarySearchFunc(a.ring, key, func(p ringPoint, k uint64) int { return cmp.Compare(p.hash, k) })
-	least := -1
-	for j := range a.ring {
-		i := a.ring[(start+j)%len(a.ring)].at
-		if fits(i) {
-			if placed && i != p.at {
-				return send(i), pickSpill
-			}
-			return send(i), pickPrefix
-		}
-		if r.weight(r.members[i]) > 0 && (least < 0 || a.load[i] < a.load[least]) {
-			least = i
-		}
-	}
-	if least < 0 {
-		return r.byWeight(0), pickSpill
-	}
-	return r.members[least], pickSpill
-}
-
 // waitsForNone reports that m's model predicts a request sent with k in
 // flight there a first token within a tenth (and a millisecond) of an idle
 // upstream's: the batch has room for it. Nothing believed: false.
-func waitsForNone(m *member, k int64) bool {
-	model := m.up.Gate.Model
+func waitsForNone(m *Member, k int64) bool {
+	model := m.Up.Gate.Model
 	idle, _, ok := model.Predict(0, -1)
 	if !ok {
 		return false
@@ -240,18 +186,18 @@ func promptKey(body []byte) (key uint64, ok bool) {
 	return h.Sum64(), ok
 }
 
-// cacheTally is what an upstream's backend said of its prompt cache: the
+// CacheTally is what an upstream's backend said of its prompt cache: the
 // requests that reported cached tokens, those with some (a hit), and the
 // first-token times of each kind (microseconds summed), for /stats.
-type cacheTally struct {
+type CacheTally struct {
 	reported, hits        atomic.Int64
 	hitTTFTus, missTTFTus atomic.Int64
 	hitTTFTn, missTTFTn   atomic.Int64
 }
 
-// note counts a finished request's cached tokens (negative: not
+// Note counts a finished request's cached tokens (negative: not
 // reported) and its TTFT (negative: none).
-func (c *cacheTally) note(cached int, ttftUS int64) {
+func (c *CacheTally) Note(cached int, ttftUS int64) {
 	if cached < 0 {
 		return
 	}

@@ -1,4 +1,4 @@
-package proxy
+package routing
 
 import (
 	"bytes"
@@ -52,33 +52,33 @@ var (
 		[]byte("sglang:token_usage"), []byte("llamacpp:kv_cache_usage_ratio")}
 )
 
-// backendState is the last scrape of one upstream's metrics.
-type backendState struct {
+// BackendState is the last scrape of one upstream's metrics.
+type BackendState struct {
 	Running, Waiting float64 // requests (−1: not reported)
 	KV               float64 // KV cache use, 0–1 (−1: not reported)
 	At               time.Time
 	Err              string // the last scrape's failure ("": it answered)
 }
 
-// scraper scrapes one upstream's metrics_url until stopped.
-type scraper struct {
+// Scraper scrapes one upstream's metrics_url until stopped.
+type Scraper struct {
 	url    string
 	client *fasthttp.Client
 	now    func() time.Time
-	state  atomic.Pointer[backendState]
+	state  atomic.Pointer[BackendState]
 	stop   chan struct{}
 	once   sync.Once
 }
 
-func newScraper(url string, now func() time.Time) *scraper {
-	s := &scraper{url: url, now: now, stop: make(chan struct{}),
+func NewScraper(url string, now func() time.Time) *Scraper {
+	s := &Scraper{url: url, now: now, stop: make(chan struct{}),
 		client: &fasthttp.Client{MaxResponseBodySize: maxScrapeBytes, ReadTimeout: scrapeTimeout, WriteTimeout: scrapeTimeout,
 			MaxConnsPerHost: 1, NoDefaultUserAgentHeader: true}}
 	return s
 }
 
-// run scrapes every scrapeEvery until close.
-func (s *scraper) run() {
+// Run scrapes every scrapeEvery until Close.
+func (s *Scraper) Run() {
 	t := time.NewTicker(scrapeEvery)
 	defer t.Stop()
 	for {
@@ -91,17 +91,17 @@ func (s *scraper) run() {
 	}
 }
 
-func (s *scraper) close() { s.once.Do(func() { close(s.stop) }) }
+func (s *Scraper) Close() { s.once.Do(func() { close(s.stop) }) }
 
 // scrape reads the metrics once. The error said is tokentap's words only
 // (never the server's bytes).
-func (s *scraper) scrape() {
+func (s *Scraper) scrape() {
 	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	req.SetRequestURI(s.url)
 	req.Header.Set("Accept", "text/plain")
-	st := &backendState{Running: -1, Waiting: -1, KV: -1, At: s.now()}
+	st := &BackendState{Running: -1, Waiting: -1, KV: -1, At: s.now()}
 	err := s.client.DoTimeout(req, resp, scrapeTimeout)
 	switch {
 	case err != nil:
@@ -112,7 +112,7 @@ func (s *scraper) scrape() {
 		parseBackendMetrics(resp.Body(), st)
 		switch {
 		case st.Running > maxBackendRequests || st.Waiting > maxBackendRequests:
-			*st = backendState{Running: -1, Waiting: -1, KV: -1, At: st.At, Err: "implausible request count in the scrape"}
+			*st = BackendState{Running: -1, Waiting: -1, KV: -1, At: st.At, Err: "implausible request count in the scrape"}
 		case st.Running < 0 && st.Waiting < 0 && st.KV < 0:
 			st.Err = "no known metric in the scrape"
 		}
@@ -132,8 +132,11 @@ func scrapeErr(err error) string {
 	return "cannot connect or read"
 }
 
+// State is the last scrape (nil: none yet).
+func (s *Scraper) State() *BackendState { return s.state.Load() }
+
 // fresh returns the last scrape when it answered within scrapeFresh.
-func (s *scraper) fresh(now time.Time) (*backendState, bool) {
+func (s *Scraper) fresh(now time.Time) (*BackendState, bool) {
 	if s == nil {
 		return nil, false
 	}
@@ -144,10 +147,10 @@ func (s *scraper) fresh(now time.Time) (*backendState, bool) {
 	return st, true
 }
 
-// others is how many requests the backend holds beyond tokentap's k in
+// Others is how many requests the backend holds beyond tokentap's k in
 // flight there (0 without a fresh scrape that says), at most k or
 // minOthers.
-func (s *scraper) others(now time.Time, k int) int {
+func (s *Scraper) Others(now time.Time, k int) int {
 	st, ok := s.fresh(now)
 	if !ok || st.Running < 0 && st.Waiting < 0 {
 		return 0
@@ -159,7 +162,7 @@ func (s *scraper) others(now time.Time, k int) int {
 // parseBackendMetrics reads the Prometheus text exposition in b: the sum
 // over label sets of the running and waiting requests, the largest KV
 // cache use. Lines it does not know are skipped.
-func parseBackendMetrics(b []byte, st *backendState) {
+func parseBackendMetrics(b []byte, st *BackendState) {
 	for len(b) > 0 {
 		line := b
 		if i := bytes.IndexByte(b, '\n'); i >= 0 {

@@ -1,4 +1,4 @@
-package proxy
+package routing
 
 import (
 	"container/heap"
@@ -17,13 +17,13 @@ import (
 // (predictsim), on the simulation's clock: each upstream's model hears of
 // a request when it completes, as tokentap's does, so minutes of traffic
 // take milliseconds and the figures are the same on any machine. The
-// wall-clock tests in leastttft_test.go check the same wiring end to end.
+// wall-clock tests in proxy's leastttft_test.go check the same wiring end to end.
 
 // simRoute is a route of simulated upstreams on a clock of its own:
 // zero, and elapsed since (the backends' time).
 type simRoute struct {
-	r        *route
-	backends map[*member]*predictsim.Backend
+	r        *Set
+	backends map[*Member]*predictsim.Backend
 	zero     time.Time
 	elapsed  time.Duration
 	clock    time.Time
@@ -34,26 +34,26 @@ type simRoute struct {
 // by names.
 func newSimRoute(t *testing.T, balance string, names []string, backends []*predictsim.Backend) *simRoute {
 	t.Helper()
-	s := &simRoute{backends: map[*member]*predictsim.Backend{}, zero: time.Unix(1_800_000_000, 0)}
+	s := &simRoute{backends: map[*Member]*predictsim.Backend{}, zero: time.Unix(1_800_000_000, 0)}
 	s.clock = s.zero
-	var members []*member
+	var members []*Member
 	for i, name := range names {
-		up, err := upstream.New("http://127.0.0.1:1", DefaultTimeouts, func() time.Time { return s.clock }, nil)
+		up, err := upstream.New("http://127.0.0.1:1", upstream.DefaultTimeouts, func() time.Time { return s.clock }, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		m := &member{name: name, up: up, weight: 1}
+		m := &Member{Name: name, Up: up, Weight: 1}
 		members = append(members, m)
 		s.backends[m] = backends[i]
 	}
-	s.r = &route{Route: Route{Balance: balance}, members: members}
+	s.r = NewSet(members, Options{Balance: balance}, s.zero)
 	return s
 }
 
 // simSent is a request sent on a simulated route, pending its completion.
 type simSent struct {
 	predictsim.Request
-	m         *member
+	m         *Member
 	k         int
 	predicted time.Duration
 }
@@ -75,7 +75,7 @@ func (h *simPending) Pop() any {
 type simSplit struct {
 	sent, good int
 	by         map[string]int
-	why        [numPickReasons]int
+	why        [numReasons]int
 	ttft       []time.Duration
 }
 
@@ -123,24 +123,24 @@ func (s *simRoute) run(rate func(time.Duration) float64, d, measureFrom time.Dur
 		for waiting.Len() > 0 && (*waiting)[0].At <= t {
 			d := heap.Pop(waiting).(simSent)
 			s.clock = zero.Add(d.At)
-			d.m.up.Inflight.Add(-1)
-			d.m.noteSlot(d.At - d.Arrived)
-			d.m.up.Gate.Model.Observe(d.k, d.In, d.TTFT, d.TPOT, d.predicted)
+			d.m.Up.Inflight.Add(-1)
+			d.m.NoteSlot(d.At - d.Arrived)
+			d.m.Up.Gate.Model.Observe(d.k, d.In, d.TTFT, d.TPOT, d.predicted)
 		}
 		s.clock = zero.Add(t)
-		var m *member
+		var m *Member
 		predicted, why := time.Duration(-1), pickBalance
-		if s.r.Balance == BalanceLeastTTFT {
+		if s.r.balance == BalanceLeastTTFT {
 			m, predicted, why = s.r.leastTTFT(s.clock, in, rolls.Float64(), objective)
 		} else {
 			m, _, _ = s.r.pick("", nil)
 		}
-		k := int(m.up.Inflight.Add(1) - 1)
+		k := int(m.Up.Inflight.Add(1) - 1)
 		req := s.backends[m].Arrive(t, in)
 		heap.Push(waiting, simSent{Request: req, m: m, k: k, predicted: predicted})
 		if t >= measureFrom {
 			out.sent++
-			out.by[m.name]++
+			out.by[m.Name]++
 			out.why[why]++
 			out.ttft = append(out.ttft, req.TTFT)
 			if req.TTFT <= objective {
@@ -152,7 +152,7 @@ func (s *simRoute) run(rate func(time.Duration) float64, d, measureFrom time.Dur
 	return out
 }
 
-// The simulated servers of the least_ttft tests, as leastttft_test.go's:
+// The simulated servers of the least_ttft tests, as proxy's leastttft_test.go's:
 // 4 slots each, 20 tokens 5 ms apart alone; the fast one prefills in 40
 // ms, the slow one in 200 ms.
 func fastSim(seed uint64) *predictsim.Backend {

@@ -1,4 +1,4 @@
-package proxy
+package routing
 
 import (
 	"sync"
@@ -59,7 +59,7 @@ const defaultGuardMinKeys = 10
 // guardState is a route's guard at run time.
 type guardState struct {
 	Guard
-	candidate *member
+	candidate *Member
 	tripped   atomic.Pointer[GuardStatus] // nil: not tripped
 	lastCheck atomic.Int64                // unix nanos of the last check
 	armedAt   atomic.Int64                // unix nanos: the sides hold the requests since then
@@ -184,8 +184,9 @@ const guardInterval = time.Second
 // guardInterval, once both sides have MinRequests (and, with a sticky
 // key, MinKeys distinct keys) since it was armed, and trips it when the
 // candidate is worse beyond a limit (stats.WeighGuard), saying so to log.
-// r is the route it guards.
-func (g *guardState) check(r *route, now time.Time, log *zap.Logger) {
+// route is the name of the route it guards, sticky whether a client
+// chooses its side.
+func (g *guardState) check(route string, sticky bool, now time.Time, log *zap.Logger) {
 	if g == nil || g.tripped.Load() != nil {
 		return
 	}
@@ -196,7 +197,7 @@ func (g *guardState) check(r *route, now time.Time, log *zap.Logger) {
 	if g.sides[0].Count() < g.MinRequests || g.sides[1].Count() < g.MinRequests {
 		return
 	}
-	if r.Sticky != "" {
+	if sticky {
 		// A client chooses its side: each side needs the requests of
 		// enough distinct keys.
 		from := g.armedAt.Load()
@@ -210,9 +211,9 @@ func (g *guardState) check(r *route, now time.Time, log *zap.Logger) {
 	if !f.Tripped {
 		return
 	}
-	st := &GuardStatus{Route: r.Name, Candidate: g.Candidate, Baseline: g.Baseline, At: now.UTC(), Reason: f.Reason, Values: f.Values}
+	st := &GuardStatus{Route: route, Candidate: g.Candidate, Baseline: g.Baseline, At: now.UTC(), Reason: f.Reason, Values: f.Values}
 	if g.tripped.CompareAndSwap(nil, st) {
-		log.Warn("canary guard tripped: the candidate takes no new requests", zap.String("route", r.Name),
+		log.Warn("canary guard tripped: the candidate takes no new requests", zap.String("route", route),
 			zap.String("candidate", g.Candidate), zap.String("baseline", g.Baseline), zap.String("reason", f.Reason),
 			zap.Float64("candidate_requests", f.Values["candidate_requests"]), zap.Float64("baseline_requests", f.Values["baseline_requests"]))
 	}
@@ -231,4 +232,42 @@ type GuardState struct {
 	Looks             int64        `json:"looks"`
 	ArmedAt           time.Time    `json:"armed_at"`
 	Tripped           *GuardStatus `json:"tripped"`
+}
+
+// Tripped is the route's tripped guard (nil: none, or not tripped).
+func (s *Set) Tripped() *GuardStatus {
+	if s.guard == nil {
+		return nil
+	}
+	return s.guard.tripped.Load()
+}
+
+// GuardState is the state of the route's guard (false: it has none).
+func (s *Set) GuardState() (GuardState, bool) {
+	g := s.guard
+	if g == nil {
+		return GuardState{}, false
+	}
+	return GuardState{Route: s.route, Candidate: g.Candidate, Baseline: g.Baseline, Class: g.Class,
+		MinRequests: g.MinRequests, CandidateRequests: g.sides[0].Count(), BaselineRequests: g.sides[1].Count(),
+		Looks: g.looks.Load(), ArmedAt: time.Unix(0, g.armedAt.Load()).UTC(), Tripped: g.tripped.Load()}, true
+}
+
+// GuardSides are the route's guard's baseline and candidate (false: it
+// has none).
+func (s *Set) GuardSides() (baseline, candidate string, ok bool) {
+	if s.guard == nil {
+		return "", "", false
+	}
+	return s.guard.Baseline, s.guard.Candidate, true
+}
+
+// ResetGuard clears the route's tripped guard, re-armed at now: its
+// candidate takes requests again. It reports whether one was tripped.
+func (s *Set) ResetGuard(now time.Time) bool {
+	if s.guard == nil || s.guard.tripped.Swap(nil) == nil {
+		return false
+	}
+	s.guard.rearm(now)
+	return true
 }

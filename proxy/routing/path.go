@@ -1,14 +1,17 @@
-package proxy
+package routing
 
 import (
 	"bytes"
 	"errors"
+	"strings"
+
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 )
 
 // errBadPath is a request path that cannot be normalised safely.
 var errBadPath = errors.New("invalid request path")
 
-// normalizePath appends to dst the normal form of an origin-form request
+// NormalizePath appends to dst the normal form of an origin-form request
 // path (no query), the form routes are matched on and the upstream
 // receives:
 //
@@ -22,7 +25,7 @@ var errBadPath = errors.New("invalid request path")
 // escaped slashes and backslashes (%2F, %5C: a later decoding would turn
 // ..%2f into a dot segment), NUL, raw backslashes, control characters and
 // spaces, malformed escapes, and ".." climbing above the root.
-func normalizePath(dst, path []byte) ([]byte, error) {
+func NormalizePath(dst, path []byte) ([]byte, error) {
 	if len(path) == 0 || path[0] != '/' {
 		return dst, errBadPath
 	}
@@ -127,12 +130,38 @@ func unreserved(c byte) bool {
 	return 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '.' || c == '_' || c == '~'
 }
 
-// prefixMatch reports whether a normalised path falls under a route prefix,
+// PrefixMatch reports whether a normalised path falls under a route prefix,
 // on segment boundaries: /ollama matches /ollama and /ollama/api, never
 // /ollamaEVIL; a prefix ending in a slash matches what starts with it.
-func prefixMatch(path []byte, prefix string) bool {
+func PrefixMatch(path []byte, prefix string) bool {
 	if !bytes.HasPrefix(path, []byte(prefix)) {
 		return false
 	}
 	return len(path) == len(prefix) || prefix[len(prefix)-1] == '/' || path[len(prefix)] == '/'
+}
+
+// Serves reports whether a route of models (globs) takes requests for
+// model: one without models takes every model.
+func Serves(models []string, model string) bool {
+	if len(models) == 0 {
+		return true
+	}
+	for _, g := range models {
+		if conf.Glob(g, model) {
+			return true
+		}
+	}
+	return false
+}
+
+// LiteralModels returns the globs of models that are plain names (no * or
+// ?): each its own metric label on its route.
+func LiteralModels(models []string) []string {
+	var out []string
+	for _, g := range models {
+		if !strings.ContainsAny(g, "*?") {
+			out = append(out, g)
+		}
+	}
+	return out
 }
