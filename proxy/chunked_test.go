@@ -3,7 +3,6 @@ package proxy
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -16,133 +15,10 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/testkit/chunks"
 	"github.com/tokentap/tokentap/proxy/testkit/wait"
 	"golang.org/x/sys/unix"
 )
-
-// chunkedBody frames payload in chunks of random sizes, with the spellings
-// the grammar allows (upper and lower hex, leading zeros, whitespace and
-// extensions after the size, trailers), and returns the body and the offset
-// at which its last chunk begins.
-func chunkedBody(r *rand.Rand, payload []byte) (body []byte, last int) {
-	var b bytes.Buffer
-	for len(payload) > 0 {
-		n := min(len(payload), 1+r.IntN(300))
-		size := strconv.FormatInt(int64(n), 16)
-		switch r.IntN(4) {
-		case 0:
-			size = strings.ToUpper(size)
-		case 1:
-			size = "00" + size
-		}
-		b.WriteString(size)
-		switch r.IntN(4) {
-		case 0:
-			b.WriteString(" \t")
-		case 1:
-			b.WriteString(`;name="v a"`)
-		}
-		b.WriteString("\r\n")
-		b.Write(payload[:n])
-		b.WriteString("\r\n")
-		payload = payload[n:]
-	}
-	last = b.Len()
-	b.WriteString("0\r\n")
-	if r.IntN(3) == 0 {
-		b.WriteString("X-Trailer: 1\r\nServer-Timing: x;dur=2\r\n")
-	}
-	b.WriteString("\r\n")
-	return b.Bytes(), last
-}
-
-// scanAll runs the scanner over body cut at random points, and returns the
-// data it found and how many bytes it consumed.
-func scanAll(r *rand.Rand, body []byte) (data []byte, used int, err error) {
-	var s chunkScanner
-	for used < len(body) && !s.done() {
-		end := min(len(body), used+1+r.IntN(40))
-		p := body[used:end]
-		for len(p) > 0 && !s.done() {
-			d, n, err := s.next(p)
-			data = append(data, d...)
-			used += n
-			p = p[n:]
-			if err != nil {
-				return data, used, err
-			}
-		}
-	}
-	return data, used, nil
-}
-
-func TestChunkScannerAnySplit(t *testing.T) {
-	r := rand.New(rand.NewPCG(1, 2))
-	for i := range 500 {
-		payload := make([]byte, r.IntN(3000))
-		for j := range payload {
-			payload[j] = byte(r.IntN(256)) // CR, LF and hex digits among them
-		}
-		body, _ := chunkedBody(r, payload)
-		stray := []byte("HTTP/1.1 200 OK\r\n")
-		data, used, err := scanAll(r, append(bytes.Clone(body), stray...))
-		if err != nil || !bytes.Equal(data, payload) || used != len(body) {
-			t.Fatalf("case %d: err %v, %d of %d data bytes equal, consumed %d of a %d-byte body",
-				i, err, len(data), len(payload), used, len(body))
-		}
-	}
-}
-
-func TestChunkScannerRejects(t *testing.T) {
-	for _, body := range []string{
-		"\r\n",                     // no size
-		"x\r\n",                    // not hex
-		"5\nhello\r\n0\r\n\r\n",    // bare LF after the size
-		"5\r\nhelloX\r\n0\r\n\r\n", // data longer than its size
-		"5\r\nhello\n0\r\n\r\n",    // bare LF after the data
-		"5 x\r\nhello\r\n",         // junk after the size
-		"5;a\nb\r\nhello\r\n",      // LF inside an extension
-		"1000000000000000\r\n",     // 16 hex digits
-		"0\r\nX: 1\n\r\n",          // bare LF in the trailers
-		"5;" + strings.Repeat("e", maxChunkLine) + "\r\n",
-		"0\r\n" + strings.Repeat("X: 1\r\n", maxTrailer/6+1) + "\r\n",
-	} {
-		_, _, err := scanAll(rand.New(rand.NewPCG(3, 4)), []byte(body))
-		if !errors.Is(err, errBadChunk) {
-			t.Errorf("%.40q: err %v, want errBadChunk", body, err)
-		}
-	}
-}
-
-// FuzzChunkScanner: whatever the bytes and however they are cut, a body the
-// scanner accepts decodes to the same data with net/http's chunked reader
-// (which is laxer: it also takes bare LF line ends).
-func FuzzChunkScanner(f *testing.F) {
-	r := rand.New(rand.NewPCG(5, 6))
-	for range 8 {
-		body, _ := chunkedBody(r, []byte("data: {\"a\":1}\n\n"))
-		f.Add(body, uint64(r.Uint32()))
-	}
-	f.Add([]byte("5\r\nhello\r\n0\r\n\r\n"), uint64(1))
-	f.Fuzz(func(t *testing.T, body []byte, seed uint64) {
-		data, used, err := scanAll(rand.New(rand.NewPCG(seed, seed)), body)
-		if err != nil || used == 0 {
-			return
-		}
-		var s chunkScanner
-		for p := body[:used]; len(p) > 0; {
-			_, n, _ := s.next(p)
-			p = p[n:]
-		}
-		if !s.done() {
-			return // the body was cut short: nothing to compare
-		}
-		want, rerr := io.ReadAll(httputil.NewChunkedReader(bytes.NewReader(body[:used])))
-		if rerr != nil || !bytes.Equal(data, want) {
-			t.Fatalf("accepted %q as %q; net/http reads %q, %v", body[:used], data, want, rerr)
-		}
-	})
-}
 
 // TestRelayExactBytesUnderSplitsAndStalls: a chunked event stream, cut into
 // random writes with random pauses by the backend and read in random small
@@ -175,7 +51,7 @@ func relayExactBytes(t *testing.T, opts Options) (loopStreams uint64) {
 	r := rand.New(rand.NewPCG(7, 8))
 	type answer struct {
 		body    []byte
-		last    int
+		starts  []int
 		payload string
 		events  int
 	}
@@ -203,8 +79,8 @@ func relayExactBytes(t *testing.T, opts Options) (loopStreams uint64) {
 		for k := range events {
 			payload.WriteString(chatChunk(fmt.Sprintf("tok%d-%d", i, k)))
 		}
-		body, last := chunkedBody(r, []byte(payload.String()))
-		answers <- answer{body, last, payload.String(), events}
+		body, starts := chunks.Random(r, []byte(payload.String()))
+		answers <- answer{body, starts, payload.String(), events}
 		if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
 			t.Fatal(err)
 		}
@@ -250,7 +126,7 @@ func relayExactBytes(t *testing.T, opts Options) (loopStreams uint64) {
 		// The framing: the backend's as it came, from one of its chunk
 		// boundaries within the first read on (bytes that came with the
 		// header go out with it, in one write), then the end.
-		if k := framedFrom(body, last, raw.Bytes()); k < 0 || k > 8<<10+400 {
+		if k := framedFrom(body, starts, raw.Bytes()); k < 0 || k > 8<<10+400 {
 			t.Fatalf("response %d: the client's framing is not the backend's (from byte %d)", i, k)
 		}
 		rec := tp.rec.next(t)
@@ -266,26 +142,15 @@ func relayExactBytes(t *testing.T, opts Options) (loopStreams uint64) {
 }
 
 // framedFrom returns the first offset k of the backend's body, at a chunk
-// boundary before its last chunk, such that the client's raw body ends with
-// the backend's framing from k and "0\r\n\r\n"; -1 when there is none.
-func framedFrom(body []byte, last int, raw []byte) int {
-	for k := 0; k <= last; {
+// boundary before its last chunk (starts: where each chunk begins, the
+// last chunk's last), such that the client's raw body ends with the
+// backend's framing from k and "0\r\n\r\n"; -1 when there is none.
+func framedFrom(body []byte, starts []int, raw []byte) int {
+	last := starts[len(starts)-1]
+	for _, k := range starts {
 		if bytes.HasSuffix(raw, append(bytes.Clone(body[k:last]), "0\r\n\r\n"...)) {
 			return k
 		}
-		var s chunkScanner
-		n := k
-		for p := body[k:last]; len(p) > 0; {
-			_, used, _ := s.next(p)
-			p, n = p[used:], n+used
-			if s.atBoundary() {
-				break
-			}
-		}
-		if n == k {
-			return -1
-		}
-		k = n
 	}
 	return -1
 }
@@ -316,7 +181,7 @@ func TestRelayLoopManyStreamsAtOnce(t *testing.T) {
 	up := startRawUpstream(t, func(c net.Conn, req *http.Request) bool {
 		seed, _ := strconv.ParseUint(req.Header.Get("X-Seed"), 10, 64)
 		r := rand.New(rand.NewPCG(seed, 2))
-		body, _ := chunkedBody(r, []byte(payload(seed)))
+		body, _ := chunks.Random(r, []byte(payload(seed)))
 		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
 		return writePieces(c, body, r, 400, 3, 800)
 	})

@@ -30,23 +30,27 @@ func isPlain(c net.Conn) bool {
 	return ok
 }
 
-// delivered stamps the delivery at t of the chunk last handed to the
+// Delivered stamps the delivery at t of the chunk last handed to the
 // client (the body relay's sink): its tokens, the bytes the client side
 // counts after it, and the marks that watch for its acknowledgement.
-func (x *exchange) delivered(t time.Time) {
+func (x *exchange) Delivered(t time.Time) {
 	sent := x.cs.Sent()
 	tok, ans := x.tap.Wrote(t, x.cs.Stalled(), sent)
 	x.cs.LaterBytes(t, sent)
 	x.MarkAcks(tok, ans, t, sent)
 }
 
-// clientLeft cancels the exchange: its client left while a relay loop
+// ClientLeft cancels the exchange: its client left while a relay loop
 // relayed its stream.
-func (x *exchange) clientLeft() { x.fire() }
+func (x *exchange) ClientLeft() { x.fire() }
 
-// rewatch watches the client again, once a stream a relay loop could not
+// Unwatch stops watching the client: a relay loop took the stream, and
+// watches the client's close itself.
+func (x *exchange) Unwatch() { x.watch.Stop() }
+
+// Rewatch watches the client again, once a stream a relay loop could not
 // take (or let go of) stays on its goroutine.
-func (x *exchange) rewatch() { x.watch.Start(x.client, x.fire, &x.p.loops) }
+func (x *exchange) Rewatch() { x.watch.Start(x.client, x.fire, &x.p.loops) }
 
 // MarkAcks is told that the delivery at t (the connection's count at
 // sent) carried the stream's first token (tok) and first answer token

@@ -12,6 +12,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/relay"
 	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
@@ -26,7 +27,7 @@ import (
 //	in     inbound          the client's request (request.go)
 //	att    upstreamAttempt  the attempts and failover (attempt.go, failover.go)
 //	tap    measure.Tap      parsing and measuring, no I/O (proxy/measure)
-//	relay  bodyRelay        every path of the body to the client (relay.go,
+//	relay  relay.Body       every path of the body to the client (relay.go,
 //	                        passloop.go); the server's body stream
 //	cs     measure.ClientSide  the delivery on the client connection, and
 //	                        the wait for its acknowledgement (proxy/measure)
@@ -55,7 +56,7 @@ type exchange struct {
 	in    inbound            // the client's request: its path, body, stream flag (request.go)
 	att   upstreamAttempt    // the attempts against the route's upstreams (attempt.go)
 	tap   measure.Tap        // what the body is, how it is parsed and measured (proxy/measure)
-	relay bodyRelay          // the body's way to the client (relay.go)
+	relay relay.Body         // the body's way to the client (proxy/relay)
 	cs    measure.ClientSide // the response's delivery to the client connection (proxy/measure)
 	fin   finishing          // what finish knew, while the record waits (ackWatch)
 
@@ -230,15 +231,13 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 	body := resp.BodyStream()
 	if body == nil {
 		// No body (HEAD, 204, 304): the exchange is over.
-		x.relay.upDone = true
+		x.relay.NoBody(0)
 		if ctx.IsHead() {
 			ctx.Response.SkipBody = true
 		}
-		x.finish(nil)
+		x.Finish(nil)
 		return
 	}
-	x.relay.body = body
-	x.relay.bind(x.att.conn, x.client)
 	x.startParsing(resp)
 	cl := resp.Header.ContentLength()
 	if x.tap.Streamed() || cl < 0 {
@@ -254,17 +253,16 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		x.in.letBodyGo(x.p)
 		x.att.letRequestGo()
 	}
-	x.relay.contentLength = cl
+	x.relay.Start(body, x.att.conn, x.client, cl)
 	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.Stripping() && isPlain(x.client) {
 		// Chunked in, chunked out, on a plain connection: tokentap writes
 		// the response itself, the framing as it came (servePass,
 		// passChunks). Over TLS the server writes it (the body stream).
-		x.relay.pass = true
-		x.relay.servePass(ctx, resp)
+		x.relay.ServePass(ctx, resp)
 		return
 	}
 	if cl < 0 && !ctx.Request.Header.IsHTTP11() {
-		x.relay.serveHTTP10(ctx)
+		x.relay.ServeHTTP10(ctx)
 		return
 	}
 	ctx.Response.SetBodyStream(&x.relay, cl)
@@ -310,7 +308,7 @@ func (x *exchange) refuse(ctx *fasthttp.RequestCtx, r *refusal) {
 			admission.SetQuotaHeaders(&ctx.Response.Header, x.snap.admit, x.tenant, x.rt.Name)
 		}
 	}
-	x.finish(nil)
+	x.Finish(nil)
 }
 
 // --- Measuring the body on the way (the tap, proxy/measure). ---
@@ -323,19 +321,19 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 	x.rec.Stream = x.tap.Streamed()
 }
 
-// observe feeds one upstream read, read at t, to the tap.
-func (x *exchange) observe(b []byte, t time.Time) { x.tap.Read(b, t) }
+// Observe feeds one upstream read, read at t, to the tap.
+func (x *exchange) Observe(b []byte, t time.Time) { x.tap.Read(b, t) }
 
 // --- The end. ---
 
-// finish ends the exchange exactly once: it settles the upstream
+// Finish ends the exchange exactly once: it settles the upstream
 // connection and stops the peer watch at once, then completes the record
 // and hands it to the sinks. For a compressed response the record is
 // completed on a goroutine of its own once the side decoder has decoded
 // what it was given, and once the client acknowledged the response's last
 // bytes (or about two round trips passed), so the end of the response
 // never waits for either.
-func (x *exchange) finish(writeErr error) {
+func (x *exchange) Finish(writeErr error) {
 	if x.finished {
 		return
 	}
@@ -348,11 +346,7 @@ func (x *exchange) finish(writeErr error) {
 	now := x.p.now()
 	x.att.uncount()
 
-	complete := x.relay.upDone || (x.relay.contentLength >= 0 && x.relay.bytesOut == int64(x.relay.contentLength))
-	if x.relay.unstamped && writeErr == nil {
-		// The last chunk went out with the end of the response.
-		x.relay.wrote(now)
-	}
+	complete := x.relay.End(now, writeErr)
 	x.watch.Stop()
 	gone := x.cancel.IsGone()
 
@@ -363,7 +357,7 @@ func (x *exchange) finish(writeErr error) {
 		x.cancel.Detach()
 		_ = x.att.resp.CloseBodyStream()
 		switch {
-		case x.relay.stray:
+		case x.relay.Stray():
 			metrics.UpstreamConnDiscarded(metrics.DiscardStrayBytes)
 			x.att.up.Discard(x.att.conn)
 		case complete && !gone && writeErr == nil && !x.att.resp.ConnectionClose():
@@ -439,16 +433,16 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 		rec.Outcome, rec.Error = metrics.OutcomeShutdown, "cut at shutdown: the drain timeout ran out"
 	case gone:
 		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "client closed the connection"
-	case x.relay.readErr != nil && x.relay.readErr != io.EOF:
-		if sock.IsTimeout(x.relay.readErr) {
+	case x.relay.ReadErr() != nil && x.relay.ReadErr() != io.EOF:
+		if sock.IsTimeout(x.relay.ReadErr()) {
 			rec.Outcome = metrics.OutcomeUpstreamTimeout
 		} else {
 			rec.Outcome = metrics.OutcomeUpstreamError
 		}
-		rec.Error = "upstream stream broken: " + describeStreamError(x.relay.readErr)
-	case x.relay.body != nil && !complete && writeErr == nil && x.relay.contentLength >= 0:
+		rec.Error = "upstream stream broken: " + describeStreamError(x.relay.ReadErr())
+	case x.relay.Started() && !complete && writeErr == nil && x.relay.Fixed():
 		rec.Outcome, rec.Error = metrics.OutcomeUpstreamError, "the upstream response ended before its Content-Length"
-	case writeErr != nil || (x.relay.body != nil && !complete):
+	case writeErr != nil || (x.relay.Started() && !complete):
 		rec.Outcome = metrics.OutcomeClientCancel
 		if writeErr != nil {
 			rec.Error = "cannot write to client: " + describeStreamError(writeErr)
@@ -505,7 +499,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 // still taken. Called once per exchange, before record.
 func (x *exchange) accountBody(now time.Time, complete bool) {
 	x.tap.Settle(now, complete)
-	x.tap.CheckUsage(x.rec.BytesIn, x.in.encoded, x.relay.bytesOut, now)
+	x.tap.CheckUsage(x.rec.BytesIn, x.in.encoded, x.relay.BytesOut(), now)
 	if len(x.tap.Model()) > 0 && x.rt != nil {
 		// Priced as the model that served it.
 		x.charge = x.chargeFor(string(x.tap.Model()))
@@ -515,7 +509,7 @@ func (x *exchange) accountBody(now time.Time, complete bool) {
 
 // fillRecord derives the record's timings from the tap.
 func (x *exchange) fillRecord(now time.Time) {
-	x.rec.BytesOut = x.relay.bytesOut
+	x.rec.BytesOut = x.relay.BytesOut()
 	x.tap.Fill(&x.rec, now)
 	if x.att.up != nil {
 		x.rec.UpstreamAddr = x.att.up.Addr()

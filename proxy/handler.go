@@ -11,6 +11,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/relay"
 	"github.com/valyala/fasthttp"
 )
 
@@ -312,7 +313,7 @@ func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
 		x = &exchange{p: p, att: upstreamAttempt{req: new(fasthttp.Request), resp: new(fasthttp.Response)}}
 		x.fire = x.cancel.Fire
 		x.att.x = x
-		x.relay.relayParts = relayParts{sink: x, tap: &x.tap, cancel: &x.cancel, watch: &x.watch, server: p}
+		x.relay.Parts = relay.Parts{Sink: x, Meter: &x.tap, Cancel: &x.cancel, Server: &p.relays}
 	}
 	x.snap = s
 	x.tap.Begin(arrival)
@@ -334,7 +335,7 @@ func (p *Proxy) takeInfo() *sock.TCPInfo {
 
 func (p *Proxy) releaseExchange(x *exchange) {
 	*x = exchange{
-		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.Kept(), relay: x.relay.kept(),
+		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.Kept(), relay: x.relay.Kept(),
 		watch: x.watch.Kept(), fire: x.fire,
 	}
 	p.pool.Put(x)

@@ -153,7 +153,7 @@ func TestIdleStreamsHoldLittle(t *testing.T) {
 	}
 	// The last stream's move into its loop may still be under way.
 	waitFor(t, func() error {
-		if relaying := goroutinesIn("(*bodyRelay).relayPass("); relaying > 0 {
+		if relaying := goroutinesIn("relay.(*Body).relayPass("); relaying > 0 {
 			return fmt.Errorf("%d goroutines relay open streams, want none (the loops hold them)", relaying)
 		}
 		return nil

@@ -45,6 +45,7 @@ import (
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/relay"
 	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/tokentap/tokentap/ratelimit"
@@ -93,6 +94,9 @@ type Proxy struct {
 	stats      *stats.Engine
 	statsNow   func() time.Time
 	monitor    *downstream.MonitorTick // the runtime's monitor kept awake while requests are in flight
+	// relays is the server as every response's relay sees it (its clock,
+	// its loops, its stopping, and the connection given back).
+	relays relay.Server
 }
 
 // New builds a Proxy for cfg.
@@ -102,6 +106,10 @@ func New(cfg Config, opts Options) (*Proxy, error) {
 		caps: downstream.NewCaps(opts.MaxConns, opts.MaxConnsPerIP)}
 	_, _ = rand.Read(p.idPrefix[:])
 	p.monitor = downstream.NewMonitorTick(func() bool { return p.inflight.Load() > 0 })
+	p.relays = relay.Server{Now: p.now, Stopping: &p.stopping, Resume: p.resume}
+	if !opts.GoroutineRelay {
+		p.relays.Loops = &p.loops
+	}
 	if s := int64(opts.IdleTimeout / time.Second); s > 0 {
 		p.keepAliveValue = []byte("timeout=" + strconv.FormatInt(s, 10))
 	}
@@ -344,7 +352,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 }
 
 // resume serves the next requests of a connection the server handed over
-// for a response tokentap wrote itself (bodyRelay.servePass), once that
+// for a response tokentap wrote itself (relay.Body.ServePass), once that
 // response ended: the server takes it back as it takes a new connection,
 // unless the proxy is shutting down.
 func (p *Proxy) resume(cc *downstream.Conn) {
@@ -367,13 +375,6 @@ func (p *Proxy) resume(cc *downstream.Conn) {
 		delete(p.resumed, cc)
 	}
 	p.srvMu.Unlock()
-}
-
-// resumeApart is resume on a goroutine of its own (go p.resumeApart),
-// whose stack it grows first.
-func (p *Proxy) resumeApart(cc *downstream.Conn) {
-	relayplane.GrowStack()
-	p.resume(cc)
 }
 
 // connState follows the server's connections: one it let go of for a
@@ -436,7 +437,7 @@ func (p *Proxy) server() *fasthttp.Server {
 		// deadline instead.
 		CloseOnShutdown: true,
 		// Responses tokentap writes itself take the connection over and
-		// give it back for the next request (bodyRelay.servePass); the
+		// give it back for the next request (relay.Body.ServePass); the
 		// other hijacks close it themselves.
 		KeepHijackedConns: true,
 		ConnState:         p.connState,

@@ -44,8 +44,7 @@ func streamingExchange(p *Proxy, body io.Reader) *exchange {
 	x.rec.Series = x.snap.metrics.Series(0, 0)
 	x.dialect = dialect.OpenAI
 	x.tap.Start([]byte("text/event-stream"), nil, x.dialect, 1<<20, 0, x, false) // as startParsing does
-	x.relay.body = body
-	x.relay.contentLength = -1
+	x.relay.Start(body, nil, nil, -1)
 	x.tap.Sent(time.Now())
 	return x
 }
@@ -88,7 +87,7 @@ func BenchmarkFinishRecord(b *testing.B) {
 		for range 20 {
 			x.relay.Read(buf)
 		}
-		x.finish(nil)
+		x.Finish(nil)
 	}
 }
 
@@ -131,9 +130,8 @@ func passPair(tb testing.TB) (*exchange, net.Conn) {
 	x := streamingExchange(p, nil)
 	x.att.up = x.rt.set.Members()[0].Up
 	x.att.conn = x.att.up.Wrap(upRead, false)
-	x.client, x.relay.pass = cl, true
-	x.relay.bind(x.att.conn, x.client)
-	x.relay.buf = make([]byte, 8<<10)
+	x.client = cl
+	x.relay.Start(nil, x.att.conn, x.client, -1)
 	x.tap.Grown()
 	return x, upWrite
 }
@@ -148,7 +146,7 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 		if _, err := up.Write(benchFrame); err != nil {
 			t.Fatal(err)
 		}
-		if end, err := x.relay.passRead(); end {
+		if end, err := x.relay.PassRead(); end {
 			t.Fatalf("the relay ended: %v", err)
 		}
 	}
@@ -156,8 +154,8 @@ func TestPassChunksNoAllocsPerEvent(t *testing.T) {
 	if a := testing.AllocsPerRun(500, step); a != 0 {
 		t.Fatalf("allocs per relayed event = %v, want 0", a)
 	}
-	if x.tap.Events() < 500 || x.relay.bytesOut < 500*int64(len(benchEvent)) {
-		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.Events(), x.relay.bytesOut)
+	if x.tap.Events() < 500 || x.relay.BytesOut() < 500*int64(len(benchEvent)) {
+		t.Fatalf("%d events, %d bytes relayed: the test relays nothing", x.tap.Events(), x.relay.BytesOut())
 	}
 }
 
@@ -170,7 +168,7 @@ func BenchmarkPassChunks(b *testing.B) {
 	b.SetBytes(int64(len(benchEvent)))
 	for b.Loop() {
 		up.Write(benchFrame)
-		x.relay.passRead()
+		x.relay.PassRead()
 	}
 }
 
@@ -193,9 +191,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 	x.att.up = x.rt.set.Members()[0].Up
 	x.att.conn = x.att.up.Wrap(upRead, true)
 	x.client = downstream.NewConn(cl, time.Minute)
-	x.relay.pass = true
-	x.relay.bind(x.att.conn, x.client)
-	x.relay.buf = make([]byte, 8<<10)
+	x.relay.Start(nil, x.att.conn, x.client, -1)
 	x.tap.Grown()
 	return x, upWrite, peer
 }
@@ -204,11 +200,7 @@ func relayPair(tb testing.TB, goroutine bool) (x *exchange, up, peer net.Conn) {
 // goroutine would with no server around, and returns how it ended, on a
 // relay loop or not.
 func passWhole(x *exchange) error {
-	x.relay.wait = make(chan error, 1)
-	if moved, err := x.relay.passChunks(nil); !moved {
-		return err
-	}
-	return <-x.relay.wait
+	return x.relay.Pass()
 }
 
 // relayOne sends one chunk frame upstream and reads it whole at the client.
@@ -246,8 +238,8 @@ func TestRelayLoopNoAllocsPerEvent(t *testing.T) {
 	if x.p.loops.Streams() == before {
 		t.Fatal("the stream was not relayed by a relay loop")
 	}
-	if x.tap.Events() != 502 || x.relay.bytesOut != 502*int64(len(benchEvent)) || !x.relay.upDone {
-		t.Fatalf("%d events, %d bytes relayed, body ended %v", x.tap.Events(), x.relay.bytesOut, x.relay.upDone)
+	if x.tap.Events() != 502 || x.relay.BytesOut() != 502*int64(len(benchEvent)) || x.relay.ReadErr() != io.EOF {
+		t.Fatalf("%d events, %d bytes relayed, ended with %v", x.tap.Events(), x.relay.BytesOut(), x.relay.ReadErr())
 	}
 }
 
@@ -271,27 +263,5 @@ func BenchmarkRelayPath(b *testing.B) {
 				b.Fatal(err)
 			}
 		})
-	}
-}
-
-// BenchmarkChunkScanner follows the framing of 64 events of a stream,
-// size lines, data and the last chunk, without the sockets.
-func BenchmarkChunkScanner(b *testing.B) {
-	var body []byte
-	for range 64 {
-		body = append(body, benchFrame...)
-	}
-	body = append(body, "0\r\n\r\n"...)
-	b.ReportAllocs()
-	b.SetBytes(int64(len(body)))
-	for b.Loop() {
-		var s chunkScanner
-		for off := 0; off < len(body) && !s.done(); {
-			_, k, err := s.next(body[off:])
-			if err != nil {
-				b.Fatal(err)
-			}
-			off += k
-		}
 	}
 }

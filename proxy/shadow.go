@@ -115,30 +115,21 @@ func (sh *shadowState) run(x *exchange) {
 		r := x.att.forwardResult(err)
 		x.rec.Status, x.rec.Outcome, x.rec.Error = r.status, r.outcome, r.msg
 		stop()
-		x.finish(nil)
+		x.Finish(nil)
 		return
 	}
 	x.responded = true
 	x.rec.Status = x.att.resp.StatusCode()
 	body := x.att.resp.BodyStream()
 	if body == nil {
-		x.relay.upDone = true
+		x.relay.NoBody(0)
 		stop()
-		x.finish(nil)
+		x.Finish(nil)
 		return
 	}
-	x.relay.body = body
-	x.relay.bind(x.att.conn, nil)
+	x.relay.Start(body, x.att.conn, nil, x.att.resp.Header.ContentLength())
 	x.startParsing(x.att.resp)
-	if cap(x.relay.buf) < 16<<10 {
-		x.relay.buf = make([]byte, 16<<10)
-	}
-	buf := x.relay.buf[:cap(x.relay.buf)]
-	for {
-		if _, err := x.relay.Read(buf); err != nil {
-			break
-		}
-	}
+	x.relay.Drain()
 	stop()
-	x.finish(nil)
+	x.Finish(nil)
 }

@@ -80,9 +80,8 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 			return &refusal{status: fasthttp.StatusBadGateway, outcome: metrics.OutcomeUpstreamError, code: "upstream_unavailable",
 				msg: "the upstream's answer to the upgrade cannot be read"}
 		}
-		x.relay.bytesOut = int64(len(ctx.Response.Body()))
-		x.relay.upDone = true
-		x.finish(nil)
+		x.relay.NoBody(int64(len(ctx.Response.Body())))
+		x.Finish(nil)
 		return nil
 	}
 	x.watch.Stop() // the tunnel watches both sides itself
@@ -164,8 +163,7 @@ func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upstream.Conn, head []b
 	x.att.up.Discard(c)
 	rec := &x.rec
 	rec.BytesIn = up.n
-	x.relay.bytesOut = down.n - int64(len(head))
-	x.relay.upDone = true
+	x.relay.NoBody(down.n - int64(len(head)))
 	switch {
 	case x.p.cutting.Load():
 		rec.Outcome, rec.Error = metrics.OutcomeShutdown, "cut at shutdown: the drain timeout ran out"
@@ -175,7 +173,7 @@ func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upstream.Conn, head []b
 		rec.Outcome, rec.Error = metrics.OutcomeClientCancel, "websocket tunnel: the client side failed: "+describeStreamError(up.err)
 	}
 	x.tap.Ended(x.p.now())
-	x.finish(nil)
+	x.Finish(nil)
 }
 
 // tunnelState is what the two ways of a tunnel share.

@@ -1,4 +1,4 @@
-package proxy
+package relay
 
 import "errors"
 
@@ -156,10 +156,6 @@ func (s *chunkScanner) trailerByte(c byte) error {
 
 // done reports whether the body ended.
 func (s *chunkScanner) done() bool { return s.state == chunkDone }
-
-// atBoundary reports whether the scanner stands between two chunks: what
-// follows starts a size line.
-func (s *chunkScanner) atBoundary() bool { return s.state == chunkSize && s.line == 0 }
 
 // inSizeLine reports whether the scanner stopped inside a size line, and
 // how many of its bytes it has read: the start of the last chunk cannot be

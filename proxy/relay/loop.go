@@ -1,4 +1,4 @@
-package proxy
+package relay
 
 import (
 	"io"
@@ -30,9 +30,9 @@ type passTurn struct {
 // loops are off, on a connection that is not a plain socket with receive
 // stamps, or for a compressed body (its side decoder could hold the loop
 // up).
-func (r *bodyRelay) loopable() bool {
+func (r *Body) loopable() bool {
 	cc, _ := r.client.(*downstream.Conn)
-	return !r.server.opts.GoroutineRelay && cc != nil && cc.Raw() != nil && r.up.Loopable() && !r.tap.Decoding()
+	return r.Server.Loops != nil && cc != nil && cc.Raw() != nil && r.up.Loopable() && !r.Meter.Decoding()
 }
 
 // passLoop moves the rest of a passChunks stream onto a relay loop, and
@@ -42,18 +42,18 @@ func (r *bodyRelay) loopable() bool {
 // (Ended). What the server had read ahead of the connection moves out of
 // hj first (takeBuffered), so that the hijack's goroutine can return and
 // the server's read buffer go with it: an open stream holds neither.
-func (r *bodyRelay) passLoop(hj net.Conn) bool {
+func (r *Body) passLoop(hj net.Conn) bool {
 	cc, c := r.client.(*downstream.Conn), r.up
-	l := r.server.loops.Pick()
+	l := r.Server.Loops.Pick()
 	if l == nil {
 		return false
 	}
 	upFd, clFd := c.LoopFd(), sock.Fd(cc.Raw())
-	if upFd < 0 || clFd < 0 || !r.cancel.EnterLoop() {
+	if upFd < 0 || clFd < 0 || !r.Cancel.EnterLoop() {
 		return false
 	}
 	if !cc.EnterLoop() {
-		r.cancel.LeaveLoop()
+		r.Cancel.LeaveLoop()
 		return false
 	}
 	if hj != nil {
@@ -67,7 +67,7 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	// first byte came within watchDelay never start it); the socket's seat
 	// in this loop's watch set is given up, as a socket is in an epoll set
 	// once (the next request on the connection takes it again).
-	r.watch.Stop()
+	r.Sink.Unwatch()
 	cc.Seat().LeaveFor(l)
 	// The upstream connection's reader is empty (passChunks moves only
 	// then) and unused while the loop reads the socket: it is put aside
@@ -75,18 +75,18 @@ func (r *bodyRelay) passLoop(hj net.Conn) bool {
 	c.ParkReader()
 	if !l.Post(s) {
 		r.leftLoop()
-		r.sink.rewatch()
+		r.Sink.Rewatch()
 		return false
 	}
 	return true
 }
 
 // leftLoop undoes what passLoop did to move the stream.
-func (r *bodyRelay) leftLoop() {
+func (r *Body) leftLoop() {
 	r.loop.S, r.turn = nil, passTurn{}
 	r.up.UnparkReader()
 	r.client.(*downstream.Conn).LeaveLoop()
-	r.cancel.LeaveLoop()
+	r.Cancel.LeaveLoop()
 }
 
 // afterLoop carries the stream on, on a goroutine of its own, once the
@@ -94,12 +94,12 @@ func (r *bodyRelay) leftLoop() {
 // (relayplane.ErrNoLoop), then to its end (endPass). A relay that left
 // without a read buffer takes one when it needs one again
 // (relayplane.NewBuf).
-func (r *bodyRelay) afterLoop(err error) {
+func (r *Body) afterLoop(err error) {
 	relayplane.GrowStack()
 	r.leftLoop()
 	if err == relayplane.ErrNoLoop {
 		// The loop never took it: its read buffer is still its own.
-		r.sink.rewatch()
+		r.Sink.Rewatch()
 		err = r.passRest()
 	}
 	if r.wait != nil {
@@ -111,7 +111,7 @@ func (r *bodyRelay) afterLoop(err error) {
 
 // spareBuf gives the read buffer back to the loop between events, unless
 // it holds a size line cut by the last read's end.
-func (r *bodyRelay) spareBuf() {
+func (r *Body) spareBuf() {
 	if r.keep == 0 && r.buf != nil {
 		r.loop.GiveBuf(r.buf)
 		r.buf = nil
@@ -119,12 +119,12 @@ func (r *bodyRelay) spareBuf() {
 }
 
 // looped is a body relay as its relay loop sees it (relayplane.Stream).
-type looped bodyRelay
+type looped Body
 
 // Read reads the upstream socket once for the loop and scans what came
 // (passScan).
 func (l *looped) Read(fd int, events uint32) (out []byte, wait, got, again bool) {
-	r := (*bodyRelay)(l)
+	r := (*Body)(l)
 	if r.buf == nil {
 		r.buf = r.loop.TakeBuf()
 	}
@@ -154,7 +154,7 @@ func (l *looped) Read(fd int, events uint32) (out []byte, wait, got, again bool)
 
 // Written ends the read relayed once its bytes are written (passDone).
 func (l *looped) Written() (bool, error) {
-	r := (*bodyRelay)(l)
+	r := (*Body)(l)
 	end, err := r.passDone(r.turn.data, r.turn.wrote, r.turn.err, r.turn.last)
 	if !end {
 		r.spareBuf()
@@ -169,7 +169,7 @@ func (l *looped) Written() (bool, error) {
 // cancels the exchange; a failure keeps the upstream's error for the
 // record; the end carries the stream on (afterLoop).
 func (l *looped) Note(e relayplane.Event) {
-	r := (*bodyRelay)(l)
+	r := (*Body)(l)
 	switch e.Kind {
 	case relayplane.Entered:
 		r.spareBuf()
@@ -178,7 +178,7 @@ func (l *looped) Note(e relayplane.Event) {
 	case relayplane.Stalled:
 		r.client.(*downstream.Conn).Stall += e.D
 	case relayplane.ClientLeft:
-		r.sink.clientLeft()
+		r.Sink.ClientLeft()
 	case relayplane.Failed:
 		err := e.Err
 		if e.KeepRead {

@@ -1,19 +1,26 @@
-package proxy
+// Package relay is the response body's way from the upstream to the
+// client, whatever path it takes (Body): read through the server's body
+// stream, or written by tokentap itself on a connection the server
+// handed over, with the upstream's chunk framing as it came, on the
+// connection's goroutine or on a relay loop (proxy/internal/relayplane).
+// It knows the measurement only as a Meter and the exchange only as its
+// Sink, and imports neither.
+package relay
 
 import (
 	"bytes"
 	"io"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/tokentap/tokentap/proxy/internal/relayplane"
-	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/proxy/upstream"
 	"github.com/valyala/fasthttp"
 )
 
-// bodyRelay is the response body's way from the upstream to the client,
+// Body is the response body's way from the upstream to the client,
 // whatever path it takes. One writer per response: either the server
 // writes all of it, reading the body through the relay (Read, for a known
 // length; WriteTo, read by read, which the server frames as chunks) and
@@ -28,8 +35,8 @@ import (
 // the responses tokentap writes); a relay loop while the stream is in one
 // (passLoop hands it over and the hijack's goroutine returns); then the
 // goroutine started as the loop lets go of the stream (afterLoop).
-type bodyRelay struct {
-	relayParts
+type Body struct {
+	Parts
 	// The response's connections: the upstream's it comes on, the
 	// client's it goes to (bind).
 	up            *upstream.Conn
@@ -46,7 +53,6 @@ type bodyRelay struct {
 	unstamped bool
 	head      []byte // the response header of a response tokentap writes (passChunks, relayRaw)
 
-	pass     bool // the body is relayed with the upstream's chunk framing (passChunks)
 	headOwed bool // passChunks: the response header (head) is not written yet
 	keepConn bool // passChunks: the client connection serves more requests after the response
 	keep     int  // passChunks: bytes of a held size line at the front of buf
@@ -59,55 +65,158 @@ type bodyRelay struct {
 	wait chan error
 }
 
-// relaySink is the exchange a body relay relays the body of, as the relay
-// sees it: told the body's bytes as they are read (observe), each chunk's
-// delivery (delivered), a client that left (clientLeft) and the end
-// (finish); asked to watch its client again when a stream stays on its
-// goroutine (rewatch).
-type relaySink interface {
-	observe(b []byte, t time.Time)
-	delivered(t time.Time)
-	clientLeft()
-	rewatch()
-	finish(err error)
+// Sink is the exchange a body relay relays the body of, as the relay
+// sees it: told the body's bytes as they are read (Observe), each chunk's
+// delivery (Delivered), a client that left (ClientLeft) and the end
+// (Finish); asked to stop watching its client when a relay loop takes the
+// stream (Unwatch: the loop watches the client's close itself) and to
+// watch it again when the stream stays on, or comes back to, its
+// goroutine (Rewatch).
+type Sink interface {
+	Observe(b []byte, t time.Time)
+	Delivered(t time.Time)
+	ClientLeft()
+	Unwatch()
+	Rewatch()
+	Finish(err error)
 }
 
-// relayParts are a relay's collaborators, fixed for its pooled exchange's
+// Meter is what the relay needs of the measurement (measure.Tap): which
+// bytes of a read to relay while the usage chunk tokentap asked for is
+// stripped, and whether a side decoder measures the body (it could hold a
+// relay loop up).
+type Meter interface {
+	Stripping() bool
+	Stripped(n int, end bool) []byte
+	Decoding() bool
+}
+
+// Server is the server whose connections the responses go out on, as
+// plain fields (its clock, its relay loops, whether it is stopping, and
+// how a connection is given back to it after a response tokentap wrote),
+// made once by the proxy.
+type Server struct {
+	Now      func() time.Time
+	Loops    *relayplane.Set // nil: every stream stays on its goroutine
+	Stopping *atomic.Bool
+	// Resume serves the next requests of a connection handed over, on the
+	// calling goroutine, until it is closed or handed over again.
+	Resume func(*downstream.Conn)
+}
+
+// Parts are a relay's collaborators, fixed for its pooled exchange's
 // life: the exchange as a sink, the parts of it the relay works with, and
-// the server whose connection the response goes out on (its clock, its
-// relay loops, and the connection back after a response tokentap wrote).
-type relayParts struct {
-	sink   relaySink
-	tap    *measure.Tap       // the parser: usage stripping, the side decoder
-	cancel *downstream.Cancel // the response's settling, a relay loop's entry and exit
-	watch  *downstream.Watch  // the client's peer watch, stopped when a loop takes the stream
-	server *Proxy
+// the server whose connection the response goes out on.
+type Parts struct {
+	Sink   Sink
+	Meter  Meter
+	Cancel *downstream.Cancel // the response's settling, a relay loop's entry and exit
+	Server *Server
 }
 
 // bind gives the relay the response's connections.
-func (r *bodyRelay) bind(up *upstream.Conn, client net.Conn) { r.up, r.client = up, client }
+func (r *Body) bind(up *upstream.Conn, client net.Conn) { r.up, r.client = up, client }
 
-// kept is the relay's next life in a pooled exchange: its buffers, nothing
+// Start gives the relay a response's body, read from up, going to client
+// (nil: nowhere, a shadow copy's), of contentLength bytes (-1: unknown,
+// relayed chunked).
+func (r *Body) Start(body io.Reader, up *upstream.Conn, client net.Conn, contentLength int) {
+	r.body, r.contentLength = body, contentLength
+	r.bind(up, client)
+}
+
+// NoBody ends a response that has no body (HEAD, 204, 304), or one
+// relayed whole otherwise (n bytes: a refused upgrade's answer, a
+// tunnel's bytes down).
+func (r *Body) NoBody(n int64) { r.upDone, r.bytesOut = true, n }
+
+// End is the relay's word at the response's end, at now, after a write
+// error writeErr (nil: none): whether the body came whole (to its end, or
+// its Content-Length), the delivery of the last chunk handed to the
+// server stamped where it went out with the end.
+func (r *Body) End(now time.Time, writeErr error) (complete bool) {
+	complete = r.upDone || (r.contentLength >= 0 && r.bytesOut == int64(r.contentLength))
+	if r.unstamped && writeErr == nil {
+		// The last chunk went out with the end of the response.
+		r.wrote(now)
+	}
+	return complete
+}
+
+// Stray reports bytes after the end of the response: its connection is
+// not reused.
+func (r *Body) Stray() bool { return r.stray }
+
+// BytesOut is the body's bytes relayed (data bytes, without chunk framing).
+func (r *Body) BytesOut() int64 { return r.bytesOut }
+
+// ReadErr is the upstream read's error that ended the body (io.EOF: its
+// end; nil: none yet).
+func (r *Body) ReadErr() error { return r.readErr }
+
+// Started reports a body given to the relay (Start).
+func (r *Body) Started() bool { return r.body != nil }
+
+// Fixed reports a body relayed with a known length.
+func (r *Body) Fixed() bool { return r.contentLength >= 0 }
+
+// Pass relays the rest of a chunked body to the client with its framing
+// as it came, as ServePass's hijack does, and returns how it ended once it
+// has, on a relay loop or on the calling goroutine; the connection goes
+// back to no server. For a caller that drives a relay itself (the relay's
+// tests and benchmarks).
+func (r *Body) Pass() error {
+	r.wait = make(chan error, 1)
+	if moved, err := r.passChunks(nil); !moved {
+		return err
+	}
+	return <-r.wait
+}
+
+// PassRead relays one read of such a body on the calling goroutine:
+// end is true when the body ended or failed (err says which).
+func (r *Body) PassRead() (end bool, err error) {
+	if r.buf == nil {
+		r.buf = relayplane.NewBuf()
+	}
+	return r.passRead()
+}
+
+// Drain reads the body to its end, each read measured, writing nothing (a
+// shadow copy's response: measured and discarded).
+func (r *Body) Drain() {
+	if cap(r.buf) < 16<<10 {
+		r.buf = make([]byte, 16<<10)
+	}
+	buf := r.buf[:cap(r.buf)]
+	for {
+		if _, err := r.Read(buf); err != nil {
+			return
+		}
+	}
+}
+
+// Kept is the relay's next life in a pooled exchange: its buffers, nothing
 // relayed.
-func (r *bodyRelay) kept() bodyRelay {
-	return bodyRelay{relayParts: r.relayParts, buf: r.buf, head: r.head[:0]}
+func (r *Body) Kept() Body {
+	return Body{Parts: r.Parts, buf: r.buf, head: r.head[:0]}
 }
 
 // pull reads the upstream once into b and feeds what it read to the
 // parser. An upstream error is kept and returned again on every later call;
 // when bytes came with it, they are returned first, without the error.
-func (r *bodyRelay) pull(b []byte) (int, error) {
+func (r *Body) pull(b []byte) (int, error) {
 	if r.readErr != nil {
 		return 0, r.readErr
 	}
 	n, err := r.body.Read(b)
 	if n > 0 {
-		r.sink.observe(b[:n], r.readTime())
+		r.Sink.Observe(b[:n], r.readTime())
 	}
 	if err != nil {
 		if err == io.EOF {
 			r.upDone = true
-			r.cancel.Settle()
+			r.Cancel.Settle()
 		}
 		r.readErr = err
 		if n > 0 {
@@ -120,29 +229,29 @@ func (r *bodyRelay) pull(b []byte) (int, error) {
 // readTime is when the bytes of the last upstream read arrived: the
 // kernel's receive time where there is one (time they waited in the socket
 // is time tokentap added), else now.
-func (r *bodyRelay) readTime() time.Time {
+func (r *Body) readTime() time.Time {
 	if c := r.up; c != nil && !c.LastRead().IsZero() {
 		return c.LastRead()
 	}
-	return r.server.now()
+	return r.Server.Now()
 }
 
 // WriteTo relays the body to the client, one write per upstream read. The
 // server frames each write as a chunk and flushes it before Write returns,
 // so the delivery of a chunk's tokens is stamped right after its Write.
 // fasthttp uses WriteTo for chunked responses (see SupportsBodyWriteTo).
-func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
+func (r *Body) WriteTo(w io.Writer) (int64, error) {
 	if r.buf == nil {
 		r.buf = relayplane.NewBuf()
 	}
 	var written int64
 	for {
-		stripping := r.tap.Stripping() // it may stop during this read
+		stripping := r.Meter.Stripping() // it may stop during this read
 		n, err := r.pull(r.buf)
 		out := r.buf[:n]
 		if stripping {
 			// At the stream's end what is held goes out as it is.
-			out = r.tap.Stripped(n, err != nil)
+			out = r.Meter.Stripped(n, err != nil)
 		}
 		if len(out) > 0 {
 			m, werr := w.Write(out)
@@ -151,7 +260,7 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 			if werr != nil {
 				return written, werr
 			}
-			r.wrote(r.server.now())
+			r.wrote(r.Server.Now())
 		}
 		if err == io.EOF {
 			return written, nil
@@ -180,7 +289,7 @@ func (r *bodyRelay) WriteTo(w io.Writer) (int64, error) {
 // chunk goes out bare). A size line cut by the end of a read is held, at
 // the front of the buffer, until it ends: only then can the last chunk be
 // told apart.
-func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
+func (r *Body) passChunks(hj net.Conn) (moved bool, err error) {
 	if r.buf == nil {
 		r.buf = relayplane.NewBuf()
 	}
@@ -211,7 +320,7 @@ func (r *bodyRelay) passChunks(hj net.Conn) (moved bool, err error) {
 
 // passRest relays the rest of a passChunks stream on the calling
 // goroutine.
-func (r *bodyRelay) passRest() error {
+func (r *Body) passRest() error {
 	for {
 		if end, err := r.passRead(); end {
 			return err
@@ -221,7 +330,7 @@ func (r *bodyRelay) passRest() error {
 
 // writeOut writes b to the client, after the response header while it is
 // owed: the two in one write.
-func (r *bodyRelay) writeOut(b []byte) error {
+func (r *Body) writeOut(b []byte) error {
 	if r.headOwed {
 		r.headOwed = false
 		if len(b) > 0 {
@@ -239,7 +348,7 @@ func (r *bodyRelay) writeOut(b []byte) error {
 
 // passRead relays one read of passChunks; end is true when the body ended
 // or failed (err says which).
-func (r *bodyRelay) passRead() (end bool, err error) {
+func (r *Body) passRead() (end bool, err error) {
 	var n int
 	if r.up.Buffered() > 0 {
 		n, err = r.up.ReadBuffered(r.buf[r.keep:]) // what came with the header
@@ -268,7 +377,7 @@ func (r *bodyRelay) passRead() (end bool, err error) {
 // chunk, else as a bare last chunk written over what the trailers took in
 // the buffer (trailers are not relayed). last is the end of the bytes
 // read; data counts the data bytes.
-func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
+func (r *Body) passScan(n int) (out, last, data int, err error) {
 	keep := r.keep
 	last = keep + n
 	out, start := last, keep-r.chunks.line
@@ -285,7 +394,7 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 			off += k
 			if len(d) > 0 {
 				data += len(d)
-				r.sink.observe(d, at)
+				r.Sink.Observe(d, at)
 			}
 			if serr != nil {
 				err, out = serr, min(out, off)
@@ -296,7 +405,7 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 			}
 			if r.chunks.done() {
 				r.upDone, r.stray = true, off < last
-				r.cancel.Settle()
+				r.Cancel.Settle()
 				if out == start && bytes.Equal(r.buf[start:off], bareLastChunk) {
 					out = off
 				} else {
@@ -320,10 +429,10 @@ func (r *bodyRelay) passScan(n int) (out, last, data int, err error) {
 // when the body ended (err nil) or the read failed (err says how);
 // otherwise the held size line moves to the front of the buffer for the
 // next read.
-func (r *bodyRelay) passDone(data int, wrote bool, err error, last int) (end bool, _ error) {
+func (r *Body) passDone(data int, wrote bool, err error, last int) (end bool, _ error) {
 	if data > 0 || wrote {
 		r.bytesOut += int64(data)
-		r.wrote(r.server.now())
+		r.wrote(r.Server.Now())
 	}
 	if r.upDone {
 		r.readErr = io.EOF
@@ -341,14 +450,14 @@ func (r *bodyRelay) passDone(data int, wrote bool, err error, last int) (end boo
 }
 
 // SupportsBodyWriteTo tells fasthttp that WriteTo does what Read does.
-func (r *bodyRelay) SupportsBodyWriteTo() bool { return true }
+func (r *Body) SupportsBodyWriteTo() bool { return true }
 
 // Read relays one upstream read. fasthttp uses it for bodies of known
 // length; their chunks are only flushed at the end, so the start of the next
 // Read is when the previous chunk was handed to the server.
-func (r *bodyRelay) Read(b []byte) (int, error) {
+func (r *Body) Read(b []byte) (int, error) {
 	if r.unstamped {
-		r.wrote(r.server.now())
+		r.wrote(r.Server.Now())
 	}
 	n, err := r.pull(b)
 	if n > 0 {
@@ -359,19 +468,19 @@ func (r *bodyRelay) Read(b []byte) (int, error) {
 }
 
 // wrote stamps the delivery of the last chunk handed to the server.
-func (r *bodyRelay) wrote(t time.Time) {
+func (r *Body) wrote(t time.Time) {
 	r.unstamped = false
-	r.sink.delivered(t)
+	r.Sink.Delivered(t)
 }
 
 // relayRaw writes the prepared header and then every chunk straight to the
 // client connection, each Write reaching the socket at once. On an upstream
 // failure the connection is reset, not closed cleanly, so the client can
 // tell a broken body from a complete one.
-func (r *bodyRelay) relayRaw(c net.Conn) {
+func (r *Body) relayRaw(c net.Conn) {
 	defer c.Close() // after finish: the server keeps hijacked connections open
 	if _, err := c.Write(r.head); err != nil {
-		r.sink.finish(err)
+		r.Sink.Finish(err)
 		return
 	}
 	_, err := r.WriteTo(c)
@@ -381,14 +490,14 @@ func (r *bodyRelay) relayRaw(c net.Conn) {
 			_ = tc.SetLinger(0)
 		}
 	}
-	r.sink.finish(err)
+	r.Sink.Finish(err)
 }
 
 // CloseWithError is called by the server once the response has been
 // written (err == nil) or has failed (err is the write error, or the read
 // error Read returned). It finishes the exchange.
-func (r *bodyRelay) CloseWithError(err error) error {
-	r.sink.finish(err)
+func (r *Body) CloseWithError(err error) error {
+	r.Sink.Finish(err)
 	return nil
 }
 
@@ -399,10 +508,10 @@ const maxPooledOut = 32 << 10
 // bareLastChunk ends a chunked body that has no trailers.
 var bareLastChunk = []byte("0\r\n\r\n")
 
-// serveHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
+// ServeHTTP10 relays a body of unknown length to an HTTP/1.0 client, which
 // cannot read chunked encoding: the body goes out unframed on a hijacked
 // connection, ended by closing it. fasthttp would send chunked encoding.
-func (r *bodyRelay) serveHTTP10(ctx *fasthttp.RequestCtx) {
+func (r *Body) ServeHTTP10(ctx *fasthttp.RequestCtx) {
 	h := &ctx.Response.Header
 	h.SetContentLength(-2) // identity: no Content-Length, no Transfer-Encoding
 	h.SetConnectionClose()
@@ -412,17 +521,17 @@ func (r *bodyRelay) serveHTTP10(ctx *fasthttp.RequestCtx) {
 	ctx.Hijack(r.relayRaw)
 }
 
-// servePass has tokentap write the whole response, header and all, with
+// ServePass has tokentap write the whole response, header and all, with
 // the upstream's chunk framing as it came (passChunks): the server hands
 // the connection over without writing anything (a hijack without a
 // response) and takes it back for the next request once the body ended at
 // its last chunk (Proxy.resume). A response that asks to close the
 // connection, or ends in an error, or comes during a shutdown closes it,
 // as the server does.
-func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
+func (r *Body) ServePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response) {
 	h := &ctx.Response.Header
 	h.SetContentLength(-1) // Transfer-Encoding: chunked
-	r.keepConn = !ctx.Request.Header.ConnectionClose() && !h.ConnectionClose() && !r.server.stopping.Load()
+	r.keepConn = !ctx.Request.Header.ConnectionClose() && !h.ConnectionClose() && !r.Server.Stopping.Load()
 	if !r.keepConn {
 		h.SetConnectionClose()
 	}
@@ -444,7 +553,7 @@ func (r *bodyRelay) servePass(ctx *fasthttp.RequestCtx, resp *fasthttp.Response)
 // exchange on from there (afterLoop); either way this goroutine then
 // returns, and the server lets go of its read buffer and the request's
 // context.
-func (r *bodyRelay) relayPass(hj net.Conn) {
+func (r *Body) relayPass(hj net.Conn) {
 	relayplane.GrowStack()
 	if moved, err := r.passChunks(hj); !moved {
 		r.endPass(hj, err)
@@ -458,7 +567,7 @@ func (r *bodyRelay) relayPass(hj net.Conn) {
 // it on a goroutine of its own, so that the hijack's returns. On the
 // goroutine a relay loop started (hj nil: passLoop took those bytes), the
 // server takes it on this one.
-func (r *bodyRelay) endPass(hj net.Conn, err error) {
+func (r *Body) endPass(hj net.Conn, err error) {
 	cc := r.client.(*downstream.Conn)
 	keep := err == nil && r.upDone && r.keepConn
 	if keep && hj != nil {
@@ -466,16 +575,19 @@ func (r *bodyRelay) endPass(hj net.Conn, err error) {
 		// the connection.
 		cc.TakeBuffered(hj, r.buf)
 	}
-	p := r.server
-	r.sink.finish(err) // the exchange, and this relay with it, may be released from here on
+	srv := r.Server
+	r.Sink.Finish(err) // the exchange, and this relay with it, may be released from here on
 	if !keep {
 		_ = cc.Close()
 		return
 	}
 	// The rest of the connection's life is the server's again.
 	if hj != nil {
-		go p.resumeApart(cc)
+		go func() {
+			relayplane.GrowStack()
+			srv.Resume(cc)
+		}()
 	} else {
-		p.resume(cc)
+		srv.Resume(cc)
 	}
 }
