@@ -1,17 +1,14 @@
 package proxy
 
 import (
-	"bytes"
 	"errors"
 	"net"
+	"runtime"
 	"syscall"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/downstream"
-	"github.com/tokentap/tokentap/proxy/internal/conf"
-	"github.com/tokentap/tokentap/proxy/internal/sock"
-	"github.com/tokentap/tokentap/proxy/relay"
 	"github.com/valyala/fasthttp"
 )
 
@@ -78,7 +75,7 @@ func nothingRead(err error) string {
 // route is found.
 func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 	snap := p.snap.Load()
-	x := p.acquireExchange(snap, p.arrival(ctx))
+	x := acquireExchange(p, snap, p.arrival(ctx))
 	p.inflight.Add(1) // until recorded (shadow copies never count: they never hold up a drain)
 	p.monitor.Arm()
 	rec := &x.rec
@@ -91,21 +88,6 @@ func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 		x.tap.Trace()
 	}
 	return x
-}
-
-// Bounds on client-supplied strings in records and logs.
-const (
-	maxLoggedPath  = 512
-	maxLoggedModel = 128
-	maxRequestID   = 128
-)
-
-// boundedString copies at most n bytes of b, marking a cut with "…".
-func boundedString(b []byte, n int) string {
-	if len(b) <= n {
-		return string(b)
-	}
-	return string(b[:n]) + "…"
 }
 
 // requestID returns the client's X-Request-Id when it is short and made of
@@ -121,120 +103,6 @@ func (p *Proxy) requestID(dst, client []byte) []byte {
 		}
 	}
 	return append(dst, client...)
-}
-
-// checkRequest refuses what the request line and headers alone make
-// unsafe to relay.
-func checkRequest(ctx *fasthttp.RequestCtx) *refusal {
-	h := &ctx.Request.Header
-	switch {
-	case !bytes.Equal(h.Protocol(), strHTTP11) && !bytes.Equal(h.Protocol(), strHTTP10):
-		return refuseVersion
-	case !upperToken(h.Method()):
-		// Methods are case-sensitive (RFC 9110 §9.1): "get" is no GET, and
-		// an upstream may read it as one. nginx answers 400.
-		return refuseMethodCase
-	case hasFold(h.RawHeaders()):
-		// A folded header line (obs-fold, RFC 9112 §5.2): refused, as
-		// nginx does; read differently by different servers.
-		return refuseFold
-	case ctx.IsConnect() || ctx.IsTrace():
-		// TRACE would echo the request, credentials included; CONNECT
-		// would open a tunnel. Neither is an inference call.
-		return refuseMethod
-	case !validHeaderNames(&ctx.Request.Header):
-		return refuseHeaderName
-	case ctx.Request.Header.ContentLength() == -1 && hasContentLength(ctx.Request.Header.RawHeaders()):
-		// Both framings (RFC 9112 §6.3): what an upstream or a proxy
-		// before tokentap made of the body is unknowable. A smuggling try.
-		return refuseFraming
-	}
-	return nil
-}
-
-var (
-	strHTTP11 = []byte("HTTP/1.1")
-	strHTTP10 = []byte("HTTP/1.0")
-)
-
-// bodyTooLarge marks a request whose Content-Length was over the limit
-// (tooLargeToRead). A client that sends it itself only gets its own 413;
-// dropOwn keeps it from ever reaching an upstream.
-const bodyTooLarge = "X-Tokentap-Body-Too-Large"
-
-// tooLargeToRead is the server's HeaderReceived: a request that announces
-// a body over max is answered 413 at once, before any of it is read
-// (fasthttp would first wait for up to 8 KiB of it, which a client that
-// announced 1 GB and sent nothing never sends): its body is taken as empty
-// and the connection closes after the answer.
-func tooLargeToRead(max int) func(*fasthttp.RequestHeader) fasthttp.RequestConfig {
-	return func(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
-		if max > 0 && h.ContentLength() > max {
-			h.SetContentLength(0)
-			h.Set(bodyTooLarge, "1")
-			h.SetConnectionClose()
-		}
-		return fasthttp.RequestConfig{}
-	}
-}
-
-// upperToken reports whether a method is upper-case letters (and - or _).
-func upperToken(m []byte) bool {
-	for _, c := range m {
-		if (c < 'A' || c > 'Z') && c != '-' && c != '_' {
-			return false
-		}
-	}
-	return len(m) > 0
-}
-
-// hasFold reports a folded (continued) header line among raw headers.
-func hasFold(raw []byte) bool {
-	for {
-		i := bytes.IndexByte(raw, '\n')
-		if i < 0 || i+1 >= len(raw) {
-			return false
-		}
-		if raw[i+1] == ' ' || raw[i+1] == '\t' {
-			return true
-		}
-		raw = raw[i+1:]
-	}
-}
-
-// validHeaderNames reports whether every header name is an RFC 9110 token:
-// a name with a space or a colon in it could be read differently by the
-// upstream ("Transfer-Encoding x: chunked").
-func validHeaderNames(h *fasthttp.RequestHeader) bool {
-	for k := range h.All() {
-		if len(k) == 0 {
-			return false
-		}
-		for _, c := range k {
-			if !conf.TokenChar(c) {
-				return false
-			}
-		}
-	}
-	return true
-}
-
-// hasContentLength reports a Content-Length field among raw request
-// headers.
-func hasContentLength(raw []byte) bool {
-	const name = "content-length:"
-	for len(raw) > 0 {
-		line := raw
-		if i := bytes.IndexByte(raw, '\n'); i >= 0 {
-			line, raw = raw[:i], raw[i+1:]
-		} else {
-			raw = nil
-		}
-		if len(line) >= len(name) && bytes.EqualFold(line[:len(name)], []byte(name)) {
-			return true
-		}
-	}
-	return false
 }
 
 // methodString returns the method as a string, without allocating for the
@@ -259,84 +127,73 @@ func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	return now
 }
 
-func writeJSONError(ctx *fasthttp.RequestCtx, status int, code, msg string, id []byte) {
-	writeErrorBody(ctx, status, "tokentap_error", code, msg, id, false)
+// Serve serves the proxy on ln until Shutdown: the one way to run it, so
+// that every connection gets the client write timeout, the kernel's
+// receive stamps and the connection caps. ln is best opened with Listen; a
+// plain TCP listener is wrapped here.
+func (p *Proxy) Serve(ln net.Listener) error {
+	if _, ok := ln.(*downstream.Listener); !ok {
+		ln = p.wrap(ln)
+	}
+	p.srvMu.Lock()
+	if p.srv == nil {
+		p.srv = p.server()
+	}
+	srv := p.srv
+	p.stopping.Store(false)
+	p.srvMu.Unlock()
+	if !p.opts.GoroutineRelay {
+		p.loops.Start(runtime.GOMAXPROCS(0), p.now)
+	}
+	return srv.Serve(ln)
 }
 
-// writeErrorBody answers status with an error of type errType: in the
-// OpenAI-compatible shape tokentap's errors have ({"error":{"type",
-// "code", "message"}}), or Anthropic's ({"type":"error","error":{"type",
-// "message"}}).
-func writeErrorBody(ctx *fasthttp.RequestCtx, status int, errType, code, msg string, id []byte, anthropic bool) {
-	ctx.Response.Reset()
-	ctx.SetStatusCode(status)
-	ctx.SetContentType("application/json")
-	ctx.Response.Header.SetBytesV("X-Request-Id", id)
-	b := []byte(`{"error":{"type":`)
-	if anthropic {
-		b = []byte(`{"type":"error","error":{"type":`)
-	}
-	b = appendJSONString(b, errType)
-	if !anthropic {
-		b = append(b, `,"code":`...)
-		b = appendJSONString(b, code)
-	}
-	b = append(b, `,"message":`...)
-	b = appendJSONString(b, msg)
-	b = append(b, "}}\n"...)
-	ctx.SetBody(b)
-}
-
-func appendJSONString(b []byte, s string) []byte {
-	b = append(b, '"')
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch {
-		case c == '"' || c == '\\':
-			b = append(b, '\\', c)
-		case c < 0x20:
-			b = append(b, `\u00`...)
-			b = append(b, "0123456789abcdef"[c>>4], "0123456789abcdef"[c&15])
-		default:
-			b = append(b, c)
+// connState follows the server's connections: one it let go of for a
+// response tokentap wrote (StateHijacked) can be given back (resume).
+func (p *Proxy) connState(c net.Conn, s fasthttp.ConnState) {
+	if s == fasthttp.StateHijacked {
+		if cc, ok := c.(*downstream.Conn); ok {
+			cc.HandedOver()
 		}
 	}
-	return append(b, '"')
 }
 
-// acquireExchange takes a pooled exchange for a request of generation s
-// that began to arrive at arrival; releaseExchange gives it back, keeping
-// its parts' buffers.
-func (p *Proxy) acquireExchange(s *snapshot, arrival time.Time) *exchange {
-	x, _ := p.pool.Get().(*exchange)
-	if x == nil {
-		x = &exchange{p: p, att: upstreamAttempt{req: new(fasthttp.Request), resp: new(fasthttp.Response)}}
-		x.fire = x.cancel.Fire
-		x.att.x = x
-		x.relay.Parts = relay.Parts{Sink: x, Meter: &x.tap, Cancel: &x.cancel, Server: &p.relays}
+// server is the fasthttp.Server that relays through p: streamed bodies
+// flushed per chunk, header names and dates passed through untouched, and
+// parse errors answered (and recorded) by p.
+func (p *Proxy) server() *fasthttp.Server {
+	return &fasthttp.Server{
+		Handler:                       p.ServeHTTP,
+		ErrorHandler:                  p.serveError,
+		NoDefaultServerHeader:         true,
+		NoDefaultDate:                 true,
+		NoDefaultContentType:          true,
+		DisablePreParseMultipartForm:  true,
+		DisableHeaderNamesNormalizing: false,
+		ReadBufferSize:                16 << 10, // also the max request header size
+		WriteBufferSize:               4 << 10,  // larger writes (stream chunks) bypass it
+		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
+		HeaderReceived:                tooLargeToRead(p.opts.MaxRequestBodySize),
+		// The handler reads the body itself, in pieces that grow only as
+		// bytes arrive (exchange.readBody), after the headers identified
+		// the tenant: a Content-Length alone reserves nothing.
+		StreamRequestBody: true,
+		ReadTimeout:       p.opts.RequestReadTimeout,
+		// Responses advertise Keep-Alive: timeout=idle_timeout; the server
+		// waits keepAliveGrace longer, so that a client that reuses the
+		// connection within what it was told never races its close.
+		IdleTimeout: p.idleWait(),
+		// No WriteTimeout: it is one deadline for the whole response and
+		// would cut long streams. clientConn has a sliding per-write
+		// deadline instead.
+		CloseOnShutdown: true,
+		// Responses tokentap writes itself take the connection over and
+		// give it back for the next request (relay.Body.ServePass); the
+		// other hijacks close it themselves.
+		KeepHijackedConns: true,
+		ConnState:         p.connState,
+		// fasthttp's error texts quote the request, credentials included.
+		SecureErrorLogMessage: true,
+		Logger:                zapPrintf{p.log},
 	}
-	x.snap = s
-	x.tap.Begin(arrival)
-	x.rec.Reset()
-	x.rec.Tenant = "default"
-	x.rec.Outcome = metrics.OutcomeOK
-	return x
-}
-
-// takeInfo takes a TCP_INFO buffer for one reading, given back to
-// p.infos after it: a response's end reads one on its goroutine, and an
-// exchange that waits (an open stream) holds none.
-func (p *Proxy) takeInfo() *sock.TCPInfo {
-	if ti, _ := p.infos.Get().(*sock.TCPInfo); ti != nil {
-		return ti
-	}
-	return new(sock.TCPInfo)
-}
-
-func (p *Proxy) releaseExchange(x *exchange) {
-	*x = exchange{
-		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.Kept(), relay: x.relay.Kept(),
-		watch: x.watch.Kept(), fire: x.fire,
-	}
-	p.pool.Put(x)
 }

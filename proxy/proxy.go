@@ -13,16 +13,22 @@
 //
 // The journey of one request (docs/ARCHITECTURE.md draws it): ServeHTTP
 // begins the exchange (arrival: when the kernel received the request's
-// first bytes, internal/sock; the request id) and runs its steps in order
-// (exchange.go): route (method, framing, normalised path, longest-prefix
-// route on segment boundaries, dialect, tenant from the key), readRequest
-// (the body in bounded pieces, the model), admit (admission control),
-// forward (the upstream request on a checked pooled connection, up to the
-// response headers), relay (headers out; the server then reads the body
-// through the exchange, one upstream read per chunk, measured by its tap
-// on the way). A step that refuses returns a refusal, which refuse answers
-// and records: the one place that does. The record is finished exactly
-// once, in finish.
+// first bytes; the request id) and runs its steps in order (serve.go):
+// route (method, framing, normalised path, longest-prefix route on segment
+// boundaries, dialect, tenant from the key), readRequest (the body in
+// bounded pieces, the model), the upstream's choice, overload and
+// admission (steer.go), forward (the upstream request on a checked pooled
+// connection, up to the response headers: forward.go), relay (headers
+// out; the body then goes through the exchange's relay.Body, one upstream
+// read per chunk, measured by its measure.Tap on the way). A step that
+// refuses returns a refusal, which refuse answers and records: the one
+// place that does. The record is finished exactly once, in finish.go.
+//
+// Each concern is a package of its own under proxy/, below this one:
+// downstream (the client's connection), upstream (the backends), routing,
+// admission, measure and relay, over internal/sock and
+// internal/relayplane. The exchange (exchange.go) is the one type that
+// knows them all.
 package proxy
 
 import (
@@ -32,7 +38,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net"
-	"runtime"
 	"sort"
 	"strconv"
 	"sync"
@@ -84,9 +89,9 @@ type Proxy struct {
 	cutting  atomic.Bool      // Cut was called: what ends now was cut
 	idPrefix [8]byte
 	idSeq    atomic.Uint64
-	pool     sync.Pool // *exchange
-	infos    sync.Pool // *sock.TCPInfo: the readings at a response's end (takeInfo)
-	waiting  ackWatch  // records waiting for the client's acknowledgement
+	pool     sync.Pool         // *exchange
+	infos    sync.Pool         // *sock.TCPInfo: the readings at a response's end (takeInfo)
+	waiting  measure.LookWatch // records waiting for the client's acknowledgement (exchange.awaitAck)
 	// clientAcks watches the clients' acknowledgements of the first
 	// tokens' bytes, with the floors of their paths' round trips.
 	clientAcks measure.Acks
@@ -306,27 +311,6 @@ func (p *Proxy) Close() {
 	}
 }
 
-// Serve serves the proxy on ln until Shutdown: the one way to run it, so
-// that every connection gets the client write timeout, the kernel's
-// receive stamps and the connection caps. ln is best opened with Listen; a
-// plain TCP listener is wrapped here.
-func (p *Proxy) Serve(ln net.Listener) error {
-	if _, ok := ln.(*downstream.Listener); !ok {
-		ln = p.wrap(ln)
-	}
-	p.srvMu.Lock()
-	if p.srv == nil {
-		p.srv = p.server()
-	}
-	srv := p.srv
-	p.stopping.Store(false)
-	p.srvMu.Unlock()
-	if !p.opts.GoroutineRelay {
-		p.loops.Start(runtime.GOMAXPROCS(0), p.now)
-	}
-	return srv.Serve(ln)
-}
-
 // Shutdown stops accepting, closes idle client connections and waits for
 // the requests in flight, and their records, until ctx is done (then see
 // Cut), then stops the relay loops. A record can outlive its response: it waits for the client's
@@ -377,16 +361,6 @@ func (p *Proxy) resume(cc *downstream.Conn) {
 	p.srvMu.Unlock()
 }
 
-// connState follows the server's connections: one it let go of for a
-// response tokentap wrote (StateHijacked) can be given back (resume).
-func (p *Proxy) connState(c net.Conn, s fasthttp.ConnState) {
-	if s == fasthttp.StateHijacked {
-		if cc, ok := c.(*downstream.Conn); ok {
-			cc.HandedOver()
-		}
-	}
-}
-
 // closeResumed closes the connections given back to the server after a
 // response tokentap wrote (resume): with idle, those that have not begun
 // a next request (the server would wait up to 5 s for them, as for any
@@ -404,46 +378,6 @@ func (p *Proxy) closeResumed(idle bool) {
 	p.srvMu.Unlock()
 	for _, c := range conns {
 		_ = c.Close()
-	}
-}
-
-// server is the fasthttp.Server that relays through p: streamed bodies
-// flushed per chunk, header names and dates passed through untouched, and
-// parse errors answered (and recorded) by p.
-func (p *Proxy) server() *fasthttp.Server {
-	return &fasthttp.Server{
-		Handler:                       p.ServeHTTP,
-		ErrorHandler:                  p.serveError,
-		NoDefaultServerHeader:         true,
-		NoDefaultDate:                 true,
-		NoDefaultContentType:          true,
-		DisablePreParseMultipartForm:  true,
-		DisableHeaderNamesNormalizing: false,
-		ReadBufferSize:                16 << 10, // also the max request header size
-		WriteBufferSize:               4 << 10,  // larger writes (stream chunks) bypass it
-		MaxRequestBodySize:            p.opts.MaxRequestBodySize,
-		HeaderReceived:                tooLargeToRead(p.opts.MaxRequestBodySize),
-		// The handler reads the body itself, in pieces that grow only as
-		// bytes arrive (exchange.readBody), after the headers identified
-		// the tenant: a Content-Length alone reserves nothing.
-		StreamRequestBody: true,
-		ReadTimeout:       p.opts.RequestReadTimeout,
-		// Responses advertise Keep-Alive: timeout=idle_timeout; the server
-		// waits keepAliveGrace longer, so that a client that reuses the
-		// connection within what it was told never races its close.
-		IdleTimeout: p.idleWait(),
-		// No WriteTimeout: it is one deadline for the whole response and
-		// would cut long streams. clientConn has a sliding per-write
-		// deadline instead.
-		CloseOnShutdown: true,
-		// Responses tokentap writes itself take the connection over and
-		// give it back for the next request (relay.Body.ServePass); the
-		// other hijacks close it themselves.
-		KeepHijackedConns: true,
-		ConnState:         p.connState,
-		// fasthttp's error texts quote the request, credentials included.
-		SecureErrorLogMessage: true,
-		Logger:                zapPrintf{p.log},
 	}
 }
 

@@ -159,3 +159,48 @@ func describeStreamError(err error) string {
 	}
 	return "connection failed"
 }
+
+func writeJSONError(ctx *fasthttp.RequestCtx, status int, code, msg string, id []byte) {
+	writeErrorBody(ctx, status, "tokentap_error", code, msg, id, false)
+}
+
+// writeErrorBody answers status with an error of type errType: in the
+// OpenAI-compatible shape tokentap's errors have ({"error":{"type",
+// "code", "message"}}), or Anthropic's ({"type":"error","error":{"type",
+// "message"}}).
+func writeErrorBody(ctx *fasthttp.RequestCtx, status int, errType, code, msg string, id []byte, anthropic bool) {
+	ctx.Response.Reset()
+	ctx.SetStatusCode(status)
+	ctx.SetContentType("application/json")
+	ctx.Response.Header.SetBytesV("X-Request-Id", id)
+	b := []byte(`{"error":{"type":`)
+	if anthropic {
+		b = []byte(`{"type":"error","error":{"type":`)
+	}
+	b = appendJSONString(b, errType)
+	if !anthropic {
+		b = append(b, `,"code":`...)
+		b = appendJSONString(b, code)
+	}
+	b = append(b, `,"message":`...)
+	b = appendJSONString(b, msg)
+	b = append(b, "}}\n"...)
+	ctx.SetBody(b)
+}
+
+func appendJSONString(b []byte, s string) []byte {
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '"' || c == '\\':
+			b = append(b, '\\', c)
+		case c < 0x20:
+			b = append(b, `\u00`...)
+			b = append(b, "0123456789abcdef"[c>>4], "0123456789abcdef"[c&15])
+		default:
+			b = append(b, c)
+		}
+	}
+	return append(b, '"')
+}

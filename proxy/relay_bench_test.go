@@ -38,7 +38,7 @@ func newProxyForBench(tb testing.TB, sinks ...metrics.Sink) *Proxy {
 // streamingExchange builds an exchange in the state ServeHTTP leaves it in
 // for an OpenAI stream, reading from body.
 func streamingExchange(p *Proxy, body io.Reader) *exchange {
-	x := p.acquireExchange(p.snap.Load(), time.Now())
+	x := acquireExchange(p, p.snap.Load(), time.Now())
 	p.inflight.Add(1) // as begin does
 	x.rt = x.snap.routes[0]
 	x.rec.Series = x.snap.metrics.Series(0, 0)

@@ -5,6 +5,8 @@ package proxy
 // pools) and each route with its upstreams.
 
 import (
+	"sync/atomic"
+
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/tokentap/tokentap/proxy/upstream"
@@ -110,4 +112,11 @@ func byModelOrder(a, b *route) bool {
 		return len(a.Prefix) > len(b.Prefix)
 	}
 	return len(a.Models) > 0 && len(b.Models) == 0
+}
+
+// shadowState is a route's shadow at run time.
+type shadowState struct {
+	Shadow
+	member   *routing.Member
+	inflight atomic.Int64
 }

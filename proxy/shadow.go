@@ -2,55 +2,12 @@ package proxy
 
 import (
 	"math/rand/v2"
-	"sync/atomic"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/admission"
-	"github.com/tokentap/tokentap/proxy/routing"
 	"github.com/valyala/fasthttp"
 )
-
-// Shadow sends a copy of a sampled share of a route's requests to another
-// of its upstreams, reads and measures the copy's response fully, and
-// discards it. The client's request never waits for its shadow: the copy
-// is sent from a goroutine of its own once the request is admitted.
-type Shadow struct {
-	// Upstream names one of the route's upstreams (usually of weight 0).
-	Upstream string
-	// Sample is the share of requests copied (0 … 1).
-	Sample float64
-	// MaxInflight bounds the copies in flight; beyond it a copy is
-	// skipped and counted (tokentap_shadow_skipped_total).
-	MaxInflight int
-	// Timeout bounds a copy's whole life, from its send to its response's
-	// end (default DefaultShadowTimeout): a stalled shadow upstream holds
-	// its copy of the body against max_buffered_bodies, and a place among
-	// MaxInflight, no longer, where the route's first-byte timeout (10
-	// minutes) would hold them.
-	Timeout time.Duration
-}
-
-// DefaultShadowTimeout is a shadow copy's life when Shadow.Timeout is 0.
-const DefaultShadowTimeout = time.Minute
-
-// withDefaults returns s with its zero fields set to their defaults.
-func (s Shadow) withDefaults() Shadow {
-	if s.MaxInflight == 0 {
-		s.MaxInflight = 16
-	}
-	if s.Timeout == 0 {
-		s.Timeout = DefaultShadowTimeout
-	}
-	return s
-}
-
-// shadowState is a route's shadow at run time.
-type shadowState struct {
-	Shadow
-	member   *routing.Member
-	inflight atomic.Int64
-}
 
 // start copies x's request to the route's shadow upstream sh (nil: none),
 // when it is sampled and a place is free. Everything the copy needs is
@@ -64,13 +21,13 @@ func (sh *shadowState) start(x *exchange, ctx *fasthttp.RequestCtx) {
 		metrics.ShadowSkipped(x.rt.Name, "max_inflight")
 		return
 	}
-	s := x.p.acquireExchange(x.snap, x.p.now())
+	s := acquireExchange(x.p, x.snap, x.p.now())
 	// The copy holds a copy of the body for as long as it runs: it counts
 	// in the budget of all requests' bodies (released when it finishes),
 	// and is not sent when the budget is spent.
 	if !s.in.holdBody(x.p, int64(len(x.in.body0))) {
 		sh.inflight.Add(-1)
-		x.p.releaseExchange(s)
+		releaseExchange(s)
 		metrics.ShadowSkipped(x.rt.Name, "body_budget")
 		return
 	}
@@ -111,8 +68,8 @@ func (sh *shadowState) run(x *exchange) {
 		}
 	}
 	x.att.firstByteLimit = sh.Timeout
-	if err := x.att.roundTrip(false); err != nil {
-		r := x.att.forwardResult(err)
+	if err := x.roundTrip(false); err != nil {
+		r := x.forwardResult(err)
 		x.rec.Status, x.rec.Outcome, x.rec.Error = r.status, r.outcome, r.msg
 		stop()
 		x.Finish(nil)

@@ -1,11 +1,5 @@
 package proxy
 
-// The exchange's steps that decide where a request goes and whether it
-// goes: the route settled by the model it names, the upstream picked
-// (pickUpstream, by the route's balance, stickiness or prediction), its
-// priority and overload's verdict, its tenant's admission and what it is
-// charged, and what the upstream's model learns from it once it ends.
-
 import (
 	"strconv"
 	"time"
@@ -17,6 +11,12 @@ import (
 	"github.com/tokentap/tokentap/ratelimit"
 	"github.com/valyala/fasthttp"
 )
+
+// The exchange's steps that decide where a request goes and whether it
+// goes: its route settled by the model it names, its upstream chosen
+// (routing.Set.Choose), its priority and overload's verdict
+// (proxy/admission), its tenant's admission and what it is charged, and
+// what the upstream's model learns from it once it ends.
 
 // modelNotFound is the refusal of a request whose model no route serves,
 // in the dialect's words: a 404 as the provider gives for a model it does

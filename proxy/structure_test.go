@@ -27,6 +27,14 @@ const (
 	maxMethodFiles = 3
 )
 
+// hubs are the types whose methods are a request's steps, one file a
+// step: the exchange's are exchange.go (its parts), serve.go (route,
+// read, respond, refuse), steer.go (upstream, overload, admission),
+// forward.go (attempts, failover), upgrade.go (tunnels) and finish.go
+// (the end, the record). Their bound is that many files: a new step is a
+// new file, weighed here, never a method put where it fits.
+var hubs = map[string]int{"methods proxy.exchange": 6}
+
 var structureDebt = map[string]int{
 	"struct metrics/record.go Record": 73,
 }
@@ -111,7 +119,11 @@ func TestStructureBounds(t *testing.T) {
 		t.Fatal(err)
 	}
 	for k, files := range methodFiles {
-		if len(files) > maxMethodFiles {
+		most := maxMethodFiles
+		if h, ok := hubs[k]; ok {
+			most = h
+		}
+		if len(files) > most {
 			found[k] = len(files)
 		}
 	}

@@ -49,24 +49,24 @@ const maxUpgradeHeader = 64 << 10
 // turns the client's connection and that one into a tunnel (tunnel); any
 // other answer is relayed as it came, read whole (bounded), and the
 // exchange ends.
-func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
-	x := a.x
+func (x *exchange) upgrade(ctx *fasthttp.RequestCtx) *refusal {
+	a := &x.att
 	x.rec.Attempts = 1
 	c, err := a.up.Get(&x.cancel, true) // a new connection, counted in max_conns
 	if err != nil {
 		a.connectFailed = true
-		return a.forwardResult(err)
+		return x.forwardResult(err)
 	}
-	a.x.in.scratch = a.up.Prepare(ctx, a.req, x.rt.strip(), x.rt.stripKey, x.in.path, x.in.query, nil, x.id, x.in.scratch)
+	x.in.scratch = a.up.Prepare(ctx, a.req, x.rt.strip(), x.rt.stripKey, x.in.path, x.in.query, nil, x.id, x.in.scratch)
 	a.req.Header.Set("Connection", "Upgrade")
 	a.req.Header.SetBytesV("Upgrade", ctx.Request.Header.Peek("Upgrade"))
 	if x.tenant != "" {
 		a.req.Header.Set(admission.TenantHeader, x.tenant)
 	}
-	head, err := a.sendUpgrade(c)
+	head, err := x.sendUpgrade(c)
 	if err != nil {
 		a.up.Discard(c)
-		return a.forwardResult(err)
+		return x.forwardResult(err)
 	}
 	x.responded = true
 	x.rec.Status = statusOf(head)
@@ -87,14 +87,13 @@ func (a *upstreamAttempt) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	x.watch.Stop() // the tunnel watches both sides itself
 	ctx.HijackSetNoResponse(true)
 	client := x.client
-	ctx.Hijack(func(hj net.Conn) { a.tunnel(hj, client, c, head) })
+	ctx.Hijack(func(hj net.Conn) { x.tunnel(hj, client, c, head) })
 	return nil
 }
 
 // sendUpgrade writes the upgrade request on c and reads the answer's
 // header, as it came, up to its blank line.
-func (a *upstreamAttempt) sendUpgrade(c *upstream.Conn) ([]byte, error) {
-	x := a.x
+func (x *exchange) sendUpgrade(c *upstream.Conn) ([]byte, error) {
 	t := x.rt.Timeouts
 	_ = c.SetWriteDeadline(x.p.now().Add(t.Write))
 	x.tap.Sent(x.p.now())
@@ -143,8 +142,7 @@ func statusOf(head []byte) int {
 // timeout is closed. The record says the bytes each way
 // (bytes_in: client to upstream; bytes_out: upstream to client, the 101
 // left out) and the session's length.
-func (a *upstreamAttempt) tunnel(hj, client net.Conn, c *upstream.Conn, head []byte) {
-	x := a.x
+func (x *exchange) tunnel(hj, client net.Conn, c *upstream.Conn, head []byte) {
 	t := &tunnelState{idle: x.rt.Timeouts.Idle}
 	t.last.Store(time.Now().UnixNano())
 	var up, down tunnelWay
