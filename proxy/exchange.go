@@ -68,6 +68,7 @@ type exchange struct {
 	modelIdx  int            // the model's metric index
 	responded bool           // the upstream answered with headers
 	finished  bool
+	released  bool // back in the pool: nothing may reach it (live)
 	shadow    bool // a copy sent to the route's shadow upstream (shadow.go)
 }
 
@@ -84,7 +85,24 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 }
 
 // Observe feeds one upstream read, read at t, to the tap.
-func (x *exchange) Observe(b []byte, t time.Time) { x.tap.Read(b, t) }
+func (x *exchange) Observe(b []byte, t time.Time) {
+	x.live()
+	x.tap.Read(b, t)
+}
+
+// checkLive has every way into an exchange from its parts (the relay's
+// Sink, the tap's AckMarker, the watch of records waiting for the
+// client's ACK) check that it was not released: a part that outlived its
+// request would reach the next request's exchange. The tests turn it on;
+// a use after release is then a panic that names it.
+var checkLive bool
+
+// live panics, with checkLive, when x was released (releaseExchange).
+func (x *exchange) live() {
+	if checkLive && x.released {
+		panic("proxy: an exchange was used after its release")
+	}
+}
 
 // --- The end. ---
 
@@ -334,7 +352,7 @@ func acquireExchange(p *Proxy, s *snapshot, arrival time.Time) *exchange {
 		x.fire = x.cancel.Fire
 		x.relay.Parts = relay.Parts{Sink: x, Meter: &x.tap, Cancel: &x.cancel, Server: &p.relays}
 	}
-	x.snap = s
+	x.snap, x.released = s, false
 	x.tap.Begin(arrival)
 	x.rec.Reset()
 	x.rec.Tenant = "default"
@@ -356,7 +374,7 @@ func releaseExchange(x *exchange) {
 	p := x.p
 	*x = exchange{
 		p: p, id: x.id[:0], in: x.in.kept(), att: x.att.kept(), tap: x.tap.Kept(), relay: x.relay.Kept(),
-		watch: x.watch.Kept(), fire: x.fire,
+		watch: x.watch.Kept(), fire: x.fire, released: true,
 	}
 	p.pool.Put(x)
 }

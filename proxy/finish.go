@@ -25,6 +25,7 @@ import (
 // bytes (or about two round trips passed), so the end of the response
 // never waits for either.
 func (x *exchange) Finish(writeErr error) {
+	x.live()
 	if x.finished {
 		return
 	}
@@ -139,33 +140,8 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 
 	x.fillRecord(now)
 	x.cs.Fill(&x.rec, x.tap.Arrival())
-	if !x.shadow {
-		// A copy counts in its upstream's /stats group and the access
-		// log only: never in goodput, the route's series or its guard.
-		x.judge()
-		x.snap.metrics.Observe(rec)
-	}
-	if !x.p.opts.NoStats {
-		x.p.stats.Observe(rec, x.tap.Gaps())
-	}
-	x.learnEnd(complete)
-	if m := x.att.mem; m != nil && rec.Attempts > 0 {
-		if rec.CachedTokens >= 0 {
-			m.Cache.Note(rec.CachedTokens, rec.TTFT.Microseconds())
-		}
-		if m.Scrape != nil && rec.Outcome == metrics.OutcomeOK && rec.E2E > 0 {
-			m.NoteSlot(rec.E2E - max(rec.Queue, 0))
-		}
-	}
-	if x.rt != nil && !x.shadow {
-		x.rt.set.Guarded(x.att.mem, rec, x.in.stickyKey, x.in.stickyKeyed, x.p.statsNow, x.p.log)
-	}
-	for _, s := range x.p.opts.Sinks {
-		if g, ok := s.(metrics.GapSink); ok {
-			g.ObserveGaps(rec, x.tap.Gaps())
-			continue
-		}
-		s.Observe(rec)
+	for _, o := range x.snap.observers {
+		o.observe(x, complete)
 	}
 	if !x.shadow {
 		x.p.inflight.Add(-1)
@@ -234,6 +210,7 @@ func isPlain(c net.Conn) bool {
 // client (the body relay's sink): its tokens, the bytes the client side
 // counts after it, and the marks that watch for its acknowledgement.
 func (x *exchange) Delivered(t time.Time) {
+	x.live()
 	sent := x.cs.Sent()
 	tok, ans := x.tap.Wrote(t, x.cs.Stalled(), sent)
 	x.cs.LaterBytes(t, sent)
@@ -242,15 +219,24 @@ func (x *exchange) Delivered(t time.Time) {
 
 // ClientLeft cancels the exchange: its client left while a relay loop
 // relayed its stream.
-func (x *exchange) ClientLeft() { x.fire() }
+func (x *exchange) ClientLeft() {
+	x.live()
+	x.fire()
+}
 
 // Unwatch stops watching the client: a relay loop took the stream, and
 // watches the client's close itself.
-func (x *exchange) Unwatch() { x.watch.Stop() }
+func (x *exchange) Unwatch() {
+	x.live()
+	x.watch.Stop()
+}
 
 // Rewatch watches the client again, once a stream a relay loop could not
 // take (or let go of) stays on its goroutine.
-func (x *exchange) Rewatch() { x.watch.Start(x.client, x.fire, &x.p.loops) }
+func (x *exchange) Rewatch() {
+	x.live()
+	x.watch.Start(x.client, x.fire, &x.p.loops)
+}
 
 // MarkAcks is told that the delivery at t (the connection's count at
 // sent) carried the stream's first token (tok) and first answer token
@@ -258,6 +244,7 @@ func (x *exchange) Rewatch() { x.watch.Start(x.client, x.fire, &x.p.loops) }
 // side measured, the client's acknowledgement of their bytes is watched.
 // Only streams are marked.
 func (x *exchange) MarkAcks(tok, ans bool, t time.Time, sent int64) {
+	x.live()
 	if tok {
 		x.learnFirst()
 	}
@@ -279,9 +266,13 @@ func (x *exchange) awaitAck() {
 }
 
 // NextLook and LookNow make a waiting record a looker of ackWatch.
-func (x *exchange) NextLook() time.Time { return x.cs.NextLook() }
+func (x *exchange) NextLook() time.Time {
+	x.live()
+	return x.cs.NextLook()
+}
 
 func (x *exchange) LookNow(now time.Time, ti *sock.TCPInfo) bool {
+	x.live()
 	if x.cs.Look(now, ti) || x.cs.Schedule(now) {
 		x.recordEnd()
 		return true

@@ -185,6 +185,7 @@ func (p *Proxy) Apply(cfg Config) error {
 			}
 		})
 	}
+	s.observers = observersOf(p, s)
 	s.metrics.Register()
 	p.stats.SetWarn(cfg.Warn)
 	p.stats.SetMaxGroups(cfg.StatsMaxGroups)

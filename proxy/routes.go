@@ -22,6 +22,8 @@ type snapshot struct {
 	metrics *metrics.Set
 	admit   *ratelimit.Admitter       // nil: admission control off
 	pools   map[string]*upstream.Pool // its upstreams' connections, by poolKey
+	// observers are told of each finished exchange, in order (observe.go).
+	observers []observer
 }
 
 type route struct {
