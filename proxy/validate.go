@@ -237,13 +237,8 @@ func (r *Route) validUpstreams(field func(string) string) error {
 	if total == 0 {
 		return conf.Errf(field("upstreams"), "at least one upstream needs a weight above 0")
 	}
-	switch r.Balance {
-	case "", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT:
-	default:
-		return conf.Errf(field("balance"), "must be %s, %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT, r.Balance)
-	}
-	if h, ok := strings.CutPrefix(r.Sticky, "header:"); r.Sticky != "" && r.Sticky != "tenant" && r.Sticky != StickyPrefix && (!ok || !conf.IsToken(h)) {
-		return conf.Errf(field("sticky"), "must be tenant, prefix or header:NAME, got %q", r.Sticky)
+	if err := (routing.Options{Balance: r.Balance, Sticky: r.Sticky}).Validate(field); err != nil {
+		return err
 	}
 	return r.validSplit(field, names)
 }
@@ -277,22 +272,7 @@ func (r *Route) validSplit(field func(string) string, names map[string]bool) err
 		}
 	}
 	if g := r.Guard; g != nil {
-		switch {
-		case !names[g.Candidate]:
-			return conf.Errf(field("guard.candidate"), "%q is not one of the route's upstreams", g.Candidate)
-		case !names[g.Baseline] || g.Baseline == g.Candidate:
-			return conf.Errf(field("guard.baseline"), "%q is not another of the route's upstreams", g.Baseline)
-		case g.Window != "" && g.Window != "1m" && g.Window != "5m" && g.Window != "15m" && g.Window != "1h":
-			return conf.Errf(field("guard.window"), "must be 1m, 5m, 15m or 1h, got %q", g.Window)
-		case g.MinRequests < 0:
-			return conf.Errf(field("guard.min_requests"), "must not be negative")
-		case g.MinKeys < 0:
-			return conf.Errf(field("guard.min_keys"), "must not be negative")
-		case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
-			return conf.Errf(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
-		case g.Class != "" && !measure.ValidClass(g.Class):
-			return conf.Errf(field("guard.class"), "%q is not a class (such as in-short.out-long or in-long.out-short.prefix-reused)", g.Class)
-		}
+		return g.Validate(field, names, measure.ValidClass)
 	}
 	return nil
 }

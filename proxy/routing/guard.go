@@ -7,6 +7,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"go.uber.org/zap"
 )
 
@@ -270,4 +271,26 @@ func (s *Set) ResetGuard(now time.Time) bool {
 	}
 	s.guard.rearm(now)
 	return true
+}
+
+// Validate checks g, the guard of a route whose upstreams are names;
+// isClass tells a class's name. Its errors name the field under field.
+func (g *Guard) Validate(field func(string) string, names map[string]bool, isClass func(string) bool) error {
+	switch {
+	case !names[g.Candidate]:
+		return conf.Errf(field("guard.candidate"), "%q is not one of the route's upstreams", g.Candidate)
+	case !names[g.Baseline] || g.Baseline == g.Candidate:
+		return conf.Errf(field("guard.baseline"), "%q is not another of the route's upstreams", g.Baseline)
+	case g.Window != "" && g.Window != "1m" && g.Window != "5m" && g.Window != "15m" && g.Window != "1h":
+		return conf.Errf(field("guard.window"), "must be 1m, 5m, 15m or 1h, got %q", g.Window)
+	case g.MinRequests < 0:
+		return conf.Errf(field("guard.min_requests"), "must not be negative")
+	case g.MinKeys < 0:
+		return conf.Errf(field("guard.min_keys"), "must not be negative")
+	case g.MaxTTFTP95Increase == 0 && g.MaxE2EP95Increase == 0 && g.MaxErrorRateIncrease == 0:
+		return conf.Errf(field("guard"), "needs at least one limit (max_ttft_p95_increase, max_e2e_p95_increase, max_error_rate_increase)")
+	case g.Class != "" && !isClass(g.Class):
+		return conf.Errf(field("guard.class"), "%q is not a class (such as in-short.out-long or in-long.out-short.prefix-reused)", g.Class)
+	}
+	return nil
 }

@@ -1,10 +1,12 @@
 package routing
 
 import (
+	"strings"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/metrics/stats"
+	"github.com/tokentap/tokentap/proxy/internal/conf"
 	"go.uber.org/zap"
 )
 
@@ -31,6 +33,20 @@ type Options struct {
 	Sticky  string // "tenant", "header:NAME", StickyPrefix or ""
 	Models  bool   // the route names models: its upstream is chosen once the body is read
 	Guard   *Guard // nil: none
+}
+
+// Validate checks a route's balance and stickiness; its errors name the
+// field under field.
+func (o Options) Validate(field func(string) string) error {
+	switch o.Balance {
+	case "", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT:
+	default:
+		return conf.Errf(field("balance"), "must be %s, %s or %s, got %q", BalanceWeighted, BalanceLeastInflight, BalanceLeastTTFT, o.Balance)
+	}
+	if h, ok := strings.CutPrefix(o.Sticky, "header:"); o.Sticky != "" && o.Sticky != "tenant" && o.Sticky != StickyPrefix && (!ok || !conf.IsToken(h)) {
+		return conf.Errf(field("sticky"), "must be tenant, prefix or header:NAME, got %q", o.Sticky)
+	}
+	return nil
 }
 
 // NewSet makes the run-time set of a route's members, under o, its guard
