@@ -202,7 +202,7 @@ func (x *exchange) admit() *refusal {
 	// A request waiting in its tenant's queue is not at its upstream: it
 	// is counted there again once admitted, at the level it starts at then.
 	x.att.uncount()
-	ticket, refused := a.AdmitUSD(&x.cancel, x.tenant, x.rt.Name, total, usd)
+	ticket, refused := a.AdmitUSD(x.cancel.Context(), x.tenant, x.rt.Name, total, usd)
 	x.rec.Queue = x.p.now().Sub(start)
 	if refused == nil {
 		x.att.count(x.p.now())

@@ -52,7 +52,7 @@ const maxUpgradeHeader = 64 << 10
 func (x *exchange) upgrade(ctx *fasthttp.RequestCtx) *refusal {
 	a := &x.att
 	x.rec.Attempts = 1
-	c, err := a.up.Get(&x.cancel, true) // a new connection, counted in max_conns
+	c, err := a.up.Get(x.cancel.Context(), true) // a new connection, counted in max_conns
 	if err != nil {
 		a.connectFailed = true
 		return x.forwardResult(err)

@@ -109,19 +109,23 @@ func (c *Cancel) IsGone() bool {
 	return c.gone
 }
 
-// Cancel is a context.Context done when the client has gone: a wait for
-// admission, or a dial, ends with it.
+// Context returns a context done when the client has gone: a wait for
+// admission, or a dial, ends with it. It holds only the channel (made now,
+// on the owner's goroutine): what the context package starts to watch it
+// never touches the Cancel, which lives in a pooled exchange.
+func (c *Cancel) Context() context.Context { return goneCtx{c.Done()} }
 
-// Deadline: none.
-func (c *Cancel) Deadline() (time.Time, bool) { return time.Time{}, false }
+// goneCtx is a context done when its channel is closed.
+type goneCtx struct{ done <-chan struct{} }
 
-// Err is context.Canceled once the client has gone, else nil.
-func (c *Cancel) Err() error {
-	if c.IsGone() {
+func (goneCtx) Deadline() (time.Time, bool) { return time.Time{}, false }
+func (c goneCtx) Done() <-chan struct{}     { return c.done }
+func (goneCtx) Value(any) any               { return nil }
+func (c goneCtx) Err() error {
+	select {
+	case <-c.done:
 		return context.Canceled
+	default:
+		return nil
 	}
-	return nil
 }
-
-// Value: none.
-func (c *Cancel) Value(any) any { return nil }

@@ -11,10 +11,10 @@ import (
 )
 
 // Canceller ties a request's upstream connection to its client: a
-// context done when the client left, told which connection to close then
-// (downstream.Cancel).
+// context done when the client left (Context), told which connection to
+// close then (downstream.Cancel).
 type Canceller interface {
-	context.Context
+	Context() context.Context
 	Attach(c net.Conn) bool
 	Detach()
 	IsGone() bool
@@ -39,7 +39,7 @@ type Trip struct {
 func (up *Backend) RoundTrip(cancel Canceller, req *fasthttp.Request, resp *fasthttp.Response, head bool, headerLimit time.Duration) (Trip, error) {
 	var t Trip
 	for attempt := 0; ; attempt++ {
-		c, err := up.Get(cancel, attempt > 0)
+		c, err := up.Get(cancel.Context(), attempt > 0)
 		if err != nil {
 			t.ConnectFailed = true
 			return t, err
