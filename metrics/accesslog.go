@@ -373,6 +373,13 @@ func appendTimings(f []zap.Field, r *Record) []zap.Field {
 	if r.ClientStall > 0 {
 		ms("client_stall_ms", r.ClientStall)
 	}
+	if rd := &r.Reading; rd.Tokens > 0 {
+		f = append(f, zap.Float64("qoe", rd.QoE), zap.Float64("fluidity", rd.Fluidity),
+			zap.Float64("stall_ms", float64(rd.Stall.Microseconds())/1000), zap.Int("stalls", rd.Stalls))
+		if rd.HeldBy != HopNone {
+			f = append(f, zap.String("held_by", rd.HeldBy.String()))
+		}
+	}
 	ms("server_queue_ms", r.ServerQueue)
 	ms("server_load_ms", r.ServerLoad)
 	ms("server_prefill_ms", r.ServerPrefill)
@@ -381,8 +388,8 @@ func appendTimings(f []zap.Field, r *Record) []zap.Field {
 	if r.Priority != "" {
 		f = append(f, zap.String("priority", r.Priority))
 	}
-	ms("predicted_ttft_ms", r.PredictedTTFT)
-	ms("predicted_tpot_ms", r.PredictedTPOT)
+	ms("predicted_ttft_ms", r.Predicted.TTFT)
+	ms("predicted_tpot_ms", r.Predicted.TPOT)
 	return f
 }
 

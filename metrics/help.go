@@ -29,6 +29,11 @@ var help = map[string]string{
 	"tokentap_client_ttft_seconds":    "Time to first token as the client lived it, network included: client sent its request to the first token reaching it, in seconds.",
 	"tokentap_client_e2e_seconds":     "End-to-end time as the client lived it, network included: client sent its request to the last byte reaching it, in seconds.",
 
+	"tokentap_stream_qoe":           "How each stream read to a reader at its route's pace: 1 when the reader finished by the expected timeline, less when a late first token or stalls pushed it out (streams with tokens).",
+	"tokentap_stream_fluidity":      "Share of each stream's tokens that reached the reader by their deadline, the deadlines keeping their slack while tokens are on time (streams with tokens).",
+	"tokentap_stream_stall_seconds": "Time each stream's reader waited for tokens that had not come at its pace, added up, in seconds (streams with tokens).",
+	"tokentap_stream_stalls_total":  "Streams whose reader waited, by the hop that held the token behind its longest wait (upstream, gateway, client).",
+
 	"tokentap_requests_total":            "Requests finished, by outcome and response status class.",
 	"tokentap_output_tokens_total":       "Output tokens produced by the backend (from its usage report, else counted from the stream).",
 	"tokentap_input_tokens_total":        "Input (prompt) tokens the backend reported.",

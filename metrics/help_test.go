@@ -30,6 +30,7 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	rec.TTFT, rec.E2E, rec.ServerQueue, rec.ServerPrefill, rec.ServerDecode = time.Millisecond, time.Second, time.Millisecond, time.Millisecond, time.Millisecond
 	rec.Cost.USD, rec.CachedTokens, rec.CacheWriteTokens, rec.Tenant = 0.001, 10, 5, "t-"+route
 	rec.UsageSource, rec.Stream = UsageProvider, true
+	rec.Reading = Reading{Tokens: 10, QoE: 0.8, Fluidity: 0.9, Stall: 120 * time.Millisecond, Stalls: 1, HeldBy: HopUpstream}
 	s.Observe(&rec)
 	s.ModelIndex(0, []byte("a name that is folded"))
 	rec.Cost.Basis, rec.UsageSource = CostUnpriced, UsageRejected

@@ -105,11 +105,11 @@ type Record struct {
 	Error string
 
 	// Priority is the request's priority on a route with overload control
-	// (critical, standard, sheddable; "": none); PredictedTTFT and
-	// PredictedTPOT what its upstream's model predicted before it was sent
+	// (critical, standard, sheddable; "": none); Predicted what its
+	// upstream's model predicted before it was sent
 	// (Absent: no prediction), beside what it then lived.
-	Priority                     string
-	PredictedTTFT, PredictedTPOT time.Duration
+	Priority  string
+	Predicted Prediction
 
 	Queue        time.Duration // held by admission control
 	UpstreamTTFB time.Duration // upstream request written → first upstream response byte
@@ -142,6 +142,10 @@ type Record struct {
 	// ClientStallTTFT the part of it before the first token was delivered:
 	// time the client caused, which the canary guard leaves out.
 	ClientStall, ClientStallTTFT time.Duration
+	// Reading is how the stream read to a reader at the route's pace, on
+	// the client's clock where the record has it (Reading.Tokens 0: not a
+	// stream with tokens).
+	Reading Reading
 
 	// Server-side timings, when the backend reports them.
 	ServerQueue   time.Duration
@@ -225,6 +229,57 @@ type Record struct {
 	TenantSeries *TenantSeries
 }
 
+// Prediction is what an upstream's model predicted of a request before it
+// was sent (Absent: no prediction).
+type Prediction struct{ TTFT, TPOT time.Duration }
+
+// Reading is how a stream read to a reader who reads a token every Pace
+// from the first on and waits when the next has not come (the reader model
+// of docs/MEASUREMENT.md, "How the stream read"), judged against a first
+// token due TTFT after the request's start.
+type Reading struct {
+	// Tokens is the token events the model read (n); 0: no reading.
+	Tokens int
+	// QoE is min(1, (TTFT + (n−1)·Pace) / (the reader's end − start)):
+	// 1 when the reader finished by the expected timeline.
+	QoE float64
+	// Fluidity is the share of tokens that came by their deadline, the
+	// deadlines keeping their slack while tokens are on time.
+	Fluidity float64
+	// Stall is the reader's waits added up; Stalls the waits of at least
+	// one Pace.
+	Stall  time.Duration
+	Stalls int
+	// HeldBy is the hop that held the token behind the longest wait
+	// (HopNone: the reader never waited).
+	HeldBy Hop
+}
+
+// Hop is a hop of a token's way to the reader.
+type Hop uint8
+
+// The hops (Reading.HeldBy): the upstream sent the token's bytes late,
+// tokentap wrote them late after reading them, or the client's side
+// (its socket, its network) took them late.
+const (
+	HopNone Hop = iota
+	HopUpstream
+	HopGateway
+	HopClient
+)
+
+// HopNames are the hops' names, in order: the record's held_by, the
+// label held_by of tokentap_stream_stalls_total, and /stats.
+var HopNames = [...]string{"", "upstream", "gateway", "client"}
+
+// String is the hop's name ("" for HopNone).
+func (h Hop) String() string {
+	if int(h) < len(HopNames) {
+		return HopNames[h]
+	}
+	return ""
+}
+
 // Refused reports a request tokentap answered itself and never sent
 // upstream (shed, limited, rejected, malformed, or its client gone before
 // it was sent): it is counted, and timed in no latency distribution, which
@@ -269,7 +324,7 @@ func (r *Record) Reset() {
 		ITLMean: Absent, ITLP50: Absent, ITLP99: Absent, ITLMax: Absent,
 		TPOT: Absent, E2E: Absent, Overhead: Absent, ClientRTT: Absent,
 		ClientSRTT: Absent, FailoverWait: Absent, Upload: Absent, ClientTTFT: Absent, ClientTTFA: Absent, ClientE2E: Absent, BytesAcked: -1, CachedTokens: -1, Cost: Cost{USD: -1}, ReasoningTokens: -1,
-		PredictedTTFT: Absent, PredictedTPOT: Absent,
+		Predicted: Prediction{TTFT: Absent, TPOT: Absent},
 	}
 }
 

@@ -13,7 +13,7 @@ import (
 
 // Measures lists the histogram measures whose bucket bounds a config can
 // set, by their short names (tokentap_<name>_seconds).
-var Measures = []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "server_queue", "server_prefill", "server_decode", "client_ttft", "client_e2e"}
+var Measures = []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "server_queue", "server_prefill", "server_decode", "client_ttft", "client_e2e", "stream_stall"}
 
 // DefaultBuckets are the bucket upper bounds, in seconds, of each measure
 // where the config sets none. They hold the thresholds SLOs are usually
@@ -34,7 +34,12 @@ var DefaultBuckets = map[string][]float64{
 	"server_decode":  {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
 	"client_ttft":    {0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120},
 	"client_e2e":     {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
+	"stream_stall":   {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
 }
+
+// scoreBuckets are the bounds of the reading scores' histograms (QoE and
+// fluidity, 0 to 1).
+var scoreBuckets = []float64{0.1, 0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1}
 
 func init() {
 	// HELP and TYPE lines on /metrics, as Prometheus expects.
@@ -137,6 +142,8 @@ type Series struct {
 	serverOnce                        sync.Once
 	serverQueue, serverPrefill        *vm.PrometheusHistogram
 	serverDecode                      *vm.PrometheusHistogram
+	readingOnce                       sync.Once // rd, at the first stream read
+	rd                                *readingSeries
 	outTokens, inTokens, items        *vm.Counter
 	requests                          [numOutcomes][5]atomic.Pointer[vm.Counter] // [outcome][status class]
 	judged, good                      *vm.Counter                                // nil without SLOs
@@ -269,8 +276,8 @@ func newSeries(route, upstream, model string, buckets func(string) []float64, sl
 		x.judged = durable.GetOrCreateCounter("tokentap_slo_judged_requests_total{" + l + "}")
 		x.good = durable.GetOrCreateCounter("tokentap_goodput_requests_total{" + l + "}")
 		for i, n := range SLONames {
-			if SLOMisses(1<<i) == SLOUnacked {
-				continue // rare: made at its first use (missedCounter), as request counters are
+			if m := SLOMisses(1 << i); m == SLOUnacked || m == SLOQoE {
+				continue // rare, or set by few: made at its first use (missedCounter), as request counters are
 			}
 			x.missed[i] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_slo_missed_total{%s,slo=%q}`, l, n))
 		}
@@ -398,6 +405,9 @@ func (s *Set) Observe(r *Record) {
 	update(x.ttfb, r.UpstreamTTFB)
 	update(x.clientTTFT, r.ClientTTFT)
 	update(x.clientE2E, r.ClientE2E)
+	if rd := &r.Reading; rd.Tokens > 0 && served {
+		x.observeReading(rd)
+	}
 	if r.OutputTokens > 0 {
 		x.outTokens.Add(r.OutputTokens)
 	}
@@ -436,4 +446,33 @@ func classIndex(status int) int {
 		return 4
 	}
 	return c
+}
+
+// observeReading feeds how a stream read to its series, made at the first
+// stream the label pair reads.
+func (x *Series) observeReading(rd *Reading) {
+	x.readingOnce.Do(func() {
+		h := func(name string, b []float64) *vm.PrometheusHistogram {
+			return durable.GetOrCreatePrometheusHistogramExt("tokentap_"+name+"{"+x.labels+"}", b)
+		}
+		s := &readingSeries{qoe: h("stream_qoe", scoreBuckets), fluidity: h("stream_fluidity", scoreBuckets),
+			stall: h("stream_stall_seconds", x.buckets("stream_stall"))}
+		for i := 1; i < len(HopNames); i++ {
+			s.held[i] = durable.GetOrCreateCounter(fmt.Sprintf(`tokentap_stream_stalls_total{%s,held_by=%q}`, x.labels, HopNames[i]))
+		}
+		x.rd = s
+	})
+	s := x.rd
+	s.qoe.Update(rd.QoE)
+	s.fluidity.Update(rd.Fluidity)
+	s.stall.Update(rd.Stall.Seconds())
+	if int(rd.HeldBy) < len(s.held) && s.held[rd.HeldBy] != nil {
+		s.held[rd.HeldBy].Inc()
+	}
+}
+
+// readingSeries are a label pair's series of how its streams read.
+type readingSeries struct {
+	qoe, fluidity, stall *vm.PrometheusHistogram
+	held                 [len(HopNames)]*vm.Counter // by hop; none for HopNone
 }

@@ -42,7 +42,7 @@ func TestIdleSeriesPerRouteAndModel(t *testing.T) {
 	for _, m := range []string{"ttft", "ttfa", "itl", "tpot", "e2e", "queue", "overhead", "upstream_ttfb", "client_ttft", "client_e2e"} {
 		want += len(DefaultBuckets[m]) + 3 // buckets, +Inf, _sum, _count
 	}
-	want += 3 + 2 + NumSLO - 1 // the unacked miss is made at its first use
+	want += 3 + 2 + NumSLO - 2 // the unacked and qoe misses are made at their first use
 	if len(lines) != want {
 		t.Errorf("%d series per route × model, want %d:\n%s", len(lines), want, strings.Join(lines, "\n"))
 	}
@@ -96,6 +96,16 @@ func TestSLOJudge(t *testing.T) {
 	f(func(r *Record) { r.TTFT, r.TPOT = Absent, Absent }, 0) // not streamed: nothing to judge there
 	f(func(r *Record) { r.Outcome, r.E2E = OutcomeUpstreamTimeout, 11*time.Second }, SLOFailed|SLOE2E)
 	f(func(r *Record) { r.TPOT = 60 * time.Millisecond; r.Outcome = OutcomeClientCancel }, SLOTPOT|SLOFailed)
+	// A reader's objective: a stream that read under it is not good, a
+	// whole response (no reading) is not judged on it.
+	slo.QoE = 0.9
+	f(func(r *Record) { r.Reading = Reading{Tokens: 20, QoE: 0.95} }, 0)
+	f(func(r *Record) { r.Reading = Reading{Tokens: 20, QoE: 0.9} }, 0)
+	f(func(r *Record) { r.Reading = Reading{Tokens: 20, QoE: 0.89} }, SLOQoE)
+	f(func(r *Record) { r.TTFT, r.TPOT = Absent, Absent }, 0)
+	if got := SLOQoE.String(); got != "qoe" {
+		t.Errorf("String %q", got)
+	}
 	var r Record
 	r.Reset()
 	SLO{}.Judge(&r)

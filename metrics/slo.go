@@ -19,6 +19,9 @@ type SLO struct {
 	// (the default: the client's, network included, where the record has
 	// them) or "proxy" (tokentap's own marks).
 	Measure string
+	// QoE is the least reading score a stream may have (Record.Reading.QoE,
+	// 0 to 1); 0: none. It applies to streams with tokens only.
+	QoE float64
 }
 
 // Measures of an SLO.
@@ -48,6 +51,9 @@ func (s SLO) Over(o SLO) SLO {
 	if o.Measure != "" {
 		s.Measure = o.Measure
 	}
+	if o.QoE > 0 {
+		s.QoE = o.QoE
+	}
 	return s
 }
 
@@ -65,14 +71,15 @@ const (
 	SLOE2E
 	SLOFailed
 	SLOUnacked
+	SLOQoE
 )
 
 // SLONames are the names of the objectives, in bit order: the label slo
 // of tokentap_slo_missed_total, the access log's slo_missed, and /stats.
-var SLONames = []string{"ttft", "ttfa", "tpot", "e2e", "failed", "unacked"}
+var SLONames = []string{"ttft", "ttfa", "tpot", "e2e", "failed", "unacked", "qoe"}
 
 // NumSLO is len(SLONames).
-const NumSLO = 6
+const NumSLO = 7
 
 // Has reports whether bit i (an index into SLONames) is set.
 func (m SLOMisses) Has(i int) bool { return m&(1<<i) != 0 }
@@ -119,6 +126,9 @@ func (s SLO) Judge(r *Record) {
 	over(SLOTTFA, s.TTFA, ttfa)
 	over(SLOTPOT, s.TPOT, r.TPOT)
 	over(SLOE2E, s.E2E, e2e)
+	if s.QoE > 0 && r.Reading.Tokens > 0 && r.Reading.QoE < s.QoE {
+		m |= SLOQoE
+	}
 	r.SLOMisses = m
 }
 

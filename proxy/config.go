@@ -65,6 +65,10 @@ type Timeouts = upstream.Timeouts
 // DefaultTimeouts are the timeouts used where the config says nothing.
 var DefaultTimeouts = upstream.DefaultTimeouts
 
+// Pace is what a route's streams are read against (Route.QoE): the first
+// token due TTFT after the request's start, then a token every Read.
+type Pace = measure.Pace
+
 // Route sends requests whose path starts with Prefix to Upstream.
 type Route struct {
 	// Name labels the route's metrics and records.
@@ -118,6 +122,10 @@ type Route struct {
 	TLS *UpstreamTLS
 	// SLO is the route's objectives, over Config.SLO key by key.
 	SLO metrics.SLO
+	// QoE is what its streams are read against (Record.Reading): set
+	// times win, then the SLO's TTFT and TPOT objectives, then
+	// measure.DefaultPace.
+	QoE Pace
 	// Overload refuses requests that the upstream would serve too late
 	// (nil: every request is forwarded). See Overload.
 	Overload *Overload

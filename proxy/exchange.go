@@ -3,6 +3,7 @@ package proxy
 import (
 	"io"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics"
@@ -82,13 +83,27 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 	x.tap.Start(resp.Header.ContentType(), resp.Header.ContentEncoding(), x.dialect, x.snap.cfg.MaxEventBytes, x.snap.cfg.MaxDecodedBytes,
 		x, len(x.snap.cfg.Prices) > 0)
 	x.rec.Stream = x.tap.Streamed()
+	if cc := downstream.Of(x.client); cc != nil {
+		cc.Streaming(x.rec.Stream)
+	}
+	if x.rt != nil {
+		x.tap.Pace(x.pace())
+	}
 }
 
 // Observe feeds one upstream read, read at t, to the tap.
 func (x *exchange) Observe(b []byte, t time.Time) {
 	x.live()
 	x.tap.Read(b, t)
+	if h := holdRead.Load(); h != nil {
+		(*h)(b)
+	}
 }
+
+// holdRead, set by tests only, runs after each upstream read was fed to
+// the tap and before it is written to the client: a gateway that holds
+// tokens, to be told apart from an upstream that sends them late.
+var holdRead atomic.Pointer[func(b []byte)]
 
 // checkLive has every way into an exchange from its parts (the relay's
 // Sink, the tap's AckMarker, the watch of records waiting for the

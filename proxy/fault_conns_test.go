@@ -384,8 +384,11 @@ func TestFaultUnreadResponseIsNotGood(t *testing.T) {
 	wait.Long(t, "a client that never reads")
 	up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
+		// 75 chunks of 200 bytes: about 18 KB, within what the client's
+		// kernel takes unread and the 4 KiB a stream's socket holds unsent
+		// (downstream.MaxUnsent).
 		for range 75 {
-			io.WriteString(w, chatChunk(strings.Repeat("x", 4000)))
+			io.WriteString(w, chatChunk(strings.Repeat("x", 200)))
 		}
 		io.WriteString(w, `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":75}}`+"\n\ndata: [DONE]\n\n")
 	})

@@ -140,6 +140,7 @@ func (x *exchange) record(now time.Time, writeErr error, gone, complete bool) {
 
 	x.fillRecord(now)
 	x.cs.Fill(&x.rec, x.tap.Arrival())
+	x.tap.FillReading(&x.rec)
 	for _, o := range x.snap.observers {
 		o.observe(x, complete)
 	}

@@ -268,8 +268,8 @@ func TestShedSpeaksTheDialect(t *testing.T) {
 		if r.Outcome == metrics.OutcomeShed {
 			shed++
 			// Two ahead: past the 400 ms objective.
-			if r.PredictedTTFT <= 400*time.Millisecond || r.Priority != "standard" || !r.SLOJudged || r.Good() {
-				t.Errorf("shed record: predicted %v, priority %q, judged %v", r.PredictedTTFT, r.Priority, r.SLOJudged)
+			if r.Predicted.TTFT <= 400*time.Millisecond || r.Priority != "standard" || !r.SLOJudged || r.Good() {
+				t.Errorf("shed record: predicted %v, priority %q, judged %v", r.Predicted.TTFT, r.Priority, r.SLOJudged)
 			}
 		}
 	}

@@ -74,7 +74,7 @@ func (x *exchange) pickUpstream(r *route, h *fasthttp.RequestHeader) {
 	rec, snap := &x.rec, x.snap
 	c := r.set.Choose(&routing.Request{Now: x.p.now(), Body: x.in.body0, Tenant: x.tenant, Header: h, Objective: x.slo().TTFT})
 	if c.TTFT >= 0 {
-		rec.PredictedTTFT = c.TTFT
+		rec.Predicted.TTFT = c.TTFT
 	}
 	x.in.stickyKey, x.in.stickyKeyed = c.Key, c.Keyed
 	x.att.mem = c.Member
@@ -92,6 +92,13 @@ func (x *exchange) slo() metrics.SLO {
 		slo = slo.Over(t)
 	}
 	return slo
+}
+
+// pace is what the request's stream is read against: its route's qoe
+// times, else its objectives (under its tenant's), else the defaults.
+func (x *exchange) pace() measure.Pace {
+	slo := x.slo()
+	return measure.Pace{TTFT: slo.TTFT, Read: slo.TPOT}.Over(x.rt.QoE)
 }
 
 // overload is the request's overload step: the prediction for its
@@ -125,7 +132,7 @@ func (x *exchange) overload(ctx *fasthttp.RequestCtx, whole bool) *refusal {
 		return nil
 	}
 	if v.Known {
-		x.rec.PredictedTTFT, x.rec.PredictedTPOT = v.TTFT, v.TPOT
+		x.rec.Predicted.TTFT, x.rec.Predicted.TPOT = v.TTFT, v.TPOT
 	}
 	if !o.Shed || !v.Shed {
 		return nil
@@ -165,7 +172,7 @@ func (x *exchange) learnFirst() {
 		return
 	}
 	ttft := max(x.tap.FirstTokenRead().Sub(x.tap.Written()), 0)
-	x.att.up.Gate.Model.ObserveFirst(x.att.startK, len(x.in.body0)/4, ttft, x.rec.PredictedTTFT)
+	x.att.up.Gate.Model.ObserveFirst(x.att.startK, len(x.in.body0)/4, ttft, x.rec.Predicted.TTFT)
 	x.att.learned = true
 }
 
@@ -182,7 +189,7 @@ func (x *exchange) learnEnd(complete bool) {
 		g.Model.ObserveEnd(x.att.startK, x.rec.TPOT)
 	case !x.tap.Streamed() && x.rec.Method == "POST" && complete && !x.tap.FirstByteRead().IsZero() && !x.tap.Written().IsZero():
 		whole := max(x.tap.FirstByteRead().Sub(x.tap.Written()), 0)
-		g.Whole.Observe(x.att.startK, len(x.in.body0)/4, whole, -1, x.rec.PredictedTTFT)
+		g.Whole.Observe(x.att.startK, len(x.in.body0)/4, whole, -1, x.rec.Predicted.TTFT)
 	default:
 		g.Model.ObserveEnd(x.att.startK, -1) // a completion, nothing measured
 	}

@@ -88,13 +88,12 @@ func TestTimingsAgainstSchedule(t *testing.T) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		io.WriteString(w, `data: {"choices":[{"delta":{"role":"assistant","content":""}}]}`+"\n\n: keep-alive\n\n")
 		flush(w)
-		time.Sleep(first)
+		next := time.Now().Add(first)
 		for k := 0; k < tokens; k++ {
-			if k > 0 {
-				time.Sleep(gap)
-			}
+			time.Sleep(time.Until(next))
 			io.WriteString(w, chatChunk("t"))
 			flush(w)
+			next = time.Now().Add(gap)
 		}
 		io.WriteString(w, `data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":10}}`+"\n\ndata: [DONE]\n\n")
 	})

@@ -38,13 +38,12 @@ func sseSchedule(n int, first, gap time.Duration) http.HandlerFunc {
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.WriteHeader(200)
 		flush(w)
-		time.Sleep(first)
+		next := time.Now().Add(first)
 		for i := range n {
-			if i > 0 {
-				time.Sleep(gap)
-			}
+			time.Sleep(time.Until(next))
 			io.WriteString(w, chatChunk(fmt.Sprintf("t%d", i)))
 			flush(w)
+			next = time.Now().Add(gap)
 		}
 		io.WriteString(w, "data: [DONE]\n\n")
 	}

@@ -123,10 +123,10 @@ func TestTimeouts(t *testing.T) {
 		// the stream as a whole lasts three times the timeout.
 		const events = 30
 		up := startUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-			time.Sleep(40 * time.Millisecond)
 			w.Header().Set("Content-Type", "text/event-stream")
 			for k := 0; k < events; k++ {
-				time.Sleep(40 * time.Millisecond)
+				// 80 ms to the first byte, then 40 ms a chunk.
+				time.Sleep(time.Duration(1+max(0, 1-k)) * 40 * time.Millisecond)
 				io.WriteString(w, chatChunk("a"))
 				flush(w)
 			}

@@ -49,6 +49,9 @@ func validSLO(path string, s metrics.SLO) error {
 	if s.Target < 0 || s.Target > 1 {
 		return conf.Errf(path+".target", "must be a share between 0 and 1 (or a percentage such as 99%%)")
 	}
+	if s.QoE < 0 || s.QoE > 1 {
+		return conf.Errf(path+".qoe", "must be a score between 0 and 1 (0.9, or 90%%)")
+	}
 	return nil
 }
 
@@ -127,6 +130,9 @@ func (c *Config) validRoutes() (map[string]bool, error) {
 		}
 		if err := validSLO(field("slo"), r.SLO); err != nil {
 			return nil, err
+		}
+		if r.QoE.TTFT < 0 || r.QoE.Read < 0 {
+			return nil, conf.Errf(field("qoe"), "ttft and pace must be positive durations")
 		}
 		if err := r.validUpstreams(field); err != nil {
 			return nil, err

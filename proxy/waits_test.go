@@ -19,7 +19,7 @@ import (
 // waits for the event (waitFor, waitUntil, a channel); one that tests
 // time-dependent logic runs it on a fake clock (an injected now, or
 // testing/synctest). The bound may only come down.
-const maxTestSleeps = 61
+const maxTestSleeps = 60
 
 // TestTestsWaitForEvents keeps the waits in proxy's tests honest: the
 // sleeps within their bound, and no poll spelled out by hand (a loop that

@@ -180,6 +180,9 @@ type fileRoute struct {
 	WebSocket   bool          `yaml:"websocket"`
 	Timeouts    *fileTimeouts `yaml:"timeouts"`
 	SLO         *fileSLO      `yaml:"slo"`
+	// QoE is what the route's streams are read against: the first token
+	// due ttft after the start, then a token every pace.
+	QoE *fileQoE `yaml:"qoe"`
 	// Upstreams are several backends instead of upstream, split by
 	// balance and sticky.
 	Upstreams []fileUpstream `yaml:"upstreams"`
@@ -332,13 +335,28 @@ type fileSLO struct {
 	// Measure: client (default: the client's times, network included,
 	// where the record has them) or proxy (tokentap's own marks).
 	Measure string `yaml:"measure"`
+	// QoE is the least reading score of a good stream (0.9 or 90%).
+	QoE share `yaml:"qoe"`
 }
 
 func (f *fileSLO) slo() metrics.SLO {
 	if f == nil {
 		return metrics.SLO{}
 	}
-	return metrics.SLO{TTFT: f.TTFT.d, TTFA: f.TTFA.d, TPOT: f.TPOT.d, E2E: f.E2E.d, Target: float64(f.Target), Measure: f.Measure}
+	return metrics.SLO{TTFT: f.TTFT.d, TTFA: f.TTFA.d, TPOT: f.TPOT.d, E2E: f.E2E.d, Target: float64(f.Target), Measure: f.Measure, QoE: float64(f.QoE)}
+}
+
+// fileQoE is a route's reading pace; each key is optional.
+type fileQoE struct {
+	TTFT duration `yaml:"ttft"`
+	Pace duration `yaml:"pace"`
+}
+
+func (f *fileQoE) pace() proxy.Pace {
+	if f == nil {
+		return proxy.Pace{}
+	}
+	return proxy.Pace{TTFT: f.TTFT.d, Read: f.Pace.d}
 }
 
 // fileMetrics holds the bucket bounds per measure, in seconds.

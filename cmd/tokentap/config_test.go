@@ -119,6 +119,9 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	f("upstream: http://x\nslo:\n  target: 150%\n", nil, ":3:", "slo.target", "share")
 	f("upstream: http://x\nslo:\n  ttft: fast\n", nil, ":3:", "slo.ttft", "fast")
 	f("upstream: http://x\nslo:\n  measure: user\n", nil, ":3:", "slo.measure", "client or proxy")
+	f("upstream: http://x\nslo:\n  qoe: 1.5\n", nil, ":3:", "slo.qoe", "share")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    qoe: {pace: slow}\n", nil, ":5:", "routes[0].qoe.pace", "slow")
+	f("routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    qoe: {speed: 1s}\n", nil, ":5:", "routes[0].qoe", "unknown field speed")
 	ups := "routes:\n  - name: a\n    prefix: /\n"
 	f(ups+"    upstream: http://x\n    upstreams: [{name: s, url: http://y}]\n", nil, ":5:", "routes[0].upstreams", "not both")
 	f(ups+"    upstreams: [{name: s, url: http://y}, {name: s, url: http://z}]\n", nil, "routes[0].upstreams[1].name", "distinct")
@@ -505,5 +508,18 @@ func TestCheckCatchesWhatCannotTakeEffect(t *testing.T) {
 	}
 	if strings.Contains(out, "prices[0]") {
 		t.Errorf("a price a route's models meet was named:\n%s", out)
+	}
+}
+
+// TestRouteReadingPace: a route's qoe times and an SLO's qoe score reach
+// the proxy's config as written.
+func TestRouteReadingPace(t *testing.T) {
+	s, err := parseFlags([]string{"-config", writeFile(t, "routes:\n  - name: a\n    prefix: /\n    upstream: http://x\n    slo: {qoe: 90%}\n    qoe: {ttft: 800ms, pace: 40ms}\n")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := s.proxy.Routes[0]
+	if r.QoE != (proxy.Pace{TTFT: 800 * time.Millisecond, Read: 40 * time.Millisecond}) || r.SLO.QoE != 0.9 {
+		t.Errorf("qoe %+v, slo %+v", r.QoE, r.SLO)
 	}
 }

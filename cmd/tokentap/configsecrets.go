@@ -19,13 +19,21 @@ import (
 // objectives, and headers read from the environment and files.
 
 // parseSLO reads -slo's objectives: key=duration pairs of ttft, ttfa,
-// tpot and e2e, and target=0.99, comma-separated.
+// tpot and e2e, qoe=0.9 and target=0.99, comma-separated.
 func parseSLO(s string) (metrics.SLO, error) {
 	var slo metrics.SLO
 	for _, kv := range strings.Split(s, ",") {
 		k, v, ok := strings.Cut(strings.TrimSpace(kv), "=")
 		if !ok {
 			return slo, fmt.Errorf("-slo: %q is not key=value (ttft=500ms,tpot=50ms)", kv)
+		}
+		if k == "qoe" {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || f <= 0 || f > 1 {
+				return slo, fmt.Errorf("-slo: qoe %q is not a score above 0 and at most 1", v)
+			}
+			slo.QoE = f
+			continue
 		}
 		if k == "target" {
 			f, err := strconv.ParseFloat(v, 64)
@@ -49,7 +57,7 @@ func parseSLO(s string) (metrics.SLO, error) {
 		case "e2e":
 			slo.E2E = d
 		default:
-			return slo, fmt.Errorf("-slo: unknown objective %q (ttft, ttfa, tpot, e2e, target)", k)
+			return slo, fmt.Errorf("-slo: unknown objective %q (ttft, ttfa, tpot, e2e, qoe, target)", k)
 		}
 	}
 	return slo, nil

@@ -120,7 +120,7 @@ func parseFlags(args []string) (*settings, error) {
 	fs.StringVar(&f.config, "config", "", "YAML config file (see configs/tokentap.yaml)")
 	fs.StringVar(&f.accessLog, "access-log", "-", "access log path, - for stdout, empty to disable")
 	fs.BoolVar(&f.watchConfig, "watch-config", false, "reload when the config file changes (a Kubernetes ConfigMap), as on SIGHUP")
-	fs.StringVar(&f.slo, "slo", "", "the default objectives, over the config file's: ttft=500ms,tpot=50ms (also ttfa, e2e, target=0.99); goodput is judged by them")
+	fs.StringVar(&f.slo, "slo", "", "the default objectives, over the config file's: ttft=500ms,tpot=50ms (also ttfa, e2e, qoe=0.9, target=0.99); goodput is judged by them")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	check := fs.Bool("check", false, "check the config (with the flags) and exit: 0 when tokentap would start with it")
 	fs.SetOutput(io.Discard) // errors are returned; -h prints the usage to stdout

@@ -193,7 +193,7 @@ func (b *settingsBuilder) routes() error {
 		}
 		s.proxy.Routes = append(s.proxy.Routes, proxy.Route{
 			Name: r.Name, Prefix: r.Prefix, Models: r.Models, Upstream: r.Upstream, StripPrefix: r.StripPrefix, Dialect: r.Dialect, InjectUsage: r.InjectUsage, WebSocket: r.WebSocket, Timeouts: t,
-			SLO: r.SLO.slo(), Upstreams: ups, Balance: r.Balance, Sticky: r.Sticky,
+			SLO: r.SLO.slo(), QoE: r.QoE.pace(), Upstreams: ups, Balance: r.Balance, Sticky: r.Sticky,
 			Shadow: r.Shadow.shadow(), Failover: r.Failover.failover(), Guard: r.Guard.guard(), TLS: r.TLS.upstreamTLS(),
 			Overload: r.Overload.overload(), Headers: hs, ForwardClientKey: r.ForwardClientKey,
 		})

@@ -519,7 +519,7 @@ func postChats(t *testing.T, listen string, workers, n int) {
 // tokentap gives makes `tokentap stats` and `compare` across replicas fail
 // with a message, not a panic, and without the memory its indexes name.
 func TestStatsRefusesAHostileReplica(t *testing.T) {
-	hostile := `{"format":"` + stats.SketchFormat + `","window":"all","window_s":10,"generated_at":"2026-01-01T00:00:00Z","groups":[{"route":"chat","model":"m","tenant":"","upstream":"","count":1,"errors":0,"output_tokens":0,"slo_judged":0,"slo_good":0,"slo_missed":[0,0,0,0,0,0],"measures":[` +
+	hostile := `{"format":"` + stats.SketchFormat + `","window":"all","window_s":10,"generated_at":"2026-01-01T00:00:00Z","groups":[{"route":"chat","model":"m","tenant":"","upstream":"","count":1,"errors":0,"output_tokens":0,"slo_judged":0,"slo_good":0,"slo_missed":[0,0,0,0,0,0,0],"held_by":[0,0,0,0],"measures":[` +
 		// One TTFT value in a bin past 2^32 (contiguous counts at index 2^33).
 		`{"n":1,"sum":1,"max":1,"sketch":"BQGAgICAQAI="}` + strings.Repeat(`,{"n":0,"sum":0,"max":0}`, len(stats.MeasureNames())-1) + `]}]}`
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

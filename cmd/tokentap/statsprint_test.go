@@ -53,14 +53,14 @@ func TestOneTablePerQuestion(t *testing.T) {
 // TestSLOFlag: -slo sets the default objectives in one flag, over the
 // file's; a bad one names what is wrong.
 func TestSLOFlag(t *testing.T) {
-	s, err := parseFlags([]string{"-upstream", "http://127.0.0.1:1", "-slo", "ttft=500ms,tpot=50ms,target=0.99"})
+	s, err := parseFlags([]string{"-upstream", "http://127.0.0.1:1", "-slo", "ttft=500ms,tpot=50ms,qoe=0.9,target=0.99"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if slo := s.proxy.SLO; slo.TTFT != 500*time.Millisecond || slo.TPOT != 50*time.Millisecond || slo.Target != 0.99 {
+	if slo := s.proxy.SLO; slo.TTFT != 500*time.Millisecond || slo.TPOT != 50*time.Millisecond || slo.Target != 0.99 || slo.QoE != 0.9 {
 		t.Errorf("SLO %+v", slo)
 	}
-	for _, bad := range []string{"ttft", "ttft=fast", "speed=1s", "target=2"} {
+	for _, bad := range []string{"ttft", "ttft=fast", "speed=1s", "target=2", "qoe=1.5", "qoe=0"} {
 		if _, err := parseFlags([]string{"-upstream", "http://127.0.0.1:1", "-slo", bad}); err == nil || !strings.Contains(err.Error(), "-slo") {
 			t.Errorf("-slo %s: %v", bad, err)
 		}

@@ -74,6 +74,49 @@ type Group struct {
 	ClientTTFT Dist `json:"client_ttft_ms"`
 	ClientTTFA Dist `json:"client_ttfa_ms"`
 	ClientE2E  Dist `json:"client_e2e_ms"`
+	// Reading is how the group's streams read (absent: none read).
+	Reading *Reading `json:"reading,omitempty"`
+}
+
+// Reading is how a group's streams read to a reader at their route's
+// pace (metrics.Reading; docs/MEASUREMENT.md, "How the stream read"):
+// one value a stream in each distribution.
+type Reading struct {
+	Streams int64 `json:"streams"`
+	// StallRate is the share of streams with a stall (a wait of a pace
+	// or more).
+	StallRate float64 `json:"stall_rate"`
+	QoE       Dist    `json:"qoe"`
+	Fluidity  Dist    `json:"fluidity"`
+	StallMS   Dist    `json:"stall_ms"`
+	// HeldBy counts the streams whose reader waited by the hop that held
+	// its longest wait (upstream, gateway, client); HeldShare is each
+	// hop's share of them.
+	HeldBy    map[string]int64   `json:"held_by"`
+	HeldShare map[string]float64 `json:"held_share"`
+}
+
+// makeReading renders a's streams' reading (nil: none read).
+func makeReading(a *agg) *Reading {
+	ra := a.rd
+	if ra == nil || ra.readings == 0 {
+		return nil
+	}
+	r := &Reading{Streams: ra.readings, StallRate: math.Round(float64(ra.stalled)/float64(ra.readings)*1e4) / 1e4,
+		QoE: makeScoreDist(&ra.d[rQoE]), Fluidity: makeScoreDist(&ra.d[rFluidity]), StallMS: makeDist(&ra.d[rStall]),
+		HeldBy: map[string]int64{}, HeldShare: map[string]float64{}}
+	var waited int64
+	for h := 1; h < len(ra.held); h++ {
+		waited += ra.held[h]
+	}
+	for h := 1; h < len(ra.held); h++ {
+		n := metrics.HopNames[h]
+		r.HeldBy[n] = ra.held[h]
+		if waited > 0 {
+			r.HeldShare[n] = math.Round(float64(ra.held[h])/float64(waited)*1e4) / 1e4
+		}
+	}
+	return r
 }
 
 func (g *Group) key() Key { return Key{g.Route, g.Model, g.Tenant, g.Upstream, g.Class, g.Shadow} }
@@ -122,6 +165,18 @@ func makeDist(d *dist) Dist {
 		P99: round3(d.quantile(0.99)), Max: round3(d.maximum()), Mean: round3(d.mean())}
 }
 
+// makeScoreDist is the distribution of a score whose low values are the
+// bad ones (qoe, fluidity): its p90, p95 and p99 are the scores 90, 95 and
+// 99% of the values reached (the 10th, 5th and 1st percentiles), so that
+// p99 reads as a latency's does: the tail that matters.
+func makeScoreDist(d *dist) Dist {
+	if d.count() == 0 {
+		return Dist{}
+	}
+	return Dist{Count: d.count(), P50: round3(d.quantile(0.50)), P90: round3(d.quantile(0.10)), P95: round3(d.quantile(0.05)),
+		P99: round3(d.quantile(0.01)), Max: round3(d.maximum()), Mean: round3(d.mean())}
+}
+
 func makeGoodput(a *agg, target float64) Goodput {
 	g := Goodput{Judged: a.judged, Good: a.good, Missed: map[string]int64{}}
 	for i, n := range metrics.SLONames {
@@ -157,5 +212,6 @@ func group_(k Key, a *agg, span time.Duration, target float64) Group {
 	for i, d := range g.dists() {
 		*d = makeDist(&a.d[i])
 	}
+	g.Reading = makeReading(a)
 	return g
 }

@@ -57,6 +57,11 @@ type SketchGroup struct {
 	CacheHits     int64   `json:"cache_hits,omitempty"`
 	Missed        []int64 `json:"slo_missed"` // by metrics.SLONames
 	Target        float64 `json:"goodput_target,omitempty"`
+	// Readings, Stalled and Held are the agg's streams read, those that
+	// stalled, and their count by metrics.HopNames.
+	Readings int64   `json:"readings,omitempty"`
+	Stalled  int64   `json:"stalled,omitempty"`
+	Held     []int64 `json:"held_by"`
 	// Measures holds every measure's distribution, by MeasureNames.
 	Measures []SketchDist `json:"measures"`
 }
@@ -77,11 +82,12 @@ const SketchFormat = "ddsketch-cubic-0.005"
 
 // MeasureNames are the measures of SketchGroup.Measures, in order.
 func MeasureNames() []string {
-	names := make([]string, numMeasures)
+	names := make([]string, numMeasures+numReading)
 	for m := range numPublic {
 		names[m] = measureJSONName(m)
 	}
 	names[mTokensPerS] = "output_tokens_per_s_per_request"
+	names[numMeasures+rQoE], names[numMeasures+rFluidity], names[numMeasures+rStall] = "qoe", "fluidity", "stall_ms"
 	return names
 }
 
@@ -89,14 +95,34 @@ func sketchGroup(k Key, a *agg, target float64) SketchGroup {
 	g := SketchGroup{Route: k.Route, Model: k.Model, Tenant: k.Tenant, Upstream: k.Upstream, Class: k.Class, Shadow: k.Shadow,
 		Count: a.count, Errors: a.errors, Limited: a.limited, Refused: a.refused, OutTokens: a.outTokens, Judged: a.judged, Good: a.good,
 		CostMicro: a.costMicro, Priced: a.priced, CacheReported: a.cacheReported, CacheHits: a.cacheHits,
-		Missed: slices.Clone(a.missed[:]), Target: target, Measures: make([]SketchDist, numMeasures)}
-	for i := range a.d {
-		d := &a.d[i]
+		Missed: slices.Clone(a.missed[:]), Target: target, Measures: make([]SketchDist, numMeasures+numReading),
+		Held: make([]int64, len(metrics.HopNames))}
+	for i := range g.Measures {
+		d := a.sketchDist(i)
+		if d == nil {
+			continue
+		}
 		sd := SketchDist{N: d.count(), Sum: d.total(), Max: d.maximum()}
 		d.encode(&sd.Sketch)
 		g.Measures[i] = sd
 	}
+	if ra := a.rd; ra != nil {
+		g.Readings, g.Stalled = ra.readings, ra.stalled
+		copy(g.Held, ra.held[:])
+	}
 	return g
+}
+
+// sketchDist is a's distribution of SketchGroup.Measures[i] (nil: a
+// reading's, and a read no stream).
+func (a *agg) sketchDist(i int) *dist {
+	if i < numMeasures {
+		return &a.d[i]
+	}
+	if a.rd == nil {
+		return nil
+	}
+	return &a.rd.d[i-numMeasures]
 }
 
 // errSketchShape: an answer whose groups do not have this tokentap's
@@ -147,7 +173,7 @@ var sketchIndexes = [2]int{valueMapping.Index(1e-7), valueMapping.Index(1e10)}
 
 // checkSketchGroup refuses a group whose counts cannot be a tokentap's.
 func checkSketchGroup(g *SketchGroup) error {
-	if len(g.Measures) != numMeasures || len(g.Missed) != metrics.NumSLO {
+	if len(g.Measures) != numMeasures+numReading || len(g.Missed) != metrics.NumSLO || len(g.Held) != len(metrics.HopNames) {
 		return errSketchShape
 	}
 	bad := func(what string) error {
@@ -167,6 +193,16 @@ func checkSketchGroup(g *SketchGroup) error {
 		if m < 0 || m > g.Judged {
 			return bad("a miss count outside 0…judged")
 		}
+	}
+	var held int64
+	for _, h := range g.Held {
+		if h < 0 {
+			return bad("a negative count of streams held")
+		}
+		held += h
+	}
+	if g.Readings < 0 || g.Readings > g.Count || g.Stalled < 0 || g.Stalled > g.Readings || held != g.Readings {
+		return bad("counts of streams read outside their bounds")
 	}
 	for _, sd := range g.Measures {
 		switch {
@@ -252,12 +288,23 @@ func mergeSketchGroups(reps []SketchReport) (map[Key]*agg, []Key, map[Key]float6
 			for i := range a.missed {
 				a.missed[i] += g.Missed[i]
 			}
+			if g.Readings > 0 {
+				ra := a.reading()
+				ra.readings += g.Readings
+				ra.stalled += g.Stalled
+				for i := range ra.held {
+					ra.held[i] += g.Held[i]
+				}
+			}
 			targets[k] = max(targets[k], g.Target)
 			for i, sd := range g.Measures {
-				d := &a.d[i]
 				if sd.N == 0 {
 					continue
 				}
+				if i >= numMeasures {
+					a.reading()
+				}
+				d := a.sketchDist(i)
 				sk, err := decodeChecked(sd.Sketch, sd.N)
 				if err != nil {
 					return nil, nil, nil, fmt.Errorf("a sketch of route %q refused: %w", g.Route, err)

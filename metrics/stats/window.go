@@ -27,6 +27,16 @@ const (
 	numMeasures = numPublic + 1
 )
 
+// How streams read (metrics.Reading): each stream's QoE score, fluidity
+// and stall (ms), reported in Group.Reading; after the measures in a
+// replica's sketches (SketchGroup.Measures).
+const (
+	rQoE = iota
+	rFluidity
+	rStall
+	numReading
+)
+
 // agg is what a span of time holds for one group: counts and one
 // distribution per measure. Aggs of the same group merge.
 type agg struct {
@@ -38,6 +48,7 @@ type agg struct {
 	// with cached tokens).
 	costMicro, priced, cacheReported, cacheHits int64
 	missed                                      [metrics.NumSLO]int64
+	rd                                          *readAgg // nil: no stream read
 	d                                           [numMeasures]dist
 }
 
@@ -112,6 +123,50 @@ func (a *agg) add(r *metrics.Record, gaps []time.Duration) {
 		a.d[mTokensPerS].add(float64(r.OutputTokens) / r.E2E.Seconds())
 	}
 	a.d[mITL].addAll(gaps)
+	if r.Reading.Tokens > 0 && served {
+		a.reading().add(&r.Reading)
+	}
+}
+
+// readAgg is what an agg holds of the streams read: how many, those that
+// stalled (a wait of a pace or more), their count by the hop that held
+// each one's longest wait (metrics.HopNames), and the distributions. Most
+// aggs see no stream (a quiet group's rings, a route of embeddings): it is
+// made at the first.
+type readAgg struct {
+	readings, stalled int64
+	held              [len(metrics.HopNames)]int64
+	d                 [numReading]dist
+}
+
+// reading returns a's readAgg, making it.
+func (a *agg) reading() *readAgg {
+	if a.rd == nil {
+		a.rd = &readAgg{}
+	}
+	return a.rd
+}
+
+func (ra *readAgg) add(rd *metrics.Reading) {
+	ra.readings++
+	if rd.Stalls > 0 {
+		ra.stalled++
+	}
+	ra.held[min(int(rd.HeldBy), len(ra.held)-1)]++
+	ra.d[rQoE].add(rd.QoE)
+	ra.d[rFluidity].add(rd.Fluidity)
+	ra.d[rStall].add(ms(rd.Stall))
+}
+
+func (ra *readAgg) merge(o *readAgg) {
+	ra.readings += o.readings
+	ra.stalled += o.stalled
+	for i := range ra.held {
+		ra.held[i] += o.held[i]
+	}
+	for i := range ra.d {
+		ra.d[i].merge(&o.d[i])
+	}
 }
 
 func (a *agg) merge(o *agg) {
@@ -132,6 +187,9 @@ func (a *agg) merge(o *agg) {
 	for i := range a.missed {
 		a.missed[i] += o.missed[i]
 	}
+	if o.rd != nil {
+		a.reading().merge(o.rd)
+	}
 	for i := range a.d {
 		a.d[i].merge(&o.d[i])
 	}
@@ -142,6 +200,12 @@ func (a *agg) clear() {
 	a.count, a.errors, a.limited, a.outTokens, a.judged, a.good, a.refused = 0, 0, 0, 0, 0, 0, 0
 	a.costMicro, a.priced, a.cacheReported, a.cacheHits = 0, 0, 0, 0
 	a.missed = [metrics.NumSLO]int64{}
+	if a.rd != nil {
+		for i := range a.rd.d {
+			a.rd.d[i].clear()
+		}
+		a.rd = nil
+	}
 	for i := range a.d {
 		a.d[i].clear()
 	}

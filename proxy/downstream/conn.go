@@ -51,6 +51,14 @@ type ListenerOptions struct {
 	Log                                 *zap.Logger // nil: no logging
 }
 
+// MaxUnsent is the most bytes a client connection's socket holds written
+// and not yet sent while it carries a token stream (Conn.Streaming): past
+// it, writes wait for the client, and that wait is the client's stall
+// (Conn.Stall, and the reader model's "held by the client"). 4 KiB: a
+// burst of tens of tokens; at 16 KiB a reader with a small receive buffer
+// was measured 110 ms ahead of what its application read, at 4 KiB 3 ms.
+const MaxUnsent = 4 << 10
+
 // NewListener wraps ln: its connections carry the kernel's receive stamps
 // when ln is a TCP listener they can be enabled on.
 func NewListener(ln net.Listener, o ListenerOptions) *Listener {
@@ -238,6 +246,8 @@ type Conn struct {
 	// (each that took longer than stallMin, whole, and each wait of a relay
 	// loop for writability), TCP_INFO when accepted and when closed.
 	measure.Wire
+	// limited: the socket holds at most MaxUnsent bytes unsent (Streaming).
+	limited bool
 
 	caps   *Caps
 	closed atomic.Bool
@@ -460,6 +470,25 @@ func (c *Conn) scanHead(b []byte) {
 		if len(b) < 3 {
 			c.headN = copy(c.head[:], seam[max(k-3, 0):k])
 		}
+	}
+}
+
+// Streaming says whether the response about to be written is a token
+// stream: its socket then holds at most MaxUnsent bytes unsent
+// (sock.LimitUnsent), so a client that takes its tokens late holds the
+// writes back and is seen to; a body relayed whole is written into the
+// socket's whole buffer (the limit cost a 32 MiB body a third of its
+// loopback throughput: BenchmarkBulkBody). A syscall only when it changes.
+func (c *Conn) Streaming(on bool) {
+	if on == c.limited || c.Sys == nil {
+		return
+	}
+	n := 0 // the system's default (net.ipv4.tcp_notsent_lowat)
+	if on {
+		n = MaxUnsent
+	}
+	if sock.LimitUnsent(c.Sys, n) == nil {
+		c.limited = on
 	}
 }
 

@@ -164,3 +164,12 @@ func (tp *Tap) Fill(rec *metrics.Record, now time.Time) {
 		rec.ResponseModel = string(tp.model)
 	}
 }
+
+// Pace sets what the stream is read against (its zero times: DefaultPace's).
+// Before the body's first token.
+func (tp *Tap) Pace(p Pace) { tp.m.rd.start(p) }
+
+// FillReading fills, once the client's side of rec is filled (its time to
+// first token), how the stream read (rec.Reading) and the inter-token
+// gaps' percentiles.
+func (tp *Tap) FillReading(rec *metrics.Record) { tp.m.finish(rec, tp.streamed) }

@@ -45,6 +45,8 @@ type meter struct {
 
 	// live receives every inter-token gap as it is measured (nil: none).
 	live *metrics.Series
+	// rd follows the stream as a reader at the route's pace would read it.
+	rd reader
 }
 
 // usage is the token usage the response reported, merged across events.
@@ -113,6 +115,7 @@ const maxGaps = 1 << 16
 // its gap buffer.
 func (m *meter) reset(arrival time.Time) {
 	*m = meter{arrival: arrival, gaps: m.gaps[:0]}
+	m.rd.start(Pace{})
 }
 
 // read marks a chunk of the body read at t.
@@ -126,6 +129,7 @@ func (m *meter) read(t time.Time) {
 // as delivered at the next wrote (or deliver).
 func (m *meter) observe(o dialect.Obs, t time.Time) {
 	if o.Token {
+		m.rd.read(t, m.chunkTokens)
 		m.events++
 		m.chunkTokens++
 		if o.Answer {
@@ -187,6 +191,7 @@ func (m *meter) deliver(t time.Time) (firstToken, firstAnswer bool) {
 		m.firstAnswerFlush, firstAnswer = t, true
 	}
 	m.chunkAnswers = 0
+	m.rd.deliver(t, m.chunkTokens, m.stall)
 	for ; m.chunkTokens > 0; m.chunkTokens-- {
 		if m.firstTokenFlush.IsZero() {
 			m.firstTokenFlush, m.stallTTFT, firstToken = t, m.stall, true
@@ -281,17 +286,6 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 		}
 	}
 	rec.ITLCount = m.itlCount
-	if n := len(m.gaps); n > 0 {
-		var sum time.Duration
-		for _, g := range m.gaps {
-			sum += g
-		}
-		slices.Sort(m.gaps)
-		rec.ITLMean = sum / time.Duration(n)
-		rec.ITLP50 = m.gaps[(n-1)/2]
-		rec.ITLP99 = m.gaps[(n-1)*99/100]
-		rec.ITLMax = m.gaps[n-1]
-	}
 	if !m.written.IsZero() {
 		// Attempts that failed over are the backends' time, not
 		// tokentap's: they are reported apart (failover_ms).
@@ -311,4 +305,32 @@ func (m *meter) fill(rec *metrics.Record, now time.Time, streamed bool) {
 		}
 		rec.Overhead = o
 	}
+}
+
+// finish fills what needs the client's side of rec filled first (its
+// time to first token) and the gaps in their order: the stream's reading
+// (streams only), then the gaps' percentiles, which sort them.
+func (m *meter) finish(rec *metrics.Record, streamed bool) {
+	if streamed && rec.TTFT >= 0 {
+		m.rd.fill(&rec.Reading, either(rec.ClientTTFT, rec.TTFT), m.gaps)
+	}
+	if n := len(m.gaps); n > 0 {
+		var sum time.Duration
+		for _, g := range m.gaps {
+			sum += g
+		}
+		slices.Sort(m.gaps)
+		rec.ITLMean = sum / time.Duration(n)
+		rec.ITLP50 = m.gaps[(n-1)/2]
+		rec.ITLP99 = m.gaps[(n-1)*99/100]
+		rec.ITLMax = m.gaps[n-1]
+	}
+}
+
+// either is a unless it is absent (negative), else b.
+func either(a, b time.Duration) time.Duration {
+	if a >= 0 {
+		return a
+	}
+	return b
 }

@@ -55,6 +55,7 @@ func runMeter(steps []step, queue time.Duration, streamed bool) metrics.Record {
 		}
 	}
 	m.fill(&rec, end, streamed)
+	m.finish(&rec, streamed)
 	return rec
 }
 
@@ -170,6 +171,7 @@ func TestMeterDroppedChunk(t *testing.T) {
 	var rec metrics.Record
 	rec.Reset()
 	m.fill(&rec, base.Add(3*time.Millisecond), true)
+	m.finish(&rec, true)
 	if rec.Events != 1 || rec.TTFT != -1 {
 		t.Fatalf("events %d ttft %v", rec.Events, rec.TTFT)
 	}
@@ -245,6 +247,7 @@ func replayFixture(want fixture, pieces [][]byte) fixture {
 	var rec metrics.Record
 	rec.Reset()
 	m.fill(&rec, base, streamed)
+	m.finish(&rec, streamed)
 	got.TokenEvents, got.AnswerEvents, got.Items, got.Error = m.events, m.answers, rec.Items, m.streamError
 	index := func(d time.Duration) *int {
 		i := int(d / time.Millisecond)

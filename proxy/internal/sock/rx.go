@@ -55,6 +55,23 @@ func EnableRxStamps(raw syscall.RawConn) error {
 	return serr
 }
 
+// LimitUnsent has the kernel take a write on the socket only while fewer
+// than n bytes written wait unsent (TCP_NOTSENT_LOWAT): bytes a client
+// cannot take yet (its receive window is full, its path is congested) then
+// hold the write back instead of queueing in the socket's buffer, which may
+// hold megabytes, so the time a client held a response shows as its
+// writes' wait, and the delivery of each token is stamped within n bytes
+// of when it could leave.
+func LimitUnsent(raw syscall.RawConn, n int) error {
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, n)
+	}); err != nil {
+		return err
+	}
+	return serr
+}
+
 // NewConn wraps tc, whose socket has receive timestamps enabled
 // (EnableRxStamps) when stamped is true.
 func NewConn(tc *net.TCPConn, stamped bool) *Conn {

@@ -1,0 +1,111 @@
+package stats
+
+import (
+	"encoding/json"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/tokentap/tokentap/metrics"
+)
+
+// TestReadingPerGroup: a group's reading is its streams' known truth: the
+// count, the stall rate, the hops' counts and shares exact; the scores'
+// quantiles within the sketches' accuracy of the exact ones, their p99
+// the low tail; and the same after the sketches of two replicas merge.
+// Records without a reading (whole responses) and refusals add nothing.
+func TestReadingPerGroup(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	c := newClock()
+	all, a, b := New(Options{Now: c.now}), New(Options{Now: c.now}), New(Options{Now: c.now})
+	x := series(t)
+	var qoes, stalls []float64
+	stalled := 0
+	held := map[metrics.Hop]int64{}
+	for i := range 2000 {
+		r := record(x, 100*time.Millisecond, time.Second, 50)
+		if i%10 == 9 { // a whole response: no reading
+			all.Observe(r, nil)
+			a.Observe(r, nil)
+			continue
+		}
+		q := 1.0
+		if rng.IntN(4) == 0 {
+			q = 0.2 + 0.8*rng.Float64()
+		}
+		rd := metrics.Reading{Tokens: 50, QoE: q, Fluidity: math.Min(1, q+0.1)}
+		if q < 1 {
+			rd.Stall = time.Duration(rng.IntN(2000)+1) * time.Millisecond
+			rd.Stalls = 1 + rng.IntN(3)
+			rd.HeldBy = []metrics.Hop{metrics.HopUpstream, metrics.HopUpstream, metrics.HopGateway, metrics.HopClient}[rng.IntN(4)]
+			stalled++
+			held[rd.HeldBy]++
+		}
+		r.Reading = rd
+		qoes = append(qoes, q)
+		stalls = append(stalls, ms(rd.Stall))
+		// Every stream to one engine, and half of them to each replica.
+		all.Observe(r, nil)
+		[]*Engine{a, b}[len(qoes)%2].Observe(r, nil)
+	}
+	refused := record(x, metrics.Absent, time.Millisecond, 0)
+	refused.Outcome, refused.Attempts = metrics.OutcomeRejected, 0
+	refused.Reading = metrics.Reading{Tokens: 5, QoE: 0.01}
+	all.Observe(refused, nil)
+	a.Observe(refused, nil)
+
+	slices.Sort(qoes)
+	slices.Sort(stalls)
+	check := func(what string, rep Report) {
+		t.Helper()
+		if len(rep.Groups) != 1 || rep.Groups[0].Reading == nil {
+			t.Fatalf("%s: groups %+v", what, rep.Groups)
+		}
+		rd := rep.Groups[0].Reading
+		if rd.Streams != int64(len(qoes)) || rd.QoE.Count != int64(len(qoes)) {
+			t.Errorf("%s: %d streams (%d qoe values), want %d", what, rd.Streams, rd.QoE.Count, len(qoes))
+		}
+		if want := math.Round(float64(stalled)/float64(len(qoes))*1e4) / 1e4; rd.StallRate != want {
+			t.Errorf("%s: stall rate %v, want %v", what, rd.StallRate, want)
+		}
+		for h, n := range held {
+			if rd.HeldBy[h.String()] != n || math.Abs(rd.HeldShare[h.String()]-float64(n)/float64(stalled)) > 1e-4 {
+				t.Errorf("%s: held by %s %d (share %v), want %d of %d", what, h, rd.HeldBy[h.String()], rd.HeldShare[h.String()], n, stalled)
+			}
+		}
+		near := func(name string, got, want float64) {
+			if math.Abs(got-want) > 0.01*want+0.001 {
+				t.Errorf("%s: %s %v, exact %v", what, name, got, want)
+			}
+		}
+		near("qoe p50", rd.QoE.P50, exact(qoes, 0.5))
+		near("qoe p95 (the 5th percentile)", rd.QoE.P95, exact(qoes, 0.05))
+		near("qoe p99 (the 1st percentile)", rd.QoE.P99, exact(qoes, 0.01))
+		near("stall p99", rd.StallMS.P99, exact(stalls, 0.99))
+		if rd.QoE.P99 > rd.QoE.P95 || rd.QoE.P95 > rd.QoE.P50 {
+			t.Errorf("%s: qoe p50 %v p95 %v p99 %v: the tail must be lower", what, rd.QoE.P50, rd.QoE.P95, rd.QoE.P99)
+		}
+	}
+	check("one engine", all.Query(Query{}))
+	// Merged: the two replicas' sketches, as a cluster's /stats merges them.
+	reps := []SketchReport{a.QuerySketches(Query{Window: "5m"}), b.QuerySketches(Query{Window: "5m"})}
+	raw, err := json.Marshal(reps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back []SketchReport
+	if err := json.Unmarshal(raw, &back); err != nil {
+		t.Fatal(err)
+	}
+	merged, err := MergeSketches(back)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("merged", merged)
+	// A replica's own answer holds its half.
+	if rd := a.Query(Query{}).Groups[0].Reading; rd == nil || rd.Streams != int64(len(qoes)/2) {
+		t.Errorf("one replica: %+v", rd)
+	}
+}
