@@ -392,6 +392,7 @@ func printStats(out io.Writer, rep stats.Report) {
 		fmt.Fprintln(out, "goodput: no SLO set, nothing judged; -slo ttft=500ms,tpot=50ms or slo: {ttft: 500ms} in the config turns it on")
 	}
 	printCost(out, rep.Groups)
+	printReading(out, rep.Groups)
 	printOverload(out, rep.Overload)
 	for _, g := range rep.Groups {
 		if line := waitSplit(g); line != "" {

@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"text/tabwriter"
 	"time"
 
 	"github.com/tokentap/tokentap/metrics/stats"
@@ -180,4 +181,36 @@ func (ac adminClient) get(ctx context.Context, base, path string) ([]byte, error
 		return body, fmt.Errorf("%s answered %s: %s", path, resp.Status, strings.TrimSpace(string(body)))
 	}
 	return body, nil
+}
+
+// printReading prints how each group's streams read to a reader at their
+// route's pace (docs/MEASUREMENT.md, "How the stream read"), where any
+// was read: the scores' p99 is the low tail, and the hop that held most
+// of the streams whose reader waited.
+func printReading(out io.Writer, groups []stats.Group) {
+	var rows []stats.Group
+	for _, g := range groups {
+		if g.Reading != nil {
+			rows = append(rows, g)
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(out, "\nhow streams read:")
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	ups := byUpstream(rows)
+	fmt.Fprintln(tw, "route\tmodel\ttenant\t"+ups.head+"streams\tQoE p50\tp99\tfluidity p50\tp99\tstalled\tstall ms p99\theld most by\t")
+	for _, g := range rows {
+		rd := g.Reading
+		held, most := "-", 0.0
+		for _, hop := range []string{"upstream", "gateway", "client"} {
+			if s := rd.HeldShare[hop]; s > most {
+				held, most = fmt.Sprintf("%s %.0f%%", hop, 100*s), s
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s%d\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f%%\t%.1f\t%s\t\n", dash(g.Route), dash(g.Model), dash(g.Tenant), ups.cell(g),
+			rd.Streams, rd.QoE.P50, rd.QoE.P99, rd.Fluidity.P50, rd.Fluidity.P99, 100*rd.StallRate, rd.StallMS.P99, held)
+	}
+	_ = tw.Flush()
 }

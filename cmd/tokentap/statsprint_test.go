@@ -66,3 +66,30 @@ func TestSLOFlag(t *testing.T) {
 		}
 	}
 }
+
+// TestStatsPrintsHowStreamsRead: tokentap stats has a table of how
+// streams read where any was, with the low tail of the scores and the hop
+// that held most stalled streams; none without a reading.
+func TestStatsPrintsHowStreamsRead(t *testing.T) {
+	g := stats.Group{Route: "chat", Model: "m", Tenant: "default", Count: 40,
+		Reading: &stats.Reading{Streams: 40, StallRate: 0.125, QoE: stats.Dist{Count: 40, P50: 1, P99: 0.612}, Fluidity: stats.Dist{Count: 40, P50: 1, P99: 0.7},
+			StallMS: stats.Dist{Count: 40, P99: 812.5}, HeldBy: map[string]int64{"upstream": 2, "client": 6}, HeldShare: map[string]float64{"upstream": 0.25, "client": 0.75}}}
+	var out bytes.Buffer
+	printStats(&out, stats.Report{Groups: []stats.Group{g}})
+	text := out.String()
+	i := strings.Index(text, "how streams read:")
+	if i < 0 {
+		t.Fatalf("no reading table:\n%s", text)
+	}
+	for _, want := range []string{"QoE p50", "0.612", "12.5%", "812.5", "client 75%"} {
+		if !strings.Contains(text[i:], want) {
+			t.Errorf("the reading table lacks %q:\n%s", want, text[i:])
+		}
+	}
+	g.Reading = nil
+	out.Reset()
+	printStats(&out, stats.Report{Groups: []stats.Group{g}})
+	if strings.Contains(out.String(), "how streams read") {
+		t.Errorf("a reading table without streams:\n%s", out.String())
+	}
+}

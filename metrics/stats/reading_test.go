@@ -5,6 +5,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -107,5 +108,43 @@ func TestReadingPerGroup(t *testing.T) {
 	// A replica's own answer holds its half.
 	if rd := a.Query(Query{}).Groups[0].Reading; rd == nil || rd.Streams != int64(len(qoes)/2) {
 		t.Errorf("one replica: %+v", rd)
+	}
+}
+
+// TestHeldWarning: a route whose stalls are mostly held by one hop says
+// which and why; a few stalls, or stalls spread over the hops, say
+// nothing.
+func TestHeldWarning(t *testing.T) {
+	x := series(t)
+	run := func(stalled int, hops ...metrics.Hop) []Warning {
+		c := newClock()
+		e := New(Options{Now: c.now})
+		for i := range 100 {
+			r := record(x, 100*time.Millisecond, time.Second, 20)
+			r.Reading = metrics.Reading{Tokens: 20, QoE: 1, Fluidity: 1}
+			if i < stalled {
+				r.Reading.Stall, r.Reading.Stalls, r.Reading.HeldBy = 300*time.Millisecond, 1, hops[i%len(hops)]
+			}
+			e.Observe(r, nil)
+		}
+		var held []Warning
+		for _, w := range e.Query(Query{}).Warnings {
+			if w.Kind == WarnHeld {
+				held = append(held, w)
+			}
+		}
+		return held
+	}
+	if w := run(31, metrics.HopUpstream); len(w) != 1 || !strings.Contains(w[0].Message, "held by the upstream in 31% of streams") || !strings.Contains(w[0].Message, "bursts") {
+		t.Errorf("upstream: %+v", w)
+	}
+	if w := run(20, metrics.HopClient, metrics.HopClient, metrics.HopClient, metrics.HopUpstream); len(w) != 1 || !strings.Contains(w[0].Message, "held by the client in 15% of streams") || !strings.Contains(w[0].Message, "slow readers") {
+		t.Errorf("clients: %+v", w)
+	}
+	if w := run(3, metrics.HopUpstream); len(w) != 0 {
+		t.Errorf("3%% stalled: %+v", w)
+	}
+	if w := run(30, metrics.HopUpstream, metrics.HopClient); len(w) != 0 {
+		t.Errorf("stalls spread over two hops: %+v", w)
 	}
 }

@@ -51,7 +51,35 @@ const (
 	WarnGoodput   = "goodput"         // goodput under its SLO target
 	WarnGuard     = "guard_tripped"   // a canary guard stopped its candidate
 	WarnShedding  = "shedding"        // overload control refuses requests
+	WarnHeld      = "tokens_held"     // streams stall, mostly held by one hop
 )
+
+// heldBecause says what a hop that holds most stalled streams' tokens
+// usually is.
+var heldBecause = map[string]string{
+	"upstream": "it sends in bursts or pauses mid-stream",
+	"gateway":  "tokentap wrote late what it had read (is its CPU starved?)",
+	"client":   "slow readers or a congested path",
+}
+
+// heldWarning warns when at least 5% of a group's streams stalled (a wait
+// of a pace or more) and one hop held at least 60% of the streams whose
+// reader waited.
+func heldWarning(g *Group, w WarnOptions) (vals map[string]float64, msg string, ok bool) {
+	rd := g.Reading
+	if rd == nil || rd.Streams < w.MinRequests || rd.StallRate < 0.05 {
+		return nil, "", false
+	}
+	for _, hop := range []string{"upstream", "gateway", "client"} {
+		if share := rd.HeldShare[hop]; share >= 0.6 {
+			of := float64(rd.HeldBy[hop]) / float64(rd.Streams)
+			vals = map[string]float64{"held_share": share, "streams_share": round3(of), "stall_rate": rd.StallRate, "streams": float64(rd.Streams)}
+			return vals, fmt.Sprintf("tokens held by the %s in %.0f%% of streams (%.0f%% of those whose reader waited; %.0f%% stalled): %s",
+				hop, 100*of, 100*share, 100*rd.StallRate, heldBecause[hop]), true
+		}
+	}
+	return nil, "", false
+}
 
 // Warning says what looks wrong, where, and the numbers that say so.
 type Warning struct {
@@ -114,6 +142,9 @@ func (e *Engine) warnings(q Query, groups []Group, list []*group, s int64, now t
 		if lim := ms(w.OverheadP95); g.Overhead.Count >= w.MinRequests && g.Overhead.P95 > lim {
 			add(WarnOverhead, k, map[string]float64{"overhead_p95_ms": g.Overhead.P95, "threshold_ms": lim},
 				"gateway overhead p95 %.2f ms is above %.2f ms", g.Overhead.P95, lim)
+		}
+		if vals, msg, ok := heldWarning(g, w); ok {
+			add(WarnHeld, k, vals, "%s", msg)
 		}
 		if gp := g.Goodput; gp.Target != nil && gp.Ratio != nil && gp.Judged >= w.MinRequests && *gp.Ratio < *gp.Target {
 			worst, n := "", int64(0)

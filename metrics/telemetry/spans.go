@@ -38,6 +38,11 @@ const (
 	attrQueueMS      = attribute.Key("tokentap.queue_ms")
 	attrOverheadMS   = attribute.Key("tokentap.overhead_ms")
 	attrClientTTFTMS = attribute.Key("tokentap.client_ttft_ms")
+	attrQoE          = attribute.Key("tokentap.qoe")
+	attrFluidity     = attribute.Key("tokentap.fluidity")
+	attrStallMS      = attribute.Key("tokentap.stall_ms")
+	attrStalls       = attribute.Key("tokentap.stalls")
+	attrHeldBy       = attribute.Key("tokentap.held_by")
 	attrSLOOK        = attribute.Key("tokentap.slo_ok")
 	attrRequestID    = attribute.Key("tokentap.request_id")
 	attrReason       = attribute.Key("tokentap.failover_reason")
@@ -235,6 +240,12 @@ func spanAttrs(attrs []attribute.KeyValue, r *metrics.Record, op string) []attri
 	}
 	if r.ClientTTFT >= 0 {
 		attrs = append(attrs, attrClientTTFTMS.Float64(ms(r.ClientTTFT)))
+	}
+	if rd := &r.Reading; rd.Tokens > 0 {
+		attrs = append(attrs, attrQoE.Float64(rd.QoE), attrFluidity.Float64(rd.Fluidity), attrStallMS.Float64(ms(rd.Stall)), attrStalls.Int(rd.Stalls))
+		if rd.HeldBy != metrics.HopNone {
+			attrs = append(attrs, attrHeldBy.String(rd.HeldBy.String()))
+		}
 	}
 	if r.SLOJudged {
 		attrs = append(attrs, attrSLOOK.Bool(r.SLOMisses == 0))

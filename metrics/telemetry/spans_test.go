@@ -69,7 +69,8 @@ func TestSpanEncodingDecodesToOTLP(t *testing.T) {
 	e.span(&r)
 	ok := metrics.Record{Route: "embed", Dialect: "openai-embeddings", Outcome: metrics.OutcomeOK, Status: 200, RequestID: "req-2",
 		Start: start, TTFT: 40 * time.Millisecond, TTFA: 50 * time.Millisecond, E2E: 60 * time.Millisecond, ClientTTFT: 41 * time.Millisecond,
-		ClientE2E: -1, Queue: -1, Overhead: 250 * time.Microsecond, InputTokens: 7, OutputTokens: 0, TokensSource: "usage", SLOJudged: true, SLOMisses: 1}
+		ClientE2E: -1, Queue: -1, Overhead: 250 * time.Microsecond, InputTokens: 7, OutputTokens: 0, TokensSource: "usage", SLOJudged: true, SLOMisses: 1,
+		Reading: metrics.Reading{Tokens: 9, QoE: 0.75, Fluidity: 0.5, Stall: 120 * time.Millisecond, Stalls: 2, HeldBy: metrics.HopClient}}
 	ok.Trace = metrics.TraceContext{TraceID: [16]byte{9}, SpanID: [8]byte{10}, Sampled: true, State: "ignored=without-a-parent"}
 	e.span(&ok)
 
@@ -121,7 +122,8 @@ func TestSpanEncodingDecodesToOTLP(t *testing.T) {
 			boolean("gen_ai.request.stream", false), str("tokentap.route", "embed"), str("tokentap.outcome", "ok"),
 			str("tokentap.request_id", "req-2"), num("gen_ai.usage.output_tokens", 0), num("gen_ai.usage.input_tokens", 7),
 			dbl("gen_ai.response.time_to_first_chunk", 0.04), num("http.response.status_code", 200),
-			dbl("tokentap.overhead_ms", 0.25), dbl("tokentap.client_ttft_ms", 41), boolean("tokentap.slo_ok", false)},
+			dbl("tokentap.overhead_ms", 0.25), dbl("tokentap.client_ttft_ms", 41), dbl("tokentap.qoe", 0.75), dbl("tokentap.fluidity", 0.5),
+			dbl("tokentap.stall_ms", 120), num("tokentap.stalls", 2), str("tokentap.held_by", "client"), boolean("tokentap.slo_ok", false)},
 		Events: []*tracepb.Span_Event{{Name: "tokentap.first_token", TimeUnixNano: ns(start.Add(40 * time.Millisecond))},
 			{Name: "tokentap.first_answer_token", TimeUnixNano: ns(start.Add(50 * time.Millisecond))}},
 	}
