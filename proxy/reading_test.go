@@ -34,7 +34,9 @@ type readingDialect struct {
 
 var readingDialects = []readingDialect{
 	{"openai", "/v1/chat/completions", "text/event-stream", `{"model":"m","stream":true}`,
-		func(s string) string { return `data: {"choices":[{"index":0,"delta":{"content":"` + s + `"}}]}` + "\n\n" },
+		func(s string) string {
+			return `data: {"choices":[{"index":0,"delta":{"content":"` + s + `"}}]}` + "\n\n"
+		},
 		"data: [DONE]\n\n"},
 	{"anthropic", "/v1/messages", "text/event-stream", `{"model":"m","stream":true,"max_tokens":100}`,
 		func(s string) string {
