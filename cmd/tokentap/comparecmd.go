@@ -95,7 +95,7 @@ func compareReplicas(ctx context.Context, admins []string, ac adminClient, route
 
 // headline are the rows shown without -v: what a user feels first, and
 // last ("" is tokens/s per request).
-var headline = map[string]bool{"": true, "ttft_ms p50": true, "ttft_ms p95": true, "tpot_ms p50": true, "e2e_ms p50": true, "e2e_ms p95": true}
+var headline = map[string]bool{"": true, "ttft_ms p50": true, "ttft_ms p95": true, "tpot_ms p50": true, "e2e_ms p50": true, "e2e_ms p95": true, "qoe p99": true}
 
 // printComparison prints a verdict: one line that says it, then a table
 // of the rows outside the noise and the headline ones (with all, every
@@ -136,7 +136,11 @@ func printComparison(out io.Writer, c stats.Comparison, all bool) {
 		row("tokens/s per request", "", c.Through)
 	}
 	for _, d := range c.Measures {
-		row(strings.TrimSuffix(d.Name, "_ms")+" "+d.Quantile+" (ms)", d.Name+" "+d.Quantile, d)
+		name := strings.TrimSuffix(d.Name, "_ms") + " " + d.Quantile + " (ms)"
+		if d.Name == "qoe" {
+			name = "qoe " + d.Quantile + " (low tail)"
+		}
+		row(name, d.Name+" "+d.Quantile, d)
 	}
 	_ = tw.Flush()
 	if hidden > 0 {

@@ -75,7 +75,8 @@ type Diff struct {
 	NA int64 `json:"n_a"`
 	NB int64 `json:"n_b"`
 	// Better is the side that does better on a significant row ("a" or
-	// "b": the lower for times, the higher for throughput), "" otherwise.
+	// "b": the lower for times, the higher for throughput and qoe), ""
+	// otherwise.
 	Better string `json:"better,omitempty"`
 	// Why says in words why the row is or is not significant, the same in
 	// every view (the dashboard, tokentap compare).
@@ -141,6 +142,24 @@ func compareAggs(route, a, b, window, class string, byClass map[string]*[2]agg) 
 			q    float64
 		}{{"p50", 0.5}, {"p95", 0.95}, {"p99", 0.99}} {
 			c.Measures = append(c.Measures, diffOf(measureJSONName(m), q.name, compareStrata(st, q.q)))
+		}
+	}
+	// How the streams read: the QoE score's median and low tail (p95 and
+	// p99 are the scores 95 and 99% of streams reached), the higher the
+	// better, with the same test as the times'.
+	var st []stratum
+	for _, k := range both {
+		ra, rb := byClass[k][0].rd, byClass[k][1].rd
+		if ra != nil && rb != nil && ra.d[rQoE].count() > 0 && rb.d[rQoE].count() > 0 {
+			st = append(st, stratum{cdfOfDist(&ra.d[rQoE]), cdfOfDist(&rb.d[rQoE])})
+		}
+	}
+	if len(st) > 0 {
+		for _, q := range []struct {
+			name string
+			q    float64
+		}{{"p50", 0.5}, {"p95", 0.05}, {"p99", 0.01}} {
+			c.Measures = append(c.Measures, diffOf("qoe", q.name, compareStrata(st, q.q)))
 		}
 	}
 	rows := make([]*Diff, 0, len(c.Measures)+1)
@@ -266,7 +285,7 @@ func judge(rows []*Diff) {
 		d.Significant = sig
 		d.Why = why(d, len(tested))
 		if sig {
-			higherBetter := d.Name == "output_tokens_per_s_per_request"
+			higherBetter := d.Name == "output_tokens_per_s_per_request" || d.Name == "qoe"
 			if (d.RelativeDiff < 0) != higherBetter {
 				d.Better = "b"
 			} else {

@@ -148,3 +148,64 @@ func TestHeldWarning(t *testing.T) {
 		t.Errorf("stalls spread over two hops: %+v", w)
 	}
 }
+
+// qoeSides fills an engine with n streams on each of upstreams a and b of
+// route "r": a stream stalls with probability pa (pb on b), its QoE then
+// uniform in [lo, 1).
+func qoeSides(rng *rand.Rand, n int, pa, pb, lo float64) *Engine {
+	c := newClock()
+	e := New(Options{Now: c.now})
+	set := metrics.NewSet([]metrics.RouteRow{{Route: "r", Upstream: "a"}, {Route: "r", Upstream: "b"}}, nil, metrics.SetOptions{})
+	for i := range 2 * n {
+		row := i % 2
+		var r metrics.Record
+		r.Reset()
+		r.Series, r.Outcome, r.Tenant = set.Series(row, 0), metrics.OutcomeOK, "t"
+		r.TTFT, r.E2E, r.OutputTokens = 100*time.Millisecond, time.Second, 20
+		q := 1.0
+		if rng.Float64() < []float64{pa, pb}[row] {
+			q = lo + (1-lo)*rng.Float64()
+		}
+		r.Reading = metrics.Reading{Tokens: 20, QoE: q, Fluidity: q}
+		e.Observe(&r, nil)
+	}
+	return e
+}
+
+// TestVerdictWeighsQoE: QoE is a row of the verdict, tested as the times
+// are: B's streams stalling three times as often is found in its low
+// tail, with A the better; equal sides are within noise in most runs.
+func TestVerdictWeighsQoE(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 8))
+	found := 0
+	const runs = 20
+	for range runs {
+		c, err := qoeSides(rng, 600, 0.1, 0.3, 0.3).Compare("r", "a", "b", "all")
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := find(c, "qoe", "p95")
+		if d.Significant && d.Better == "a" && d.RelativeDiff < 0 {
+			found++
+		}
+	}
+	if found < runs*8/10 {
+		t.Errorf("B's QoE low tail found worse in %d of %d runs", found, runs)
+	}
+	alarms := 0
+	for range runs {
+		c, err := qoeSides(rng, 600, 0.2, 0.2, 0.3).Compare("r", "a", "b", "all")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, q := range []string{"p50", "p95", "p99"} {
+			if find(c, "qoe", q).Significant {
+				alarms++
+			}
+		}
+	}
+	if alarms > 3 {
+		t.Errorf("%d false alarms on QoE in %d runs of equal sides", alarms, runs)
+	}
+	t.Logf("found in %d of %d runs; %d false alarms in %d equal runs", found, runs, alarms, runs)
+}
