@@ -235,6 +235,14 @@ func TestDashboardInBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Each route's QoE panel: the tiles and where the tokens were held.
+	readings, err := chromedp.Run(ctx, chromedp.Evaluate[map[string][]string](`Object.fromEntries(Array.from(document.querySelectorAll('.route')).map(r => {
+		const f = (n) => { const e = r.querySelector('.reading [data-field="' + n + '"]'); return e ? e.textContent : ""; };
+		return [r.dataset.route, [f('qoe'), f('fluidity'), f('stalled'), f('held'), String(r.querySelectorAll('.held-bar span').length)]];
+	}))`))
+	if err != nil {
+		t.Fatal(err)
+	}
 	warnings, err := chromedp.Run(ctx, chromedp.Evaluate[int](`document.querySelectorAll('#warnings .warning').length`))
 	if err != nil {
 		t.Fatal(err)
@@ -329,6 +337,8 @@ func TestDashboardInBrowser(t *testing.T) {
 		}
 		return toFixed(100**v, 1) + "%"
 	}
+	ptr := func(v float64) *float64 { return &v }
+	readingShown := 0
 	for _, g := range byRoute.Groups {
 		var got *tiles
 		for i := range shown {
@@ -355,6 +365,23 @@ func TestDashboardInBrowser(t *testing.T) {
 		if *got != want {
 			t.Errorf("route %s shows\n  %+v\n/stats says\n  %+v", g.Route, *got, want)
 		}
+		wantRd := []string{"QoE: – (no stream with tokens in the window)", "", "", "", "0"}
+		if rd := g.Reading; rd != nil {
+			held := "where tokens were held: no reader waited"
+			if w := rd.HeldBy["upstream"] + rd.HeldBy["gateway"] + rd.HeldBy["client"]; w > 0 {
+				held = fmt.Sprintf("where tokens were held: upstream %s · gateway %s · client %s (of %d streams whose reader waited)",
+					pct(ptr(rd.HeldShare["upstream"])), pct(ptr(rd.HeldShare["gateway"])), pct(ptr(rd.HeldShare["client"])), w)
+			}
+			wantRd = []string{toFixed(rd.QoE.P50, 3) + " / " + toFixed(rd.QoE.P95, 3) + " / " + toFixed(rd.QoE.P99, 3),
+				toFixed(rd.Fluidity.P50, 3) + " / " + toFixed(rd.Fluidity.P99, 3), fmt.Sprintf("%s of %d", pct(&rd.StallRate), rd.Streams), held, "3"}
+			readingShown++
+		}
+		if got := readings[g.Route]; !slices.Equal(got, wantRd) {
+			t.Errorf("route %s's QoE panel shows %q, /stats says %q", g.Route, got, wantRd)
+		}
+	}
+	if readingShown == 0 {
+		t.Errorf("no route's streams read: the demo streams, so its QoE panel should draw")
 	}
 	if warnings != len(all.Warnings) || rows != len(all.Groups) {
 		t.Errorf("page: %d warnings, %d table rows; /stats: %d, %d", warnings, rows, len(all.Warnings), len(all.Groups))

@@ -82,6 +82,41 @@ function renderTiles(g) {
   split.textContent = g.client_ttft_ms.count && g.ttft_ms.count
     ? `Users waited ${fmt(g.client_ttft_ms.p50)} ms for the first token (p50): ${fmt(Math.max(g.client_ttft_ms.p50 - g.ttft_ms.p50, 0))} in the network, ${fmt(g.overhead_ms.p50)} in tokentap, the rest in the queue (${fmt(g.queue_ms.p50)}) and the backend.`
     : "";
+  let panel = box.querySelector(".reading");
+  if (!panel) {
+    panel = el("div", { class: "reading" });
+    split.after(panel);
+  }
+  renderReading(panel, g.reading);
+}
+
+// heldText says where the tokens of the streams whose reader waited were
+// held, hop by hop (/stats reading.held_share).
+function heldText(rd) {
+  const waited = Object.values(rd.held_by).reduce((a, b) => a + b, 0);
+  if (!waited) return "where tokens were held: no reader waited";
+  return "where tokens were held: " + ["upstream", "gateway", "client"].map((h) => `${h} ${pct(rd.held_share[h] || 0)}`).join(" · ") + ` (of ${waited} streams whose reader waited)`;
+}
+
+// renderReading is a route's QoE panel: how its streams read to a reader
+// at the route's pace (/stats reading), and a bar of where the tokens
+// were held.
+function renderReading(panel, rd) {
+  if (!rd) {
+    panel.replaceChildren(el("p", { class: "sub", "data-field": "qoe" }, "QoE: – (no stream with tokens in the window)"));
+    return;
+  }
+  const bar = el("div", { class: "held-bar" }, ...["upstream", "gateway", "client"].map((h) =>
+    el("span", { class: "held-" + h, style: `width: ${(100 * (rd.held_share[h] || 0)).toFixed(1)}%` })));
+  panel.replaceChildren(
+    el("h3", {}, "how streams read, to a reader at the route's pace"),
+    el("div", { class: "tiles" },
+      tile("qoe", "QoE p50 / p95 / p99 (low tail)", `${fmt(rd.qoe.p50, 3)} / ${fmt(rd.qoe.p95, 3)} / ${fmt(rd.qoe.p99, 3)}`),
+      tile("fluidity", "fluidity p50 / p99", `${fmt(rd.fluidity.p50, 3)} / ${fmt(rd.fluidity.p99, 3)}`),
+      tile("stalled", "streams stalled", `${pct(rd.stall_rate)} of ${rd.streams}`),
+      tile("stall", "stall ms p95 / p99", `${fmt(rd.stall_ms.p95)} / ${fmt(rd.stall_ms.p99)}`)),
+    bar,
+    el("p", { class: "sub", "data-field": "held" }, heldText(rd)));
 }
 
 function renderWarnings(ws) {
