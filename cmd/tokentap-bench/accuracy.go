@@ -3,9 +3,12 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"math"
 	"os"
 	"strings"
 	"time"
+
+	pmeasure "github.com/tokentap/tokentap/proxy/measure"
 )
 
 // accuracy compares, request by request, what tokentap recorded in its
@@ -27,6 +30,9 @@ type accuracy struct {
 	E2EKernel              dist    `json:"e2e_abs_diff_kernel"`
 	TTFTKernelClientLonger float64 `json:"ttft_kernel_client_longer_share"`
 	E2EKernelClientLonger  float64 `json:"e2e_kernel_client_longer_share"`
+	// Reading compares how each stream read (qoe, fluidity, stall_ms,
+	// stalls in the log) with the client's reading at the same pace.
+	Reading *readingAccuracy `json:"reading,omitempty"`
 }
 
 // diffs gathers |tokentap − client| over matched requests, and how often
@@ -58,11 +64,16 @@ type logLine struct {
 	TTFT      *float64 `json:"ttft_ms"`
 	E2E       *float64 `json:"e2e_ms"`
 	ITLMean   *float64 `json:"itl_mean_ms"`
+	QoE       *float64 `json:"qoe"`
+	Fluidity  *float64 `json:"fluidity"`
+	StallMS   *float64 `json:"stall_ms"`
+	Stalls    *int     `json:"stalls"`
 }
 
 // compareLog reads a tokentap access log and matches its lines to results
-// by request id (the client sends X-Request-Id).
-func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
+// by request id (the client sends X-Request-Id); streams are read at pace
+// p on the client's side (the route's, for figures that agree).
+func compareLog(path, idPrefix string, res []result, p pmeasure.Pace) (*accuracy, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
@@ -72,7 +83,9 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 	for i := range res {
 		byID[res[i].ID] = &res[i]
 	}
-	var ttft, e2e, kTTFT, kE2E, itl diffs
+	var ttft, e2e, kTTFT, kE2E, itl, stall diffs
+	var qoe, flu scoreDiffs
+	agree := 0
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	acc := &accuracy{}
@@ -101,6 +114,18 @@ func compareLog(path, idPrefix string, res []result) (*accuracy, error) {
 			}
 			itl.add(*l.ITLMean, sum/time.Duration(len(g)))
 		}
+		if l.QoE != nil && l.Fluidity != nil && l.StallMS != nil && l.Stalls != nil && len(r.Tokens) > 0 {
+			rd := pmeasure.ReadingOf(r.Tokens, p)
+			qoe, flu = append(qoe, math.Abs(*l.QoE-rd.QoE)), append(flu, math.Abs(*l.Fluidity-rd.Fluidity))
+			stall.add(*l.StallMS, rd.Stall)
+			if *l.Stalls == rd.Stalls {
+				agree++
+			}
+		}
+	}
+	if len(qoe) > 0 {
+		d, _ := stall.result()
+		acc.Reading = &readingAccuracy{Streams: len(qoe), QoE: qoe.result(), Fluidity: flu.result(), Stall: d, StallsAgree: float64(agree) / float64(len(qoe))}
 	}
 	acc.TTFT, acc.TTFTClientLonger = ttft.result()
 	acc.E2E, acc.E2EClientLonger = e2e.result()

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	pmeasure "github.com/tokentap/tokentap/proxy/measure"
 	"github.com/tokentap/tokentap/proxy/testkit/mockllm"
 )
 
@@ -117,14 +118,37 @@ func TestClientAgainstMock(t *testing.T) {
 func TestCompareAccessLog(t *testing.T) {
 	dir := t.TempDir()
 	log := filepath.Join(dir, "a.log")
-	os.WriteFile(log, []byte(`{"request_id":"p-1","ttft_ms":10.5,"e2e_ms":100,"itl_mean_ms":5}`+"\n"+`{"request_id":"other"}`+"\n"), 0o644)
+	os.WriteFile(log, []byte(`{"request_id":"p-1","ttft_ms":10.5,"e2e_ms":100,"itl_mean_ms":5,"qoe":0.9,"fluidity":1,"stall_ms":12,"stalls":0}`+"\n"+`{"request_id":"other"}`+"\n"), 0o644)
 	res := []result{{ID: "p-1", TTFT: 10 * time.Millisecond, E2E: 101 * time.Millisecond, Tokens: []time.Duration{0, 5 * time.Millisecond, 11 * time.Millisecond},
 		TTFTKernel: 10200 * time.Microsecond, E2EKernel: 100400 * time.Microsecond}}
-	acc, err := compareLog(log, "p-", res)
+	acc, err := compareLog(log, "p-", res, pmeasure.Pace{})
 	if err != nil || acc.Matched != 1 || acc.TTFT.P50 != 0.5 || acc.E2E.P50 != 1 || acc.ITL.P50 != 0.5 ||
 		acc.TTFTClientLonger != 0 || acc.E2EClientLonger != 1 ||
 		math.Abs(acc.TTFTKernel.P50-0.3) > 1e-9 || math.Abs(acc.E2EKernel.P50-0.4) > 1e-9 || acc.TTFTKernelClientLonger != 0 || acc.E2EKernelClientLonger != 1 {
 		t.Fatalf("%+v %v", acc, err)
+	}
+	// Read at the default pace the client's three tokens (0, 5, 11 ms)
+	// never wait: qoe 1, fluidity 1, no stall; the log said 0.9 and 12 ms.
+	if r := acc.Reading; r == nil || r.Streams != 1 || math.Abs(r.QoE.P50-0.1) > 1e-9 || r.Fluidity.P99 != 0 || r.Stall.P50 != 12 || r.StallsAgree != 1 {
+		t.Fatalf("reading accuracy %+v", acc.Reading)
+	}
+}
+
+// TestRunSummaryReadsStreams: a run's summary says how its streams read
+// on the client's clock, at the SLO's pace.
+func TestRunSummaryReadsStreams(t *testing.T) {
+	ms := func(v int) time.Duration { return time.Duration(v) * time.Millisecond }
+	res := []result{
+		{ID: "a", Status: 200, TTFT: ms(100), E2E: ms(300), Tokens: []time.Duration{ms(100), ms(150), ms(200), ms(250), ms(300)}},
+		// A 600 ms pause after the second token: one stall of 550 ms, the
+		// reader done at 800 ms against 500 + 3·50: qoe 650/800.
+		{ID: "b", Status: 200, TTFT: ms(100), E2E: ms(800), Tokens: []time.Duration{ms(100), ms(150), ms(750), ms(800)}},
+		{ID: "c", Status: 200, Output: 3, E2E: ms(50)}, // whole: not read
+	}
+	s := summarize("run", res, time.Second, 0, slo{TTFT: 500 * time.Millisecond, TPOT: 50 * time.Millisecond})
+	rd := s.Reading
+	if rd == nil || rd.Streams != 2 || rd.StallRate != 0.5 || rd.StallMS.Max != 550 || rd.QoE.P99 != 650.0/800 || rd.QoE.Mean != (1+650.0/800)/2 {
+		t.Fatalf("reading %+v", rd)
 	}
 }
 

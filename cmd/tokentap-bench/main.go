@@ -162,7 +162,7 @@ func runOnce(args []string, out io.Writer) error {
 	s := summarize("run", res, wall, p.Warmup, o)
 	if *logPath != "" {
 		time.Sleep(200 * time.Millisecond) // the access log is written asynchronously
-		if s.Accuracy, err = compareLog(*logPath, p.IDPrefix, res); err != nil {
+		if s.Accuracy, err = compareLog(*logPath, p.IDPrefix, res, paceOf(o)); err != nil {
 			return err
 		}
 	}

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	pmeasure "github.com/tokentap/tokentap/proxy/measure"
 )
 
 // roundStat is one arm's figures in one round.
@@ -278,7 +280,7 @@ func (b *benchSettings) streamingPhase(rep *proxiesReport, arms []*arm, clients 
 	}
 	if len(accResults) > 0 {
 		time.Sleep(500 * time.Millisecond)
-		if acc, err := compareLog(accessLog, "s100-tokentap-", accResults); err == nil {
+		if acc, err := compareLog(accessLog, "s100-tokentap-", accResults, pmeasure.Pace{}); err == nil {
 			rep.Accuracy = acc
 		}
 	}

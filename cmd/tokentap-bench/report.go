@@ -68,10 +68,18 @@ func printSummary(w io.Writer, s summary) {
 	row("E2E", s.E2E)
 	row("token delay", s.Delay)
 	tw.Flush()
+	if rd := s.Reading; rd != nil {
+		fmt.Fprintf(w, "\nhow %d streams read (client's clock): QoE p50 %.3f, p95/p99 (low) %.3f/%.3f; fluidity p50 %.3f, p99 (low) %.3f; %.1f%% stalled, stall p99 %.1f ms\n",
+			rd.Streams, rd.QoE.P50, rd.QoE.P95, rd.QoE.P99, rd.Fluidity.P50, rd.Fluidity.P99, 100*rd.StallRate, rd.StallMS.P99)
+	}
 	if a := s.Accuracy; a != nil {
 		fmt.Fprintf(w, "\ntokentap vs client, %d requests matched by id: |Δ| p50/p99\n", a.Matched)
 		fmt.Fprintf(w, "  TTFT %.3f/%.3f ms   E2E %.3f/%.3f ms   ITL mean %.3f/%.3f ms\n", a.TTFT.P50, a.TTFT.P99, a.E2E.P50, a.E2E.P99, a.ITL.P50, a.ITL.P99)
 		fmt.Fprintf(w, "  the client saw the longer time for %.0f%% (TTFT) and %.0f%% (E2E) of them\n", 100*a.TTFTClientLonger, 100*a.E2EClientLonger)
+		if r := a.Reading; r != nil {
+			fmt.Fprintf(w, "  how %d streams read: |Δ| qoe %.3f/%.3f, fluidity %.3f/%.3f, stall %.1f/%.1f ms; stalls agree on %.0f%%\n",
+				r.Streams, r.QoE.P50, r.QoE.P99, r.Fluidity.P50, r.Fluidity.P99, r.Stall.P50, r.Stall.P99, 100*r.StallsAgree)
+		}
 	}
 }
 

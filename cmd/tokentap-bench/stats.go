@@ -103,6 +103,9 @@ type summary struct {
 	E2E           dist      `json:"e2e"`
 	Delay         dist      `json:"token_delivery_delay,omitempty"`
 	Accuracy      *accuracy `json:"accuracy,omitempty"`
+	// Reading is how the streams read on the client's clock, at the SLO's
+	// TTFT and TPOT (else tokentap's default pace).
+	Reading *readingSummary `json:"reading,omitempty"`
 	// Samples are the per-request figures (at most maxSamples of each),
 	// for confidence intervals in compare.
 	Samples *samples `json:"samples,omitempty"`
@@ -207,6 +210,7 @@ func summarize(name string, res []result, wall time.Duration, warmup int, o slo)
 		s.GoodFraction = float64(good) / float64(len(res))
 	}
 	s.TTFT, s.ITL, s.TPOT, s.E2E, s.Delay = newDist(ttft), newDist(itl), newDist(tpot), newDist(e2e), newDist(delay)
+	s.Reading = summarizeReading(res, paceOf(o))
 	rng := rand.New(rand.NewPCG(sampleSeed, uint64(len(res))))
 	s.Samples = &samples{TTFT: msSamples(ttft, rng), E2E: msSamples(e2e, rng), ITLByRequest: gapSamples(itlByRequest, rng)}
 	var perS []float64

@@ -144,24 +144,7 @@ func compareAggs(route, a, b, window, class string, byClass map[string]*[2]agg) 
 			c.Measures = append(c.Measures, diffOf(measureJSONName(m), q.name, compareStrata(st, q.q)))
 		}
 	}
-	// How the streams read: the QoE score's median and low tail (p95 and
-	// p99 are the scores 95 and 99% of streams reached), the higher the
-	// better, with the same test as the times'.
-	var st []stratum
-	for _, k := range both {
-		ra, rb := byClass[k][0].rd, byClass[k][1].rd
-		if ra != nil && rb != nil && ra.d[rQoE].count() > 0 && rb.d[rQoE].count() > 0 {
-			st = append(st, stratum{cdfOfDist(&ra.d[rQoE]), cdfOfDist(&rb.d[rQoE])})
-		}
-	}
-	if len(st) > 0 {
-		for _, q := range []struct {
-			name string
-			q    float64
-		}{{"p50", 0.5}, {"p95", 0.05}, {"p99", 0.01}} {
-			c.Measures = append(c.Measures, diffOf("qoe", q.name, compareStrata(st, q.q)))
-		}
-	}
+	c.Measures = append(c.Measures, qoeRows(both, byClass)...)
 	rows := make([]*Diff, 0, len(c.Measures)+1)
 	for i := range c.Measures {
 		rows = append(rows, &c.Measures[i])
@@ -190,6 +173,31 @@ func compareAggs(route, a, b, window, class string, byClass map[string]*[2]agg) 
 		}
 	}
 	return c, nil
+}
+
+// qoeRows are the verdict's rows of how the streams read: the QoE
+// score's median and low tail (p95 and p99 are the scores 95 and 99% of
+// streams reached), the higher the better, with the same test as the
+// times', within the classes both sides saw.
+func qoeRows(both []string, byClass map[string]*[2]agg) []Diff {
+	var st []stratum
+	for _, k := range both {
+		ra, rb := byClass[k][0].rd, byClass[k][1].rd
+		if ra != nil && rb != nil && ra.d[rQoE].count() > 0 && rb.d[rQoE].count() > 0 {
+			st = append(st, stratum{cdfOfDist(&ra.d[rQoE]), cdfOfDist(&rb.d[rQoE])})
+		}
+	}
+	if len(st) == 0 {
+		return nil
+	}
+	var rows []Diff
+	for _, q := range []struct {
+		name string
+		q    float64
+	}{{"p50", 0.5}, {"p95", 0.05}, {"p99", 0.01}} {
+		rows = append(rows, diffOf("qoe", q.name, compareStrata(st, q.q)))
+	}
+	return rows
 }
 
 // CompareSketches is the verdict on upstreams a and b of route over the
