@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"math"
 	"net"
 	"net/http"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/measure"
+	"github.com/tokentap/tokentap/proxy/testkit/netsim"
 	"github.com/tokentap/tokentap/proxy/testkit/wait"
 )
 
@@ -96,6 +98,12 @@ func readTokensAt(t *testing.T, addr string, d readingDialect, rcvbuf, pauseAfte
 	if err != nil {
 		t.Fatal(err)
 	}
+	return readTokensOn(t, c, d, pauseAfter, pause)
+}
+
+// readTokensOn is readTokensAt on a connection made (c, closed at the end).
+func readTokensOn(t *testing.T, c net.Conn, d readingDialect, pauseAfter int, pause time.Duration) []time.Duration {
+	t.Helper()
 	defer c.Close()
 	req, _ := http.NewRequest("POST", "http://tokentap.test"+d.path, strings.NewReader(d.body))
 	req.Header.Set("Content-Type", "application/json")
@@ -233,5 +241,82 @@ func checkReading(t *testing.T, r metrics.Record, want metrics.Reading, held met
 	}
 	if (got.Stall > 0) != (got.HeldBy != metrics.HopNone) {
 		t.Errorf("stall %v held by %q: a hop is named exactly when the reader waited", got.Stall, got.HeldBy)
+	}
+}
+
+// TestStreamsReadAcrossADelayLink: the same agreement with the client
+// across a real link, 10 ms each way, and behind a 32 KiB/s bottleneck
+// (network namespaces and a forwarder: netsim), streams of the shapes a
+// reader tells apart, against the client's own clock.
+func TestStreamsReadAcrossADelayLink(t *testing.T) {
+	wait.Long(t, "streams of four shapes over two delayed links in network namespaces")
+	if err := netsim.Available(); err != nil {
+		t.Skip("no delay link on this machine:", err)
+	}
+	pace := measure.Pace{TTFT: time.Second, Read: 50 * time.Millisecond}
+	every := func(n int, first, gap time.Duration) []time.Duration {
+		a := make([]time.Duration, n)
+		for i := range a {
+			a[i] = first + time.Duration(i)*gap
+		}
+		return a
+	}
+	var burst []time.Duration
+	for b := range 4 {
+		for range 6 {
+			burst = append(burst, 50*time.Millisecond+time.Duration(b)*700*time.Millisecond)
+		}
+	}
+	shapes := []struct {
+		name string
+		at   []time.Duration
+	}{
+		{"smooth", every(20, 50*time.Millisecond, 10*time.Millisecond)},
+		{"one long stall", append(every(10, 50*time.Millisecond, 10*time.Millisecond), every(10, 2*time.Second, 10*time.Millisecond)...)},
+		{"late first token", every(10, 1500*time.Millisecond, 10*time.Millisecond)},
+		{"bursts", burst},
+	}
+	d := readingDialects[0]
+	for _, lo := range []struct {
+		name string
+		o    netsim.Options
+	}{{"10ms", netsim.Options{Delay: 10 * time.Millisecond, Seed: 11}}, {"10ms, 32 KiB/s", netsim.Options{Delay: 10 * time.Millisecond, Rate: 32 << 10, Seed: 12}}} {
+		link, err := netsim.New(lo.o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, sh := range shapes {
+			t.Run(lo.name+"/"+sh.name, func(t *testing.T) {
+				up := startUpstream(t, scriptedStream(d, tokenScript{at: sh.at}))
+				rec := newRecorder()
+				p, err := New(Config{Routes: []Route{{Name: "chat", Prefix: "/", Upstream: up.URL, Timeouts: DefaultTimeouts, QoE: pace}}}, Options{Sinks: []metrics.Sink{rec}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				var ln net.Listener
+				if err := link.A.Do(func() (err error) { ln, err = p.Listen("10.77.0.1:0"); return err }); err != nil {
+					t.Fatal(err)
+				}
+				go func() { _ = p.Serve(ln) }()
+				defer p.Close()
+				c, err := link.B.Dial(context.Background(), "tcp", ln.Addr().String())
+				if err != nil {
+					t.Fatal(err)
+				}
+				at := readTokensOn(t, c, d, 0, 0)
+				r := rec.next(t)
+				if len(at) != len(sh.at) {
+					t.Fatalf("the client read %d tokens of %d", len(at), len(sh.at))
+				}
+				held := metrics.HopUpstream
+				if sh.name == "smooth" || sh.name == "late first token" {
+					held = metrics.HopNone
+				}
+				checkReading(t, r, measure.ReadingOf(at, pace), held)
+			})
+		}
+		if err := link.Close(); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
