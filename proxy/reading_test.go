@@ -136,6 +136,15 @@ func readTokensOn(t *testing.T, c net.Conn, d readingDialect, pauseAfter int, pa
 	return at
 }
 
+// tokensEvery is n tokens' times, the first at first, then gap apart.
+func tokensEvery(n int, first, gap time.Duration) []time.Duration {
+	a := make([]time.Duration, n)
+	for i := range a {
+		a[i] = first + time.Duration(i)*gap
+	}
+	return a
+}
+
 // TestStreamsReadAsTheirClientsRead: for streams of every shape a reader
 // tells apart, in every streaming dialect, the record's reading agrees with
 // the reader model computed from the client's own clock: fluidity within
@@ -144,13 +153,6 @@ func readTokensOn(t *testing.T, c net.Conn, d readingDialect, pauseAfter int, pa
 func TestStreamsReadAsTheirClientsRead(t *testing.T) {
 	wait.Long(t, "streams of nine shapes in three dialects, scripted to the millisecond (about 40 s)")
 	pace := measure.Pace{TTFT: time.Second, Read: 50 * time.Millisecond}
-	every := func(n int, first, gap time.Duration) []time.Duration {
-		a := make([]time.Duration, n)
-		for i := range a {
-			a[i] = first + time.Duration(i)*gap
-		}
-		return a
-	}
 	burst := func(bursts, size int, first, gap time.Duration) []time.Duration {
 		var a []time.Duration
 		for b := range bursts {
@@ -160,8 +162,8 @@ func TestStreamsReadAsTheirClientsRead(t *testing.T) {
 		}
 		return a
 	}
-	longStall := append(every(15, 50*time.Millisecond, 10*time.Millisecond), every(15, 2500*time.Millisecond, 10*time.Millisecond)...)
-	starve := append(burst(1, 20, 50*time.Millisecond, 0), every(5, 600*time.Millisecond, 400*time.Millisecond)...)
+	longStall := append(tokensEvery(15, 50*time.Millisecond, 10*time.Millisecond), tokensEvery(15, 2500*time.Millisecond, 10*time.Millisecond)...)
+	starve := append(burst(1, 20, 50*time.Millisecond, 0), tokensEvery(5, 600*time.Millisecond, 400*time.Millisecond)...)
 	type shape struct {
 		name   string
 		script tokenScript
@@ -176,15 +178,15 @@ func TestStreamsReadAsTheirClientsRead(t *testing.T) {
 		holdFor time.Duration
 	}
 	shapes := []shape{
-		{name: "smooth", script: tokenScript{at: every(30, 50*time.Millisecond, 10*time.Millisecond)}, qoe1: true},
+		{name: "smooth", script: tokenScript{at: tokensEvery(30, 50*time.Millisecond, 10*time.Millisecond)}, qoe1: true},
 		{name: "one long stall", script: tokenScript{at: longStall}, held: metrics.HopUpstream},
-		{name: "late first token", script: tokenScript{at: every(10, 1500*time.Millisecond, 10*time.Millisecond)}},
-		{name: "every gap over the pace", script: tokenScript{at: every(10, 50*time.Millisecond, 150*time.Millisecond)}, held: metrics.HopUpstream},
+		{name: "late first token", script: tokenScript{at: tokensEvery(10, 1500*time.Millisecond, 10*time.Millisecond)}},
+		{name: "every gap over the pace", script: tokenScript{at: tokensEvery(10, 50*time.Millisecond, 150*time.Millisecond)}, held: metrics.HopUpstream},
 		{name: "bursts", script: tokenScript{at: burst(4, 6, 50*time.Millisecond, 700*time.Millisecond)}, held: metrics.HopUpstream},
 		{name: "early burst then starving", script: tokenScript{at: starve}, held: metrics.HopUpstream},
-		{name: "gateway holds", script: tokenScript{at: every(20, 50*time.Millisecond, 20*time.Millisecond)}, held: metrics.HopGateway,
+		{name: "gateway holds", script: tokenScript{at: tokensEvery(20, 50*time.Millisecond, 20*time.Millisecond)}, held: metrics.HopGateway,
 			qoe1: true, hold: 10, holdFor: 600 * time.Millisecond},
-		{name: "slow reader", script: tokenScript{at: every(30, 50*time.Millisecond, 10*time.Millisecond), pad: 8 << 10}, held: metrics.HopClient,
+		{name: "slow reader", script: tokenScript{at: tokensEvery(30, 50*time.Millisecond, 10*time.Millisecond), pad: 8 << 10}, held: metrics.HopClient,
 			rcvbuf: 4096, pauseAfter: 5, pause: 1200 * time.Millisecond},
 	}
 	for _, d := range readingDialects {
@@ -254,13 +256,6 @@ func TestStreamsReadAcrossADelayLink(t *testing.T) {
 		t.Skip("no delay link on this machine:", err)
 	}
 	pace := measure.Pace{TTFT: time.Second, Read: 50 * time.Millisecond}
-	every := func(n int, first, gap time.Duration) []time.Duration {
-		a := make([]time.Duration, n)
-		for i := range a {
-			a[i] = first + time.Duration(i)*gap
-		}
-		return a
-	}
 	var burst []time.Duration
 	for b := range 4 {
 		for range 6 {
@@ -271,9 +266,9 @@ func TestStreamsReadAcrossADelayLink(t *testing.T) {
 		name string
 		at   []time.Duration
 	}{
-		{"smooth", every(20, 50*time.Millisecond, 10*time.Millisecond)},
-		{"one long stall", append(every(10, 50*time.Millisecond, 10*time.Millisecond), every(10, 2*time.Second, 10*time.Millisecond)...)},
-		{"late first token", every(10, 1500*time.Millisecond, 10*time.Millisecond)},
+		{"smooth", tokensEvery(20, 50*time.Millisecond, 10*time.Millisecond)},
+		{"one long stall", append(tokensEvery(10, 50*time.Millisecond, 10*time.Millisecond), tokensEvery(10, 2*time.Second, 10*time.Millisecond)...)},
+		{"late first token", tokensEvery(10, 1500*time.Millisecond, 10*time.Millisecond)},
 		{"bursts", burst},
 	}
 	d := readingDialects[0]

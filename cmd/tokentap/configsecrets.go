@@ -27,20 +27,16 @@ func parseSLO(s string) (metrics.SLO, error) {
 		if !ok {
 			return slo, fmt.Errorf("-slo: %q is not key=value (ttft=500ms,tpot=50ms)", kv)
 		}
-		if k == "qoe" {
+		if k == "qoe" || k == "target" {
 			f, err := strconv.ParseFloat(v, 64)
 			if err != nil || f <= 0 || f > 1 {
-				return slo, fmt.Errorf("-slo: qoe %q is not a score above 0 and at most 1", v)
+				return slo, fmt.Errorf("-slo: %s %q is not a share above 0 and at most 1", k, v)
 			}
-			slo.QoE = f
-			continue
-		}
-		if k == "target" {
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil || f <= 0 || f > 1 {
-				return slo, fmt.Errorf("-slo: target %q is not a share above 0 and at most 1", v)
+			if k == "qoe" {
+				slo.QoE = f
+			} else {
+				slo.Target = f
 			}
-			slo.Target = f
 			continue
 		}
 		d, err := time.ParseDuration(v)
