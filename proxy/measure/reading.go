@@ -79,20 +79,18 @@ func (r *reader) deliver(t time.Time, k int, stall time.Duration) {
 	client := max(stall-r.stallLast, 0)
 	r.stallLast = stall
 	now := t.UnixNano()
-	for range k {
-		if r.tokens == 0 {
-			r.first, r.tokens = now, 1
-			continue
+	if r.tokens == 0 {
+		r.first, r.tokens, k = now, 1, k-1
+		if k == 0 {
+			return
 		}
-		x := time.Duration(now - r.first)
-		due := r.end + r.pace.Read
-		r.tokens++
-		if x <= due {
-			r.end = due
-			continue
-		}
-		w := x - due
-		r.end = x
+	}
+	// Only the first of tokens delivered together can wait: the reader
+	// reads the others a pace apart after it.
+	r.tokens += int32(k)
+	x, due := time.Duration(now-r.first), r.end+r.pace.Read
+	r.end = max(x, due) + time.Duration(k-1)*r.pace.Read
+	if w := x - due; w > 0 {
 		r.stall += w
 		if w >= r.pace.Read {
 			r.stalls++
