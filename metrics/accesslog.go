@@ -330,6 +330,7 @@ func appendFields(f []zap.Field, r *Record) []zap.Field {
 		zap.String("model", r.Model),
 		zap.String("tenant", r.Tenant),
 		zap.String("method", r.Method),
+		zap.String("client_protocol", r.ClientProtocol),
 		zap.String("path", r.Path),
 		zap.Int("status", r.Status),
 		zap.String("outcome", string(r.Outcome)),

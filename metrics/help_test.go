@@ -46,6 +46,8 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 	PlainHTTPOnTLS()
 	Shed(route, "a", "sheddable")
 	ClientConnClosedIdle("reset")
+	H2Error("frame_too_large")
+	H2Error("bad name {}")
 	SetBuildInfo("v1.2.3", "abc123")
 
 	var b bytes.Buffer
@@ -67,6 +69,9 @@ func TestEveryFamilyHasHelp(t *testing.T) {
 		if !families[name] {
 			t.Errorf("family %s has a help text but is not on the exposition", name)
 		}
+	}
+	if !strings.Contains(text, `tokentap_h2_errors_total{kind="other"} 1`) || !strings.Contains(text, `tokentap_h2_errors_total{kind="frame_too_large"} 1`) {
+		t.Errorf("HTTP/2 errors not counted by kind, or a kind of another shape passed as a label")
 	}
 	if len(families) < 30 {
 		t.Errorf("%d tokentap families on the exposition", len(families))

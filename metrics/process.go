@@ -1,6 +1,10 @@
 package metrics
 
-import vm "github.com/VictoriaMetrics/metrics"
+import (
+	"sync"
+
+	vm "github.com/VictoriaMetrics/metrics"
+)
 
 // Process-wide counters of faults tokentap recovered from. They are not
 // tied to a config generation: reloads never reset them.
@@ -128,6 +132,47 @@ var (
 	tlsHandshakeFailures = vm.NewCounter("tokentap_tls_handshake_failures_total")
 	plainHTTPOnTLS       = vm.NewCounter("tokentap_plain_http_on_tls_total")
 )
+
+var (
+	h2Conns    = vm.NewCounter("tokentap_h2_connections_total")
+	h2Requests = vm.NewCounter(`tokentap_client_requests_total{protocol="HTTP/2"}`)
+	h1Requests = vm.NewCounter(`tokentap_client_requests_total{protocol="HTTP/1.1"}`)
+	h2ErrMu    sync.Mutex
+	h2Errs     = map[string]*vm.Counter{}
+)
+
+// H2Conn counts a client connection served over HTTP/2.
+func H2Conn() { h2Conns.Inc() }
+
+// ClientRequest counts a request by the protocol its client spoke
+// ("HTTP/2", else HTTP/1.x).
+func ClientRequest(protocol string) {
+	if protocol == "HTTP/2" {
+		h2Requests.Inc()
+		return
+	}
+	h1Requests.Inc()
+}
+
+// H2Error counts a protocol error the HTTP/2 server answered, by kind
+// (its own names, a fixed set in its code: "frame_too_large",
+// "reset_stream_rapid"…); a name of another shape counts as "other".
+func H2Error(kind string) {
+	for _, c := range []byte(kind) {
+		if !('a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '_') || len(kind) > 48 {
+			kind = "other"
+			break
+		}
+	}
+	h2ErrMu.Lock()
+	c := h2Errs[kind]
+	if c == nil {
+		c = vm.GetOrCreateCounter(`tokentap_h2_errors_total{kind="` + kind + `"}`)
+		h2Errs[kind] = c
+	}
+	h2ErrMu.Unlock()
+	c.Inc()
+}
 
 // PlainHTTPOnTLS counts a plain HTTP request sent to a TLS port (answered
 // 400 in plain text; also a failed handshake).

@@ -92,8 +92,11 @@ type Record struct {
 	Model     string // the model named in the request, as sent ("" if none)
 	Tenant    string
 	Method    string
-	Path      string
-	Dialect   string
+	// ClientProtocol is what the client spoke: "HTTP/1.1" (HTTP/1.0
+	// included) or "HTTP/2".
+	ClientProtocol string
+	Path           string
+	Dialect        string
 
 	Status  int
 	Outcome Outcome

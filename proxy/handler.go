@@ -10,6 +10,7 @@ import (
 	"github.com/tokentap/tokentap/metrics"
 	"github.com/tokentap/tokentap/proxy/downstream"
 	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
 )
 
 // ServeHTTP relays one request, step by step (exchange.go): route (the
@@ -18,6 +19,14 @@ import (
 // body, which the server then reads through the exchange). The first step
 // that refuses ends the request, and refuse answers and records it.
 func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
+	if cc := downstream.Of(ctx.Conn()); cc != nil && cc.H2() {
+		// An HTTP/2 connection (its preface, or ALPN): the HTTP/2 server
+		// takes it, and hands each of its streams back here.
+		metrics.H2Conn()
+		ctx.HijackSetNoResponse(true)
+		ctx.Hijack(p.h2.ServeConn)
+		return
+	}
 	x := p.begin(ctx, ctx.Request.Header.Peek("X-Request-Id"))
 	if r := x.serve(ctx); r != nil {
 		x.refuse(ctx, r)
@@ -83,6 +92,8 @@ func (p *Proxy) begin(ctx *fasthttp.RequestCtx, clientID []byte) *exchange {
 	x.id = p.requestID(x.id[:0], clientID)
 	rec.RequestID = string(x.id)
 	rec.Method = methodString(ctx.Method())
+	rec.ClientProtocol = downstream.Protocol(ctx.Conn())
+	metrics.ClientRequest(rec.ClientProtocol)
 	if t := p.opts.Tracer; t != nil {
 		rec.Trace = t.StartTrace(ctx.Request.Header.Peek("traceparent"), ctx.Request.Header.Peek("tracestate"))
 		x.tap.Trace()
@@ -138,6 +149,7 @@ func (p *Proxy) Serve(ln net.Listener) error {
 	p.srvMu.Lock()
 	if p.srv == nil {
 		p.srv = p.server()
+		p.h2 = p.h2Server()
 	}
 	srv := p.srv
 	p.stopping.Store(false)
@@ -197,3 +209,21 @@ func (p *Proxy) server() *fasthttp.Server {
 		Logger:                zapPrintf{p.log},
 	}
 }
+
+// h2Server is the HTTP/2 server of the connections that speak it: each
+// stream served by ServeHTTP as a request of its own, with the limits of
+// the HTTP/1.1 server where they have a counterpart.
+func (p *Proxy) h2Server() *downstream.H2 {
+	return downstream.NewH2(p.ServeHTTP, downstream.H2Options{
+		MaxStreams:     h2MaxStreams,
+		MaxHeaderBytes: 16 << 10, // the HTTP/1.1 server's read buffer
+		IdleTimeout:    p.idleWait(),
+		WriteTimeout:   p.opts.ClientWriteTimeout,
+		ErrorLog:       zap.NewStdLog(p.log.Named("http2")),
+		CountError:     metrics.H2Error,
+	})
+}
+
+// h2MaxStreams is the streams an HTTP/2 client may have open at once on
+// one connection (nginx's default).
+const h2MaxStreams = 128

@@ -77,6 +77,7 @@ type Proxy struct {
 
 	srvMu sync.Mutex
 	srv   *fasthttp.Server // made by the first Serve
+	h2    *downstream.H2   // the HTTP/2 connections' server, made with srv
 	// resumed counts, per connection, the goroutines serving it again
 	// after a response tokentap wrote itself (resume); stopping is set by
 	// Shutdown, from when no connection is given back. Under srvMu.
@@ -325,6 +326,8 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	p.closeResumed(true)
+	h2done := make(chan error, 1)
+	go func() { h2done <- p.h2.Shutdown(ctx) }() // GOAWAY: HTTP/2 clients open no new stream
 	if err := srv.ShutdownWithContext(ctx); err != nil {
 		return err
 	}
@@ -332,6 +335,9 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		return err
 	}
 	p.closeResumed(false)
+	if err := <-h2done; err != nil {
+		return err
+	}
 	p.loops.Stop()
 	return nil
 }
@@ -424,7 +430,7 @@ func (p *Proxy) ListenTLS(addr string, cfg *tls.Config) (net.Listener, error) {
 	}
 	cfg = cfg.Clone()
 	if len(cfg.NextProtos) == 0 {
-		cfg.NextProtos = []string{"http/1.1"}
+		cfg.NextProtos = []string{"h2", "http/1.1"}
 	}
 	l.(*downstream.Listener).ServeTLS(cfg)
 	return l, nil

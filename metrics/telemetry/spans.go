@@ -30,6 +30,7 @@ const (
 	attrServerPort     = attribute.Key("server.port")
 	attrErrorType      = attribute.Key("error.type")
 	attrStatus         = attribute.Key("http.response.status_code")
+	attrProtocol       = attribute.Key("network.protocol.version")
 
 	attrRoute        = attribute.Key("tokentap.route")
 	attrTenant       = attribute.Key("tokentap.tenant")
@@ -225,6 +226,12 @@ func spanAttrs(attrs []attribute.KeyValue, r *metrics.Record, op string) []attri
 	}
 	if r.Status > 0 {
 		attrs = append(attrs, attrStatus.Int(r.Status))
+	}
+	switch r.ClientProtocol { // the client's side's, as OTel's HTTP server spans say it
+	case "HTTP/2":
+		attrs = append(attrs, attrProtocol.String("2"))
+	case "HTTP/1.1":
+		attrs = append(attrs, attrProtocol.String("1.1"))
 	}
 	if r.Tenant != "" {
 		attrs = append(attrs, attrTenant.String(r.Tenant))

@@ -279,6 +279,9 @@ type Conn struct {
 	looped     bool
 	closeLater bool
 
+	// proto: what the first read said the connection speaks (h2.go).
+	proto uint8
+
 	// seat is the socket's place in a relay loop's watch set, from its
 	// first request's peer watch until it closes (Watch).
 	seat relayplane.Seat
@@ -394,6 +397,12 @@ func (c *Conn) readPlain(b []byte, src io.Reader) (int, error) {
 		return n, nil
 	}
 	n, err := src.Read(b)
+	if c.proto == protoUnknown && n > 0 {
+		c.proto = protoHTTP1
+		if prefaceStart(b[:n]) {
+			return c.sniffH2(b, n, err, src)
+		}
+	}
 	if n > 0 && c.resumedIdle.Load() {
 		c.resumedIdle.Store(false)
 		if c.read > 0 {

@@ -1,6 +1,7 @@
 package downstream
 
 import (
+	"context"
 	"net"
 	"sync/atomic"
 	"syscall"
@@ -44,6 +45,10 @@ type Watch struct {
 	stopped atomic.Bool
 	state   sock.PeerState
 	peekFn  func(fd uintptr) bool
+	// after stops the watch of an HTTP/2 stream's context (its reset, or
+	// its connection's end), which sends on afterDone once gone returned.
+	after     func() bool
+	afterDone chan struct{}
 	// tls: a TLS connection, whose waiting bytes may be the close_notify
 	// alert a leaving client sends before its FIN: they do not end the
 	// watch, only the peer's shutdown (POLLRDHUP) or reset does.
@@ -61,6 +66,10 @@ const watchDelay = 10 * time.Millisecond
 // socket. gone is called at most once, from the loop or the watch
 // goroutine. Every start must be followed by a stop before the next.
 func (w *Watch) Start(conn net.Conn, gone func(), loops *relayplane.Set) {
+	if s, ok := conn.(*Stream); ok {
+		w.startStream(s, gone)
+		return
+	}
 	raw := sock.Raw(conn)
 	if raw == nil {
 		return
@@ -152,6 +161,14 @@ func (w *Watch) Stop() {
 	}
 	w.active = false
 	w.stopped.Store(true)
+	if w.after != nil {
+		if !w.after() {
+			<-w.afterDone // gone is running: wait for it
+		}
+		w.after = nil
+		w.release()
+		return
+	}
 	if w.seat != nil {
 		w.seat.Unwatch(w)
 		w.seat = nil
@@ -187,7 +204,25 @@ func (w *Watch) Gone() { w.gone() }
 
 // Kept is the watch's next life in a pooled exchange: its timer and
 // channel, nothing watched.
-func (w *Watch) Kept() Watch { return Watch{done: w.done, timer: w.timer, peekFn: w.peekFn} }
+func (w *Watch) Kept() Watch {
+	return Watch{done: w.done, timer: w.timer, peekFn: w.peekFn, afterDone: w.afterDone}
+}
+
+// startStream watches an HTTP/2 stream: its context ends when the client
+// resets the stream (RST_STREAM) or the connection ends, the cancel of a
+// client that left.
+func (w *Watch) startStream(s *Stream, gone func()) {
+	if w.afterDone == nil {
+		w.afterDone = make(chan struct{}, 1)
+	}
+	w.gone = gone
+	w.stopped.Store(false)
+	w.active = true
+	w.after = context.AfterFunc(s.Context(), func() {
+		w.gone()
+		w.afterDone <- struct{}{}
+	})
+}
 
 // release drops the request's references; the timer and channel stay.
 func (w *Watch) release() { w.conn, w.raw, w.gone = nil, nil, nil }

@@ -53,7 +53,7 @@ func LoadServerTLS(f ServerTLSFiles) (*tls.Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cert_file, key_file: cannot load the certificate and key: %s", conf.DescribeFileError(err))
 	}
-	c := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: f.MinVersion, NextProtos: []string{"http/1.1"}}
+	c := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: f.MinVersion, NextProtos: []string{"h2", "http/1.1"}}
 	if c.MinVersion == 0 {
 		c.MinVersion = tls.VersionTLS12
 	}
@@ -93,7 +93,7 @@ func (s *ServerTLS) load(f ServerTLSFiles) error {
 // config in use then.
 func (s *ServerTLS) Config() *tls.Config {
 	return &tls.Config{
-		MinVersion: tls.VersionTLS12, NextProtos: []string{"http/1.1"},
+		MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"},
 		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return s.cur.Load(), nil },
 	}
 }

@@ -48,6 +48,9 @@ func (t *TLSConn) Read(b []byte) (int, error) {
 		// now and gets now: microseconds late, where that read's stamp
 		// would count a client's wait after the handshake.
 		t.cc.reqRx = 0
+		if t.ConnectionState().NegotiatedProtocol == "h2" {
+			t.cc.toH2(nil)
+		}
 	}
 	return t.cc.readPlain(b, t.Conn)
 }
