@@ -200,6 +200,18 @@ func wireOf(c net.Conn) *measure.Wire {
 	return nil
 }
 
+// startClientSide starts the measure of the response's delivery on the
+// client's connection: the whole connection's, or one HTTP/2 stream's.
+func (x *exchange) startClientSide() {
+	if s, ok := x.client.(*downstream.Stream); ok {
+		if cc := s.Conn(); cc != nil {
+			x.cs.StartStream(&cc.Wire, s.Stall())
+		}
+		return
+	}
+	x.cs.Start(wireOf(x.client))
+}
+
 // isPlain reports a plain client connection tokentap accepted (not one
 // over TLS): one tokentap can write a response to itself.
 func isPlain(c net.Conn) bool {

@@ -212,6 +212,10 @@ func checkRecords(t *testing.T, tp *testProxy, n int, want metrics.Record) {
 			t.Fatalf("record: outcome %s, protocol %q, events %d, ttft %v, e2e %v; want %q and %d events",
 				r.Outcome, r.ClientProtocol, r.Events, r.TTFT, r.E2E, want.ClientProtocol, want.Events)
 		}
+		// The client's side: the stream's times and the path's round trip.
+		if r.ClientRTT <= 0 || r.ClientTTFT < r.TTFT+r.ClientRTT || r.ClientE2E < r.E2E {
+			t.Fatalf("%s record: client rtt %v, client ttft %v (ttft %v), client e2e %v (e2e %v)", r.ClientProtocol, r.ClientRTT, r.ClientTTFT, r.TTFT, r.ClientE2E, r.E2E)
+		}
 	}
 }
 
@@ -317,5 +321,59 @@ func TestH2LoadMultiplexes(t *testing.T) {
 	checkRecords(t, tp, 20, metrics.Record{ClientProtocol: "HTTP/2", Events: up.n})
 	if m := up.most.Load(); m < 2 {
 		t.Errorf("h2load's 10 at a time reached the backend %d at a time", m)
+	}
+}
+
+// An HTTP/2 client grants each stream a window and widens it as its
+// application reads: a client whose application stops reading for a
+// while holds tokentap's writes of that stream (no more bytes may go),
+// which the record shows as the client's stall, held by the client,
+// while the connection's other streams go on.
+func TestH2ClientWindowHoldsTheStream(t *testing.T) {
+	up := &echoStream{n: 40, gap: 5 * time.Millisecond}
+	srv := startUpstream(t, up.ServeHTTP)
+	tp := startProxy(t, srv.URL, nil)
+	h, err := dialH2With(tp.addr, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 300})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	const pause = 1200 * time.Millisecond
+	got, paused := 0, false
+	sid := h.send("window")
+	for ended := false; !ended; {
+		f, err := h.fr.ReadFrame()
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				err = h.fr.WriteSettingsAck()
+			}
+		case *http2.DataFrame:
+			n := len(f.Data())
+			got += n
+			ended = f.StreamEnded()
+			if !paused && got > 600 {
+				paused = true
+				time.Sleep(pause) // the application reads nothing for a while
+			}
+			if n > 0 && !ended {
+				if err = h.fr.WriteWindowUpdate(0, uint32(n)); err == nil {
+					err = h.fr.WriteWindowUpdate(sid, uint32(n))
+				}
+			}
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	r := tp.rec.next(t)
+	if r.Outcome != metrics.OutcomeOK || r.ClientProtocol != "HTTP/2" || r.Events != up.n {
+		t.Fatalf("record: %s, %q, %d events", r.Outcome, r.ClientProtocol, r.Events)
+	}
+	if r.ClientStall < pause*3/4 || r.ClientStall > pause+time.Second || r.Reading.HeldBy != metrics.HopClient || r.Reading.Stall < pause/2 {
+		t.Fatalf("a stream its client's window held %v: client stall %v, reading stall %v held by %q", pause, r.ClientStall, r.Reading.Stall, r.Reading.HeldBy)
 	}
 }

@@ -51,7 +51,7 @@ func (x *exchange) serve(ctx *fasthttp.RequestCtx) *refusal {
 	// From here on a client that goes away cancels the request, queued or
 	// upstream.
 	x.client = ctx.Conn()
-	x.cs.Start(wireOf(x.client))
+	x.startClientSide()
 	x.watch.Start(x.client, x.fire, &x.p.loops)
 	if r := x.admit(); r != nil {
 		return r

@@ -279,8 +279,10 @@ type Conn struct {
 	looped     bool
 	closeLater bool
 
-	// proto: what the first read said the connection speaks (h2.go).
+	// proto: what the first read said the connection speaks (h2.go);
+	// h2w the writes of an HTTP/2 connection, which its streams wait on.
 	proto uint8
+	h2w   h2Writes
 
 	// seat is the socket's place in a relay loop's watch set, from its
 	// first request's peer watch until it closes (Watch).
@@ -368,6 +370,9 @@ func (c *Conn) Close() error {
 		return nil
 	}
 	c.seat.Leave() // before the descriptor's number can name another socket
+	if c.proto == protoH2 {
+		c.h2w.close()
+	}
 	c.Closing()
 	err := c.Conn.Close()
 	if c.caps != nil {
@@ -525,10 +530,16 @@ func (c *Conn) Write(b []byte) (int, error) {
 		}
 		c.setAt = now
 	}
+	if c.proto == protoH2 {
+		c.h2w.started()
+	}
 	n, err := c.Conn.Write(b)
 	c.Sent += int64(n)
 	if d := time.Since(now); d > stallMin {
 		c.Stall += d
+	}
+	if c.proto == protoH2 {
+		c.h2w.ended()
 	}
 	return n, err
 }

@@ -167,6 +167,10 @@ type ClientSide struct {
 	// the first answer token (the same mark when one write carried both).
 	tokMark, ansMark *ackMark
 	deliv            delivery
+	// stream: one stream of a connection many share (HTTP/2), whose
+	// writes' waits are its own count (streamStall), not the connection's.
+	stream      bool
+	streamStall *time.Duration
 }
 
 // Start notes where the response begins on the client connection whose
@@ -177,9 +181,20 @@ func (cs *ClientSide) Start(w *Wire) {
 	}
 }
 
+// StartStream notes a response on one stream of a connection that many
+// streams share (HTTP/2), whose Wire is w: the connection's path (its
+// round trip) is the stream's, its counts are not. The stream's
+// client-side times are its own plus the path's round trip; no mark
+// watches the acknowledgement of its bytes, and it has no bytes on the
+// wire of its own. stall is the stream's count of the time its writes
+// waited for the client (its flow-control window, or the socket).
+func (cs *ClientSide) StartStream(w *Wire, stall *time.Duration) {
+	cs.cc, cs.stream, cs.streamStall, cs.stallFrom = w, true, stall, *stall
+}
+
 // Sent is the client connection's count of bytes written (0: unknown).
 func (cs *ClientSide) Sent() int64 {
-	if cs.cc == nil {
+	if cs.cc == nil || cs.stream {
 		return 0
 	}
 	return cs.cc.Sent
@@ -191,7 +206,7 @@ func (cs *ClientSide) Sent() int64 {
 // both when one delivery carried them.
 func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now func() time.Time) {
 	cc := cs.cc
-	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 {
+	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 || cs.stream {
 		return
 	}
 	// The handshake's round trip, or the address's lowest lately where
@@ -245,6 +260,9 @@ func (cs *ClientSide) LaterBytes(t time.Time, sent int64) {
 
 // Stalled is how long this response's writes waited for the client so far.
 func (cs *ClientSide) Stalled() time.Duration {
+	if cs.stream {
+		return *cs.streamStall - cs.stallFrom
+	}
 	if cs.cc == nil {
 		return 0
 	}
@@ -266,6 +284,14 @@ func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *soc
 	in := &ti.Info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.SynRTT)
+	if cs.stream {
+		// The connection's counts are every stream's, and its writer's:
+		// the path alone is read (what was set when it was accepted, and
+		// TCP_INFO).
+		a.floors.floor(cc.IP, d.minRTT, now)
+		d.srtt = time.Duration(in.Rtt) * time.Microsecond
+		return false
+	}
 	if d.minRTT != cc.FloorNoted {
 		a.floors.floor(cc.IP, d.minRTT, now)
 		cc.FloorNoted = d.minRTT
