@@ -58,6 +58,10 @@ func (x *exchange) Finish(writeErr error) {
 			x.att.up.Discard(x.att.conn)
 		}
 		x.att.conn = nil
+	} else {
+		// An h2c backend's body (or none): closing it resets a stream not
+		// read to its end.
+		_ = x.att.resp.CloseBodyStream()
 	}
 	wait := false
 	if x.client != nil {

@@ -51,9 +51,9 @@ func (x *exchange) roundTrip(head bool) error {
 		x.tap.Sent(t.Written)
 	}
 	if err == nil {
-		a.conn = t.Conn
+		a.conn = t.Conn // nil for an h2c backend
 		// The response can reach the socket before the write is stamped.
-		x.rec.UpstreamTTFB = max(t.Conn.FirstByte().Sub(t.Written), 0)
+		x.rec.UpstreamTTFB = max(t.FirstByte.Sub(t.Written), 0)
 	}
 	return err
 }
@@ -134,6 +134,9 @@ func (x *exchange) failoverReason(ctx *fasthttp.RequestCtx, err error) string {
 func (x *exchange) firstByteWithin(ctx *fasthttp.RequestCtx, timeout time.Duration) bool {
 	a := &x.att
 	c, resp := a.conn, a.resp
+	if c == nil {
+		return true // an h2c backend: its header alone is waited for
+	}
 	if ctx.IsHead() || resp.StatusCode() < 200 || resp.StatusCode() == 204 || resp.StatusCode() == 304 ||
 		resp.Header.ContentLength() == 0 || c.Buffered() > 0 {
 		return true
@@ -160,6 +163,7 @@ func (x *exchange) failover(reason string) bool {
 		a.up.Discard(a.conn) // closing it cancels the backend's work
 		a.conn = nil
 	}
+	_ = a.resp.CloseBodyStream() // an h2c backend's stream: reset, its work cancelled
 	x.cancel.Detach()
 	a.req.Reset()
 	a.resp.Reset()

@@ -132,8 +132,13 @@ func methodString(m []byte) string {
 // read it counts in every figure, as the client lived it.
 func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	now := p.now()
-	if c := downstream.Of(ctx.Conn()); c != nil {
+	switch c := ctx.Conn().(type) {
+	case *downstream.Stream:
 		return c.Arrival(now, p.opts.RequestReadTimeout)
+	default:
+		if c := downstream.Of(c); c != nil {
+			return c.Arrival(now, p.opts.RequestReadTimeout)
+		}
 	}
 	return now
 }

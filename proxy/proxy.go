@@ -228,6 +228,9 @@ func (p *Proxy) buildRoute(s *snapshot, i int, r Route, rows *[]metrics.RouteRow
 	var members []*routing.Member
 	for _, u := range specs {
 		up, err := upstream.New(u.URL, r.Timeouts, p.now, r.TLS)
+		if err == nil && u.Protocol == upstream.ProtocolH2C {
+			err = up.UseH2C()
+		}
 		if err != nil {
 			return nil, fmt.Errorf("routes[%d].upstream: %w", i, err)
 		}

@@ -200,16 +200,17 @@ func (x *exchange) respond(ctx *fasthttp.RequestCtx) {
 		// Headers go out at once, so a client sees them during a long
 		// prefill; when body bytes came with them, they go out together
 		// with the first chunk instead, in one write.
-		ctx.Response.ImmediateHeaderFlush = x.att.conn.Buffered() == 0
+		ctx.Response.ImmediateHeaderFlush = x.att.conn == nil || x.att.conn.Buffered() == 0
 		// A stream may run for minutes; no attempt sends the body again.
 		x.in.letBodyGo(x.p)
 		x.att.letRequestGo()
 	}
 	x.relay.Start(body, x.att.conn, x.client, cl)
-	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.Stripping() && isPlain(x.client) {
+	if resp.Header.ContentLength() == -1 && ctx.Request.Header.IsHTTP11() && !x.tap.Stripping() && isPlain(x.client) && x.att.conn != nil {
 		// Chunked in, chunked out, on a plain connection: tokentap writes
 		// the response itself, the framing as it came (servePass,
-		// passChunks). Over TLS the server writes it (the body stream).
+		// passChunks). Over TLS, and from an h2c backend, the server
+		// writes it (the body stream).
 		x.relay.ServePass(ctx, resp)
 		return
 	}

@@ -226,8 +226,18 @@ func (r *Route) validUpstreams(field func(string) string) error {
 		case u.Weight < 0:
 			return conf.Errf(f("weight"), "must not be negative")
 		}
-		if _, err := upstream.New(u.URL, r.Timeouts, nil, r.TLS); err != nil {
+		up, err := upstream.New(u.URL, r.Timeouts, nil, r.TLS)
+		if err != nil {
 			return conf.Errf(f("url"), "%q: %v", upstream.RedactURL(u.URL), err)
+		}
+		switch u.Protocol {
+		case "", upstream.ProtocolHTTP1:
+		case upstream.ProtocolH2C:
+			if err := up.UseH2C(); err != nil {
+				return conf.Errf(f("protocol"), "%v", err)
+			}
+		default:
+			return conf.Errf(f("protocol"), "%q is not http/1.1 or h2c", u.Protocol)
 		}
 		if err := upstream.ValidHeaders(u.Headers, f("headers")); err != nil {
 			return err

@@ -215,7 +215,7 @@ func (r *fileRoute) upstreams(i int) ([]proxy.Upstream, error) {
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w, MetricsURL: u.MetricsURL, Headers: hs})
+		out = append(out, proxy.Upstream{Name: u.Name, URL: u.URL, Weight: w, MetricsURL: u.MetricsURL, Headers: hs, Protocol: u.Protocol})
 	}
 	return out, nil
 }
@@ -298,6 +298,7 @@ type fileUpstream struct {
 	Weight     *int              `yaml:"weight"`
 	MetricsURL string            `yaml:"metrics_url"`
 	Headers    map[string]string `yaml:"headers"`
+	Protocol   string            `yaml:"protocol"`
 }
 
 // filePrice is one model's prices, in dollars per million tokens;

@@ -430,6 +430,9 @@ func (s *socketSide) Read(b []byte) (int, error) {
 	if n > 0 && c.reqRx == 0 {
 		c.reqRx = c.Rx()
 	}
+	if n > 0 && c.proto == protoH2 {
+		c.h2w.rx.Store(c.Rx())
+	}
 	return n, err
 }
 

@@ -9,8 +9,10 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/tokentap/tokentap/proxy/internal/sock"
 	"github.com/valyala/fasthttp"
 )
 
@@ -121,6 +123,18 @@ type Stream struct {
 // Conn is the connection tokentap accepted that carries the stream (nil:
 // another).
 func (s *Stream) Conn() *Conn { return s.cc }
+
+// Arrival is when the stream's request reached the kernel: the receive
+// time of the connection's last read when its handler started (the read
+// that brought its HEADERS frame, or one just after it: the reads of a
+// connection come on the HTTP/2 server's own goroutine, the handler on
+// a goroutine started for the stream), or now (see sock.Received).
+func (s *Stream) Arrival(now time.Time, maxAge time.Duration) time.Time {
+	if s.cc == nil {
+		return now
+	}
+	return sock.Received(s.cc.h2w.rx.Load(), now, maxAge)
+}
 
 // Stall is the stream's count of the time its writes waited.
 func (s *Stream) Stall() *time.Duration { return &s.stall }
@@ -407,6 +421,11 @@ const h2WriteWait = time.Second
 // The handler waits for its end (Wait), and stamps the delivery after it
 // as an HTTP/1.1 response's is stamped after its write.
 type h2Writes struct {
+	// rx is the kernel's receive time of the connection's last read: a
+	// stream's handler starts after the read that brought its HEADERS
+	// frame (Stream.Arrival).
+	rx atomic.Int64
+
 	mu          sync.Mutex
 	begun, done uint64        // socket writes started, and ended
 	wake        chan struct{} // closed when a write ends (nil: no one waits)

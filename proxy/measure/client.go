@@ -287,10 +287,20 @@ func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *soc
 	if cs.stream {
 		// The connection's counts are every stream's, and its writer's:
 		// the path alone is read (what was set when it was accepted, and
-		// TCP_INFO).
+		// TCP_INFO), and whether bytes wait unsent. Those may be this
+		// stream's last: the record waits until the kernel sent all, as
+		// an HTTP/1.1 response's waits for its acknowledgement (an upper
+		// bound of its last bytes' departure when other streams' follow).
 		a.floors.floor(cc.IP, d.minRTT, now)
 		d.srtt = time.Duration(in.Rtt) * time.Microsecond
-		return false
+		d.retransFrom = in.Total_retrans
+		d.note(in, 0, now)
+		if d.notsent == 0 || !watch {
+			return false
+		}
+		d.waitUntil = now.Add(min(3*max(d.srtt, d.minRTT)+250*time.Millisecond, maxAckWait))
+		d.waitCap = now.Add(maxAckWait)
+		return true
 	}
 	if d.minRTT != cc.FloorNoted {
 		a.floors.floor(cc.IP, d.minRTT, now)
@@ -386,6 +396,10 @@ func (cs *ClientSide) Look(now time.Time, ti *sock.TCPInfo) (over bool) {
 		return true
 	}
 	d.note(&ti.Info, cs.cc.AckBase, now)
+	if cs.stream {
+		d.watched = d.notsent == 0
+		return d.watched
+	}
 	if d.ackedAt >= d.total {
 		d.watched = true
 		return true

@@ -35,6 +35,9 @@ type Upstream struct {
 	// Headers are set on every request sent to it, over the route's of
 	// the same name (proxy/upstream).
 	Headers []upstream.Header
+	// Protocol is how it is spoken to: "http/1.1" ("": the default) or
+	// "h2c", HTTP/2 with prior knowledge (proxy/upstream/h2c.go).
+	Protocol string
 }
 
 // Balance policies.

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"net/url"
 	"slices"
 	"sync"
@@ -58,6 +59,7 @@ type Backend struct {
 	dialer  net.Dialer
 	t       Timeouts
 	now     func() time.Time
+	h2c     bool // spoken to in HTTP/2 with prior knowledge (h2c.go)
 
 	// Pool holds the connections, counts and what was learned of the
 	// backend; the upstreams of successive configurations that reach the
@@ -93,6 +95,11 @@ type Pool struct {
 	// as any other.
 	afterStream atomic.Int32 // StreamUnknown, StreamCloses or StreamKeeps
 	streamsKept atomic.Int32
+
+	// h2 is an h2c backend's transport (h2c.go), made on its first
+	// request.
+	h2Once sync.Once
+	h2     *http.Transport
 }
 
 // What a backend does with a connection after a streamed response
@@ -463,7 +470,7 @@ func (up *Backend) AfterStream() int32 { return up.afterStream.Load() }
 // PoolKey says how up reaches its backend: a route's upstream of the next
 // configuration with the same key takes its connections over.
 func (up *Backend) PoolKey(rtls *TLS) string {
-	return fmt.Sprintf("%s|%s|%s|%s|%+v", up.scheme, up.addr, up.host, up.fwdAddr, rtls)
+	return fmt.Sprintf("%s|%s|%s|%s|%v|%+v", up.scheme, up.addr, up.host, up.fwdAddr, up.h2c, rtls)
 }
 
 // Retire closes the idle connections of a pool no configuration uses any
@@ -485,6 +492,9 @@ func (p *Pool) CloseIdle() {
 	up.mu.Unlock()
 	for _, c := range idle {
 		_ = c.Conn.Close()
+	}
+	if p.h2 != nil {
+		p.h2.CloseIdleConnections()
 	}
 }
 

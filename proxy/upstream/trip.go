@@ -24,8 +24,9 @@ type Canceller interface {
 // on, when the request was last written (zero: never), and whether the
 // last try could not connect.
 type Trip struct {
-	Conn          *Conn
+	Conn          *Conn // nil for an h2c backend: its connections are its transport's
 	Written       time.Time
+	FirstByte     time.Time // when the response's header came (an h2c backend's; else Conn's)
 	ConnectFailed bool
 }
 
@@ -37,6 +38,9 @@ type Trip struct {
 // serves. The request is sent once more, on a new connection, only by
 // MayResend's rule.
 func (up *Backend) RoundTrip(cancel Canceller, req *fasthttp.Request, resp *fasthttp.Response, head bool, headerLimit time.Duration) (Trip, error) {
+	if up.h2c {
+		return up.roundTripH2C(cancel, req, resp, head, headerLimit)
+	}
 	var t Trip
 	for attempt := 0; ; attempt++ {
 		c, err := up.Get(cancel.Context(), attempt > 0)
@@ -56,7 +60,7 @@ func (up *Backend) RoundTrip(cancel Canceller, req *fasthttp.Request, resp *fast
 		written, err := c.Send(req, resp, head)
 		t.Written = written
 		if err == nil {
-			t.Conn = c
+			t.Conn, t.FirstByte = c, c.FirstByte()
 			return t, nil
 		}
 		unread := MayResend(c, acked, err)
