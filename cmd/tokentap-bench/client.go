@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/url"
 	"strconv"
 	"sync"
@@ -31,6 +32,11 @@ type client struct {
 
 	mu   sync.Mutex
 	idle []*conn
+
+	// h2: an h2c:// URL's HTTP/2 transport (client_h2.go), with the extra
+	// header fields; nil: HTTP/1.1 on the raw sockets.
+	h2        *http.Transport
+	h2Headers map[string]string
 }
 
 type conn struct {
@@ -42,10 +48,13 @@ type conn struct {
 
 func newClient(rawURL string, headers map[string]string, timeout time.Duration, tlsCfg *tls.Config) (*client, error) {
 	u, err := url.Parse(rawURL)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("url %q: want http://host:port/path or https://", rawURL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https" && u.Scheme != "h2c") || u.Host == "" {
+		return nil, fmt.Errorf("url %q: want http://host:port/path, https:// or h2c://", rawURL)
 	}
 	cl := &client{addr: u.Host, host: u.Host, path: u.RequestURI(), timeout: timeout}
+	if u.Scheme == "h2c" {
+		cl.h2, cl.h2Headers = h2cTransport(), headers
+	}
 	if u.Scheme == "https" {
 		cl.tls = &tls.Config{ServerName: u.Hostname(), NextProtos: []string{"http/1.1"}}
 		if tlsCfg != nil {
@@ -115,6 +124,9 @@ func (cl *client) closeIdle() {
 	}
 	cl.idle = nil
 	cl.mu.Unlock()
+	if cl.h2 != nil {
+		cl.h2.CloseIdleConnections()
+	}
 }
 
 // result is what the client saw of one request.
@@ -160,6 +172,9 @@ var errStatus = errors.New("bad response")
 
 // do sends one POST and reads the whole response, stamping token events.
 func (cl *client) do(id string, body []byte, stamped bool) result {
+	if cl.h2 != nil {
+		return cl.doH2(id, body, stamped)
+	}
 	res, stale := cl.try(id, body, stamped, false)
 	if stale {
 		// The server closed a pooled connection while it sat idle (its

@@ -239,11 +239,12 @@ func (f *frontierSettings) idleMemory(arms []*arm, rep *frontierReport) {
 	if f.idle > 0 {
 		fmt.Fprintf(os.Stderr, "memory: %d idle streams per arm\n", f.idle)
 		for _, a := range arms {
-			if a.pids == nil || a.Name == "fasthttp-relay" {
+			if a.pids == nil || a.Name == "fasthttp-relay" || strings.HasPrefix(a.URL, "h2c://") {
 				// fasthttp's client hands a streamed body on in reads
 				// of its buffer's size: the bare relay holds a stream's
 				// first event until more bytes come, and an idle stream
-				// never opens through it.
+				// never opens through it. The idle streams are HTTP/1.1
+				// connections: not an HTTP/2 arm's.
 				continue
 			}
 			// Two tokens a minute apart: the streams end by themselves
@@ -281,7 +282,22 @@ func (f *frontierSettings) startArms(rep *frontierReport) ([]*arm, func(), error
 			if _, err := os.Stat(f.nginxBin); f.nginxBin == "" || err != nil {
 				return nil, fmt.Errorf("no nginx binary at %q", f.nginxBin)
 			}
-			return startNginx(f.outDir, f.nginxBin, f.mockAddr, f.gmp)
+			return startNginx(f.outDir, f.nginxBin, f.mockAddr, f.gmp, false)
+		}},
+		// HTTP/2 arms: clients over h2c, each request a stream of a
+		// connection the client's transport shares among its requests.
+		{"tokentap-h2", func() (*arm, error) {
+			a, err := startTokentapVariant(f.outDir, "tokentap-h2", f.bin, f.gmp, upstream, variantAll, "")
+			if err == nil {
+				a.URL = "h2c://" + strings.TrimPrefix(a.URL, "http://")
+			}
+			return a, err
+		}},
+		{"nginx-h2", func() (*arm, error) {
+			if _, err := os.Stat(f.nginxBin); f.nginxBin == "" || err != nil {
+				return nil, fmt.Errorf("no nginx binary at %q", f.nginxBin)
+			}
+			return startNginx(f.outDir, f.nginxBin, f.mockAddr, f.gmp, true)
 		}},
 		{"haproxy", func() (*arm, error) {
 			if _, err := os.Stat(f.haproxyBin); f.haproxyBin == "" || err != nil {

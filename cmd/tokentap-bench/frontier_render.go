@@ -157,8 +157,11 @@ func frontierMarkdown(rep *frontierReport) string {
 	}
 	fmt.Fprintf(&b, "Backend: %v ms per request; streams of %v tokens, one every %v ms. Arrivals %s. %d rounds; each figure is the median over them [min–max].\n\n",
 		rep.Settings["backend_ms"], rep.Settings["tokens_per_stream"], rep.Settings["pace_ms"], arrivals, len(rep.Rounds))
+	if slices.Contains(rep.Arms, "tokentap-h2") || slices.Contains(rep.Arms, "nginx-h2") {
+		b.WriteString("The -h2 arms' clients speak HTTP/2 with prior knowledge (h2c), every request a stream of a connection they share (Go's HTTP/2 client, its reads stamped as they return); the others' HTTP/1.1 on raw sockets; every arm's backend is reached over HTTP/1.1. An -h2 arm's added figures are against direct over HTTP/1.1, so they hold the HTTP/2 client's own cost too: compare the -h2 arms with each other (the ×nginx-h2 column).\n\n")
+	}
 	refs := []string{}
-	for _, r := range []string{"nginx", "portkey"} {
+	for _, r := range []string{"nginx", "nginx-h2", "portkey"} {
 		if slices.Contains(rep.Arms, r) {
 			refs = append(refs, r)
 		}
@@ -275,7 +278,7 @@ func perRateTable(rep *frontierReport) string {
 }
 
 var armColors = map[string]string{"direct": "#000000", "tokentap": "#d62728", "nginx": "#2ca02c", "haproxy": "#1f77b4", "go-relay": "#7f7f7f",
-	"fasthttp-relay": "#8c564b", "portkey": "#9467bd"}
+	"fasthttp-relay": "#8c564b", "portkey": "#9467bd", "tokentap-h2": "#ff9896", "nginx-h2": "#98df8a"}
 
 // frontierSVG plots each arm's added p99 (median over rounds) against the
 // offered rate, on a log scale of rate, with the limits as lines.

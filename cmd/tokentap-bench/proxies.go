@@ -220,7 +220,7 @@ func (b *benchSettings) startArms() (arms []*arm, accessLog string, stopAll func
 		{b.fastRelay, func() (*arm, error) {
 			return startGoRelay(b.outDir, "fasthttp-relay", "fasthttp-relay", b.gmp, mockAddr)
 		}},
-		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr, b.gmp) }},
+		{b.nginxBin != "", func() (*arm, error) { return startNginx(b.outDir, b.nginxBin, mockAddr, b.gmp, false) }},
 		{b.haproxyBin != "", func() (*arm, error) { return startHAProxy(b.outDir, b.haproxyBin, mockAddr, b.gmp) }},
 	} {
 		if !start.on {
