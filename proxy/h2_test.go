@@ -377,3 +377,52 @@ func TestH2ClientWindowHoldsTheStream(t *testing.T) {
 		t.Fatalf("a stream its client's window held %v: client stall %v, reading stall %v held by %q", pause, r.ClientStall, r.Reading.Stall, r.Reading.HeldBy)
 	}
 }
+
+// A CONTINUATION flood (a header block that never ends) is cut once the
+// block passes the header limit, long before memory is at stake; the
+// proxy goes on serving.
+func TestH2ContinuationFloodIsCut(t *testing.T) {
+	up := &echoStream{n: 2}
+	srv := startUpstream(t, up.ServeHTTP)
+	tp := startProxy(t, srv.URL, nil)
+	h, err := dialH2(tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	closed := make(chan int64, 1)
+	go func() { // the server's frames, until it closes the connection
+		_, _ = io.Copy(io.Discard, h.c)
+		closed <- 0
+	}()
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":authority", "x"}, {":path", "/"}} {
+		_ = enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	if err := h.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes()}); err != nil {
+		t.Fatal(err)
+	}
+	junk := bytes.Repeat([]byte{0x40, 0x01, 'a', 0x01, 'b'}, 3000) // 15 KB of literal fields a frame
+	const most = 64 << 20
+	sent, cut := 0, false
+	for sent < most && !cut {
+		if err := h.fr.WriteContinuation(1, false, junk); err != nil {
+			cut = true // the server closed the connection
+			break
+		}
+		sent += len(junk)
+		select {
+		case <-closed:
+			cut = true
+		default:
+		}
+	}
+	if !cut {
+		t.Fatalf("%d MiB of CONTINUATION frames sent and the connection still open", sent>>20)
+	}
+	t.Logf("the connection was cut after %d KB of a header block", sent>>10)
+	if _, b := post(t, h2cClient(), tp.url, "after"); !strings.HasSuffix(b, "data: [DONE]\n\n") {
+		t.Fatalf("after the flood: %q", b)
+	}
+}

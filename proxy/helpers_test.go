@@ -68,11 +68,11 @@ type testProxy struct {
 }
 
 // startProxy runs a real proxy on a loopback port in front of upstream.
-func startProxy(t *testing.T, upstream string, edit func(*Config)) *testProxy {
+func startProxy(t testing.TB, upstream string, edit func(*Config)) *testProxy {
 	return startProxyOpts(t, upstream, edit, Options{})
 }
 
-func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Options) *testProxy {
+func startProxyOpts(t testing.TB, upstream string, edit func(*Config), opts Options) *testProxy {
 	t.Helper()
 	return startProxyRecords(t, upstream, edit, opts, 1000)
 }
@@ -80,7 +80,7 @@ func startProxyOpts(t *testing.T, upstream string, edit func(*Config), opts Opti
 // startProxyRecords is startProxyOpts whose recorder holds up to records
 // finished records (a test that reads them all after a run of many): the
 // recorder is made before the proxy serves, never swapped under it.
-func startProxyRecords(t *testing.T, upstream string, edit func(*Config), opts Options, records int) *testProxy {
+func startProxyRecords(t testing.TB, upstream string, edit func(*Config), opts Options, records int) *testProxy {
 	t.Helper()
 	tm := DefaultTimeouts
 	cfg := Config{Routes: []Route{{Name: "default", Prefix: "/", Upstream: upstream, Timeouts: tm}}}
@@ -92,12 +92,12 @@ func startProxyRecords(t *testing.T, upstream string, edit func(*Config), opts O
 
 // serveProxy runs a real proxy with cfg on a loopback port, over TLS when
 // tlsCfg is not nil.
-func serveProxy(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Config) *testProxy {
+func serveProxy(t testing.TB, cfg Config, opts Options, tlsCfg *tls.Config) *testProxy {
 	t.Helper()
 	return serveProxyRecords(t, cfg, opts, tlsCfg, 1000)
 }
 
-func serveProxyRecords(t *testing.T, cfg Config, opts Options, tlsCfg *tls.Config, records int) *testProxy {
+func serveProxyRecords(t testing.TB, cfg Config, opts Options, tlsCfg *tls.Config, records int) *testProxy {
 	t.Helper()
 	rec := &recorder{ch: make(chan metrics.Record, records)}
 	opts.Sinks = append(opts.Sinks, rec)
@@ -130,7 +130,7 @@ func (tp *testProxy) upstreamConns() (open, idle int) {
 }
 
 // startUpstream runs a scripted net/http upstream on loopback.
-func startUpstream(t *testing.T, h http.HandlerFunc) *httptest.Server {
+func startUpstream(t testing.TB, h http.HandlerFunc) *httptest.Server {
 	t.Helper()
 	s := httptest.NewServer(h)
 	t.Cleanup(s.CloseClientConnections)
