@@ -452,11 +452,12 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		if r.slow && r.loss == 0 && r.off20*5 > r.n {
 			t.Errorf("%s, %s connections: %d of %d requests' client TTFT 20 ms or more off: a client's delayed acknowledgement taken for the path's time", r.link, r.conn, r.off20, r.n)
 		}
-		// An HTTP/2 stream's times are its own plus the path's round trip
-		// (no acknowledgement is mapped to a stream's bytes yet): behind a
-		// queue they miss it, which the table reports.
-		h2Queued := r.queued && r.conn == "HTTP/2"
-		if r.queued && r.ttft50 >= 10 && !h2Queued {
+		// An HTTP/2 stream's first tokens are watched by the
+		// acknowledgement of the connection's bytes up to the end of the
+		// socket write that carried them (its other streams' bytes
+		// around them): behind the queue 0.5 ms off at the median, where
+		// the round trip's estimate alone was 60-82 ms off.
+		if r.queued && r.ttft50 >= 10 {
 			t.Errorf("%s, %s connections: |Δ| p50 TTFT %.2f ms behind the queue: its acknowledgements were not used", r.link, r.conn, r.ttft50)
 		}
 		// When a row misses, its requests the link carried on time (none
@@ -466,7 +467,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 		// last bytes (their departure, not their acknowledgement, ends
 		// it: a client's delayed ACK would add up to 40 ms): the table
 		// reports it, only client_ttft_ms is held to 2 ms there.
-		if strict && r.loss == 0 && !h2Queued && (r.ttft99 >= 2 || r.e2e99 >= 2 && !r.queued) {
+		if strict && r.loss == 0 && (r.ttft99 >= 2 || r.e2e99 >= 2 && !r.queued) {
 			t.Errorf("%v one way, %s connections: |Δ| p99 TTFT %.2f ms, E2E %.2f ms: not under 2 ms (the link released packets late in %d requests; without them %.2f and %.2f ms)",
 				r.delay, r.conn, r.ttft99, r.e2e99, r.late, r.ttft99OnTime, r.e2e99OnTime)
 		}

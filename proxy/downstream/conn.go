@@ -542,7 +542,7 @@ func (c *Conn) Write(b []byte) (int, error) {
 		c.Stall += d
 	}
 	if c.proto == protoH2 {
-		c.h2w.ended()
+		c.h2w.ended(c.Sent)
 	}
 	return n, err
 }

@@ -118,6 +118,25 @@ type Stream struct {
 	// HTTP/1.1 does not), or the connection's socket. Owner: the
 	// stream's handler goroutine.
 	stall time.Duration
+	// sent is the connection's count of bytes written at the end of the
+	// socket write that carried the stream's last delivered bytes (0:
+	// none), as an HTTP/1.1 connection's count after a write: the
+	// offset whose acknowledgement says the client's kernel had them.
+	// Owner: the stream's handler goroutine.
+	sent int64
+}
+
+// Sent is where the stream's bytes delivered so far end on the
+// connection (see Stream.sent).
+func (s *Stream) Sent() *int64 { return &s.sent }
+
+// ConnSent is the connection's count of bytes written when the stream
+// began, to tell a connection's first response from later ones.
+func (s *Stream) ConnSent() int64 {
+	if s.cc == nil {
+		return 0
+	}
+	return s.cc.h2w.sentSoFar()
 }
 
 // Conn is the connection tokentap accepted that carries the stream (nil:
@@ -396,7 +415,9 @@ func (f *flushWriter) Write(b []byte) (int, error) {
 		} else {
 			f.timer.Reset(h2WriteWait)
 		}
-		cc.h2w.wait(before, f.timer.C)
+		if end := cc.h2w.wait(before, f.timer.C); end > 0 {
+			f.s.sent = end
+		}
 		f.timer.Stop()
 	}
 	if d := time.Since(start); d > stallMin {
@@ -430,6 +451,10 @@ type h2Writes struct {
 	begun, done uint64        // socket writes started, and ended
 	wake        chan struct{} // closed when a write ends (nil: no one waits)
 	closed      bool
+	// ends are the connection's counts of bytes written at the ends of
+	// the last writes (write n's at n % len): where a stream's bytes end
+	// on the connection, whose acknowledgement the client side watches.
+	ends [16]int64
 }
 
 func (w *h2Writes) started() {
@@ -438,8 +463,9 @@ func (w *h2Writes) started() {
 	w.mu.Unlock()
 }
 
-func (w *h2Writes) ended() {
+func (w *h2Writes) ended(sent int64) {
 	w.mu.Lock()
+	w.ends[w.done%uint64(len(w.ends))] = sent
 	w.done++
 	if w.wake != nil {
 		close(w.wake)
@@ -465,14 +491,37 @@ func (w *h2Writes) begunSoFar() uint64 {
 	return w.begun
 }
 
+// sentSoFar is the connection's count of bytes written at the end of
+// its last write (0: none yet).
+func (w *h2Writes) sentSoFar() int64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.done == 0 {
+		return 0
+	}
+	return w.ends[(w.done-1)%uint64(len(w.ends))]
+}
+
 // wait returns once a write started after the first `after` has ended,
-// the connection closed, or timer fired.
-func (w *h2Writes) wait(after uint64, timer <-chan time.Time) {
+// the connection closed, or timer fired, with the connection's count of
+// bytes written at the end of that write (where the waiting stream's
+// bytes end: an upper bound when the stream's wait came more than
+// len(ends) writes late), or 0 when it did not end.
+func (w *h2Writes) wait(after uint64, timer <-chan time.Time) int64 {
 	for {
 		w.mu.Lock()
-		if w.done > after || w.closed {
+		if w.done > after {
+			k := after
+			if w.done-after > uint64(len(w.ends)) {
+				k = w.done - 1
+			}
+			end := w.ends[k%uint64(len(w.ends))]
 			w.mu.Unlock()
-			return
+			return end
+		}
+		if w.closed {
+			w.mu.Unlock()
+			return 0
 		}
 		if w.wake == nil {
 			w.wake = make(chan struct{})
@@ -482,7 +531,7 @@ func (w *h2Writes) wait(after uint64, timer <-chan time.Time) {
 		select {
 		case <-wake:
 		case <-timer:
-			return
+			return 0
 		}
 	}
 }

@@ -171,6 +171,7 @@ type ClientSide struct {
 	// writes' waits are its own count (streamStall), not the connection's.
 	stream      bool
 	streamStall *time.Duration
+	streamSent  *int64
 }
 
 // Start notes where the response begins on the client connection whose
@@ -184,17 +185,24 @@ func (cs *ClientSide) Start(w *Wire) {
 // StartStream notes a response on one stream of a connection that many
 // streams share (HTTP/2), whose Wire is w: the connection's path (its
 // round trip) is the stream's, its counts are not. The stream's
-// client-side times are its own plus the path's round trip; no mark
-// watches the acknowledgement of its bytes, and it has no bytes on the
-// wire of its own. stall is the stream's count of the time its writes
-// waited for the client (its flow-control window, or the socket).
-func (cs *ClientSide) StartStream(w *Wire, stall *time.Duration) {
+// client-side times are its own plus the path's round trip, or the
+// acknowledgement of the connection's bytes up to where its first
+// tokens' ended (sent: the connection's count at the end of the write
+// that carried its last delivery); it has no bytes on the wire of its
+// own. stall is the stream's count of the time its writes waited for
+// the client (its flow-control window, or the socket); from is the
+// connection's count when the stream began.
+func (cs *ClientSide) StartStream(w *Wire, stall *time.Duration, sent *int64, from int64) {
 	cs.cc, cs.stream, cs.streamStall, cs.stallFrom = w, true, stall, *stall
+	cs.streamSent, cs.sentFrom = sent, from
 }
 
 // Sent is the client connection's count of bytes written (0: unknown).
 func (cs *ClientSide) Sent() int64 {
-	if cs.cc == nil || cs.stream {
+	if cs.stream {
+		return *cs.streamSent
+	}
+	if cs.cc == nil {
 		return 0
 	}
 	return cs.cc.Sent
@@ -206,7 +214,7 @@ func (cs *ClientSide) Sent() int64 {
 // both when one delivery carried them.
 func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now func() time.Time) {
 	cc := cs.cc
-	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 || cs.stream {
+	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 || cs.stream && sent <= 0 {
 		return
 	}
 	// The handshake's round trip, or the address's lowest lately where
@@ -286,16 +294,24 @@ func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *soc
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.SynRTT)
 	if cs.stream {
 		// The connection's counts are every stream's, and its writer's:
-		// the path alone is read (what was set when it was accepted, and
-		// TCP_INFO), and whether bytes wait unsent. Those may be this
-		// stream's last: the record waits until the kernel sent all, as
-		// an HTTP/1.1 response's waits for its acknowledgement (an upper
-		// bound of its last bytes' departure when other streams' follow).
+		// the path is read (what was set when it was accepted, and
+		// TCP_INFO), whether bytes wait unsent, and the acknowledgement
+		// up to where this stream's last bytes ended. The record waits
+		// until the kernel sent all and the client acknowledged the
+		// stream's bytes, as an HTTP/1.1 response's waits (the departure
+		// an upper bound of its last bytes' when other streams' follow),
+		// so that its first tokens' marks have their acknowledgement.
 		a.floors.floor(cc.IP, d.minRTT, now)
 		d.srtt = time.Duration(in.Rtt) * time.Microsecond
 		d.retransFrom = in.Total_retrans
-		d.note(in, 0, now)
-		if d.notsent == 0 || !watch {
+		d.total = *cs.streamSent
+		d.note(in, cc.AckBase, now)
+		for _, m := range cs.marks() {
+			if m != nil {
+				m.ended(int64(in.Bytes_acked), cc.AckBase+d.total, now, in.Delivery_rate)
+			}
+		}
+		if d.notsent == 0 && d.ackedAt >= d.total || !watch {
 			return false
 		}
 		d.waitUntil = now.Add(min(3*max(d.srtt, d.minRTT)+250*time.Millisecond, maxAckWait))
@@ -397,7 +413,7 @@ func (cs *ClientSide) Look(now time.Time, ti *sock.TCPInfo) (over bool) {
 	}
 	d.note(&ti.Info, cs.cc.AckBase, now)
 	if cs.stream {
-		d.watched = d.notsent == 0
+		d.watched = d.notsent == 0 && d.ackedAt >= d.total
 		return d.watched
 	}
 	if d.ackedAt >= d.total {
