@@ -278,12 +278,7 @@ func (f *frontierSettings) startArms(rep *frontierReport) ([]*arm, func(), error
 		{"tokentap", func() (*arm, error) {
 			return startTokentapVariant(f.outDir, "tokentap", f.bin, f.gmp, upstream, variantAll, "")
 		}},
-		{"nginx", func() (*arm, error) {
-			if _, err := os.Stat(f.nginxBin); f.nginxBin == "" || err != nil {
-				return nil, fmt.Errorf("no nginx binary at %q", f.nginxBin)
-			}
-			return startNginx(f.outDir, f.nginxBin, f.mockAddr, f.gmp, false)
-		}},
+		{"nginx", func() (*arm, error) { return f.nginxArm(false) }},
 		// HTTP/2 arms: clients over h2c, each request a stream of a
 		// connection the client's transport shares among its requests.
 		{"tokentap-h2", func() (*arm, error) {
@@ -293,12 +288,7 @@ func (f *frontierSettings) startArms(rep *frontierReport) ([]*arm, func(), error
 			}
 			return a, err
 		}},
-		{"nginx-h2", func() (*arm, error) {
-			if _, err := os.Stat(f.nginxBin); f.nginxBin == "" || err != nil {
-				return nil, fmt.Errorf("no nginx binary at %q", f.nginxBin)
-			}
-			return startNginx(f.outDir, f.nginxBin, f.mockAddr, f.gmp, true)
-		}},
+		{"nginx-h2", func() (*arm, error) { return f.nginxArm(true) }},
 		{"haproxy", func() (*arm, error) {
 			if _, err := os.Stat(f.haproxyBin); f.haproxyBin == "" || err != nil {
 				return nil, fmt.Errorf("no HAProxy binary at %q", f.haproxyBin)
@@ -341,6 +331,14 @@ func (f *frontierSettings) startArms(rep *frontierReport) ([]*arm, func(), error
 		}
 	}
 	return arms, stopAll, nil
+}
+
+// nginxArm starts the nginx arm (h2: its clients over h2c).
+func (f *frontierSettings) nginxArm(h2 bool) (*arm, error) {
+	if _, err := os.Stat(f.nginxBin); f.nginxBin == "" || err != nil {
+		return nil, fmt.Errorf("no nginx binary at %q", f.nginxBin)
+	}
+	return startNginx(f.outDir, f.nginxBin, f.mockAddr, f.gmp, h2)
 }
 
 // probeArm sends one streamed request through a and checks its tokens.

@@ -179,6 +179,19 @@ func New(rawURL string, t Timeouts, now func() time.Time, rtls *TLS) (*Backend, 
 	return up, nil
 }
 
+// UseH2C makes the backend speak h2c (h2c.go). It needs an http:// URL
+// reached directly.
+func (up *Backend) UseH2C() error {
+	switch {
+	case up.scheme != "http":
+		return errors.New("protocol h2c needs an http:// url (h2c is HTTP/2 in plain text)")
+	case up.fwd != nil:
+		return errors.New("protocol h2c: the forward proxy the environment names cannot carry it (add the backend to NO_PROXY)")
+	}
+	up.h2c = true
+	return nil
+}
+
 // RedactURL is an upstream URL as errors and logs may show it: without
 // its password, and without the text of a URL that does not parse (it
 // could hold one).

@@ -55,30 +55,14 @@ func (p *Pool) h2cTransport(dial func(ctx context.Context, network, addr string)
 	return p.h2
 }
 
-// UseH2C makes the backend speak h2c. It needs an http:// URL reached
-// directly.
-func (up *Backend) UseH2C() error {
-	switch {
-	case up.scheme != "http":
-		return errors.New("protocol h2c needs an http:// url (h2c is HTTP/2 in plain text)")
-	case up.fwd != nil:
-		return errors.New("protocol h2c: the forward proxy the environment names cannot carry it (add the backend to NO_PROXY)")
-	}
-	up.h2c = true
-	return nil
-}
-
-// H2C reports whether the backend speaks h2c.
-func (up *Backend) H2C() bool { return up.h2c }
-
 // roundTripH2C is RoundTrip for an h2c backend. The request's context is
 // the client's cancel (a client that leaves resets the stream); the wait
 // for the header is bounded by the first-byte timeout (and headerLimit),
 // the gap between two reads of the body by the idle timeout.
-func (up *Backend) roundTripH2C(cancel Canceller, req *fasthttp.Request, resp *fasthttp.Response, head bool, headerLimit time.Duration) (Trip, error) {
+func roundTripH2C(up *Backend, cancel Canceller, req *fasthttp.Request, resp *fasthttp.Response, head bool, headerLimit time.Duration) (Trip, error) {
 	var t Trip
 	ctx, stop := context.WithCancelCause(cancel.Context())
-	hreq, err := up.h2cRequest(ctx, req)
+	hreq, err := h2cRequest(ctx, up, req)
 	if err != nil {
 		stop(nil)
 		return t, err
@@ -91,7 +75,7 @@ func (up *Backend) roundTripH2C(cancel Canceller, req *fasthttp.Request, resp *f
 	if wait > 0 {
 		timer = time.AfterFunc(wait, func() { stop(errHeaderTimeout) })
 	}
-	t.Written = up.clock()
+	t.Written = clock(up)
 	hresp, err := up.h2cTransport(up.dialer.DialContext, up.t).RoundTrip(hreq)
 	if timer != nil {
 		timer.Stop()
@@ -107,7 +91,7 @@ func (up *Backend) roundTripH2C(cancel Canceller, req *fasthttp.Request, resp *f
 		}
 		return t, err
 	}
-	t.FirstByte = up.clock()
+	t.FirstByte = clock(up)
 	resp.SetStatusCode(hresp.StatusCode)
 	for k, vs := range hresp.Header {
 		for _, v := range vs {
@@ -127,7 +111,7 @@ func (up *Backend) roundTripH2C(cancel Canceller, req *fasthttp.Request, resp *f
 
 // h2cRequest is req as net/http's: the target, Host and header fields
 // Prepare set, the body buffered.
-func (up *Backend) h2cRequest(ctx context.Context, req *fasthttp.Request) (*http.Request, error) {
+func h2cRequest(ctx context.Context, up *Backend, req *fasthttp.Request) (*http.Request, error) {
 	u := "http://" + up.addr + string(req.RequestURI())
 	hreq, err := http.NewRequestWithContext(ctx, string(req.Header.Method()), u, bytes.NewReader(req.Body()))
 	if err != nil {
@@ -145,7 +129,8 @@ func (up *Backend) h2cRequest(ctx context.Context, req *fasthttp.Request) (*http
 	return hreq, nil
 }
 
-func (up *Backend) clock() time.Time {
+// clock is up's clock (its now, else the wall clock).
+func clock(up *Backend) time.Time {
 	if up.now != nil {
 		return up.now()
 	}

@@ -39,7 +39,7 @@ type Trip struct {
 // MayResend's rule.
 func (up *Backend) RoundTrip(cancel Canceller, req *fasthttp.Request, resp *fasthttp.Response, head bool, headerLimit time.Duration) (Trip, error) {
 	if up.h2c {
-		return up.roundTripH2C(cancel, req, resp, head, headerLimit)
+		return roundTripH2C(up, cancel, req, resp, head, headerLimit)
 	}
 	var t Trip
 	for attempt := 0; ; attempt++ {
