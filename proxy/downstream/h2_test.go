@@ -76,3 +76,39 @@ func TestFirstReadTellsHTTP2(t *testing.T) {
 		}
 	}
 }
+
+// FuzzFirstRead: whatever a connection's first bytes and however they
+// are split, the reads return them as they came, or, when they begin
+// with HTTP/2's preface, the marker and then them; nothing is lost,
+// nothing made up.
+func FuzzFirstRead(f *testing.F) {
+	f.Add([]byte(h2Preface+"\x00\x00\x00\x04\x00\x00\x00\x00\x00"), uint8(1), uint8(7))
+	f.Add([]byte("POST / HTTP/1.1\r\nHost: a\r\n\r\n"), uint8(1), uint8(3))
+	f.Add([]byte("PRI * HTTP/2.0\r\n"), uint8(5), uint8(2))
+	f.Fuzz(func(t *testing.T, b []byte, cut, size uint8) {
+		var reads []string
+		for rest, k := b, int(cut)%8+1; len(rest) > 0; k = k%5 + 1 {
+			k = min(k, len(rest))
+			reads = append(reads, string(rest[:k]))
+			rest = rest[k:]
+		}
+		conn := &Conn{inHead: true}
+		src := pieces(reads)
+		got := readAll(conn, &src, int(size)%64+1)
+		want := string(b)
+		if len(b) >= len(h2Preface) && string(b[:len(h2Preface)]) == h2Preface {
+			want = h2Marker + want
+			if !conn.H2() {
+				t.Fatalf("%q: not told HTTP/2", b)
+			}
+		} else if conn.H2() {
+			t.Fatalf("%q: told HTTP/2", b)
+		}
+		if conn.bareLF {
+			return // the header scan stops the reads (ErrBareLF)
+		}
+		if got != want {
+			t.Fatalf("%q in reads %q: read %q", b, reads, got)
+		}
+	})
+}
