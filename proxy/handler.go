@@ -24,7 +24,7 @@ func (p *Proxy) ServeHTTP(ctx *fasthttp.RequestCtx) {
 		// takes it, and hands each of its streams back here.
 		metrics.H2Conn()
 		ctx.HijackSetNoResponse(true)
-		ctx.Hijack(p.h2.ServeConn)
+		ctx.Hijack(p.h2.Load().ServeConn)
 		return
 	}
 	x := p.begin(ctx, ctx.Request.Header.Peek("X-Request-Id"))
@@ -154,7 +154,9 @@ func (p *Proxy) Serve(ln net.Listener) error {
 	p.srvMu.Lock()
 	if p.srv == nil {
 		p.srv = p.server()
-		p.h2 = p.h2Server()
+	}
+	if h := p.h2.Load(); h == nil || h.Closed() {
+		p.h2.Store(p.h2Server())
 	}
 	srv := p.srv
 	p.stopping.Store(false)

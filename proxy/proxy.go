@@ -76,8 +76,8 @@ type Proxy struct {
 	pools map[string]*upstream.Pool
 
 	srvMu sync.Mutex
-	srv   *fasthttp.Server // made by the first Serve
-	h2    *downstream.H2   // the HTTP/2 connections' server, made with srv
+	srv   *fasthttp.Server              // made by the first Serve
+	h2    atomic.Pointer[downstream.H2] // the HTTP/2 connections' server: made by Serve, again after a Shutdown
 	// resumed counts, per connection, the goroutines serving it again
 	// after a response tokentap wrote itself (resume); stopping is set by
 	// Shutdown, from when no connection is given back. Under srvMu.
@@ -330,7 +330,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 	}
 	p.closeResumed(true)
 	h2done := make(chan error, 1)
-	go func() { h2done <- p.h2.Shutdown(ctx) }() // GOAWAY: HTTP/2 clients open no new stream
+	go func() { h2done <- p.h2.Load().Shutdown(ctx) }() // GOAWAY: HTTP/2 clients open no new stream
 	if err := srv.ShutdownWithContext(ctx); err != nil {
 		return err
 	}

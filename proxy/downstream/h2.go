@@ -282,6 +282,17 @@ func (h *H2) Close() error {
 	return nil
 }
 
+// Closed reports whether Shutdown (or Close) was called: a server that
+// takes no more connections.
+func (h *H2) Closed() bool {
+	select {
+	case <-h.closed:
+		return true
+	default:
+		return false
+	}
+}
+
 // Addr is the listener's address: none, connections come handed over.
 func (h *H2) Addr() net.Addr { return &net.TCPAddr{} }
 
