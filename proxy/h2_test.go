@@ -432,3 +432,46 @@ func TestH2ContinuationFloodIsCut(t *testing.T) {
 		t.Fatalf("after the flood: %q", b)
 	}
 }
+
+// A drain lets an HTTP/2 stream under way finish: Shutdown sends GOAWAY,
+// the stream's bytes all arrive, its record is ok, and Shutdown returns
+// once it ended.
+func TestH2DrainFinishesStreams(t *testing.T) {
+	up := &echoStream{n: 30, gap: 10 * time.Millisecond}
+	srv := startUpstream(t, up.ServeHTTP)
+	tp := startProxy(t, srv.URL, nil)
+	cc := h2cConn(t, tp.addr)
+	req, _ := http.NewRequest("POST", "http://"+tp.addr+"/v1/chat/completions", strings.NewReader("drain"))
+	resp, err := cc.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := make([]byte, 16)
+	if _, err := io.ReadFull(resp.Body, first); err != nil {
+		t.Fatal(err)
+	}
+	shut := make(chan error, 1)
+	go func() { shut <- tp.p.Shutdown(context.Background()) }()
+	more := make([]byte, 400) // a few tokens more, after the drain began
+	if _, err := io.ReadFull(resp.Body, more); err != nil {
+		t.Fatal(err)
+	}
+	if up.finished.Load() == 0 { // the stream cannot have ended yet
+		select {
+		case err := <-shut:
+			t.Fatalf("Shutdown returned (%v) while a stream was under way", err)
+		default:
+		}
+	}
+	rest, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("the stream under way at the drain: %v, ends %q", err, rest[max(len(rest)-20, 0):])
+	}
+	if err := <-shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if r := tp.rec.next(t); r.Outcome != metrics.OutcomeOK || r.Events != up.n || r.ClientProtocol != "HTTP/2" {
+		t.Fatalf("record of the drained stream: %s, %d events", r.Outcome, r.Events)
+	}
+}
