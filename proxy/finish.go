@@ -209,7 +209,7 @@ func wireOf(c net.Conn) *measure.Wire {
 func (x *exchange) startClientSide() {
 	if s, ok := x.client.(*downstream.Stream); ok {
 		if cc := s.Conn(); cc != nil {
-			x.cs.StartStream(&cc.Wire, s.Stall(), s.Sent(), s.ConnSent())
+			x.cs.StartStream(&cc.Wire, s.Counts(), s.ConnSent())
 		}
 		return
 	}

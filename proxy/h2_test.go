@@ -229,15 +229,7 @@ func TestH2ResetCancelsUpstream(t *testing.T) {
 	tp := startProxy(t, srv.URL, nil)
 	cc := h2cConn(t, tp.addr)
 	ctx, cancel := context.WithCancel(context.Background())
-	req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+tp.addr+"/v1/chat/completions", strings.NewReader("reset"))
-	resp, err := cc.RoundTrip(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	first := make([]byte, 16)
-	if _, err := io.ReadFull(resp.Body, first); err != nil {
-		t.Fatal(err)
-	}
+	openH2Stream(t, ctx, cc, tp.addr, "reset")
 	cancel() // the client's transport resets the stream
 	waitUntil(t, func() bool { return up.cancelled.Load() == 1 })
 	r := tp.rec.next(t)
@@ -441,15 +433,7 @@ func TestH2DrainFinishesStreams(t *testing.T) {
 	srv := startUpstream(t, up.ServeHTTP)
 	tp := startProxy(t, srv.URL, nil)
 	cc := h2cConn(t, tp.addr)
-	req, _ := http.NewRequest("POST", "http://"+tp.addr+"/v1/chat/completions", strings.NewReader("drain"))
-	resp, err := cc.RoundTrip(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	first := make([]byte, 16)
-	if _, err := io.ReadFull(resp.Body, first); err != nil {
-		t.Fatal(err)
-	}
+	resp := openH2Stream(t, context.Background(), cc, tp.addr, "drain")
 	shut := make(chan error, 1)
 	go func() { shut <- tp.p.Shutdown(context.Background()) }()
 	more := make([]byte, 400) // a few tokens more, after the drain began
@@ -474,4 +458,19 @@ func TestH2DrainFinishesStreams(t *testing.T) {
 	if r := tp.rec.next(t); r.Outcome != metrics.OutcomeOK || r.Events != up.n || r.ClientProtocol != "HTTP/2" {
 		t.Fatalf("record of the drained stream: %s, %d events", r.Outcome, r.Events)
 	}
+}
+
+// openH2Stream sends a chat with body on cc, within ctx, and reads the
+// first bytes of its response: the stream is under way.
+func openH2Stream(t *testing.T, ctx context.Context, cc *http.ClientConn, addr, body string) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+addr+"/v1/chat/completions", strings.NewReader(body))
+	resp, err := cc.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(resp.Body, make([]byte, 16)); err != nil {
+		t.Fatal(err)
+	}
+	return resp
 }

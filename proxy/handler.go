@@ -132,13 +132,11 @@ func methodString(m []byte) string {
 // read it counts in every figure, as the client lived it.
 func (p *Proxy) arrival(ctx *fasthttp.RequestCtx) time.Time {
 	now := p.now()
-	switch c := ctx.Conn().(type) {
-	case *downstream.Stream:
+	if s, ok := ctx.Conn().(*downstream.Stream); ok {
+		return s.Arrival(now, p.opts.RequestReadTimeout)
+	}
+	if c := downstream.Of(ctx.Conn()); c != nil {
 		return c.Arrival(now, p.opts.RequestReadTimeout)
-	default:
-		if c := downstream.Of(c); c != nil {
-			return c.Arrival(now, p.opts.RequestReadTimeout)
-		}
 	}
 	return now
 }

@@ -23,24 +23,15 @@ import (
 type h2Client struct {
 	c    net.Conn
 	fr   *http2.Framer
-	r    countedReader
+	r    tallyReader
 	w    countedWriter
 	hb   bytes.Buffer
 	enc  *hpack.Encoder
 	next uint32
 }
 
-type countedReader struct {
-	r io.Reader
-	n int64
-}
-
-func (c *countedReader) Read(b []byte) (int, error) {
-	n, err := c.r.Read(b)
-	c.n += int64(n)
-	return n, err
-}
-
+// countedWriter counts the bytes written through it (tallyReader's
+// other side).
 type countedWriter struct {
 	w io.Writer
 	n int64
@@ -62,7 +53,7 @@ func dialH2With(addr string, settings ...http2.Setting) (*h2Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	h := &h2Client{c: c, r: countedReader{r: c}, w: countedWriter{w: c}, next: 1}
+	h := &h2Client{c: c, r: tallyReader{r: c}, w: countedWriter{w: c}, next: 1}
 	h.fr = http2.NewFramer(&h.w, &h.r)
 	h.enc = hpack.NewEncoder(&h.hb)
 	if _, err := io.WriteString(&h.w, http2.ClientPreface); err != nil {

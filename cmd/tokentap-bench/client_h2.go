@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/tidwall/gjson"
 	"github.com/tokentap/tokentap/sse"
 	"github.com/tokentap/tokentap/sse/dialect"
 )
@@ -57,37 +56,14 @@ func (cl *client) doH2(id string, body []byte, stamped bool) result {
 	}
 	defer resp.Body.Close()
 	res.TTFB, res.Status = time.Since(res.Start), resp.StatusCode
-	p := sse.NewParser(64 << 10)
-	whole := resp.ContentLength >= 0
-	var all []byte
+	// The HTTP/1.1 client's body reader stamps and counts the events; its
+	// connection only gives the parser (no kernel stamps on this one).
+	b := &bodyReader{c: &conn{p: sse.NewParser(1 << 20)}, res: &res, stamped: stamped, whole: resp.ContentLength >= 0}
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := resp.Body.Read(buf)
-		now := time.Now()
-		res.Bytes += n
-		if whole {
-			all = append(all, buf[:n]...)
-		} else if n > 0 {
-			p.Feed(buf[:n])
-			for p.Next() {
-				ev := p.Event()
-				o := dialect.OpenAI.Event(ev.Type, ev.Data)
-				if o.Token {
-					if res.TTFT < 0 {
-						res.TTFT, res.TTFTKernel = now.Sub(res.Start), now.Sub(res.Start)
-					}
-					res.Tokens = append(res.Tokens, now.Sub(res.Start))
-					if sent := gjson.GetBytes(ev.Data, "mock_sent").Int(); stamped && sent > 0 {
-						res.Delays = append(res.Delays, time.Duration(now.UnixNano()-sent))
-					}
-				}
-				if o.HasOut {
-					res.Output = o.Out
-				}
-				if o.HasIn {
-					res.Input = o.In
-				}
-			}
+		if n > 0 {
+			b.feed(buf[:n])
 		}
 		if err == io.EOF {
 			break
@@ -99,8 +75,8 @@ func (cl *client) doH2(id string, body []byte, stamped bool) result {
 	}
 	res.E2E = time.Since(res.Start)
 	res.E2EKernel = res.E2E
-	if whole {
-		o := dialect.OpenAI.Body(all)
+	if b.whole {
+		o := dialect.OpenAI.Body(b.body)
 		res.Output, res.Input = o.Out, o.In
 	}
 	if res.Output == 0 {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/measure"
 	"github.com/valyala/fasthttp"
 )
 
@@ -66,7 +67,7 @@ func (c *Conn) H2() bool { return c.proto == protoH2 }
 // they came, its request header scanned.
 func (c *Conn) sniffH2(b []byte, n int, err error, src io.Reader) (int, error) {
 	got := append([]byte(nil), b[:n]...)
-	for err == nil && len(got) < len(h2Preface) && bytes.HasPrefix([]byte(h2Preface), got) {
+	for err == nil && len(got) < len(h2Preface) && prefaceStart(got) {
 		n, err = src.Read(b)
 		got = append(got, b[:n]...)
 	}
@@ -111,24 +112,18 @@ type Stream struct {
 	conn net.Conn
 	cc   *Conn // the connection tokentap accepted, under the TLS layer and the hijack (nil: another)
 	ctx  context.Context
-	// stall is how long the response's writes waited for the client:
-	// each write (and its flush) that took longer than stallMin, whole.
-	// Behind it is the stream's flow-control window (the client's
-	// application had not taken the bytes before: HTTP/2 says so, where
-	// HTTP/1.1 does not), or the connection's socket. Owner: the
-	// stream's handler goroutine.
-	stall time.Duration
-	// sent is the connection's count of bytes written at the end of the
-	// socket write that carried the stream's last delivered bytes (0:
-	// none), as an HTTP/1.1 connection's count after a write: the
-	// offset whose acknowledgement says the client's kernel had them.
-	// Owner: the stream's handler goroutine.
-	sent int64
+	// counts is what the stream's writes counted (measure.StreamCounts):
+	// each write (and its flush) that took longer than stallMin counts
+	// whole in Stall, its wait being the stream's flow-control window
+	// (the client's application had not taken the bytes before: HTTP/2
+	// says so, where HTTP/1.1 does not) or the connection's socket; Sent
+	// is the connection's count at the end of the socket write that
+	// carried them. Owner: the stream's handler goroutine.
+	counts measure.StreamCounts
 }
 
-// Sent is where the stream's bytes delivered so far end on the
-// connection (see Stream.sent).
-func (s *Stream) Sent() *int64 { return &s.sent }
+// Counts are the stream's counts of its delivery (see Stream.counts).
+func (s *Stream) Counts() *measure.StreamCounts { return &s.counts }
 
 // ConnSent is the connection's count of bytes written when the stream
 // began, to tell a connection's first response from later ones.
@@ -154,9 +149,6 @@ func (s *Stream) Arrival(now time.Time, maxAge time.Duration) time.Time {
 	}
 	return sock.Received(s.cc.h2w.rx.Load(), now, maxAge)
 }
-
-// Stall is the stream's count of the time its writes waited.
-func (s *Stream) Stall() *time.Duration { return &s.stall }
 
 func (s *Stream) Read([]byte) (int, error)         { return 0, io.EOF }
 func (s *Stream) Write([]byte) (int, error)        { return 0, http.ErrNotSupported }
@@ -427,12 +419,12 @@ func (f *flushWriter) Write(b []byte) (int, error) {
 			f.timer.Reset(h2WriteWait)
 		}
 		if end := cc.h2w.wait(before, f.timer.C); end > 0 {
-			f.s.sent = end
+			f.s.counts.Sent = end
 		}
 		f.timer.Stop()
 	}
 	if d := time.Since(start); d > stallMin {
-		f.s.stall += d
+		f.s.counts.Stall += d
 	}
 	return n, err
 }
@@ -450,7 +442,7 @@ const h2WriteWait = time.Second
 // median on a busy machine). The bytes enter the buffer when no write of
 // it is under way, and the next write takes all of it: the first socket
 // write to start after the handler asked is the one that carries them.
-// The handler waits for its end (Wait), and stamps the delivery after it
+// The handler waits for its end (wait), and stamps the delivery after it
 // as an HTTP/1.1 response's is stamped after its write.
 type h2Writes struct {
 	// rx is the kernel's receive time of the connection's last read: a

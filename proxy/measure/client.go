@@ -167,11 +167,21 @@ type ClientSide struct {
 	// the first answer token (the same mark when one write carried both).
 	tokMark, ansMark *ackMark
 	deliv            delivery
-	// stream: one stream of a connection many share (HTTP/2), whose
-	// writes' waits are its own count (streamStall), not the connection's.
-	stream      bool
-	streamStall *time.Duration
-	streamSent  *int64
+	// stream: one stream of a connection many share (HTTP/2), whose own
+	// counts these are, not the connection's (nil: the connection's
+	// response).
+	stream *StreamCounts
+}
+
+// StreamCounts are what one stream of a connection many streams share
+// (HTTP/2) counts of its delivery, kept by the stream's writer: how long
+// its writes waited for the client (its flow-control window, or the
+// socket), and the connection's count of bytes written at the end of the
+// socket write that carried its last delivered bytes (0: none), the
+// offset whose acknowledgement says the client's kernel had them.
+type StreamCounts struct {
+	Stall time.Duration
+	Sent  int64
 }
 
 // Start notes where the response begins on the client connection whose
@@ -187,20 +197,16 @@ func (cs *ClientSide) Start(w *Wire) {
 // round trip) is the stream's, its counts are not. The stream's
 // client-side times are its own plus the path's round trip, or the
 // acknowledgement of the connection's bytes up to where its first
-// tokens' ended (sent: the connection's count at the end of the write
-// that carried its last delivery); it has no bytes on the wire of its
-// own. stall is the stream's count of the time its writes waited for
-// the client (its flow-control window, or the socket); from is the
-// connection's count when the stream began.
-func (cs *ClientSide) StartStream(w *Wire, stall *time.Duration, sent *int64, from int64) {
-	cs.cc, cs.stream, cs.streamStall, cs.stallFrom = w, true, stall, *stall
-	cs.streamSent, cs.sentFrom = sent, from
+// tokens ended (c.Sent); it has no bytes on the wire of its own. c is
+// the stream's counts; from the connection's count when it began.
+func (cs *ClientSide) StartStream(w *Wire, c *StreamCounts, from int64) {
+	cs.cc, cs.stream, cs.stallFrom, cs.sentFrom = w, c, c.Stall, from
 }
 
 // Sent is the client connection's count of bytes written (0: unknown).
 func (cs *ClientSide) Sent() int64 {
-	if cs.stream {
-		return *cs.streamSent
+	if cs.stream != nil {
+		return cs.stream.Sent
 	}
 	if cs.cc == nil {
 		return 0
@@ -214,7 +220,7 @@ func (cs *ClientSide) Sent() int64 {
 // both when one delivery carried them.
 func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now func() time.Time) {
 	cc := cs.cc
-	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 || cs.stream && sent <= 0 {
+	if !tok && !ans || cc == nil || cc.Sys == nil || cc.AckBase < 0 || cs.stream != nil && sent <= 0 {
 		return
 	}
 	// The handshake's round trip, or the address's lowest lately where
@@ -268,8 +274,8 @@ func (cs *ClientSide) LaterBytes(t time.Time, sent int64) {
 
 // Stalled is how long this response's writes waited for the client so far.
 func (cs *ClientSide) Stalled() time.Duration {
-	if cs.stream {
-		return *cs.streamStall - cs.stallFrom
+	if cs.stream != nil {
+		return cs.stream.Stall - cs.stallFrom
 	}
 	if cs.cc == nil {
 		return 0
@@ -292,49 +298,39 @@ func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *soc
 	in := &ti.Info
 	d.ok = true
 	d.minRTT = pathRTT(time.Duration(in.Min_rtt)*time.Microsecond, cc.SynRTT)
-	if cs.stream {
-		// The connection's counts are every stream's, and its writer's:
-		// the path is read (what was set when it was accepted, and
-		// TCP_INFO), whether bytes wait unsent, and the acknowledgement
-		// up to where this stream's last bytes ended. The record waits
-		// until the kernel sent all and the client acknowledged the
-		// stream's bytes, as an HTTP/1.1 response's waits (the departure
-		// an upper bound of its last bytes' when other streams' follow),
-		// so that its first tokens' marks have their acknowledgement.
-		a.floors.floor(cc.IP, d.minRTT, now)
-		d.srtt = time.Duration(in.Rtt) * time.Microsecond
-		d.retransFrom = in.Total_retrans
-		d.total = *cs.streamSent
-		d.note(in, cc.AckBase, now)
-		for _, m := range cs.marks() {
-			if m != nil {
-				m.ended(int64(in.Bytes_acked), cc.AckBase+d.total, now, in.Delivery_rate)
-			}
-		}
-		if d.notsent == 0 && d.ackedAt >= d.total || !watch {
-			return false
-		}
-		d.waitUntil = now.Add(min(3*max(d.srtt, d.minRTT)+250*time.Millisecond, maxAckWait))
-		d.waitCap = now.Add(maxAckWait)
-		return true
-	}
-	if d.minRTT != cc.FloorNoted {
-		a.floors.floor(cc.IP, d.minRTT, now)
-		cc.FloorNoted = d.minRTT
-	}
 	d.srtt = time.Duration(in.Rtt) * time.Microsecond
-	d.retrans = int(in.Total_retrans - cc.Retrans)
 	d.retransFrom = in.Total_retrans
-	cc.Retrans = in.Total_retrans
-	d.wire = cc.Sent - cs.sentFrom
-	d.total = cc.Sent
-	d.note(in, cc.AckBase, now)
+	done := false
+	if st := cs.stream; st != nil {
+		// The connection's counts are every stream's, and its writer's:
+		// the path is read, whether bytes wait unsent, and the
+		// acknowledgement up to where this stream's last bytes ended. The
+		// record waits until the kernel sent all and the client
+		// acknowledged them (the departure an upper bound of the stream's
+		// last bytes' when other streams' follow), so that its first
+		// tokens' marks have their acknowledgement.
+		a.floors.floor(cc.IP, d.minRTT, now)
+		d.total = st.Sent
+		d.note(in, cc.AckBase, now)
+		done = d.notsent == 0 && d.ackedAt >= d.total
+	} else {
+		if d.minRTT != cc.FloorNoted {
+			a.floors.floor(cc.IP, d.minRTT, now)
+			cc.FloorNoted = d.minRTT
+		}
+		d.retrans = int(in.Total_retrans - cc.Retrans)
+		cc.Retrans = in.Total_retrans
+		d.wire = cc.Sent - cs.sentFrom
+		d.total = cc.Sent
+		d.note(in, cc.AckBase, now)
+		done = d.ackedAt >= d.total || d.wire == 0
+	}
 	for _, m := range cs.marks() {
 		if m != nil {
-			m.ended(int64(in.Bytes_acked), cc.AckBase+cc.Sent, now, in.Delivery_rate)
+			m.ended(int64(in.Bytes_acked), cc.AckBase+d.total, now, in.Delivery_rate)
 		}
 	}
-	if d.ackedAt >= d.total || d.wire == 0 || !watch {
+	if done || !watch {
 		d.watched = d.ackedAt >= d.total
 		return false
 	}
@@ -412,7 +408,7 @@ func (cs *ClientSide) Look(now time.Time, ti *sock.TCPInfo) (over bool) {
 		return true
 	}
 	d.note(&ti.Info, cs.cc.AckBase, now)
-	if cs.stream {
+	if cs.stream != nil {
 		d.watched = d.notsent == 0 && d.ackedAt >= d.total
 		return d.watched
 	}

@@ -75,7 +75,7 @@ func roundTripH2C(up *Backend, cancel Canceller, req *fasthttp.Request, resp *fa
 	if wait > 0 {
 		timer = time.AfterFunc(wait, func() { stop(errHeaderTimeout) })
 	}
-	t.Written = clock(up)
+	t.Written = up.now()
 	hresp, err := up.h2cTransport(up.dialer.DialContext, up.t).RoundTrip(hreq)
 	if timer != nil {
 		timer.Stop()
@@ -91,7 +91,7 @@ func roundTripH2C(up *Backend, cancel Canceller, req *fasthttp.Request, resp *fa
 		}
 		return t, err
 	}
-	t.FirstByte = clock(up)
+	t.FirstByte = up.now()
 	resp.SetStatusCode(hresp.StatusCode)
 	for k, vs := range hresp.Header {
 		for _, v := range vs {
@@ -127,14 +127,6 @@ func h2cRequest(ctx context.Context, up *Backend, req *fasthttp.Request) (*http.
 		hreq.Header.Add(string(k), string(v))
 	}
 	return hreq, nil
-}
-
-// clock is up's clock (its now, else the wall clock).
-func clock(up *Backend) time.Time {
-	if up.now != nil {
-		return up.now()
-	}
-	return time.Now()
 }
 
 // errHeaderTimeout: no response header within the first-byte timeout.
