@@ -95,6 +95,9 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 func (x *exchange) Observe(b []byte, t time.Time) {
 	x.live()
 	x.tap.Read(b, t)
+	if x.tap.FirstPending() && !x.p.opts.NoClientSide {
+		x.cs.SplitFirst()
+	}
 	if h := holdRead.Load(); h != nil {
 		(*h)(b)
 	}

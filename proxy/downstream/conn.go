@@ -522,44 +522,6 @@ func (c *Conn) Arrival(now time.Time, maxAge time.Duration) time.Time {
 	return sock.Received(rx, now, maxAge)
 }
 
-// Write moves the deadline to d from now, unless it was moved less than
-// 1% of d ago (a burst of writes then shares one deadline, which is at most
-// 1% shorter than d).
-func (c *Conn) Write(b []byte) (int, error) {
-	now := time.Now()
-	if now.Sub(c.setAt) > c.d/100 {
-		if err := c.TCPConn.SetWriteDeadline(now.Add(c.d)); err != nil {
-			return 0, err
-		}
-		c.setAt = now
-	}
-	if c.proto == protoH2 {
-		c.h2w.started()
-	}
-	n, err := c.Conn.Write(b)
-	c.Sent += int64(n)
-	if d := time.Since(now); d > stallMin {
-		c.Stall += d
-	}
-	if c.proto == protoH2 {
-		c.h2w.ended(c.Sent)
-	}
-	return n, err
-}
-
-// SetDeadline and SetWriteDeadline replace the write deadline (the server
-// clears it when it hands a connection over), so the next Write sets its
-// own again.
-func (c *Conn) SetDeadline(t time.Time) error {
-	c.setAt = time.Time{}
-	return c.TCPConn.SetDeadline(t)
-}
-
-func (c *Conn) SetWriteDeadline(t time.Time) error {
-	c.setAt = time.Time{}
-	return c.TCPConn.SetWriteDeadline(t)
-}
-
 // SetReadDeadline sets the read deadline; for the server's wait for the
 // first byte of a connection given back (resumedIdle), the idle wait
 // instead of the read timeout it asks for.
@@ -569,8 +531,3 @@ func (c *Conn) SetReadDeadline(t time.Time) error {
 	}
 	return c.TCPConn.SetReadDeadline(t)
 }
-
-// stallMin is the shortest write counted as waiting for the client: one
-// that does not wait takes microseconds (a loopback write, which also runs
-// the receiver's side of TCP, up to some tens).
-const stallMin = 500 * time.Microsecond

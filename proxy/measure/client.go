@@ -121,6 +121,12 @@ type Wire struct {
 	// read), for a record still waiting for the client's acknowledgement.
 	ClosedAcked atomic.Int64
 	IP          netip.Addr
+	// Split asks that the next write go out as two segments, so that a
+	// client that delays its acknowledgements acknowledges it as it comes
+	// (ClientSide.SplitFirst); SplitAt is Sent at the end of the last
+	// write that did (0: none).
+	Split   bool
+	SplitAt int64
 }
 
 // Accepted reads TCP_INFO as the connection opens (ti is the reader's
@@ -228,12 +234,28 @@ func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now 
 	// looks too late.
 	m := newAckMark(cc.Sys, cc.AckBase+sent, t, a.floors.floor(cc.IP, cc.SynRTT, t))
 	m.kept = cs.sentFrom > 0
+	m.split = cs.stream == nil && cc.SplitAt == sent
 	a.marks.Add(m, now)
 	if tok {
 		cs.tokMark = m
 	}
 	if ans {
 		cs.ansMark = m
+	}
+}
+
+// SplitFirst is told, before bytes of the response are written, that
+// they will carry its first token: on a kept-alive connection, whose
+// client may hold its acknowledgement of a lone segment, the write goes
+// out as two segments when the client had acknowledged all before it
+// (downstream.Conn.writeSplit), so that the acknowledgement of the
+// token's bytes comes as they reach the client, whether or not more bytes
+// follow soon. A fresh connection's client acknowledges at once (Linux's
+// quick acknowledgements); an HTTP/2 client acknowledges its streams'
+// bytes with its WINDOW_UPDATE frames.
+func (cs *ClientSide) SplitFirst() {
+	if cc := cs.cc; cc != nil && cs.stream == nil && cs.sentFrom > 0 && cc.Sys != nil && cc.AckBase >= 0 {
+		cc.Split = true
 	}
 }
 
@@ -292,6 +314,9 @@ func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *soc
 	cc := cs.cc
 	d := &cs.deliv
 	*d = delivery{stall: cs.Stalled()}
+	if cc != nil {
+		cc.Split = false // a response that wrote nothing leaves none for the next
+	}
 	if !on || cc == nil || cc.AckBase < 0 || !ti.Read(cc.Sys) {
 		return false
 	}

@@ -265,6 +265,12 @@ func (tp *Tap) Wrote(t time.Time, stall time.Duration, sent int64) (tok, ans boo
 	return tp.m.wrote(t)
 }
 
+// FirstPending reports that the response's first token was read and not
+// yet delivered: the next write carries it.
+func (tp *Tap) FirstPending() bool {
+	return tp.m.chunkTokens > 0 && tp.m.firstTokenFlush.IsZero()
+}
+
 // Settle makes everything the body says known to the meter: what the side
 // decoder has left of a compressed body (once it is done), and a complete
 // body read whole (not streamed): its usage, its error.

@@ -311,28 +311,31 @@ func TestAckMarkNextWriteAtTheDeliveryRate(t *testing.T) {
 // acknowledgement of exactly the token's bytes delackFloor or more past
 // the round trip's estimate may be the client's delayed acknowledgement,
 // unless the next write followed the token within delackFloor (a client
-// that delays would have acknowledged both); near the estimate, or on a
-// connection's first response, it is the path's.
+// that delays would have acknowledged both); near the estimate, on a
+// connection's first response, or when the token's write went out split
+// (which the client acknowledges as it reads it), it is the path's.
 func TestAckMarkDelayedAcknowledgement(t *testing.T) {
 	flush := time.Now()
 	for _, c := range []struct {
-		kept        bool
+		kept, split bool
 		late, next  time.Duration // past the estimate; the next write after the token (0: none)
 		wantDelayed bool
 	}{
 		{kept: true, late: 40 * time.Millisecond, wantDelayed: true},
+		{kept: true, split: true, late: 40 * time.Millisecond},
+		{kept: true, split: true, late: 40 * time.Millisecond, next: 60 * time.Millisecond},
 		{kept: true, late: 40 * time.Millisecond, next: 60 * time.Millisecond, wantDelayed: true},
 		{kept: true, late: 40 * time.Millisecond, next: 5 * time.Millisecond},
 		{kept: true, late: 10 * time.Millisecond},
 		{kept: false, late: 40 * time.Millisecond},
 	} {
 		m := newAckMark(nil, 1000, flush, 20*time.Millisecond)
-		m.kept = c.kept
+		m.kept, m.split = c.kept, c.split
 		if c.next > 0 {
 			m.later.Store(flush.Add(c.next).UnixNano())
 		}
 		if got := m.delayed(flush.Add(20*time.Millisecond + c.late)); got != c.wantDelayed {
-			t.Errorf("kept %v, %v late, next write %v on: delayed %v, want %v", c.kept, c.late, c.next, got, c.wantDelayed)
+			t.Errorf("kept %v, split %v, %v late, next write %v on: delayed %v, want %v", c.kept, c.split, c.late, c.next, got, c.wantDelayed)
 		}
 	}
 }
@@ -341,13 +344,15 @@ func TestAckMarkDelayedAcknowledgement(t *testing.T) {
 // ends the watch unusable on a kept-alive connection when the one that
 // could still be read would be of the response's last bytes (the token's,
 // or the next write's), which may come with the client's next request;
-// the watch goes on for a connection's first response, or when bytes
-// followed those. One the end's reading sees is read as a look's.
+// the watch goes on for a connection's first response, for a token's
+// write that went out split, or when bytes followed those. One the end's
+// reading sees is read as a look's.
 func TestAckMarkEnded(t *testing.T) {
 	flush := time.Now()
 	end := flush.Add(100 * time.Microsecond)
 	for _, c := range []struct {
 		kept       bool
+		split      bool
 		laterEnd   int64 // the next write's end (0: none)
 		total      int64 // the connection's count at the end
 		acked      int64
@@ -355,6 +360,7 @@ func TestAckMarkEnded(t *testing.T) {
 		wantUsable bool
 	}{
 		{kept: true, total: 1000, wantOver: true},
+		{kept: true, split: true, total: 1000},
 		{kept: true, laterEnd: 1500, total: 1500, wantOver: true},
 		{kept: true, laterEnd: 1500, total: 1505},
 		{kept: true, total: 1005},
@@ -362,15 +368,15 @@ func TestAckMarkEnded(t *testing.T) {
 		{kept: true, total: 1000, acked: 1000, wantOver: true, wantUsable: true},
 	} {
 		m := newAckMark(nil, 1000, flush, 20*time.Microsecond)
-		m.kept = c.kept
+		m.kept, m.split = c.kept, c.split
 		if c.laterEnd > 0 {
 			m.laterEnd.Store(c.laterEnd)
 			m.later.Store(flush.Add(50 * time.Microsecond).UnixNano())
 		}
 		m.ended(c.acked, c.total, end, 0)
 		if m.over != c.wantOver || !m.ackedAt.IsZero() != c.wantUsable {
-			t.Errorf("kept %v, next write to %d, %d at the end, %d acknowledged: over %v, usable %v; want %v, %v",
-				c.kept, c.laterEnd, c.total, c.acked, m.over, !m.ackedAt.IsZero(), c.wantOver, c.wantUsable)
+			t.Errorf("kept %v, split %v, next write to %d, %d at the end, %d acknowledged: over %v, usable %v; want %v, %v",
+				c.kept, c.split, c.laterEnd, c.total, c.acked, m.over, !m.ackedAt.IsZero(), c.wantOver, c.wantUsable)
 		}
 	}
 }
