@@ -218,7 +218,7 @@ func runNetClients(t *testing.T, ns *netsim.NS, addr string, workers, per int, m
 // must be under ttft_ms's own (which lacks the network: 10 ms and more),
 // whatever a busy machine adds to both; with TOKENTAP_NETWORK_STRICT=1 (on an otherwise idle machine; 100
 // requests per row instead of 20) the p99 must be under 2 ms. With loss it is reported. TOKENTAP_NETWORK_REPORT=
-// FILE writes the table (README's). The backend
+// FILE writes the table (README's); TOKENTAP_NETWORK_QUEUED=1 runs the links with a bottleneck only. The backend
 // runs on the process's own loopback (tokentap's dials come from the
 // process's namespace): no delay between the two, as in a deployment
 // beside the backend.
@@ -234,6 +234,7 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 	// with no queue (ackMark.delayed).
 	slow := startMock(t, mockllm.Options{PrefillBase: 10 * time.Millisecond, TokenGap: 60 * time.Millisecond, MaxTokens: 3})
 	strict := os.Getenv("TOKENTAP_NETWORK_STRICT") != ""
+	queuedOnly := os.Getenv("TOKENTAP_NETWORK_QUEUED") != ""
 	type row struct {
 		link                   string
 		delay                  time.Duration
@@ -274,6 +275,9 @@ func TestClientSideTimesOverADelayLink(t *testing.T) {
 	// after the write, and then as often as on a long one.
 	links = append(links, netLink{Options: netsim.Options{Delay: 250 * time.Microsecond, Rate: 32 << 10, Seed: 98}})
 	for _, lo := range links {
+		if queuedOnly && lo.Rate == 0 {
+			continue
+		}
 		{
 			delay, loss := lo.Delay, lo.Loss
 			link, err := netsim.New(lo.Options)

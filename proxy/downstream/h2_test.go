@@ -4,6 +4,7 @@ import (
 	"io"
 	"strings"
 	"testing"
+	"time"
 )
 
 // pieces reads its strings one per Read, then io.EOF.
@@ -111,4 +112,59 @@ func FuzzFirstRead(f *testing.F) {
 			t.Fatalf("%q in reads %q: read %q", b, reads, got)
 		}
 	})
+}
+
+// A stream's bytes end in the first of the socket writes started after it
+// asked that carries, with those before it, as many bytes as its DATA
+// frame: a write of its HEADERS alone, flushed between the two frames, is
+// passed over. A wait that came more than the ring's writes late gets
+// the last end; a closed connection or the timer, none.
+func TestH2WritesWaitForTheDataFrame(t *testing.T) {
+	var w h2Writes
+	sent := int64(0)
+	write := func(n int64) {
+		w.started()
+		sent += n
+		w.ended(sent)
+	}
+	write(500) // before the stream asked
+	after := w.begunSoFar()
+	got := make(chan int64)
+	go func() { got <- w.wait(after, 200+h2FrameHeader, nil) }()
+	write(60)  // the HEADERS frame alone
+	write(209) // the DATA frame
+	if end := <-got; end != 769 {
+		t.Errorf("the stream's bytes end at %d, want 769 (the DATA frame's write)", end)
+	}
+	// Frames of others before its own in one write: that write.
+	after = w.begunSoFar()
+	write(60 + 300)
+	if end := w.wait(after, 200+h2FrameHeader, nil); end != 1129 {
+		t.Errorf("got %d, want 1129", end)
+	}
+	// Its DATA frame cut across two writes (the buffer filled): the end
+	// is in the write that reaches its size.
+	after = w.begunSoFar()
+	write(100)
+	write(150)
+	if end := w.wait(after, 200+h2FrameHeader, nil); end != 1379 {
+		t.Errorf("got %d, want 1379", end)
+	}
+	after = w.begunSoFar()
+	for range len(w.ends) + 1 {
+		write(10)
+	}
+	if end := w.wait(after, 1000, nil); end != sent {
+		t.Errorf("a wait more than the ring late got %d, want the last end %d", end, sent)
+	}
+	after = w.begunSoFar()
+	timer := make(chan time.Time, 1)
+	timer <- time.Now()
+	if end := w.wait(after, 10, timer); end != 0 {
+		t.Errorf("a wait whose timer fired got %d", end)
+	}
+	w.close()
+	if end := w.wait(after, 10, nil); end != 0 {
+		t.Errorf("a wait on a closed connection got %d", end)
+	}
 }
