@@ -314,7 +314,7 @@ func (cs *ClientSide) Ended(watch bool, now time.Time, a *Acks, on bool, ti *soc
 	cc := cs.cc
 	d := &cs.deliv
 	*d = delivery{stall: cs.Stalled()}
-	if cc != nil {
+	if cc != nil && cs.stream == nil {
 		cc.Split = false // a response that wrote nothing leaves none for the next
 	}
 	if !on || cc == nil || cc.AckBase < 0 || !ti.Read(cc.Sys) {
