@@ -393,8 +393,21 @@ func TestFaultUnreadResponseIsNotGood(t *testing.T) {
 		io.WriteString(w, `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":75}}`+"\n\ndata: [DONE]\n\n")
 	})
 	tp := startProxy(t, up.URL, func(c *Config) { c.SLO = metrics.SLO{E2E: time.Minute, Target: 0.99} })
-	c, _ := rawRequest(t, tp.addr, postJSON("/v1/chat/completions", `{"stream":true}`))
-	c.(*net.TCPConn).SetReadBuffer(4 << 10) // and never reads
+	// The receive buffer shrinks once the connection is open (its window
+	// was offered at the handshake, larger) and before the request goes:
+	// set after the request, the whole response came in first now and
+	// then (2 runs in 60 under the race detector), and was acknowledged.
+	c, err := net.Dial("tcp", tp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.(*net.TCPConn).SetReadBuffer(4 << 10); err != nil { // and never reads
+		t.Fatal(err)
+	}
+	if _, err := io.WriteString(c, postJSON("/v1/chat/completions", `{"stream":true}`)); err != nil {
+		t.Fatal(err)
+	}
 	rec := tp.rec.next(t)
 	if rec.Outcome != metrics.OutcomeOK {
 		t.Skipf("the response did not fit in the sockets' buffers here (outcome %s): nothing to judge", rec.Outcome)
