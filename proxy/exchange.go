@@ -96,7 +96,9 @@ func (x *exchange) Observe(b []byte, t time.Time) {
 	x.live()
 	x.tap.Read(b, t)
 	if x.tap.FirstPending() && !x.p.opts.NoClientSide {
-		x.cs.SplitFirst()
+		ti := takeInfo(x.p)
+		x.cs.SplitFirst(ti)
+		x.p.infos.Put(ti)
 	}
 	if h := holdRead.Load(); h != nil {
 		(*h)(b)

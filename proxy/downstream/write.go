@@ -1,10 +1,6 @@
 package downstream
 
-import (
-	"time"
-
-	"github.com/tokentap/tokentap/proxy/internal/sock"
-)
+import "time"
 
 // Write moves the deadline to d from now, unless it was moved less than
 // 1% of d ago (a burst of writes then shares one deadline, which is at most
@@ -41,37 +37,35 @@ func (c *Conn) write(b []byte) (int, error) {
 }
 
 // writeSplit writes b, which carries a response's first token, as two
-// segments when the client has acknowledged every byte written before it:
-// its first byte, and the rest once the kernel sent that byte (the
-// connection has no delay: TCP_NODELAY). A client that keeps its
-// connection alive acknowledges a lone small segment late (Linux's
-// delayed acknowledgement in its interactive mode waits for a second
-// segment and its application's read, or for its timer; other systems
-// acknowledge every second segment): a client that holds none of ours
-// unacknowledged acknowledges the second of two as it reads it, so the
-// acknowledgement of this write times the token's arrival (measure's
-// ackMark), where that of a lone segment comes with the next write's bytes
-// or the timer's. One that holds some may have acknowledged the first of
-// the two with them and hold the second: the write then goes out whole.
-// The first byte goes alone, not the last: the token's bytes arrive with
-// the end of the write whose acknowledgement is watched. The bytes are the
+// segments: its first byte, and the rest (the connection has no delay:
+// TCP_NODELAY). The measurement asks for it only when the client had
+// acknowledged every byte written before, the kernel held none unsent and
+// the client's window was open (ClientSide.SplitFirst), so the first
+// byte leaves at once, alone. A client that keeps its connection alive
+// acknowledges a lone small segment late (Linux's delayed
+// acknowledgement in its interactive mode waits for a second segment and
+// its application's read, or for its timer; other systems acknowledge
+// every second segment): one that holds none of ours unacknowledged
+// acknowledges the second of two as it reads it, so the acknowledgement
+// of this write times the token's arrival (measure's ackMark), where that
+// of a lone segment comes with the next write's bytes or the timer's. The
+// first byte goes alone, not the last: the token's bytes arrive with the
+// end of the write whose acknowledgement is watched. The bytes are the
 // same, read in one read or two, as TCP may deliver any write; the second
 // segment's reach the client one small packet's time later on the path's
 // bottleneck (its headers, about 60 bytes: 5 µs at 100 Mbit/s, 1.8 ms at
-// 32 KiB/s). Wire.SplitAt keeps the connection's count at the end of b
-// when the two left apart (the kernel had sent the first byte when the
-// rest was written); a write that failed keeps none.
+// 32 KiB/s). Wire.SplitAt keeps the connection's count at the end of b; a
+// write that failed keeps none.
 func (c *Conn) writeSplit(b []byte) (int, error) {
-	if len(b) < 2 || c.Sys == nil || sock.Unacked(c.Sys) != 0 {
+	if len(b) < 2 {
 		return c.write(b)
 	}
 	n, err := c.write(b[:1])
 	if err != nil {
 		return n, err
 	}
-	apart := sock.Unsent(c.Sys) == 0
 	m, err := c.write(b[1:])
-	if err == nil && apart {
+	if err == nil {
 		c.SplitAt = c.Sent
 	}
 	return n + m, err

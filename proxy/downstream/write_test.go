@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tokentap/tokentap/proxy/internal/sock"
+	"github.com/tokentap/tokentap/proxy/measure"
 )
 
 // keptPair is a loopback connection tokentap's side of which is a Conn,
@@ -38,6 +39,8 @@ func keptPair(t *testing.T, tok, end int) (*Conn, *net.TCPConn, chan []byte) {
 	if cc.Sys, err = tc.SyscallConn(); err != nil {
 		t.Fatal(err)
 	}
+	var ti sock.TCPInfo
+	cc.Accepted(&ti)
 	got := make(chan []byte, 64)
 	go func() {
 		b := make([]byte, tok+end)
@@ -62,8 +65,9 @@ func keptPair(t *testing.T, tok, end int) (*Conn, *net.TCPConn, chan []byte) {
 // come later) for its delayed-acknowledgement timer, 40 ms at least on
 // Linux; the same bytes written split (Conn.Split) leave as two
 // segments, are acknowledged as the client reads them, and arrive
-// unchanged. SplitAt marks the split write's end. A write asked to split
-// while the client holds one of ours unacknowledged goes out whole.
+// unchanged. SplitAt marks the split write's end. No split is asked
+// while the client holds one of ours unacknowledged: the write is its
+// second segment.
 func TestSplitWriteAcknowledgedAsItComes(t *testing.T) {
 	const tok, end = 120, 5
 	cc, tc, got := keptPair(t, tok, end)
@@ -91,7 +95,14 @@ func TestSplitWriteAcknowledgedAsItComes(t *testing.T) {
 		ti.Read(cc.Sys)
 		segs := ti.Info.Data_segs_out
 		on := i%2 == 1
-		cc.Split = on
+		if on {
+			var cs measure.ClientSide
+			cs.Start(&cc.Wire)
+			cs.SplitFirst(&ti)
+			if !cc.Split {
+				t.Fatalf("write %d: no split asked with every byte acknowledged (%d unacked, %d unsent)", i, ti.Info.Unacked, ti.Info.Notsent_bytes)
+			}
+		}
 		start := time.Now()
 		if _, err := cc.Write(body); err != nil {
 			t.Fatal(err)
@@ -151,7 +162,11 @@ func TestSplitWriteAcknowledgedAsItComes(t *testing.T) {
 	if _, err := cc.Write(bytes.Repeat([]byte{'h'}, tok)); err != nil {
 		t.Fatal(err)
 	}
-	cc.Split = true
+	var cs measure.ClientSide
+	cs.Start(&cc.Wire)
+	if cs.SplitFirst(&ti); cc.Split {
+		t.Errorf("a split asked with a segment unacknowledged (%d)", ti.Info.Unacked)
+	}
 	start := time.Now()
 	if _, err := cc.Write(bytes.Repeat([]byte{'.'}, end)); err != nil {
 		t.Fatal(err)

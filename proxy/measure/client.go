@@ -245,18 +245,24 @@ func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now 
 }
 
 // SplitFirst is told, before bytes of the response are written, that
-// they will carry its first token: on a kept-alive connection, whose
-// client may hold its acknowledgement of a lone segment, the write goes
-// out as two segments when the client had acknowledged all before it
-// (downstream.Conn.writeSplit), so that the acknowledgement of the
-// token's bytes comes as they reach the client, whether or not more bytes
-// follow soon. A fresh connection's client acknowledges at once (Linux's
-// quick acknowledgements); an HTTP/2 client acknowledges its streams'
-// bytes with its WINDOW_UPDATE frames.
-func (cs *ClientSide) SplitFirst() {
-	if cc := cs.cc; cc != nil && cs.stream == nil && cs.sentFrom > 0 && cc.Sys != nil && cc.AckBase >= 0 {
-		cc.Split = true
+// they will carry its first token (ti: a TCP_INFO buffer to read with).
+// On a kept-alive connection, whose client may hold its acknowledgement of
+// a lone segment, the write goes out as two segments when the client had
+// acknowledged every byte before it, the kernel holds none unsent and
+// the client's window is open (downstream.Conn.writeSplit), so that the
+// acknowledgement of the token's bytes comes as they reach the client,
+// whether or not more bytes follow soon. A client that holds one of ours
+// (a header written alone) acknowledges the token's write as its second;
+// a fresh connection's client acknowledges at once (Linux's quick
+// acknowledgements); an HTTP/2 client acknowledges its streams' bytes
+// with its WINDOW_UPDATE frames.
+func (cs *ClientSide) SplitFirst(ti *sock.TCPInfo) {
+	cc := cs.cc
+	if cc == nil || cc.Split || cs.stream != nil || cs.sentFrom == 0 || cc.AckBase < 0 || !ti.Read(cc.Sys) {
+		return
 	}
+	in := &ti.Info
+	cc.Split = in.Unacked == 0 && in.Notsent_bytes == 0 && in.Snd_wnd > 0
 }
 
 // byAck is a client-side time estimated by the round trip (est), or by

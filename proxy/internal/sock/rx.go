@@ -72,23 +72,6 @@ func LimitUnsent(raw syscall.RawConn, n int) error {
 	return serr
 }
 
-// Unsent is how many bytes written to the socket the kernel has not sent
-// yet (SIOCOUTQNSD), and Unacked how many it holds that the peer has not
-// acknowledged, sent or not (SIOCOUTQ); -1 when it cannot tell.
-func Unsent(raw syscall.RawConn) int { return ioctlInt(raw, unix.SIOCOUTQNSD) }
-
-func Unacked(raw syscall.RawConn) int { return ioctlInt(raw, unix.SIOCOUTQ) }
-
-func ioctlInt(raw syscall.RawConn, req uint) int {
-	n := -1
-	_ = raw.Control(func(fd uintptr) {
-		if v, err := unix.IoctlGetInt(int(fd), req); err == nil {
-			n = v
-		}
-	})
-	return n
-}
-
 // NewConn wraps tc, whose socket has receive timestamps enabled
 // (EnableRxStamps) when stamped is true.
 func NewConn(tc *net.TCPConn, stamped bool) *Conn {
