@@ -53,8 +53,9 @@ type ackMark struct {
 	over bool // the watch is done: seen, given up, or the record took it
 	// kept: the connection carried a response before this one, so its
 	// client may delay its acknowledgement of a lone segment (delayed);
-	// split: unless the write that carried the token went out as two
-	// segments (ClientSide.SplitFirst), which it acknowledges as they come.
+	// split: the write that carried the token went out as two segments
+	// (ClientSide.SplitFirst), which such a client acknowledges as it
+	// reads them.
 	kept, split bool
 	// ackedAt is when the bytes were acknowledged, the middle of the last
 	// two looks, where that is usable (zero: none usable).
@@ -255,9 +256,9 @@ func (m *ackMark) fine(gap time.Duration, at time.Time) bool {
 // when it carries the first token, goes out split (ClientSide.SplitFirst)
 // and is acknowledged as it comes (0.4-0.5 ms off at the median, 1.0-1.3
 // at the 99th percentile behind the same bottleneck): withNext reads the
-// writes that could not be (a header written before the token, a first
-// part the kernel held unsent). A time before the round trip's estimate
-// is the estimate: no queue held the token.
+// writes that were not (a segment of ours, or bytes unsent, still on the
+// way when the token came). A time before the round trip's estimate is
+// the estimate: no queue held the token.
 func (m *ackMark) withNext(ack time.Time, rate uint64) time.Time {
 	spacing, _ := m.spacing()
 	if rate > 0 {
