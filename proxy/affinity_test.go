@@ -114,7 +114,9 @@ func affinityRun(t *testing.T, balance, sticky string, n, workers int) (hits flo
 // alone and its figure is the same on any machine. Eight at a time, these
 // backends' first tokens come no later with more in flight (no batch to
 // fill): a request waits for none where its prompt is cached, and the hot
-// prompt stays there too; 75% hit (83-87% here). The load bound that
+// prompt stays there too; 65% hit (73-84% in 12 runs under the race
+// detector on this 2-core machine, 74.x% once in CI, where 75% was the
+// bound; fewest in flight alone gets 38-41%). The load bound that
 // spreads a key from a busy upstream is TestRingBoundsLoad's.
 func TestStickyPrefixKeepsCachesWarm(t *testing.T) {
 	wait.Long(t, "3,600 requests to four cached backends")
@@ -131,7 +133,7 @@ func TestStickyPrefixKeepsCachesWarm(t *testing.T) {
 	if aff < 0.85 {
 		t.Errorf("sticky prefix: %.0f%% cache hits, want at least 85%%", 100*aff)
 	}
-	if aff <= base || aff8 <= base || aff8 < 0.75 {
+	if aff <= base || aff8 <= base || aff8 < 0.65 {
 		t.Errorf("sticky prefix: %.0f%% cache hits, 8 at a time %.0f%%; least_inflight's %.0f%%", 100*aff, 100*aff8, 100*base)
 	}
 }
