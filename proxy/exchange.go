@@ -95,7 +95,7 @@ func (x *exchange) startParsing(resp *fasthttp.Response) {
 func (x *exchange) Observe(b []byte, t time.Time) {
 	x.live()
 	x.tap.Read(b, t)
-	if x.tap.FirstPending() && !x.p.opts.NoClientSide {
+	if x.tap.FirstPending() && !x.p.opts.NoClientSide && x.cs.MaySplit() {
 		ti := takeInfo(x.p)
 		x.cs.SplitFirst(ti)
 		x.p.infos.Put(ti)

@@ -531,3 +531,8 @@ func (c *Conn) SetReadDeadline(t time.Time) error {
 	}
 	return c.TCPConn.SetReadDeadline(t)
 }
+
+// stallMin is the shortest write counted as waiting for the client: one
+// that does not wait takes microseconds (a loopback write, which also runs
+// the receiver's side of TCP, up to some tens).
+const stallMin = 500 * time.Microsecond

@@ -83,8 +83,3 @@ func (c *Conn) SetWriteDeadline(t time.Time) error {
 	c.setAt = time.Time{}
 	return c.TCPConn.SetWriteDeadline(t)
 }
-
-// stallMin is the shortest write counted as waiting for the client: one
-// that does not wait takes microseconds (a loopback write, which also runs
-// the receiver's side of TCP, up to some tens).
-const stallMin = 500 * time.Microsecond

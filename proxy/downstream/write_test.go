@@ -98,6 +98,9 @@ func TestSplitWriteAcknowledgedAsItComes(t *testing.T) {
 		if on {
 			var cs measure.ClientSide
 			cs.Start(&cc.Wire)
+			if !cs.MaySplit() {
+				t.Fatalf("write %d: a kept-alive response may not split", i)
+			}
 			cs.SplitFirst(&ti)
 			if !cc.Split {
 				t.Fatalf("write %d: no split asked with every byte acknowledged (%d unacked, %d unsent)", i, ti.Info.Unacked, ti.Info.Notsent_bytes)
@@ -164,6 +167,9 @@ func TestSplitWriteAcknowledgedAsItComes(t *testing.T) {
 	}
 	var cs measure.ClientSide
 	cs.Start(&cc.Wire)
+	if !cs.MaySplit() {
+		t.Fatal("a kept-alive response may not split")
+	}
 	if cs.SplitFirst(&ti); cc.Split {
 		t.Errorf("a split asked with a segment unacknowledged (%d)", ti.Info.Unacked)
 	}

@@ -233,8 +233,7 @@ func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now 
 	// that is lower: a handshake that met a queue would time the first
 	// looks too late.
 	m := newAckMark(cc.Sys, cc.AckBase+sent, t, a.floors.floor(cc.IP, cc.SynRTT, t))
-	m.kept = cs.sentFrom > 0
-	m.split = cs.stream == nil && cc.SplitAt == sent
+	m.lagged = cs.sentFrom > 0 && (cs.stream != nil || cc.SplitAt != sent)
 	a.marks.Add(m, now)
 	if tok {
 		cs.tokMark = m
@@ -256,13 +255,24 @@ func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now 
 // a fresh connection's client acknowledges at once (Linux's quick
 // acknowledgements); an HTTP/2 client acknowledges its streams' bytes
 // with its WINDOW_UPDATE frames.
+//
+// The caller asks MaySplit first, and reads TCP_INFO only for a response
+// that may.
 func (cs *ClientSide) SplitFirst(ti *sock.TCPInfo) {
 	cc := cs.cc
-	if cc == nil || cc.Split || cs.stream != nil || cs.sentFrom == 0 || cc.AckBase < 0 || !ti.Read(cc.Sys) {
+	if !ti.Read(cc.Sys) {
 		return
 	}
 	in := &ti.Info
 	cc.Split = in.Unacked == 0 && in.Notsent_bytes == 0 && in.Snd_wnd > 0
+}
+
+// MaySplit reports a response on a kept-alive connection tokentap
+// accepted, its own (not an HTTP/2 stream's), whose split is not asked
+// for yet.
+func (cs *ClientSide) MaySplit() bool {
+	cc := cs.cc
+	return cc != nil && !cc.Split && cs.stream == nil && cs.sentFrom > 0 && cc.AckBase >= 0
 }
 
 // byAck is a client-side time estimated by the round trip (est), or by

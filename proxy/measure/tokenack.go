@@ -51,12 +51,12 @@ type ackMark struct {
 	until    time.Time // no look after it
 
 	over bool // the watch is done: seen, given up, or the record took it
-	// kept: the connection carried a response before this one, so its
-	// client may delay its acknowledgement of a lone segment (delayed);
-	// split: the write that carried the token went out as two segments
+	// lagged: the client may hold its acknowledgement of a lone segment
+	// (delayed): the connection carried a response before this one, and
+	// the write that carried the token did not go out as two segments
 	// (ClientSide.SplitFirst), which such a client acknowledges as it
 	// reads them.
-	kept, split bool
+	lagged bool
 	// ackedAt is when the bytes were acknowledged, the middle of the last
 	// two looks, where that is usable (zero: none usable).
 	ackedAt time.Time
@@ -215,7 +215,7 @@ const delackFloor = 20 * time.Millisecond
 // is one of a write that went out split (ClientSide.SplitFirst), which
 // the client acknowledges as it reads it.
 func (m *ackMark) delayed(ack time.Time) bool {
-	if !m.kept || m.split || ack.Sub(m.est()) < delackFloor {
+	if !m.lagged || ack.Sub(m.est()) < delackFloor {
 		return false
 	}
 	spacing, ok := m.spacing()
@@ -311,7 +311,7 @@ func (m *ackMark) ended(acked, end int64, now time.Time, rate uint64) {
 	case m.over:
 	case acked >= m.target:
 		m.found(acked, now, rate)
-	case m.kept && !m.split && last >= end:
+	case m.lagged && last >= end:
 		m.over = true
 	}
 }

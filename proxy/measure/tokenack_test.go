@@ -330,7 +330,7 @@ func TestAckMarkDelayedAcknowledgement(t *testing.T) {
 		{kept: false, late: 40 * time.Millisecond},
 	} {
 		m := newAckMark(nil, 1000, flush, 20*time.Millisecond)
-		m.kept, m.split = c.kept, c.split
+		m.lagged = c.kept && !c.split
 		if c.next > 0 {
 			m.later.Store(flush.Add(c.next).UnixNano())
 		}
@@ -368,7 +368,7 @@ func TestAckMarkEnded(t *testing.T) {
 		{kept: true, total: 1000, acked: 1000, wantOver: true, wantUsable: true},
 	} {
 		m := newAckMark(nil, 1000, flush, 20*time.Microsecond)
-		m.kept, m.split = c.kept, c.split
+		m.lagged = c.kept && !c.split
 		if c.laterEnd > 0 {
 			m.laterEnd.Store(c.laterEnd)
 			m.later.Store(flush.Add(50 * time.Microsecond).UnixNano())
