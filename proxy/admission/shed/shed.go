@@ -77,14 +77,16 @@ var (
 // shortest (the fewest in flight any arrival found) would have made a
 // request wait more than standingShare of its TTFT budget: it does not
 // drain between arrivals, which a burst does (CoDel's reading of a
-// queue, on the model's prediction); or when requests come more than
-// overloaded times as fast as the upstream completes them, shed or not
-// (the queue shedding keeps short does not stand, and the load still
-// does).
+// queue, on the model's prediction); or when requests come faster than
+// the upstream serves them (outpaced): the load is more than overloaded
+// times what it serves, shed or not (the queue shedding keeps short does
+// not stand, and the load still does), or, before anything is refused,
+// more than outrun times (a queue building from a cold start).
 const (
 	StandingWindow = time.Second
 	standingShare  = 0.25
 	overloaded     = 1.2
+	outrun         = 2.0
 )
 
 // CriticalSeen is how long after a critical request lower priorities go
@@ -125,7 +127,8 @@ type Gate struct {
 	// completion rate), at arrivedAt.
 	arrivals, critArrivals float64
 	arrivedAt              time.Time
-	standing               bool // the last judgement found the queue standing
+	standing               bool      // the last judgement found the queue standing
+	knownAt                time.Time // since when the model has believed something
 	// The refusals: how many, and a second (an exponential average over
 	// about 5 s, as the arrivals), at lastShed.
 	sheds    int64
@@ -277,10 +280,13 @@ func (g *Gate) judge(m *predict.Model, arrive bool, now time.Time, k, in int, p 
 		idleTTFT, idleTPOT, _ = m.Predict(0, in)
 		shortest, _, _ := m.Predict(fewest, in)
 		st := threshold(obj.TTFT, idleTTFT, standingShare)
-		standing = st > 0 && shortest > st || arrivals > overloaded*g.servedRate()
+		standing = st > 0 && shortest > st || g.outpaced(now, arrivals)
 	}
 	g.mu.Lock()
 	g.standing = standing
+	if !ok {
+		g.knownAt = time.Time{}
+	}
 	g.mu.Unlock()
 	shares := &shareBurst
 	if standing {
@@ -337,6 +343,37 @@ func (g *Gate) criticalRoom(now time.Time, k int) int {
 		return 0
 	}
 	return int(math.Ceil(min(c/served, 1) * float64(max(k, 1))))
+}
+
+// outpaced reports requests coming faster than the upstream serves them,
+// arrivals a second judged: its refusals more than overloaded−1 times the
+// requests it serves (the load, shed or not, more than overloaded times
+// what it serves), or the arrivals more than outrun times them. Not the
+// arrivals against overloaded times the served: an arrival is counted as
+// it is judged, its first token a prefill later, and on a busy machine a
+// wait for a processor later still; while the load rises that lag alone
+// reads as a queue (from a cold start at 0.6 of the capacity, first
+// tokens heard 0.4 s late: the arrivals 1.2 to 1.4 times the served for
+// seconds), and the refusals it made held it there. A refusal is counted
+// as it is made. For a StandingWindow after the model first believes
+// something, the arrivals against overloaded times the served are read
+// all the same: a cold start is read as a standing queue until it is
+// known not to be one (from a cold start at three times the capacity the
+// arrivals are 1.5 to 1.9 times the first tokens in the first 0.3 s, and
+// a queue let build then is one the critical requests wait in).
+func (g *Gate) outpaced(now time.Time, arrivals float64) bool {
+	served := g.servedRate()
+	g.mu.Lock()
+	refused := g.shedRate * math.Exp(-now.Sub(g.lastShed).Seconds()/5)
+	if g.knownAt.IsZero() {
+		g.knownAt = now
+	}
+	young := now.Sub(g.knownAt) < StandingWindow
+	g.mu.Unlock()
+	if young {
+		return arrivals > overloaded*served
+	}
+	return refused > (overloaded-1)*served || arrivals > outrun*served
 }
 
 // servedRate is the requests a second the upstream took in lately,
