@@ -173,6 +173,9 @@ type ClientSide struct {
 	// the first answer token (the same mark when one write carried both).
 	tokMark, ansMark *ackMark
 	deliv            delivery
+	// paired: the write that carries the first token follows one of the
+	// response's segments the client holds unacknowledged (SplitFirst).
+	paired bool
 	// stream: one stream of a connection many share (HTTP/2), whose own
 	// counts these are, not the connection's (nil: the connection's
 	// response).
@@ -233,7 +236,10 @@ func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now 
 	// that is lower: a handshake that met a queue would time the first
 	// looks too late.
 	m := newAckMark(cc.Sys, cc.AckBase+sent, t, a.floors.floor(cc.IP, cc.SynRTT, t))
-	m.lagged = cs.sentFrom > 0 && (cs.stream != nil || cc.SplitAt != sent)
+	m.lagged = cs.sentFrom > 0 && (cs.stream != nil || cc.SplitAt != sent) && !(tok && cs.paired)
+	if tok {
+		cs.paired = false // SplitFirst's word was of this write
+	}
 	a.marks.Add(m, now)
 	if tok {
 		cs.tokMark = m
@@ -250,22 +256,36 @@ func (cs *ClientSide) Mark(a *Acks, tok, ans bool, t time.Time, sent int64, now 
 // acknowledged every byte before it, the kernel holds none unsent and
 // the client's window is open (downstream.Conn.writeSplit), so that the
 // acknowledgement of the token's bytes comes as they reach the client,
-// whether or not more bytes follow soon. A client that holds one of ours
-// (a header written alone) acknowledges the token's write as its second;
-// a fresh connection's client acknowledges at once (Linux's quick
-// acknowledgements); an HTTP/2 client acknowledges its streams' bytes
-// with its WINDOW_UPDATE frames.
+// whether or not more bytes follow soon. A client that holds one of this
+// response's segments unacknowledged (a header, or a role-only event,
+// written alone) acknowledges the token's write as its second, as it
+// reads it (paired); a fresh connection's client acknowledges at once
+// (Linux's quick acknowledgements); an HTTP/2 client acknowledges its
+// streams' bytes with its WINDOW_UPDATE frames.
 //
 // The caller asks MaySplit first, and reads TCP_INFO only for a response
 // that may.
 func (cs *ClientSide) SplitFirst(ti *sock.TCPInfo) {
 	cc := cs.cc
+	cs.paired = false
 	if !ti.Read(cc.Sys) {
 		return
 	}
 	in := &ti.Info
 	cc.Split = in.Unacked == 0 && in.Notsent_bytes == 0 && in.Snd_wnd > 0
+	// Paired: every byte before the response acknowledged, and its own
+	// unacknowledged ones sent within delackFloor (tcpi_last_data_sent, in
+	// ms), so that the client's timer (40 ms at least) cannot have
+	// acknowledged them alone before the token's bytes come.
+	cs.paired = !cc.Split && in.Unacked > 0 && in.Notsent_bytes == 0 &&
+		time.Duration(in.Last_data_sent)*time.Millisecond < delackFloor &&
+		int64(in.Bytes_acked)-cc.AckBase >= cs.sentFrom
 }
+
+// Paired reports that the write SplitFirst was last asked about follows
+// one of the response's own segments the client holds unacknowledged:
+// the client acknowledges the two as it reads the second.
+func (cs *ClientSide) Paired() bool { return cs.paired }
 
 // MaySplit reports a response on a kept-alive connection tokentap
 // accepted, its own (not an HTTP/2 stream's), whose split is not asked

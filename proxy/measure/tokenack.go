@@ -54,8 +54,8 @@ type ackMark struct {
 	// lagged: the client may hold its acknowledgement of a lone segment
 	// (delayed): the connection carried a response before this one, and
 	// the write that carried the token did not go out as two segments
-	// (ClientSide.SplitFirst), which such a client acknowledges as it
-	// reads them.
+	// nor follow one the client held (ClientSide.SplitFirst), which such
+	// a client acknowledges as it reads them.
 	lagged bool
 	// ackedAt is when the bytes were acknowledged, the middle of the last
 	// two looks, where that is usable (zero: none usable).
