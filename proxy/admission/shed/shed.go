@@ -354,27 +354,27 @@ func (g *Gate) criticalRoom(now time.Time, k int) int {
 	return int(math.Ceil(min(c/served, 1) * float64(max(k, 1))))
 }
 
-// outpaced reports requests coming faster than the upstream serves them,
-// arrivals a second judged: its refusals more than overloaded−1 times the
-// requests it serves (the load, shed or not, more than overloaded times
-// what it serves), or the arrivals more than outrun times them. Not the
-// arrivals against overloaded times the served: an arrival is counted as
-// it is judged, its first token a prefill later, and on a busy machine a
-// wait for a processor later still; while the load rises that lag alone
-// reads as a queue (from a cold start at 0.6 of the capacity, first
-// tokens heard 0.4 s late: the arrivals 1.2 to 1.4 times the served for
-// seconds), and the refusals it made held it there. A refusal is counted
-// as it is made, once the model has believed something for a
-// StandingWindow: the refusals of a cold start (a dozen in its first
-// second at 0.6 of the capacity, a fifth of it critical), counted for
-// the 5 s of the rate, held the queue standing after it, and the
-// refusals that made kept it so (14 of 115 refused over loopback in one
-// run on a busy machine). For a StandingWindow after the model first believes
-// something, the arrivals against overloaded times the served are read
-// all the same: a cold start is read as a standing queue until it is
-// known not to be one (from a cold start at three times the capacity the
-// arrivals are 1.5 to 1.9 times the first tokens in the first 0.3 s, and
-// a queue let build then is one the critical requests wait in).
+// outpaced reports requests coming faster than the upstream serves them
+// (arrivals: requests judged a second): the gate refuses more than
+// overloaded−1 times as many as the upstream serves (the load, shed or
+// not, is more than overloaded times what it serves), or requests arrive
+// more than outrun times as fast. Arrivals are not held against
+// overloaded times the served: a first token is heard a prefill after
+// its request was judged, and on a busy machine a wait for a processor
+// later still, so while the load rises the lag alone reads as a queue
+// (from a cold start at 0.6 of the capacity, first tokens heard 0.4 s
+// late: arrivals 1.2 to 1.4 times the served for seconds), and the
+// refusals it caused held it there. A refusal counts as it is made, but
+// only once the model has believed something for a StandingWindow: a
+// cold start's refusals, made knowing nothing, held the queue standing
+// for the 5 s of the rate (14 of 115 refused in one run over loopback on
+// a busy machine).
+//
+// In that first StandingWindow arrivals against overloaded times the
+// served are read all the same: a cold start is a standing queue until
+// known not to be one (at three times the capacity, arrivals are 1.5 to
+// 1.9 times the first tokens in the first 0.3 s, and a queue let build
+// then is one the critical requests wait in).
 func (g *Gate) outpaced(now time.Time, arrivals float64) bool {
 	served := g.servedRate()
 	g.mu.Lock()
